@@ -1,0 +1,124 @@
+"""One configuration tree for the whole server.
+
+Every CLI flag of `steadyserve serve` maps one-to-one onto a field here (see
+cli.py); validation lives next to the fields so a bad value is refused with a
+message that names the flag.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid. The message names the flag."""
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
+          "KI": 1024, "MI": 1024**2, "GI": 1024**3, "TI": 1024**4}
+
+
+def parse_size(text: str | int, flag: str) -> int:
+    """Parse a byte size such as `2GiB`, `512MiB` or `1000000` into bytes."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise ConfigError(f"{flag}: cannot parse size {text!r} (examples: 2GiB, 512MiB, 1000000)")
+    unit = (m.group(2) or "").upper().rstrip("B")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""  # --model: HF directory or .gguf file; empty means the default model
+    device: str = "cpu"  # --device: cpu | cuda | auto; asking for a missing device is an error
+    dtype: str = "auto"  # --dtype: float32 | bfloat16 | float16 | auto (float32 on CPU)
+    cache_dir: str = ""  # --cache-dir: converted-weight cache; default ~/.cache/steadyserve
+    name: str = ""  # --served-model-name: the id clients send; default derives from the path
+
+
+@dataclass
+class EngineConfig:
+    kv_cache_memory: int = 256 * 1024**2  # --kv-cache-memory: bytes for the paged KV cache, allocated once
+    block_size: int = 32  # --block-size: tokens per KV block; also the attention reduction block
+    max_num_seqs: int = 64  # --max-num-seqs: sequences running in one step
+    max_queue: int = 256  # --max-queue: requests waiting for admission; beyond it, overload
+    max_num_batched_tokens: int = 512  # --max-num-batched-tokens: per-step token budget (chunked prefill)
+    max_model_len: int = 0  # --max-model-len: context cap; 0 = the model's own
+    threads: int = 0  # --threads: torch intra-op threads; 0 = all cores
+    batch_invariant: bool = True  # --batch-invariant / --no-batch-invariant
+    row_tile: int = 64  # --row-tile: fixed row count of every row-wise kernel call
+
+    def validate(self) -> None:
+        if self.kv_cache_memory <= 0:
+            raise ConfigError("--kv-cache-memory must be positive")
+        if self.block_size < 1 or self.block_size > 1024:
+            raise ConfigError("--block-size must be in 1..1024")
+        if self.max_num_seqs < 1:
+            raise ConfigError("--max-num-seqs must be at least 1")
+        if self.max_queue < 0:
+            raise ConfigError("--max-queue must be 0 or more")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ConfigError("--max-num-batched-tokens must be at least --max-num-seqs "
+                              "(every running sequence needs one token per step)")
+        if self.max_model_len < 0:
+            raise ConfigError("--max-model-len must be 0 (model default) or positive")
+        if self.threads < 0:
+            raise ConfigError("--threads must be 0 (all cores) or positive")
+        if self.row_tile < 1:
+            raise ConfigError("--row-tile must be at least 1")
+
+    @property
+    def num_threads(self) -> int:
+        return self.threads or (os.cpu_count() or 1)
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"  # --host: bind address; loopback unless said otherwise
+    http_port: int = 8000  # --http-port: 0 picks a free port
+    grpc_port: int = 50051  # --grpc-port: 0 picks a free port; -1 disables gRPC
+    stall_timeout: float = 30.0  # --stall-timeout: seconds a stream's client may accept nothing
+    drain_timeout: float = 120.0  # --drain-timeout: seconds SIGTERM waits for in-flight work
+    max_request_bytes: int = 1024 * 1024  # --max-request-bytes: largest accepted request body
+    max_tokens_cap: int = 4096  # --max-tokens-cap: largest max_tokens a request may ask for
+    api_key: str = ""  # --api-key (or STEADYSERVE_API_KEY): bearer token; empty = open
+    metrics_public: bool = True  # --metrics-auth flips this: /metrics without the key
+    log_format: str = "text"  # --log-format: text | json
+    tls_cert: str = ""  # --tls-cert: PEM certificate for HTTP and gRPC
+    tls_key: str = ""  # --tls-key: PEM private key
+    ready_file: str = ""  # --ready-file: written with the bound ports once serving (for tests, scripts)
+
+    def validate(self) -> None:
+        for flag, port in (("--http-port", self.http_port), ("--grpc-port", self.grpc_port)):
+            if not -1 <= port <= 65535:
+                raise ConfigError(f"{flag} must be in 0..65535 (or -1 to disable gRPC)")
+        if self.stall_timeout <= 0:
+            raise ConfigError("--stall-timeout must be positive")
+        if self.drain_timeout < 0:
+            raise ConfigError("--drain-timeout must be 0 or more")
+        if self.max_request_bytes < 1024:
+            raise ConfigError("--max-request-bytes must be at least 1024")
+        if self.log_format not in ("text", "json"):
+            raise ConfigError("--log-format must be text or json")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("--tls-cert and --tls-key must be given together")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+    def validate(self) -> None:
+        if self.model.device not in ("cpu", "cuda", "auto") and not self.model.device.startswith("cuda:"):
+            raise ConfigError(f"--device must be cpu, cuda, cuda:N or auto, not {self.model.device!r}")
+        if self.model.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"--dtype must be float32, bfloat16, float16 or auto, not {self.model.dtype!r}")
+        self.engine.validate()
+        self.server.validate()

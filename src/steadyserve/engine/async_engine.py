@@ -1,0 +1,206 @@
+"""The engine thread and the asyncio-facing API the front ends use.
+
+One thread owns the LLMEngine and the model. Front ends (HTTP, gRPC, on the
+event loop) only `submit()` requests and read outputs from per-request queues;
+they never run model code and never wait on the engine. Admission is decided
+here, at once, from counters: running + waiting is bounded, so excess load is
+refused (429 / RESOURCE_EXHAUSTED) instead of queued without bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+from .engine import AdmissionError, LLMEngine, StepStats
+from .sequence import Request, RequestOutput
+
+log = logging.getLogger("steadyserve.engine")
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput]
+
+
+class RequestStream:
+    """Async iterator over one request's outputs. Leaving it early aborts the request."""
+
+    def __init__(self, engine: "AsyncEngine", request_id: str, q: asyncio.Queue[RequestOutput]) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self._queue = q
+        self.finished = False
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._iter()
+
+    async def _iter(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while not self.finished:
+                out = await self._queue.get()
+                if out.finished:
+                    self.finished = True
+                yield out
+        finally:
+            if not self.finished:  # cancelled, disconnected, or the consumer stopped reading
+                self.engine.abort(self.request_id)
+
+    def abort(self) -> None:
+        if not self.finished:
+            self.engine.abort(self.request_id)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, max_queue: int) -> None:
+        self.engine = engine
+        self.max_queue = max_queue
+        self.max_num_seqs = engine.cfg.max_num_seqs
+        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}  # request_id -> stream; written on loops, read on the engine thread
+        self._num_in_flight = 0  # admitted and not yet finished; guarded by _count_lock
+        self._count_lock = threading.Lock()  # a counter lock, never held around model code
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.dead: str | None = None  # why the engine loop died
+        self.step_observers: list[Callable[[StepStats], None]] = []
+        self.finish_observers: list[Callable[[RequestOutput], None]] = []
+        self.death_observers: list[Callable[[str], None]] = []
+        self._finish_times: deque[float] = deque(maxlen=256)  # for Retry-After estimates
+        self.last_stats: StepStats | None = None
+
+    # ---- lifecycle -------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="steadyserve-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self.dead is None and self._thread is not None and self._thread.is_alive()
+
+    @property
+    def num_in_flight(self) -> int:
+        return self._num_in_flight
+
+    @property
+    def capacity(self) -> int:
+        return self.max_num_seqs + self.max_queue
+
+    # ---- front-end API ---------------------------------------------------
+    def submit(self, request: Request) -> RequestStream:
+        """Admit a request or raise AdmissionError at once. Call from an event loop."""
+        if self.dead is not None:
+            raise AdmissionError("dead", f"the engine is not running: {self.dead}")
+        self.engine.check(request)
+        with self._count_lock:
+            if self._num_in_flight >= self.capacity:
+                raise AdmissionError("overloaded", f"server at capacity ({self._num_in_flight} requests in "
+                                     "flight); retry later", retry_after=self.retry_after())
+            if request.request_id in self._streams:
+                raise AdmissionError("invalid", f"request id {request.request_id!r} is already in flight",
+                                     "request_id")
+            self._num_in_flight += 1
+        q: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._streams[request.request_id] = _Stream(asyncio.get_running_loop(), q)
+        self._inbox.put(("add", request))
+        self._wake.set()
+        return RequestStream(self, request.request_id, q)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request; its slot is freed at the start of the next step."""
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    def retry_after(self) -> float:
+        """Seconds until a slot is likely free, from the recent finish rate."""
+        now = time.monotonic()
+        recent = [t for t in self._finish_times if now - t < 30]
+        if len(recent) < 2:
+            return 1.0
+        rate = len(recent) / max(now - recent[0], 1e-3)
+        return min(60.0, max(1.0, (self._num_in_flight - self.capacity + 1) / rate))
+
+    # ---- engine thread ---------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_inbox()
+                if not self.engine.has_work():
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+                    continue
+                outputs, stats = self.engine.step()
+                self.last_stats = stats
+                self._deliver(outputs)
+                for fn in self.step_observers:
+                    fn(stats)
+        except BaseException as e:  # the loop itself failed: say so, never hang
+            self.dead = f"{type(e).__name__}: {e}"
+            log.exception("engine loop died")
+            self._fail_all(self.dead)
+            for fn in self.death_observers:
+                fn(self.dead)
+
+    def _drain_inbox(self) -> None:
+        outputs = []
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                req = item  # type: ignore[assignment]
+                try:
+                    self.engine.add_request(req)  # type: ignore[arg-type]
+                except AdmissionError as e:  # re-checked here; should not happen after submit's check
+                    outputs.append(RequestOutput(req.request_id, [], "", [], finished=True,  # type: ignore[attr-defined]
+                                                 finish_reason="error", error=str(e)))
+            else:
+                out = self.engine.abort_request(item)  # type: ignore[arg-type]
+                if out is not None:
+                    outputs.append(out)
+        if outputs:
+            self._deliver(outputs)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if out.finished:
+                self._streams.pop(out.request_id, None)
+                with self._count_lock:
+                    self._num_in_flight -= 1
+                self._finish_times.append(time.monotonic())
+                for fn in self.finish_observers:
+                    fn(out)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # that loop is closed; its consumers are gone
+                pass
+
+    def _fail_all(self, why: str) -> None:
+        outs = [RequestOutput(rid, [], "", [], finished=True, finish_reason="error", error=f"engine failed: {why}")
+                for rid in list(self._streams)]
+        self._deliver(outs)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for q, out in items:
+        q.put_nowait(out)

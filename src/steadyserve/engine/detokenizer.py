@@ -1,0 +1,72 @@
+"""Incremental detokenization with stop strings.
+
+Contract: the `text_delta`s a request emits concatenate exactly to its final
+text, never carry a U+FFFD made by a multi-byte character split across tokens,
+and never leak any part of a stop string.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Any, stop: list[str]) -> None:
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.max_stop_len = max((len(s) for s in stop), default=0)
+        self.ids: list[int] = []
+        self.prefix_offset = 0  # ids[:prefix_offset] are decoded into `text` for good
+        self.read_offset = 0
+        self.text = ""  # all text decoded so far (stable part)
+        self.num_sent = 0  # characters of `text` already emitted
+        self.stopped = False  # a stop string was found; text is cut before it
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def add(self, token_id: int) -> str:
+        """Add one generated token; return the text that can be emitted now."""
+        self.ids.append(token_id)
+        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset:])
+        if len(new_text) > len(prefix_text) and not new_text.endswith(REPLACEMENT):
+            self.text += new_text[len(prefix_text):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return self._emit(final=False)
+
+    def finish(self) -> str:
+        """The request ends: flush what was held back (partial characters included)."""
+        if not self.stopped:
+            full = self._decode(self.ids)
+            if full.startswith(self.text):
+                self.text = full
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> str:
+        if self.stopped:
+            return ""
+        end = len(self.text)
+        if self.stop:
+            start = max(0, self.num_sent - self.max_stop_len + 1)
+            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+            if hits:
+                end = min(hits)
+                self.text = self.text[:end]
+                self.stopped = True
+            elif not final:
+                end -= self._held_back()
+        end = max(end, self.num_sent)
+        delta = self.text[self.num_sent:end]
+        self.num_sent = end
+        return delta
+
+    def _held_back(self) -> int:
+        """Length of the longest tail of text that could still grow into a stop string."""
+        for n in range(min(self.max_stop_len - 1, len(self.text) - self.num_sent), 0, -1):
+            tail = self.text[-n:]
+            if any(s.startswith(tail) for s in self.stop):
+                return n
+        return 0

@@ -1,0 +1,213 @@
+"""The synchronous engine core: one `step()` = schedule, execute, update, emit.
+
+`LLMEngine` is owned by exactly one thread (see async_engine.py); nothing in it
+is locked because nothing else touches it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..config import EngineConfig
+from ..models.loader import LoadedModel
+from .block_manager import BlockManager
+from .detokenizer import IncrementalDetokenizer
+from .kv_cache import allocate_kv_cache
+from .model_runner import ModelRunner, SeqResult
+from .sampler import make_generator, sample, token_logprob
+from .scheduler import ScheduledSeq, Scheduler
+from .sequence import InvalidRequest, Request, RequestOutput, Sequence, TokenLogprob
+
+
+class AdmissionError(Exception):
+    """A request is refused before it enters the engine.
+
+    reason: overloaded | too_long | invalid | draining | dead (the metrics' labels).
+    """
+
+    def __init__(self, reason: str, message: str, param: str | None = None,
+                 retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.param = param
+        self.retry_after = retry_after  # seconds, for overloaded/draining
+
+
+@dataclass
+class StepStats:
+    num_seqs: int  # sequences in the step
+    num_tokens: int  # tokens computed (prefill + decode)
+    num_generated: int  # tokens sampled
+    num_preempted: int
+    duration: float  # seconds of schedule + execute + update
+    num_running: int  # after the step
+    num_waiting: int
+    kv_usage: float  # 0..1
+
+
+class _SeqState:
+    """Per-request sampling and text state, owned by the engine thread."""
+
+    def __init__(self, seq: Sequence, tokenizer, device: torch.device) -> None:
+        self.generator = make_generator(seq.params.seed, device)
+        self.detok = IncrementalDetokenizer(tokenizer, seq.params.stop)
+        self.prompt_logprobs: list[TokenLogprob] = []  # for prompt tokens 1.. in order
+
+
+class LLMEngine:
+    def __init__(self, loaded: LoadedModel, cfg: EngineConfig) -> None:
+        torch.set_num_threads(cfg.num_threads)
+        self.loaded = loaded
+        self.cfg = cfg
+        self.tokenizer = loaded.tokenizer
+        self.max_model_len = loaded.max_model_len
+        self.kv = allocate_kv_cache(loaded.args, cfg.kv_cache_memory, cfg.block_size, loaded.dtype, loaded.device)
+        self.block_manager = BlockManager(self.kv.num_blocks, cfg.block_size)
+        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.runner = ModelRunner(loaded.model, self.kv)
+        self.eos_token_ids = _eos_ids(loaded)
+        self._seq_ids = itertools.count()
+        # Test-only fault injection: called with each sequence in update; may raise.
+        self.fault_hook: Callable[[Sequence], None] | None = None
+
+    # ---- admission -------------------------------------------------------
+    def check(self, request: Request) -> None:
+        """Refuse at once what can never run. Raises AdmissionError."""
+        p = request.params
+        try:
+            p.validate()
+        except InvalidRequest as e:
+            raise AdmissionError("invalid", str(e), e.param) from None
+        n = len(request.prompt_token_ids)
+        if n == 0:
+            raise AdmissionError("invalid", "the prompt is empty", "prompt")
+        vocab = self.loaded.args.vocab_size
+        if any(not 0 <= t < vocab for t in request.prompt_token_ids):
+            raise AdmissionError("invalid", f"prompt token ids must be in 0..{vocab - 1}", "prompt")
+        total = n + p.max_tokens
+        if total > self.max_model_len:
+            raise AdmissionError("too_long", f"prompt ({n} tokens) + max_tokens ({p.max_tokens}) = {total} "
+                                 f"exceeds the context length of {self.max_model_len} tokens", "max_tokens")
+        if not self.block_manager.can_ever_fit(total):
+            cap = self.block_manager.num_blocks * self.block_manager.block_size
+            raise AdmissionError("too_long", f"prompt ({n} tokens) + max_tokens ({p.max_tokens}) = {total} "
+                                 f"exceeds the KV cache of {cap} tokens", "max_tokens")
+
+    def add_request(self, request: Request) -> Sequence:
+        self.check(request)
+        seq = Sequence(next(self._seq_ids), request)
+        seq.state = _SeqState(seq, self.tokenizer, torch.device("cpu"))
+        self.scheduler.add(seq)
+        return seq
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        seq = self.scheduler.abort(request_id)
+        if seq is None:
+            return None
+        return self._output(seq, [], "", [], finish_reason="abort")
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- the step --------------------------------------------------------
+    def step(self) -> tuple[list[RequestOutput], StepStats]:
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()  # 1. schedule
+        outputs: list[RequestOutput] = []
+        num_generated = 0
+        if not sched.is_empty:
+            results = self.runner.execute(sched)  # 2. execute
+            for item, result in zip(sched.scheduled, results):  # 3. update
+                out = self._update(item, result, len(sched.scheduled))
+                if out is not None:
+                    num_generated += len(out.new_token_ids)
+                    outputs.append(out)
+        stats = StepStats(num_seqs=len(sched.scheduled), num_tokens=sched.num_tokens, num_generated=num_generated,
+                          num_preempted=len(sched.preempted), duration=time.perf_counter() - t0,
+                          num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+                          kv_usage=self.block_manager.usage)
+        return outputs, stats  # 4. emit (the caller delivers)
+
+    def _update(self, item: ScheduledSeq, result: SeqResult, num_batch_seqs: int) -> RequestOutput | None:
+        seq, n = item.seq, item.num_new_tokens
+        seq.num_computed_tokens += n
+        st: _SeqState = seq.state
+        now = time.monotonic()
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = now
+        try:
+            if self.fault_hook is not None:
+                self.fault_hook(seq)
+            prompt_lps = self._collect_prompt_logprobs(seq, result)
+            if result.sample_row is None:
+                if prompt_lps is None:
+                    return None
+                return self._output(seq, [], "", [], prompt_lps, num_batch_seqs=num_batch_seqs)
+            if seq.params.max_tokens == 0:  # scoring only
+                return self._finish(seq, [], "", [], prompt_lps, "length", num_batch_seqs)
+            tok = sample(result.sample_row, seq.params, st.generator)
+            seq.token_ids.append(tok)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            lps = [token_logprob(result.sample_row, tok, seq.params.logprobs)] \
+                if seq.params.logprobs is not None else []
+            reason = None
+            if (tok in self.eos_token_ids and not seq.params.ignore_eos) or tok in seq.params.stop_token_ids:
+                delta, reason = "", "stop"
+            else:
+                delta = st.detok.add(tok)
+                if st.detok.stopped:
+                    reason = "stop"
+                elif seq.num_generated_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+                    reason = "length"
+            if reason:
+                return self._finish(seq, [tok], delta, lps, prompt_lps, reason, num_batch_seqs)
+            return self._output(seq, [tok], delta, lps, prompt_lps, num_batch_seqs=num_batch_seqs)
+        except Exception as e:  # one request's failure (NaN, tokenizer, hook) fails that request only
+            self.scheduler.retire(seq)
+            return self._output(seq, [], "", [], finish_reason="error",
+                                error=f"{type(e).__name__}: {e}", num_batch_seqs=num_batch_seqs)
+
+    def _collect_prompt_logprobs(self, seq: Sequence, result: SeqResult) -> list[TokenLogprob | None] | None:
+        st: _SeqState = seq.state
+        if seq.prompt_logprobs_done:
+            return None
+        if result.prompt_rows is not None:
+            for i, row in enumerate(result.prompt_rows):
+                pos = result.first_prompt_pos + i
+                if pos == len(st.prompt_logprobs) + 1:  # skip rows recomputed after a preemption
+                    st.prompt_logprobs.append(token_logprob(row, seq.token_ids[pos], seq.params.prompt_logprobs))
+        if seq.num_computed_tokens < seq.num_prompt_tokens:
+            return None
+        seq.prompt_logprobs_done = True
+        return [None, *st.prompt_logprobs]
+
+    def _finish(self, seq: Sequence, toks: list[int], delta: str, lps: list[TokenLogprob],
+                prompt_lps: list[TokenLogprob | None] | None, reason: str, num_batch_seqs: int) -> RequestOutput:
+        delta += seq.state.detok.finish()
+        self.scheduler.retire(seq)
+        return self._output(seq, toks, delta, lps, prompt_lps, reason, num_batch_seqs=num_batch_seqs)
+
+    def _output(self, seq: Sequence, toks: list[int], delta: str, lps: list[TokenLogprob],
+                prompt_lps: list[TokenLogprob | None] | None = None, finish_reason: str | None = None,
+                error: str | None = None, num_batch_seqs: int = 0) -> RequestOutput:
+        return RequestOutput(request_id=seq.request_id, new_token_ids=toks, text_delta=delta, logprobs=lps,
+                             prompt_logprobs=prompt_lps, finished=finish_reason is not None,
+                             finish_reason=finish_reason, error=error, num_prompt_tokens=seq.num_prompt_tokens,
+                             num_generated_tokens=seq.num_generated_tokens, num_batch_seqs=num_batch_seqs)
+
+
+def _eos_ids(loaded: LoadedModel) -> set[int]:
+    ids: set[int] = set()
+    for src in (loaded.args.hf_config, loaded.tokenizer):
+        v = getattr(src, "eos_token_id", None)
+        if isinstance(v, int):
+            ids.add(v)
+        elif isinstance(v, (list, tuple)):
+            ids.update(int(x) for x in v)
+    return ids

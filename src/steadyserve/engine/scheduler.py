@@ -1,0 +1,137 @@
+"""Continuous-batching scheduler, pure Python.
+
+Each step gets a token budget (`max_num_batched_tokens`). Running sequences go
+first, in admission order, each taking what it still has to compute (1 token
+when decoding, a chunk of its prompt while prefilling), so a long prompt is
+spread over several steps and never stalls running decodes. Waiting sequences
+are admitted into what budget and cache are left. When the cache runs out,
+the most recently admitted running sequence is preempted: its blocks are freed
+and it is recomputed later (batch-invariant numerics make the recomputed K/V
+bitwise identical, so preemption cannot change a result).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager
+from .sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # tokens computed for it this step, starting at seq.num_computed_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0  # total, for metrics
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Remove a request wherever it is and free its blocks. Returns it, or None."""
+        for seq in self.running:
+            if seq.request_id == request_id:
+                self.running.remove(seq)
+                self.finish(seq)
+                return seq
+        for seq in self.waiting:
+            if seq.request_id == request_id:
+                self.waiting.remove(seq)
+                self.finish(seq)
+                return seq
+        return None
+
+    def finish(self, seq: Sequence) -> None:
+        """Mark finished and release its cache blocks (it must already be out of the queues)."""
+        seq.status = SequenceStatus.FINISHED
+        self.block_manager.free(seq)
+
+    def retire(self, seq: Sequence) -> None:
+        """Take a finished running sequence out of the batch."""
+        if seq in self.running:
+            self.running.remove(seq)
+        self.finish(seq)
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled_ids: set[int] = set()
+        # 1. Running sequences, oldest first. Preempt from the newest end when out of blocks.
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not self.block_manager.can_grow(seq, n):
+                victim = self.running[-1]
+                if id(victim) in scheduled_ids:  # never undo work already planned this step
+                    victim = seq
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            self.block_manager.grow(seq, n)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            scheduled_ids.add(id(seq))
+            budget -= n
+        # 2. Admit waiting sequences, first come first served, while budget, seats and blocks last.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+            seq = self.waiting[0]
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not self.block_manager.can_grow(seq, n):
+                break
+            self.waiting.popleft()
+            self.block_manager.grow(seq, n)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+        return out

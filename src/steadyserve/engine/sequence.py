@@ -1,0 +1,140 @@
+"""What flows through the engine: requests in, sequences inside, outputs out.
+
+This module is pure Python (no torch): the scheduler and block manager work on
+`Sequence` alone and are tested without a model.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_LOGPROBS = 20
+
+
+class InvalidRequest(ValueError):
+    """A request parameter is out of range. `param` names the field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16  # tokens to generate; 0 = score the prompt only
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus mass kept, (0, 1]
+    top_k: int = 0  # keep the k most likely tokens; 0 = all
+    seed: int | None = None  # per-request generator seed; None = a random one
+    stop: list[str] = field(default_factory=list)  # stop strings, never part of the output
+    stop_token_ids: list[int] = field(default_factory=list)  # stop on these tokens (besides EOS)
+    ignore_eos: bool = False  # keep generating past EOS (benchmarks)
+    logprobs: int | None = None  # None = no logprobs; k = chosen token's + top k alternatives
+    prompt_logprobs: int | None = None  # None = none; k = each prompt token's + top k
+
+    def validate(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
+            raise InvalidRequest("max_tokens", "max_tokens must be an integer >= 0")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidRequest("temperature", "temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise InvalidRequest("top_p", "top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise InvalidRequest("top_k", "top_k must be >= 0 (0 disables it)")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and not 0 <= v <= MAX_LOGPROBS:
+                raise InvalidRequest(name, f"{name} must be in 0..{MAX_LOGPROBS}")
+        if any(not s for s in self.stop):
+            raise InvalidRequest("stop", "stop strings must not be empty")
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            raise InvalidRequest("max_tokens", "max_tokens=0 only makes sense with prompt logprobs (scoring)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class Request:
+    """What a front end submits."""
+
+    request_id: str  # unique among in-flight requests
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    transport: str = "internal"  # http | ws | grpc | internal; for logs and metrics
+    arrival_time: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float  # float32 value from the model, widened exactly to float
+    top: list[tuple[int, float]]  # up to `logprobs` most likely (token_id, logprob), best first
+
+
+@dataclass
+class RequestOutput:
+    """One engine step's news for one request; the last one has `finished`."""
+
+    request_id: str
+    new_token_ids: list[int]  # generated this step (0 or 1 today; a list for speculative futures)
+    text_delta: str  # text to append; deltas concatenate exactly to the final text
+    logprobs: list[TokenLogprob]  # one per new token, if asked
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # once, on the output that finishes the prompt
+    finished: bool = False
+    finish_reason: str | None = None  # stop | length | abort | error
+    error: str | None = None  # set with finish_reason="error"
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0  # so far
+    num_batch_seqs: int = 0  # sequences in the step that produced this output (for validate)
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """A request's state inside the engine."""
+
+    def __init__(self, seq_id: int, request: Request) -> None:
+        self.seq_id = seq_id
+        self.request_id = request.request_id
+        self.request = request
+        self.params = request.params
+        self.token_ids: list[int] = list(request.prompt_token_ids)
+        self.num_prompt_tokens = len(request.prompt_token_ids)
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.block_table: list[int] = []
+        self.status = SequenceStatus.WAITING
+        self.prompt_logprobs_done = request.params.prompt_logprobs is None
+        self.num_preemptions = 0
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.state: Any = None  # sampler/detokenizer state, owned by the engine
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def max_total_tokens(self) -> int:
+        return self.num_prompt_tokens + self.params.max_tokens
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+                f"blocks={len(self.block_table)}, {self.status.value})")

