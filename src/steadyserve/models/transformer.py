@@ -124,6 +124,11 @@ class Transformer:
             x = self.tiler(out_mlp_fn, x, attn)  # (T, hidden)
         return self.tiler(lambda x: rms_norm(x, self.final_norm, a.rms_norm_eps), x)
 
+    def gemm_weights(self) -> list[torch.Tensor]:
+        """One weight of each GEMM shape the forward pass uses (for tile calibration)."""
+        lw = self.layers[0]
+        return [lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down, self.lm_head]
+
     @torch.inference_mode()
     def logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
         """(R, hidden) -> (R, V) float32 log-probabilities, row by row in fixed tiles."""

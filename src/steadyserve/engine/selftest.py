@@ -1,0 +1,57 @@
+"""Start-up self-test: is this build, on this machine, batch-invariant?
+
+Invariance is an observation about kernels on one machine, not a guarantee, so
+the engine checks it before it claims it: a probe request alone, then the same
+probe among other requests at another batch position with its prompt chunked
+differently, then its generated tokens re-scored as a prompt. All logprobs
+must be bitwise equal.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+from .engine import LLMEngine
+from .offline import run_requests
+from .sequence import Request, SamplingParams
+
+
+@dataclass
+class SelfTestResult:
+    passed: bool  # every comparison bitwise equal
+    detail: str  # one line for logs and the console
+    seconds: float
+
+
+def _probe(rid: str, ids: list[int], max_tokens: int) -> Request:
+    return Request(rid, ids, SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=0,
+                                            prompt_logprobs=0 if max_tokens == 0 else None, ignore_eos=True))
+
+
+def run_selftest(engine: LLMEngine, seed: int = 1234) -> SelfTestResult:
+    t0 = time.perf_counter()
+    model = engine.loaded.model
+    if model.tiler.enabled:
+        model.tiler.calibrate(model.gemm_weights())
+    rng = random.Random(seed)
+    vocab = engine.loaded.args.vocab_size
+    prompt = [rng.randrange(vocab) for _ in range(24)]
+    gen = 6
+    alone = run_requests(engine, [_probe("alone", prompt, gen)])["alone"]
+    others = [_probe(f"o{i}", [rng.randrange(vocab) for _ in range(rng.randrange(3, 40))], rng.randrange(1, 8))
+              for i in range(4)]
+    # Arrives while others decode: a mixed prefill/decode step, at the end of the batch.
+    mixed = run_requests(engine, others[:3], {2: [_probe("probe", prompt, gen)], 3: others[3:]})["probe"]
+    scored = run_requests(engine, [_probe("score", prompt + alone.token_ids, 0)])["score"]
+    problems = []
+    if alone.token_ids != mixed.token_ids or alone.logprob_values != mixed.logprob_values:
+        problems.append("alone vs batched")
+    if scored.prompt_logprob_values[-gen:] != alone.logprob_values:
+        problems.append("decode vs prefill")
+    secs = time.perf_counter() - t0
+    if problems:
+        return SelfTestResult(False, "batch variance detected: " + ", ".join(problems), secs)
+    return SelfTestResult(True, f"bitwise equal alone/batched/prefill/decode; row tiles "
+                                f"{model.tiler.tiles} ({secs:.2f} s)", secs)
