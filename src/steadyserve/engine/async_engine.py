@@ -38,17 +38,28 @@ class RequestStream:
         self.request_id = request_id
         self._queue = q
         self.finished = False
+        self.on_output: Callable[[RequestOutput], None] | None = None  # e.g. latency metrics
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._iter()
 
     async def _iter(self) -> AsyncIterator[RequestOutput]:
+        async for batch in self.batches():
+            for out in batch:
+                yield out
+
+    async def batches(self) -> AsyncIterator[list[RequestOutput]]:
+        """Yield everything available at once: a slow consumer gets fewer, bigger batches."""
         try:
             while not self.finished:
-                out = await self._queue.get()
-                if out.finished:
-                    self.finished = True
-                yield out
+                batch = [await self._queue.get()]
+                while not batch[-1].finished and not self._queue.empty():
+                    batch.append(self._queue.get_nowait())
+                for out in batch:
+                    if self.on_output is not None:
+                        self.on_output(out)
+                self.finished = batch[-1].finished
+                yield batch
         finally:
             if not self.finished:  # cancelled, disconnected, or the consumer stopped reading
                 self.engine.abort(self.request_id)

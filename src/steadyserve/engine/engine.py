@@ -57,6 +57,7 @@ class _SeqState:
         self.generator = make_generator(seq.params.seed, device)
         self.detok = IncrementalDetokenizer(tokenizer, seq.params.stop)
         self.prompt_logprobs: list[TokenLogprob] = []  # for prompt tokens 1.. in order
+        self.first_output = True
 
 
 class LLMEngine:
@@ -134,6 +135,13 @@ class LLMEngine:
         return outputs, stats  # 4. emit (the caller delivers)
 
     def _update(self, item: ScheduledSeq, result: SeqResult, num_batch_seqs: int) -> RequestOutput | None:
+        out = self._update_seq(item, result, num_batch_seqs)
+        if out is not None and item.seq.state.first_output:
+            item.seq.state.first_output = False
+            out.queue_wait = item.seq.first_scheduled_time - item.seq.request.arrival_time  # type: ignore[operator]
+        return out
+
+    def _update_seq(self, item: ScheduledSeq, result: SeqResult, num_batch_seqs: int) -> RequestOutput | None:
         seq, n = item.seq, item.num_new_tokens
         seq.num_computed_tokens += n
         st: _SeqState = seq.state

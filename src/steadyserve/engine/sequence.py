@@ -92,6 +92,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0  # so far
     num_batch_seqs: int = 0  # sequences in the step that produced this output (for validate)
+    queue_wait: float | None = None  # seconds from arrival to first step; on the first output only
 
 
 class SequenceStatus(enum.Enum):

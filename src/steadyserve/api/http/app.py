@@ -1,0 +1,294 @@
+"""The HTTP application: OpenAI-compatible routes, health, metrics, WebSocket streaming.
+
+Handlers only parse, admit and format. Model code runs on the engine thread;
+the event loop only moves bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request, WebSocket
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import ValidationError
+
+from ...engine.engine import AdmissionError
+from ...engine.sequence import InvalidRequest
+from ..protocol import encode_prompt, render_chat
+from ..state import ServerState
+from .errors import admission_response, error_response
+from .openai_format import Accumulated, Formatter
+from .schemas import ChatCompletionRequest, CompletionRequest
+from .sse import SSEResponse
+from .ws import websocket_stream
+
+
+class BadRequest(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    """The body as JSON, refusing oversize bodies, invalid UTF-8 and malformed JSON by name."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BadRequest(413, f"request body exceeds {limit} bytes (--max-request-bytes)", None,
+                             "request_too_large")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BadRequest(400, f"request body is not valid UTF-8 (byte {e.start})", None, "invalid_utf8") from None
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise BadRequest(400, f"request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}",
+                         None, "invalid_json") from None
+    if not isinstance(body, dict):
+        raise BadRequest(400, "request body must be a JSON object", None, "invalid_json")
+    return body
+
+
+def validation_message(e: ValidationError) -> tuple[str, str | None]:
+    err = e.errors()[0]
+    loc = ".".join(str(p) for p in err.get("loc", ()) if p not in ("body",))
+    msg = err.get("msg", "invalid value")
+    if err.get("type") == "missing":
+        msg = "field required"
+    return (f"{loc}: {msg}" if loc else msg), (loc or None)
+
+
+def create_app(state: ServerState) -> FastAPI:
+    cfg = state.config.server
+    app = FastAPI(title="steadyserve", version="1", docs_url=None, redoc_url=None)
+    app.state.ss = state
+
+    @app.exception_handler(BadRequest)
+    async def _bad(_: Request, e: BadRequest) -> JSONResponse:
+        if state.metrics is not None:
+            state.metrics.rejected.labels("invalid").inc()
+        return error_response(e.status, str(e), "invalid_request_error", e.param, e.code)
+
+    def check_model(name: str | None) -> None:
+        if name not in (None, "", state.model_name):
+            raise BadRequest(404, f"model {name!r} does not exist; this server serves {state.model_name!r}",
+                             "model", "model_not_found")
+
+    def refuse(e: AdmissionError) -> JSONResponse:
+        if state.metrics is not None:
+            state.metrics.rejected.labels(e.reason).inc()
+        return admission_response(e)
+
+    async def run(request: Request, kind: str) -> Response:
+        body = await read_json(request, cfg.max_request_bytes)
+        model_cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
+        try:
+            req = model_cls.model_validate(body)
+            check_model(req.model)
+            default_max = min(cfg.max_tokens_cap, 16 if kind == "completion" else 512)
+            params = req.sampling_params(default_max)
+            if params.max_tokens > cfg.max_tokens_cap:
+                raise InvalidRequest("max_tokens", f"max_tokens must be at most {cfg.max_tokens_cap} (--max-tokens-cap)")
+            tok = state.loaded.tokenizer
+            max_prompt = state.loaded.max_model_len
+            if kind == "chat":
+                prompt_ids = render_chat(tok, req.message_dicts())  # type: ignore[union-attr]
+                if len(prompt_ids) > max_prompt:
+                    raise AdmissionError("too_long", f"messages render to {len(prompt_ids)} tokens; the context "
+                                         f"length is {max_prompt}", "messages")
+            else:
+                prompt_ids = encode_prompt(tok, req.prompt, max_prompt)  # type: ignore[union-attr]
+        except ValidationError as e:
+            msg, param = validation_message(e)
+            raise BadRequest(400, msg, param, "invalid_value") from None
+        except (InvalidRequest, ValueError) as e:
+            raise BadRequest(400, str(e), getattr(e, "param", None), "invalid_value") from None
+        except AdmissionError as e:
+            return refuse(e)
+        request_id = request.scope["state"]["request_id"]
+        try:
+            stream = state.submit(request_id, prompt_ids, params, "http")
+        except AdmissionError as e:
+            return refuse(e)
+        echo = kind == "completion" and req.echo  # type: ignore[union-attr]
+        fmt = Formatter(kind, request_id, state.model_name, str(state.fingerprint), tok,
+                        echo_prompt_ids=prompt_ids if echo else None,
+                        echo_text=(req.prompt if isinstance(req.prompt, str) else tok.decode(prompt_ids))  # type: ignore[union-attr]
+                        if echo else "")
+        want_lp = params.logprobs is not None
+        handle = state.streams.open_stream(request_id, stream, "http")
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return SSEResponse(handle, fmt, want_lp, include_usage, cfg.stall_timeout)
+        return await collect(request, handle, fmt, want_lp)
+
+    async def collect(request: Request, handle, fmt: Formatter, want_lp: bool) -> Response:
+        async def watch() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            handle.cut("client_disconnect")
+
+        watcher = asyncio.create_task(watch())
+        acc = Accumulated()
+        last = None
+        try:
+            async for out in handle.stream:
+                acc.add(out)
+                last = out
+        finally:
+            watcher.cancel()
+            state.streams.close(handle)
+        problem = handle.error_for(last) if last is not None else ("engine_error", "no output")
+        if problem is not None:
+            code, message = problem
+            status = 400 if code == "request_error" else 503 if code == "drain_timeout" else 500
+            return error_response(status, message, "server_error" if status >= 500 else "invalid_request_error",
+                                  None, code)
+        return JSONResponse(fmt.full(acc, want_lp))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await run(request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await run(request, "chat")
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{
+            "id": state.model_name, "object": "model", "created": int(state.started_at), "owned_by": "steadyserve",
+            "max_model_len": state.loaded.max_model_len, "system_fingerprint": str(state.fingerprint)}]}
+
+    @app.get("/healthz")
+    async def healthz() -> dict:
+        return {"status": "alive"}
+
+    @app.get("/readyz")
+    async def readyz() -> Response:
+        if state.ready:
+            return JSONResponse({"status": "ready", "system_fingerprint": str(state.fingerprint)})
+        why = "draining" if state.draining else "engine dead" if not state.engine.alive else "self-test failed"
+        return JSONResponse({"status": "not ready", "reason": why}, status_code=503,
+                            headers={"Retry-After": "5"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        if state.metrics is None:
+            return PlainTextResponse("metrics disabled\n", status_code=404)
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.websocket("/v1/stream")
+    async def ws(websocket: WebSocket) -> None:
+        await websocket_stream(websocket, state, run_prepare=prepare_ws)
+
+    def prepare_ws(body: Any) -> tuple[str, list[int], Any, Formatter | None]:
+        """Validate a WS request body; returns (kind, prompt_ids, params). Raises BadRequest."""
+        kind = "chat" if isinstance(body, dict) and "messages" in body else "completion"
+        model_cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
+        try:
+            req = model_cls.model_validate(body)
+            check_model(req.model)
+            params = req.sampling_params(min(cfg.max_tokens_cap, 16 if kind == "completion" else 512))
+            if params.max_tokens > cfg.max_tokens_cap:
+                raise InvalidRequest("max_tokens", f"max_tokens must be at most {cfg.max_tokens_cap}")
+            tok = state.loaded.tokenizer
+            if kind == "chat":
+                ids = render_chat(tok, req.message_dicts())  # type: ignore[union-attr]
+            else:
+                ids = encode_prompt(tok, req.prompt, state.loaded.max_model_len)  # type: ignore[union-attr]
+        except ValidationError as e:
+            msg, param = validation_message(e)
+            raise BadRequest(400, msg, param, "invalid_value") from None
+        except (InvalidRequest, ValueError) as e:
+            raise BadRequest(400, str(e), getattr(e, "param", None), "invalid_value") from None
+        return kind, ids, params, None
+
+    return app
+
+
+class Envelope:
+    """Outermost ASGI layer: request ids, fingerprint headers, auth, body-size precheck, metrics.
+
+    It also keeps the connection's transport (uvicorn's) in scope["state"], so
+    streams can measure their send backlog and abort a stalled connection.
+    """
+
+    OPEN_PATHS = ("/healthz", "/readyz")
+
+    def __init__(self, app: Any, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+        self.fingerprint = str(state.fingerprint).encode()
+
+    def _authorized(self, scope: dict) -> bool:
+        key = self.state.config.server.api_key
+        path = scope.get("path", "")
+        if not key or path in self.OPEN_PATHS or (path == "/metrics" and self.state.config.server.metrics_public):
+            return True
+        if not (path.startswith("/v1/") or path == "/metrics"):
+            return True  # the console's static files carry no data; its API calls need the key
+        headers = dict(scope.get("headers") or [])
+        auth = headers.get(b"authorization", b"").decode("latin-1")
+        token = auth[7:] if auth.lower().startswith("bearer ") else ""
+        if not token and scope["type"] == "websocket":  # browsers cannot set headers on WebSockets
+            for proto in headers.get(b"sec-websocket-protocol", b"").decode("latin-1").split(","):
+                proto = proto.strip()
+                if proto.startswith("bearer."):
+                    token = proto[7:]
+        return hmac.compare_digest(token.encode(), key.encode())
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        rid = headers.get(b"x-request-id", b"").decode("latin-1")
+        if not rid or len(rid) > 128 or not rid.isprintable():
+            rid = self.state.new_request_id()
+        st = scope.setdefault("state", {})
+        st["request_id"] = rid
+        st["transport"] = getattr(getattr(send, "__self__", None), "transport", None)
+        extra = [(b"x-request-id", rid.encode("latin-1")), (b"x-steadyserve-fingerprint", self.fingerprint)]
+        if scope["type"] == "websocket":
+            if not self._authorized(scope):
+                await receive()
+                await send({"type": "websocket.close", "code": 1008, "reason": "missing or invalid API key"})
+                return
+            return await self.app(scope, receive, send)
+        t0 = time.perf_counter()
+        status = [500]
+
+        async def send_wrapper(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+                message = {**message, "headers": list(message.get("headers", [])) + extra}
+            await send(message)
+
+        try:
+            if not self._authorized(scope):
+                if self.state.metrics is not None:
+                    self.state.metrics.rejected.labels("unauthenticated").inc()
+                resp = error_response(401, "missing or invalid API key (Authorization: Bearer ...)",
+                                      "authentication_error", None, "invalid_api_key")
+                return await resp(scope, receive, send_wrapper)
+            length = headers.get(b"content-length")
+            limit = self.state.config.server.max_request_bytes
+            if length is not None and length.isdigit() and int(length) > limit:
+                resp = error_response(413, f"request body exceeds {limit} bytes (--max-request-bytes)",
+                                      "invalid_request_error", None, "request_too_large")
+                return await resp(scope, receive, send_wrapper)
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            m = self.state.metrics
+            if m is not None:
+                route = getattr(scope.get("route"), "path", None) or "unmatched"
+                m.http_requests.labels(scope.get("method", ""), route, str(status[0])).inc()
+                m.http_seconds.labels(scope.get("method", ""), route).observe(time.perf_counter() - t0)

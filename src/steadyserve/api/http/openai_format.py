@@ -1,0 +1,138 @@
+"""Engine outputs -> OpenAI JSON shapes (completions and chat, whole and chunked)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...engine.sequence import RequestOutput, TokenLogprob
+from ..protocol import token_text
+
+
+@dataclass
+class Accumulated:
+    """A request's outputs so far, merged."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+
+    def add(self, out: RequestOutput) -> None:
+        self.text += out.text_delta
+        self.token_ids += out.new_token_ids
+        self.logprobs += out.logprobs
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+        if out.finished:
+            self.finish_reason, self.error = out.finish_reason, out.error
+        self.num_prompt_tokens = out.num_prompt_tokens
+        self.num_generated_tokens = out.num_generated_tokens
+
+    def usage(self) -> dict[str, int]:
+        return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": self.num_generated_tokens,
+                "total_tokens": self.num_prompt_tokens + self.num_generated_tokens}
+
+
+class Formatter:
+    """Builds response bodies for one request of one endpoint kind."""
+
+    def __init__(self, kind: str, request_id: str, model: str, fingerprint: str, tokenizer: Any,
+                 echo_prompt_ids: list[int] | None = None, echo_text: str = "") -> None:
+        self.kind = kind  # "completion" | "chat"
+        self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + request_id
+        self.model = model
+        self.fingerprint = fingerprint
+        self.tokenizer = tokenizer
+        self.created = int(time.time())
+        self.echo_prompt_ids = echo_prompt_ids  # completions with echo=true
+        self.echo_text = echo_text
+        self._offset = 0  # text offset for completion logprobs
+        self._sent_role = False
+        self._sent_echo = False
+
+    def _envelope(self, chunk: bool) -> dict[str, Any]:
+        obj = {"completion": "text_completion", "chat": "chat.completion.chunk" if chunk else "chat.completion"}
+        return {"id": self.id, "object": obj[self.kind], "created": self.created, "model": self.model,
+                "system_fingerprint": self.fingerprint}
+
+    # ---- logprobs ----------------------------------------------------------
+    def _completion_logprobs(self, lps: list[TokenLogprob | None], ids: list[int]) -> dict[str, Any]:
+        tokens, values, tops, offsets = [], [], [], []
+        for tid, lp in zip(ids, lps):
+            s = token_text(self.tokenizer, tid)
+            tokens.append(s)
+            offsets.append(self._offset)
+            self._offset += len(s)
+            values.append(None if lp is None else lp.logprob)
+            tops.append(None if lp is None else {token_text(self.tokenizer, t): v for t, v in lp.top})
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+    def _chat_logprobs(self, lps: list[TokenLogprob]) -> dict[str, Any]:
+        def entry(tid: int, v: float) -> dict[str, Any]:
+            s = token_text(self.tokenizer, tid)
+            return {"token": s, "logprob": v, "bytes": list(s.encode("utf-8"))}
+
+        return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                            for lp in lps]}
+
+    def _logprobs(self, acc_lps: list[TokenLogprob], ids: list[int], want: bool,
+                  prompt_lps: list[TokenLogprob | None] | None = None) -> dict[str, Any] | None:
+        if not want:
+            return None
+        if self.kind == "chat":
+            return self._chat_logprobs(acc_lps)
+        all_lps: list[TokenLogprob | None] = []
+        all_ids: list[int] = []
+        if prompt_lps is not None and self.echo_prompt_ids is not None:
+            all_lps += prompt_lps
+            all_ids += self.echo_prompt_ids
+        return self._completion_logprobs(all_lps + list(acc_lps), all_ids + ids)
+
+    # ---- bodies --------------------------------------------------------------
+    def full(self, acc: Accumulated, want_logprobs: bool) -> dict[str, Any]:
+        body = self._envelope(chunk=False)
+        lp = self._logprobs(acc.logprobs, acc.token_ids, want_logprobs, acc.prompt_logprobs)
+        if self.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": acc.text}, "logprobs": lp,
+                      "finish_reason": acc.finish_reason}
+        else:
+            choice = {"index": 0, "text": self.echo_text + acc.text, "logprobs": lp,
+                      "finish_reason": acc.finish_reason}
+        body["choices"] = [choice]
+        body["usage"] = acc.usage()
+        return body
+
+    def chunk(self, outs: list[RequestOutput], want_logprobs: bool) -> dict[str, Any]:
+        """One SSE/WS event for a batch of outputs (one or more engine steps)."""
+        text = "".join(o.text_delta for o in outs)
+        ids = [t for o in outs for t in o.new_token_ids]
+        lps = [lp for o in outs for lp in o.logprobs]
+        prompt_lps = next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), None)
+        finish = outs[-1].finish_reason if outs[-1].finished else None
+        body = self._envelope(chunk=True)
+        lp = self._logprobs(lps, ids, want_logprobs, prompt_lps)
+        if self.kind == "chat":
+            delta: dict[str, Any] = {"content": text} if text or not self._sent_role else {}
+            if not self._sent_role:
+                delta["role"] = "assistant"
+                self._sent_role = True
+            choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        else:
+            if self.echo_text and not self._sent_echo:
+                text = self.echo_text + text
+                self._sent_echo = True
+            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
+        body["choices"] = [choice]
+        return body
+
+    def usage_chunk(self, acc: Accumulated) -> dict[str, Any]:
+        body = self._envelope(chunk=True)
+        body["choices"] = []
+        body["usage"] = acc.usage()
+        return body

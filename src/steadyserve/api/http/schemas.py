@@ -1,0 +1,96 @@
+"""Request bodies of the OpenAI-compatible endpoints (pydantic, strict types).
+
+Unknown fields are ignored, as OpenAI clients send fields we have no use for
+(`user`, `metadata`); fields that would change the result and that we do not
+implement (`n > 1`, `best_of`, tools) are refused by name.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
+
+from ...engine.sequence import MAX_LOGPROBS, SamplingParams
+
+Number = float  # pydantic strict mode would refuse ints for floats; JSON numbers are fine
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: StrictBool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: StrictInt | None = Field(default=None, ge=0)
+    temperature: Number = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: Number = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: StrictInt = Field(default=0, ge=0)  # extension
+    seed: StrictInt | None = None
+    stop: str | list[str] | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    n: StrictInt = Field(default=1, ge=1, le=1)  # one choice per request
+    ignore_eos: StrictBool = False  # extension, for benchmarks
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop
+        if len(stops) > 4:
+            raise ValueError("stop: at most 4 stop strings")
+        return stops
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[StrictInt]
+    echo: StrictBool = False
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    best_of: StrictInt | None = Field(default=None, ge=1, le=1)
+    suffix: None = None
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
+            stop=self.stop_list(), ignore_eos=self.ignore_eos, logprobs=self.logprobs,
+            prompt_logprobs=self.logprobs if self.echo and self.logprobs is not None else
+            (0 if self.echo and self.max_tokens == 0 else None),
+        )
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str
+
+
+class ChatCompletionRequest(_Common):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=0)
+    tools: None = None
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> "ChatCompletionRequest":
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs: true")
+        return self
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        mt = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        if mt == 0:
+            raise ValueError("max_tokens: must be at least 1 for chat completions")
+        return SamplingParams(
+            max_tokens=mt if mt is not None else default_max_tokens,
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
+            stop=self.stop_list(), ignore_eos=self.ignore_eos,
+            logprobs=(self.top_logprobs or 0) if self.logprobs else None,
+        )
+
+    def message_dicts(self) -> list[dict[str, Any]]:
+        return [m.model_dump() for m in self.messages]

@@ -1,0 +1,51 @@
+"""Transport-neutral request handling: prompts to token ids, chat templates, limits.
+
+HTTP and gRPC both build engine requests here, so a field means the same thing
+on both and an invalid value gets the same message.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..engine.sequence import InvalidRequest
+
+
+def encode_prompt(tokenizer: Any, prompt: str | list[int], max_prompt_tokens: int, param: str = "prompt") -> list[int]:
+    """A string is tokenized (with the model's BOS policy); a list is taken as token ids."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidRequest(param, f"{param} must not be empty")
+        ids = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+    else:
+        if not prompt:
+            raise InvalidRequest(param, f"{param} must not be empty")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise InvalidRequest(param, f"{param} must be a string or a list of token ids")
+        ids = list(prompt)
+    if len(ids) > max_prompt_tokens:
+        raise InvalidRequest(param, f"{param} has {len(ids)} tokens; the limit is {max_prompt_tokens}")
+    return ids
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+    """Render messages with the model's chat template, ready for the assistant's turn."""
+    if not messages:
+        raise InvalidRequest("messages", "messages must not be empty")
+    for i, m in enumerate(messages):
+        if m.get("role") not in ("system", "user", "assistant", "developer", "tool"):
+            raise InvalidRequest(f"messages[{i}].role", f"messages[{i}].role must be system, user or assistant")
+        if not isinstance(m.get("content"), str):
+            raise InvalidRequest(f"messages[{i}].content", f"messages[{i}].content must be a string")
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequest("messages", "this model has no chat template; use /v1/completions")
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # template errors are the caller's messages' fault
+        raise InvalidRequest("messages", f"cannot render messages with the chat template: {e}") from None
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def token_text(tokenizer: Any, token_id: int) -> str:
+    """The text a single token stands for, as OpenAI's logprobs show it."""
+    return tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)

@@ -1,0 +1,77 @@
+"""What the front ends share: the engine, the model's identity, and the server's phase."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..config import Config
+from ..engine.async_engine import AsyncEngine
+from ..engine.engine import AdmissionError
+from ..engine.selftest import SelfTestResult
+from ..engine.sequence import Request, RequestOutput, SamplingParams
+from ..models.loader import Fingerprint, LoadedModel
+from .streams import StreamRegistry
+
+reqlog = logging.getLogger("steadyserve.request")
+
+
+@dataclass
+class ServerState:
+    config: Config
+    loaded: LoadedModel
+    engine: AsyncEngine
+    fingerprint: Fingerprint
+    selftest: SelfTestResult | None  # None when invariance is off and the test was skipped
+    draining: bool = False  # SIGTERM seen: refuse new work, finish what is in flight
+    started_at: float = field(default_factory=time.time)
+    metrics: Any = None  # steadyserve.metrics.Metrics, when enabled
+    streams: StreamRegistry = field(default_factory=StreamRegistry)
+
+    @property
+    def model_name(self) -> str:
+        return self.loaded.name
+
+    @property
+    def ready(self) -> bool:
+        """Model loaded, self-test passed (or not claimed), engine alive, not draining."""
+        test_ok = self.selftest is None or self.selftest.passed
+        return test_ok and self.engine.alive and not self.draining
+
+    def new_request_id(self, given: str | None = None) -> str:
+        return given if given else f"req-{uuid.uuid4().hex[:20]}"
+
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, transport: str):
+        """Admit a request (or raise AdmissionError); returns the engine's RequestStream."""
+        if self.draining:
+            raise AdmissionError("draining", "server is draining (shutting down); retry on another replica",
+                                 retry_after=5.0)
+        request = Request(request_id, prompt_ids, params, transport)
+        stream = self.engine.submit(request)
+        metrics = self.metrics
+        if metrics is not None:
+            metrics.on_admitted(transport)
+        first_token: list[float] = []
+        fingerprint = str(self.fingerprint)
+
+        def on_output(out: RequestOutput) -> None:
+            if metrics is not None:
+                metrics.on_output(out, request.arrival_time)
+            if out.new_token_ids and not first_token:
+                first_token.append(time.monotonic())
+            if out.finished:
+                now = time.monotonic()
+                ttft = first_token[0] - request.arrival_time if first_token else None
+                reqlog.info("request done", extra={"fields": {
+                    "request_id": request_id, "transport": transport, "prompt_tokens": out.num_prompt_tokens,
+                    "generated_tokens": out.num_generated_tokens,
+                    "ttft_s": None if ttft is None else round(ttft, 4),
+                    "total_s": round(now - request.arrival_time, 4), "finish_reason": out.finish_reason,
+                    "error": out.error, "fingerprint": fingerprint}})
+
+        stream.on_output = on_output
+        return stream

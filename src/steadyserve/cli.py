@@ -1,0 +1,149 @@
+"""`steadyserve` command line. Flags of `serve` map one-to-one onto config.Config."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from typing import Sequence
+
+from .config import Config, ConfigError, EngineConfig, ModelConfig, ServerConfig, parse_size
+
+EXIT_USAGE = 2
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    d = ModelConfig()
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=d.path, help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--device", default=d.device, help="cpu | cuda | cuda:N | auto (default: %(default)s)")
+    g.add_argument("--dtype", default=d.dtype, help="float32 | bfloat16 | float16 | auto (default: %(default)s)")
+    g.add_argument("--cache-dir", default=d.cache_dir, help="converted-weight cache (default: ~/.cache/steadyserve)")
+    g.add_argument("--served-model-name", default=d.name, help="model id clients send (default: from the path)")
+
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    d = EngineConfig()
+    g = p.add_argument_group("engine")
+    g.add_argument("--kv-cache-memory", default="256MiB", help="KV cache budget, allocated once (default: %(default)s)")
+    g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block (default: %(default)s)")
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="running sequences (default: %(default)s)")
+    g.add_argument("--max-queue", type=int, default=d.max_queue, help="waiting requests (default: %(default)s)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                   help="per-step token budget (default: %(default)s)")
+    g.add_argument("--max-model-len", type=int, default=d.max_model_len, help="context cap; 0 = model's own")
+    g.add_argument("--threads", type=int, default=d.threads, help="torch intra-op threads; 0 = all cores")
+    g.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=d.batch_invariant,
+                   help="bitwise batch-invariant numerics (default: on)")
+    g.add_argument("--row-tile", type=int, default=d.row_tile, help="rows per GEMM tile (default: %(default)s)")
+
+
+def _add_server_flags(p: argparse.ArgumentParser) -> None:
+    d = ServerConfig()
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default=d.host, help="bind address (default: %(default)s)")
+    g.add_argument("--http-port", type=int, default=d.http_port, help="HTTP port; 0 = any free (default: %(default)s)")
+    g.add_argument("--grpc-port", type=int, default=d.grpc_port, help="gRPC port; 0 = any free, -1 = off")
+    g.add_argument("--stall-timeout", type=float, default=d.stall_timeout, help="seconds (default: %(default)s)")
+    g.add_argument("--drain-timeout", type=float, default=d.drain_timeout, help="seconds (default: %(default)s)")
+    g.add_argument("--max-request-bytes", default=str(d.max_request_bytes), help="largest request body")
+    g.add_argument("--max-tokens-cap", type=int, default=d.max_tokens_cap, help="largest max_tokens accepted")
+    g.add_argument("--api-key", default=os.environ.get("STEADYSERVE_API_KEY", ""),
+                   help="require this bearer token (or set STEADYSERVE_API_KEY)")
+    g.add_argument("--metrics-auth", action="store_true", help="/metrics requires the API key too")
+    g.add_argument("--log-format", default=d.log_format, choices=["text", "json"])
+    g.add_argument("--tls-cert", default=d.tls_cert)
+    g.add_argument("--tls-key", default=d.tls_key)
+    g.add_argument("--ready-file", default=d.ready_file, help="write bound ports as JSON here once serving")
+
+
+def config_from_args(a: argparse.Namespace) -> Config:
+    cfg = Config(
+        model=ModelConfig(path=a.model, device=a.device, dtype=a.dtype, cache_dir=a.cache_dir,
+                          name=a.served_model_name),
+        engine=EngineConfig(kv_cache_memory=parse_size(a.kv_cache_memory, "--kv-cache-memory"),
+                            block_size=a.block_size, max_num_seqs=a.max_num_seqs, max_queue=a.max_queue,
+                            max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
+                            threads=a.threads, batch_invariant=a.batch_invariant, row_tile=a.row_tile),
+        server=ServerConfig(host=a.host, http_port=a.http_port, grpc_port=a.grpc_port,
+                            stall_timeout=a.stall_timeout, drain_timeout=a.drain_timeout,
+                            max_request_bytes=parse_size(a.max_request_bytes, "--max-request-bytes"),
+                            max_tokens_cap=a.max_tokens_cap, api_key=a.api_key, metrics_public=not a.metrics_auth,
+                            log_format=a.log_format, tls_cert=a.tls_cert, tls_key=a.tls_key,
+                            ready_file=a.ready_file),
+    )
+    cfg.validate()
+    return cfg
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    from .api.server import Server
+    from .logs import setup_logging
+    from .models.loader import LoadError
+
+    cfg = config_from_args(a)
+    setup_logging(cfg.server.log_format)
+    server = Server(cfg)
+    try:
+        server.startup()
+    except LoadError as e:
+        print(f"steadyserve: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    return asyncio.run(server.serve())
+
+
+def cmd_info(a: argparse.Namespace) -> int:
+    """Load the model, run the self-test, print what a server would stamp on its responses."""
+    from .api.server import build_state
+    from .logs import setup_logging
+    from .models.loader import LoadError
+
+    setup_logging("text")
+    cfg = config_from_args(a)
+    try:
+        state = build_state(cfg)
+    except LoadError as e:
+        print(f"steadyserve: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    lm = state.loaded
+    print(f"model         {lm.name} ({lm.args.architecture}, {lm.args.num_params / 1e6:.1f}M params)")
+    print(f"fingerprint   {state.fingerprint}")
+    print(f"context       {lm.max_model_len} tokens")
+    print(f"kv cache      {state.engine.engine.kv.num_blocks} blocks x {cfg.engine.block_size} tokens")
+    print(f"self-test     {state.selftest.detail if state.selftest else 'skipped (batch invariance off)'}")
+    print(f"load time     {lm.load_seconds:.2f} s ({'cached' if lm.from_cache else 'converted' if lm.from_cache is False and str(lm.name).endswith('gguf') else 'read'})")
+    return 0 if (state.selftest is None or state.selftest.passed) else 4
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="steadyserve", description="A language-model server that stays correct under load.")
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, fn, help_ in (("serve", cmd_serve, "serve a model over HTTP and gRPC"),
+                            ("info", cmd_info, "load a model, run the self-test, print its fingerprint")):
+        sp = sub.add_parser(name, help=help_)
+        _add_model_flags(sp)
+        _add_engine_flags(sp)
+        _add_server_flags(sp)
+        sp.set_defaults(fn=fn)
+    try:
+        from .tools.cli import add_tool_commands
+    except ImportError:
+        pass
+    else:
+        add_tool_commands(sub)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    try:
+        return a.fn(a)
+    except ConfigError as e:
+        print(f"steadyserve: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""Every metric steadyserve exports, defined in one place.
+
+Names follow existing conventions where they exist (grpc_server_* as in
+go-grpc-prometheus, http_requests_total), and `steadyserve_*` otherwise. One
+registry per server, so tests can run several in one process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from .engine.engine import StepStats
+from .engine.sequence import RequestOutput
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+FAST_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+REJECT_REASONS = ("overloaded", "too_long", "invalid", "draining", "dead", "unauthenticated")
+ABORT_REASONS = ("client_disconnect", "stall", "deadline", "drain_timeout", "engine_error")
+
+
+class _ProcessCollector:
+    """RSS and CPU of this process (and CUDA memory when on a GPU), read at scrape time."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+
+    def collect(self):
+        rss = 0
+        try:
+            with open("/proc/self/statm") as f:
+                rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except OSError:
+            pass
+        yield GaugeMetricFamily("steadyserve_process_resident_memory_bytes", "Resident set size.", value=rss)
+        t = os.times()
+        yield GaugeMetricFamily("steadyserve_process_cpu_seconds", "User + system CPU time.", value=t.user + t.system)
+        if self.device.startswith("cuda"):
+            import torch
+
+            yield GaugeMetricFamily("steadyserve_cuda_memory_allocated_bytes", "torch.cuda.memory_allocated",
+                                    value=torch.cuda.memory_allocated(self.device))
+            yield GaugeMetricFamily("steadyserve_cuda_memory_reserved_bytes", "torch.cuda.memory_reserved",
+                                    value=torch.cuda.memory_reserved(self.device))
+
+
+class Metrics:
+    def __init__(self, model: str, fingerprint: str, device: str, dtype: str, batch_invariant: bool) -> None:
+        r = self.registry = CollectorRegistry()
+        # gRPC, as go-grpc-prometheus names them.
+        grpc_labels = ["grpc_type", "grpc_service", "grpc_method"]
+        self.grpc_started = Counter("grpc_server_started_total", "RPCs started.", grpc_labels, registry=r)
+        self.grpc_handled = Counter("grpc_server_handled_total", "RPCs completed, by status code.",
+                                    grpc_labels + ["grpc_code"], registry=r)
+        self.grpc_seconds = Histogram("grpc_server_handling_seconds", "RPC handling time.", grpc_labels,
+                                      buckets=LATENCY_BUCKETS, registry=r)
+        # HTTP.
+        self.http_requests = Counter("http_requests_total", "HTTP requests by route and status.",
+                                     ["method", "route", "status"], registry=r)
+        self.http_seconds = Histogram("http_request_duration_seconds", "HTTP handling time (to the last byte).",
+                                      ["method", "route"], buckets=LATENCY_BUCKETS, registry=r)
+        # Engine and streams.
+        p = "steadyserve_"
+        self.ttft = Histogram(p + "time_to_first_token_seconds", "Arrival to first generated token.",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram(p + "inter_token_latency_seconds", "Time between tokens of one request.",
+                             buckets=FAST_BUCKETS + (5, 10), registry=r)
+        self.duration = Histogram(p + "request_duration_seconds", "Arrival to finish.", buckets=LATENCY_BUCKETS,
+                                  registry=r)
+        self.queue_wait = Histogram(p + "queue_wait_seconds", "Arrival to first scheduled step.",
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.running = Gauge(p + "requests_running", "Sequences in the running batch.", registry=r)
+        self.waiting = Gauge(p + "requests_waiting", "Requests admitted but not yet running.", registry=r)
+        self.kv_usage = Gauge(p + "kv_cache_usage_ratio", "Fraction of KV-cache blocks in use.", registry=r)
+        self.batch_size = Histogram(p + "batch_size", "Sequences per engine step.", buckets=BATCH_BUCKETS, registry=r)
+        self.step_seconds = Histogram(p + "step_duration_seconds", "Engine step time.", buckets=FAST_BUCKETS + (5,),
+                                      registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens_total", "Prompt tokens of finished requests.", registry=r)
+        self.generated_tokens = Counter(p + "generated_tokens_total", "Tokens generated.", registry=r)
+        self.finished = Counter(p + "requests_finished_total", "Finished requests by reason.", ["finish_reason"],
+                                registry=r)
+        self.rejected = Counter(p + "requests_rejected_total", "Requests refused at admission.", ["reason"],
+                                registry=r)
+        self.aborted = Counter(p + "streams_aborted_total", "Streams ended early by the server or client.",
+                               ["reason"], registry=r)
+        self.preemptions = Counter(p + "preemptions_total", "Sequences preempted for KV space.", registry=r)
+        self.backlog = Gauge(p + "stream_backlog_bytes", "Bytes produced for streams not yet taken by sockets.",
+                             registry=r)
+        self.loop_lag = Histogram(p + "event_loop_lag_seconds", "Event-loop scheduling lag, sampled.",
+                                  buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1), registry=r)
+        self.model_info = Gauge(p + "model_info", "The served model; the labels are the point.",
+                                ["model", "fingerprint", "device", "dtype", "batch_invariant"], registry=r)
+        self.engine_alive = Gauge(p + "engine_alive", "1 while the engine loop runs.", registry=r)
+        self.admitted = Counter(p + "requests_admitted_total", "Requests admitted, by transport.", ["transport"],
+                                registry=r)
+        r.register(_ProcessCollector(device))
+        self.model_info.labels(model, fingerprint, device, dtype, str(batch_invariant).lower()).set(1)
+        for reason in FINISH_REASONS:
+            self.finished.labels(reason)
+        for reason in REJECT_REASONS:
+            self.rejected.labels(reason)
+        for reason in ABORT_REASONS:
+            self.aborted.labels(reason)
+        self.engine_alive.set(0)
+        self._last_token_time: dict[str, float] = {}
+        self.backlog_sources: dict[int, object] = {}  # id -> callable returning bytes, summed at scrape
+
+    # ---- hooks, called from the engine thread (prometheus-client is thread-safe) ----
+    def on_step(self, s: StepStats) -> None:
+        self.batch_size.observe(s.num_seqs)
+        self.step_seconds.observe(s.duration)
+        self.running.set(s.num_running)
+        self.waiting.set(s.num_waiting)
+        self.kv_usage.set(s.kv_usage)
+        self.generated_tokens.inc(s.num_generated)
+        if s.num_preempted:
+            self.preemptions.inc(s.num_preempted)
+
+    def on_output(self, out: RequestOutput, arrival: float) -> None:
+        """Per-request latency bookkeeping; called on the event loop for every output."""
+        now = time.monotonic()
+        if out.queue_wait is not None:
+            self.queue_wait.observe(out.queue_wait)
+        if out.new_token_ids:
+            last = self._last_token_time.get(out.request_id)
+            if last is None:
+                self.ttft.observe(now - arrival)
+            else:
+                self.itl.observe(now - last)
+            self._last_token_time[out.request_id] = now
+        if out.finished:
+            self._last_token_time.pop(out.request_id, None)
+            self.duration.observe(now - arrival)
+            self.finished.labels(out.finish_reason or "error").inc()
+            self.prompt_tokens.inc(out.num_prompt_tokens)
+
+    def on_admitted(self, transport: str) -> None:
+        self.admitted.labels(transport).inc()
+
+    def render(self) -> bytes:
+        self.backlog.set(sum(fn() for fn in list(self.backlog_sources.values())))  # type: ignore[operator]
+        return generate_latest(self.registry)
+
+
+async def sample_loop_lag(metrics: Metrics, interval: float = 0.1) -> None:
+    """Measure how late the event loop wakes us up; runs until cancelled."""
+    loop = asyncio.get_running_loop()
+    while True:
+        t = loop.time()
+        await asyncio.sleep(interval)
+        metrics.loop_lag.observe(max(0.0, loop.time() - t - interval))

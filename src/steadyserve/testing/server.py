@@ -1,0 +1,101 @@
+"""Start a real `steadyserve serve` process on 127.0.0.1 with ephemeral ports.
+
+Used by the tests, the benchmarks and `make cluster-demo`. The process is the
+real server (real sockets, real engine); the caller gets its URLs and can
+signal it, read its logs and its metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+
+class ServerProcess:
+    def __init__(self, model: str, *args: str, env: dict[str, str] | None = None, startup_timeout: float = 180.0,
+                 threads: int = 2) -> None:
+        self._dir = tempfile.mkdtemp(prefix="steadyserve-test-")
+        self.ready_file = Path(self._dir) / "ready.json"
+        self.log_path = Path(self._dir) / "server.log"
+        argv = [sys.executable, "-m", "steadyserve.cli", "serve", "--model", model, "--http-port", "0",
+                "--grpc-port", "0", "--ready-file", str(self.ready_file), "--threads", str(threads), *args]
+        self.argv = argv
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
+        deadline = time.monotonic() + startup_timeout
+        while not self.ready_file.exists():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.logs()}")
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"server not ready after {startup_timeout} s:\n{self.logs()}")
+            time.sleep(0.05)
+        info = json.loads(self.ready_file.read_text())
+        self.http_port: int = info["http_port"]
+        self.grpc_port: int = info["grpc_port"]
+        self.pid: int = info["pid"]
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc_addr(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def logs(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def metrics_text(self, headers: dict[str, str] | None = None) -> str:
+        req = urllib.request.Request(self.http_url + "/metrics", headers=headers or {})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.read().decode()
+
+    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        """Samples as {(name, sorted labels): value}, parsed by prometheus-client's own parser."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        out = {}
+        for fam in text_string_to_metric_families(self.metrics_text()):
+            for s in fam.samples:
+                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+        return out
+
+    def metric(self, name: str, **labels: str) -> float:
+        return self.metrics().get((name, tuple(sorted(labels.items()))), 0.0)
+
+    def signal(self, sig: int = signal.SIGTERM) -> None:
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout: float = 60.0) -> int:
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                return self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        return self.proc.returncode
+
+    def __enter__(self) -> "ServerProcess":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+        self._log.close()
