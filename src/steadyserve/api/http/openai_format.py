@@ -22,8 +22,13 @@ class Accumulated:
     error: str | None = None
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
+    max_batch_seqs: int = 0  # largest step this request shared (for `steadyserve validate`)
+    queue_wait: float | None = None
 
     def add(self, out: RequestOutput) -> None:
+        self.max_batch_seqs = max(self.max_batch_seqs, out.num_batch_seqs)
+        if out.queue_wait is not None:
+            self.queue_wait = out.queue_wait
         self.text += out.text_delta
         self.token_ids += out.new_token_ids
         self.logprobs += out.logprobs
@@ -106,6 +111,10 @@ class Formatter:
                       "finish_reason": acc.finish_reason}
         body["choices"] = [choice]
         body["usage"] = acc.usage()
+        # Extension: how this request was batched, so clients can see that identical
+        # requests shared steps with different numbers of others.
+        body["steadyserve"] = {"max_batch_seqs": acc.max_batch_seqs,
+                               "queue_wait_s": None if acc.queue_wait is None else round(acc.queue_wait, 6)}
         return body
 
     def chunk(self, outs: list[RequestOutput], want_logprobs: bool) -> dict[str, Any]:
