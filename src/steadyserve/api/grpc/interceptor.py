@@ -1,0 +1,127 @@
+"""One server interceptor for every RPC: API-key check, fingerprint trailer, and the grpc_server_* metrics.
+
+The metrics follow go-grpc-prometheus: started, handled by status code, and
+handling time, labelled with grpc_type (unary, server_stream, ...), service
+and method. The code is read from the RPC's own outcome, so an abort, a
+deadline or a client cancel is counted as what the client saw.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import inspect
+import logging
+import time
+from typing import Any, Awaitable, Callable
+
+import grpc
+
+from ..state import ServerState
+from . import FINGERPRINT_KEY
+
+log = logging.getLogger("steadyserve.grpc")
+
+# Services reachable without the API key: health probes and schema listing carry no model data.
+OPEN_SERVICES = ("grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection",
+                 "grpc.reflection.v1.ServerReflection")
+
+_KINDS = (  # (handler attribute, grpc_type label, factory)
+    ("unary_unary", "unary", grpc.unary_unary_rpc_method_handler),
+    ("unary_stream", "server_stream", grpc.unary_stream_rpc_method_handler),
+    ("stream_unary", "client_stream", grpc.stream_unary_rpc_method_handler),
+    ("stream_stream", "bidi_stream", grpc.stream_stream_rpc_method_handler),
+)
+
+
+def _code_name(context: grpc.aio.ServicerContext, exc: BaseException | None) -> str:
+    """The status the client sees, as go-grpc-prometheus spells it (OK, INVALID_ARGUMENT, ...)."""
+    if isinstance(exc, asyncio.CancelledError):
+        remaining = context.time_remaining()
+        return "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0.01 else "CANCELLED"
+    code = context.code()
+    if code is None:
+        return "UNKNOWN" if exc is not None and not isinstance(exc, grpc.aio.AbortError) else "OK"
+    if isinstance(code, grpc.StatusCode):
+        return code.name
+    return next((c.name for c in grpc.StatusCode if c.value[0] == code), str(code))
+
+
+class ServerInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        self.fingerprint = str(state.fingerprint)
+        self.api_key = state.config.server.api_key
+
+    def _authorized(self, details: grpc.HandlerCallDetails, service: str) -> bool:
+        if not self.api_key or service in OPEN_SERVICES:
+            return True
+        auth = dict(details.invocation_metadata or ()).get("authorization", "")
+        token = auth[7:] if isinstance(auth, str) and auth.lower().startswith("bearer ") else ""
+        return hmac.compare_digest(token.encode(), self.api_key.encode())
+
+    async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
+                                details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        if handler is None:  # unknown method: gRPC answers UNIMPLEMENTED itself
+            return None
+        service, _, method = details.method.lstrip("/").rpartition("/")
+        authorized = self._authorized(details, service)
+        for attr, grpc_type, factory in _KINDS:
+            behavior = getattr(handler, attr)
+            if behavior is not None:
+                wrapped = self._wrap(behavior, (grpc_type, service, method), authorized)
+                return factory(wrapped, request_deserializer=handler.request_deserializer,
+                               response_serializer=handler.response_serializer)
+        return handler
+
+    def _wrap(self, behavior: Callable, labels: tuple[str, str, str], authorized: bool) -> Callable:
+        metrics = self.state.metrics
+        trailer = ((FINGERPRINT_KEY, self.fingerprint),)
+
+        def begin(context: grpc.aio.ServicerContext) -> float:
+            if metrics is not None:
+                metrics.grpc_started.labels(*labels).inc()
+            context.set_trailing_metadata(trailer)
+            return time.perf_counter()
+
+        async def refuse(context: grpc.aio.ServicerContext) -> None:
+            if metrics is not None:
+                metrics.rejected.labels("unauthenticated").inc()
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "missing or invalid API key (metadata authorization: Bearer ...)", trailer)
+
+        def end(context: grpc.aio.ServicerContext, t0: float, exc: BaseException | None) -> None:
+            if exc is not None and not isinstance(exc, (grpc.aio.AbortError, asyncio.CancelledError)):
+                log.error("rpc failed", exc_info=exc, extra={"fields": {"method": labels[2]}})
+            if metrics is not None:
+                metrics.grpc_handled.labels(*labels, _code_name(context, exc)).inc()
+                metrics.grpc_seconds.labels(*labels).observe(time.perf_counter() - t0)
+
+        if inspect.isasyncgenfunction(behavior):  # a streaming handler written as an async generator
+            async def stream_wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                t0, exc = begin(context), None
+                try:
+                    if not authorized:
+                        await refuse(context)
+                    async for item in behavior(request, context):
+                        yield item
+                except BaseException as e:
+                    exc = e
+                    raise
+                finally:
+                    end(context, t0, exc)
+            return stream_wrapper
+
+        async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            t0, exc = begin(context), None
+            try:
+                if not authorized:
+                    await refuse(context)
+                return await behavior(request, context)
+            except BaseException as e:
+                exc = e
+                raise
+            finally:
+                end(context, t0, exc)
+        return wrapper
