@@ -1,0 +1,1 @@
+"""Tools that check steadyserve's claims against any deployment: validate and bench."""
