@@ -9,12 +9,14 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import re
 import time
 from typing import Any
 
 from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ...engine.engine import AdmissionError
 from ...engine.sequence import InvalidRequest
@@ -57,6 +59,28 @@ async def read_json(request: Request, limit: int) -> Any:
     return body
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def find_surrogate(value: Any, path: str = "") -> str | None:
+    """The path of the first string holding an unpaired UTF-16 surrogate (JSON's "\\ud800"), else None."""
+    if isinstance(value, str):
+        return path or "body" if _SURROGATE.search(value) else None
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)  # type: ignore[assignment]
+    else:
+        return None
+    for k, v in items:
+        if isinstance(k, str) and _SURROGATE.search(k):
+            return f"{path}.{k}".lstrip(".") if path else "body"
+        found = find_surrogate(v, f"{path}[{k}]" if isinstance(k, int) else f"{path}.{k}".lstrip("."))
+        if found:
+            return found
+    return None
+
+
 def validation_message(e: ValidationError) -> tuple[str, str | None]:
     err = e.errors()[0]
     loc = ".".join(str(p) for p in err.get("loc", ()) if p not in ("body",))
@@ -77,6 +101,16 @@ def create_app(state: ServerState) -> FastAPI:
             state.metrics.rejected.labels("invalid").inc()
         return error_response(e.status, str(e), "invalid_request_error", e.param, e.code)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        """Unknown routes and methods get OpenAI-style bodies too."""
+        resp = error_response(e.status_code, f"{e.detail}: {request.method} {request.url.path}",
+                              "invalid_request_error", None,
+                              {404: "not_found", 405: "method_not_allowed"}.get(e.status_code))
+        for k, v in (e.headers or {}).items():
+            resp.headers[k] = v
+        return resp
+
     def check_model(name: str | None) -> None:
         if name not in (None, "", state.model_name):
             raise BadRequest(404, f"model {name!r} does not exist; this server serves {state.model_name!r}",
@@ -87,32 +121,46 @@ def create_app(state: ServerState) -> FastAPI:
             state.metrics.rejected.labels(e.reason).inc()
         return admission_response(e)
 
-    async def run(request: Request, kind: str) -> Response:
-        body = await read_json(request, cfg.max_request_bytes)
+    def prepare(body: Any, kind: str) -> tuple[Any, list[int], Any]:
+        """Validate a request body: (request, prompt ids, sampling params). Raises BadRequest or AdmissionError."""
         model_cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
+        bad = find_surrogate(body)
+        if bad is not None:
+            raise BadRequest(400, f"{bad}: contains an unpaired UTF-16 surrogate escape; not valid Unicode", bad,
+                             "invalid_unicode")
         try:
             req = model_cls.model_validate(body)
             check_model(req.model)
-            default_max = min(cfg.max_tokens_cap, 16 if kind == "completion" else 512)
-            params = req.sampling_params(default_max)
+            params = req.sampling_params(min(cfg.max_tokens_cap, 16 if kind == "completion" else 512))
             if params.max_tokens > cfg.max_tokens_cap:
-                raise InvalidRequest("max_tokens", f"max_tokens must be at most {cfg.max_tokens_cap} (--max-tokens-cap)")
+                name = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
+                raise InvalidRequest(name, f"{name} must be at most {cfg.max_tokens_cap} (--max-tokens-cap)")
             tok = state.loaded.tokenizer
-            max_prompt = state.loaded.max_model_len
+            context = state.loaded.max_model_len
             if kind == "chat":
                 prompt_ids = render_chat(tok, req.message_dicts())  # type: ignore[union-attr]
-                if len(prompt_ids) > max_prompt:
-                    raise AdmissionError("too_long", f"messages render to {len(prompt_ids)} tokens; the context "
-                                         f"length is {max_prompt}", "messages")
+                if len(prompt_ids) >= context:
+                    raise InvalidRequest("messages", f"messages render to {len(prompt_ids)} tokens; the context "
+                                         f"length is {context} tokens, prompt and completion together")
             else:
-                prompt_ids = encode_prompt(tok, req.prompt, max_prompt)  # type: ignore[union-attr]
+                prompt_ids = encode_prompt(tok, req.prompt, context)  # type: ignore[union-attr]
+            if req.requested_max_tokens is None:
+                # No max_tokens given: the default, but never more than the context leaves.
+                params.max_tokens = max(1, min(params.max_tokens, context - len(prompt_ids)))
         except ValidationError as e:
             msg, param = validation_message(e)
             raise BadRequest(400, msg, param, "invalid_value") from None
-        except (InvalidRequest, ValueError) as e:
+        except (InvalidRequest, ValueError, TypeError) as e:
             raise BadRequest(400, str(e), getattr(e, "param", None), "invalid_value") from None
+        return req, prompt_ids, params
+
+    async def run(request: Request, kind: str) -> Response:
+        body = await read_json(request, cfg.max_request_bytes)
+        try:
+            req, prompt_ids, params = prepare(body, kind)
         except AdmissionError as e:
             return refuse(e)
+        tok = state.loaded.tokenizer
         request_id = request.scope["state"]["request_id"]
         try:
             stream = state.submit(request_id, prompt_ids, params, "http")
@@ -193,23 +241,10 @@ def create_app(state: ServerState) -> FastAPI:
     def prepare_ws(body: Any) -> tuple[str, list[int], Any, Formatter | None]:
         """Validate a WS request body; returns (kind, prompt_ids, params). Raises BadRequest."""
         kind = "chat" if isinstance(body, dict) and "messages" in body else "completion"
-        model_cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
         try:
-            req = model_cls.model_validate(body)
-            check_model(req.model)
-            params = req.sampling_params(min(cfg.max_tokens_cap, 16 if kind == "completion" else 512))
-            if params.max_tokens > cfg.max_tokens_cap:
-                raise InvalidRequest("max_tokens", f"max_tokens must be at most {cfg.max_tokens_cap}")
-            tok = state.loaded.tokenizer
-            if kind == "chat":
-                ids = render_chat(tok, req.message_dicts())  # type: ignore[union-attr]
-            else:
-                ids = encode_prompt(tok, req.prompt, state.loaded.max_model_len)  # type: ignore[union-attr]
-        except ValidationError as e:
-            msg, param = validation_message(e)
-            raise BadRequest(400, msg, param, "invalid_value") from None
-        except (InvalidRequest, ValueError) as e:
-            raise BadRequest(400, str(e), getattr(e, "param", None), "invalid_value") from None
+            _, ids, params = prepare(body, kind)
+        except AdmissionError as e:
+            raise BadRequest(400, str(e), e.param, e.reason) from None
         return kind, ids, params, None
 
     return app

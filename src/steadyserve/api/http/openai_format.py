@@ -2,12 +2,76 @@
 
 from __future__ import annotations
 
+import json
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from ...engine.sequence import RequestOutput, TokenLogprob
 from ..protocol import token_text
+
+
+def _bytes_to_unicode_inverse() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: the stand-in character of each byte -> the byte."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+_BYTE_DECODER = _bytes_to_unicode_inverse()
+_BYTE_LEVEL: dict[int, bool] = {}  # id(tokenizer) -> decoder is ByteLevel
+
+
+def _is_byte_level(tokenizer: Any) -> bool:
+    key = id(tokenizer)
+    if key not in _BYTE_LEVEL:
+        try:
+            spec = json.loads(tokenizer.backend_tokenizer.to_str()).get("decoder") or {}
+            kinds = [spec.get("type")] + [d.get("type") for d in spec.get("decoders", []) or []]
+            _BYTE_LEVEL[key] = "ByteLevel" in kinds
+        except Exception:
+            _BYTE_LEVEL[key] = False
+    return _BYTE_LEVEL[key]
+
+
+_ADDED: dict[int, frozenset[str]] = {}
+
+
+def _added_tokens(tokenizer: Any) -> frozenset[str]:
+    key = id(tokenizer)
+    if key not in _ADDED:
+        try:
+            _ADDED[key] = frozenset(tokenizer.get_added_vocab())
+        except Exception:
+            _ADDED[key] = frozenset()
+    return _ADDED[key]
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def token_bytes(tokenizer: Any, token_id: int) -> bytes:
+    """A token's raw bytes (OpenAI's `bytes`): exact for byte-level BPE and byte-fallback pieces,
+    even when the token is part of a UTF-8 character and its text is only U+FFFD."""
+    try:
+        piece = tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str):
+            if _is_byte_level(tokenizer) and piece not in _added_tokens(tokenizer) \
+                    and all(ch in _BYTE_DECODER for ch in piece):
+                return bytes(_BYTE_DECODER[ch] for ch in piece)
+            m = _BYTE_PIECE.fullmatch(piece)
+            if m:
+                return bytes([int(m.group(1), 16)])
+    except Exception:
+        pass
+    return token_text(tokenizer, token_id).encode("utf-8")
 
 
 @dataclass
@@ -75,13 +139,21 @@ class Formatter:
             offsets.append(self._offset)
             self._offset += len(s)
             values.append(None if lp is None else lp.logprob)
-            tops.append(None if lp is None else {token_text(self.tokenizer, t): v for t, v in lp.top})
+            tops.append(None if lp is None else self._top_dict(lp.top))
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+    def _top_dict(self, top: list[tuple[int, float]]) -> dict[str, float]:
+        """OpenAI's legacy shape keys alternatives by text; where two tokens share a text
+        (e.g. partial UTF-8 characters), the likelier one (first) keeps the key."""
+        d: dict[str, float] = {}
+        for t, v in top:
+            d.setdefault(token_text(self.tokenizer, t), v)
+        return d
 
     def _chat_logprobs(self, lps: list[TokenLogprob]) -> dict[str, Any]:
         def entry(tid: int, v: float) -> dict[str, Any]:
             s = token_text(self.tokenizer, tid)
-            return {"token": s, "logprob": v, "bytes": list(s.encode("utf-8"))}
+            return {"token": s, "logprob": v, "bytes": list(token_bytes(self.tokenizer, tid))}
 
         return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
                             for lp in lps]}

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, model_validator
 
-from ...engine.sequence import MAX_LOGPROBS, SamplingParams
+from ...engine.sequence import MAX_LOGPROBS, InvalidRequest, SamplingParams
 
-Number = float  # pydantic strict mode would refuse ints for floats; JSON numbers are fine
+# A JSON number (ints too), never a numeric string or a bool. NaN/Infinity fail the range checks.
+Number = Annotated[float, Strict()]
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
 
 
 class StreamOptions(BaseModel):
@@ -29,19 +31,30 @@ class _Common(BaseModel):
     temperature: Number = Field(default=1.0, ge=0.0, le=2.0)
     top_p: Number = Field(default=1.0, gt=0.0, le=1.0)
     top_k: StrictInt = Field(default=0, ge=0)  # extension
-    seed: StrictInt | None = None
+    seed: StrictInt | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: StrictInt = Field(default=1, ge=1, le=1)  # one choice per request
     ignore_eos: StrictBool = False  # extension, for benchmarks
+    # Accepted only at their no-op values: anything else would change the result, and we do not implement it.
+    frequency_penalty: Number | None = None
+    presence_penalty: Number | None = None
+    logit_bias: dict[str, Any] | None = None
+
+    def check_unsupported(self) -> None:
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(self, name) not in (None, 0):
+                raise InvalidRequest(name, f"{name} is not supported; send 0 or leave it out")
+        if self.logit_bias:
+            raise InvalidRequest("logit_bias", "logit_bias is not supported; leave it out or send {}")
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
             return []
         stops = [self.stop] if isinstance(self.stop, str) else self.stop
         if len(stops) > 4:
-            raise ValueError("stop: at most 4 stop strings")
+            raise InvalidRequest("stop", "stop: at most 4 stop strings")
         return stops
 
 
@@ -52,7 +65,12 @@ class CompletionRequest(_Common):
     best_of: StrictInt | None = Field(default=None, ge=1, le=1)
     suffix: None = None
 
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        self.check_unsupported()
         return SamplingParams(
             max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
@@ -74,6 +92,7 @@ class ChatCompletionRequest(_Common):
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=0)
     tools: None = None
+    response_format: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> "ChatCompletionRequest":
@@ -82,15 +101,23 @@ class ChatCompletionRequest(_Common):
         return self
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        mt = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        self.check_unsupported()
+        if self.response_format and self.response_format.get("type") != "text":
+            raise InvalidRequest("response_format", "response_format: only {\"type\": \"text\"} is supported")
+        mt = self.requested_max_tokens
         if mt == 0:
-            raise ValueError("max_tokens: must be at least 1 for chat completions")
+            name = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+            raise InvalidRequest(name, f"{name} must be at least 1 for chat completions")
         return SamplingParams(
             max_tokens=mt if mt is not None else default_max_tokens,
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
             stop=self.stop_list(), ignore_eos=self.ignore_eos,
             logprobs=(self.top_logprobs or 0) if self.logprobs else None,
         )
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def message_dicts(self) -> list[dict[str, Any]]:
         return [m.model_dump() for m in self.messages]
