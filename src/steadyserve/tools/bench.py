@@ -97,12 +97,13 @@ class Bench:
             from ..client import AsyncClient
 
             if self.grpc_client is None:
-                self.grpc_client = AsyncClient(self.a.grpc.split(","), api_key=self.a.api_key or None, retry=False)
+                self.grpc_client = AsyncClient(self.a.grpc.split(","), api_key=self.a.api_key or None, retries=False)
             try:
-                await self.grpc_client.score(text=prompt)
+                await self.grpc_client.score(prompt)
                 return Outcome("normal", "OK")
             except Exception as e:
-                return Outcome("normal", getattr(getattr(e, "code", lambda: None)(), "name", None) or type(e).__name__)
+                code = getattr(e, "code", None)
+                return Outcome("normal", code().name if callable(code) else type(e).__name__)
         assert self.client is not None
         try:
             r = await self.client.post(self.url + "/v1/completions", headers=self.headers, json={
@@ -164,27 +165,30 @@ class Bench:
         from ..client import AsyncClient
 
         if self.grpc_client is None:
-            self.grpc_client = AsyncClient(self.a.grpc.split(","), api_key=self.a.api_key or None, retry=False)
+            self.grpc_client = AsyncClient(self.a.grpc.split(","), api_key=self.a.api_key or None, retries=False)
         t = time.monotonic()
         out = Outcome(kind, "OK")
         times: list[float] = []
         cut = self.rng.randint(1, max(1, max_tokens // 2)) if kind == "disconnect" else None
+        call = self.grpc_client.generate(prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=self.a.ignore_eos)
         try:
-            async for msg in self.grpc_client.generate(text=prompt, max_tokens=max_tokens, temperature=0.0,
-                                                       ignore_eos=self.a.ignore_eos):
-                if msg.token_ids:
+            async for msg in call:
+                if msg.HasField("final"):
+                    out.finish_reason = {1: "stop", 2: "length", 3: "abort"}.get(msg.final.finish_reason, "?")
+                    continue
+                if msg.batch.token_ids:
                     times.append(time.monotonic())
-                    out.num_tokens += len(msg.token_ids)
-                if msg.finish_reason:
-                    out.finish_reason = msg.finish_reason
+                    out.num_tokens += len(msg.batch.token_ids)
                 if kind == "slow":
-                    await asyncio.sleep(len(msg.text.encode()) / self.a.slow_rate)
+                    await asyncio.sleep(len(msg.batch.text.encode()) / self.a.slow_rate)
                 if cut is not None and len(times) >= cut:
+                    call.cancel()
                     out.status = "CANCELLED"
                     break
         except Exception as e:
             code = getattr(e, "code", None)
             out.status = code().name if callable(code) else type(e).__name__
+            out.error_code = out.status
         out.ttft = times[0] - t if times else None
         out.itls = [b - a for a, b in zip(times, times[1:])]
         out.truncated = out.status == "OK" and out.finish_reason is None

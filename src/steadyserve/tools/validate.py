@@ -90,34 +90,41 @@ class Runner:
         return p
 
     async def grpc_probe(self, kind: str) -> Probe:
-        from ..client import AsyncClient, Overloaded  # noqa: F401
+        import grpc
+
+        from ..client import AsyncClient, retry_after_ms
 
         p = Probe("grpc", kind)
         if self.grpc_client is None:
             self.grpc_client = AsyncClient(self.grpc.split(","), api_key=self.api_key or None)  # type: ignore[union-attr]
         try:
-            for attempt in range(50):
+            for _ in range(50):
                 try:
                     if kind == "score":
-                        res = await self.grpc_client.score(text=self.prompt)
-                        p.values = list(res.logprobs)
+                        res = await self.grpc_client.score(self.prompt)
+                        p.values = [t.logprob for t in res.tokens[1:]]
                         p.fingerprint = res.fingerprint
                     else:
                         values: list[float] = []
                         text = []
-                        fp = ""
-                        async for msg in self.grpc_client.generate(text=self.prompt, max_tokens=self.max_tokens,
+                        async for msg in self.grpc_client.generate(self.prompt, max_tokens=self.max_tokens,
                                                                    temperature=0.0, logprobs=0, ignore_eos=True):
-                            values += list(msg.logprobs)
-                            text.append(msg.text)
-                            fp = msg.fingerprint or fp
-                        p.values, p.text, p.fingerprint = values, "".join(text), fp
+                            if msg.HasField("batch"):
+                                values += [t.logprob for t in msg.batch.logprobs]
+                                text.append(msg.batch.text)
+                            else:
+                                p.fingerprint = msg.final.fingerprint
+                        p.values, p.text = values, "".join(text)
                     break
-                except Overloaded as e:
+                except grpc.RpcError as e:
+                    if e.code() not in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE):
+                        raise
                     self.num_overloaded += 1
                     p.retries += 1
-                    await asyncio.sleep(min(e.retry_after or 1.0, 2.0) * random.uniform(0.2, 1.0))
+                    await asyncio.sleep(min((retry_after_ms(e) or 1000) / 1000, 2.0) * random.uniform(0.2, 1.0))
             p.vector, p.ok = f32(p.values), bool(p.values)
+            if not p.ok:
+                p.error = "no logprobs returned (overloaded 50 times?)"
         except Exception as e:
             p.error = f"{type(e).__name__}: {e}"
         return p
