@@ -98,6 +98,8 @@ class Metrics:
         self.model_info = Gauge(p + "model_info", "The served model; the labels are the point.",
                                 ["model", "fingerprint", "device", "dtype", "batch_invariant"], registry=r)
         self.engine_alive = Gauge(p + "engine_alive", "1 while the engine loop runs.", registry=r)
+        self.device_mismatch = Gauge(p + "device_mismatch", "1 if the serving device is not the configured one.",
+                                     registry=r)
         self.admitted = Counter(p + "requests_admitted_total", "Requests admitted, by transport.", ["transport"],
                                 registry=r)
         r.register(_ProcessCollector(device))
