@@ -125,6 +125,11 @@ class Metrics:
         if s.num_preempted:
             self.preemptions.inc(s.num_preempted)
 
+    def on_state(self, num_running: int, num_waiting: int, kv_usage: float) -> None:
+        self.running.set(num_running)
+        self.waiting.set(num_waiting)
+        self.kv_usage.set(kv_usage)
+
     def on_output(self, out: RequestOutput, arrival: float) -> None:
         """Per-request latency bookkeeping; called on the event loop for every output."""
         now = time.monotonic()

@@ -74,6 +74,7 @@ def build_state(config: Config) -> ServerState:
     async_engine = AsyncEngine(engine, ec.max_queue)
     metrics = Metrics(loaded.name, str(fp), fp.device, fp.dtype, fp.batch_invariant)
     async_engine.step_observers.append(metrics.on_step)
+    async_engine.state_observers.append(metrics.on_state)
     asked = config.model.device
     metrics.device_mismatch.set(0 if asked == "auto" or fp.device.startswith(asked.split(":")[0]) and
                                 (":" not in asked or fp.device == asked) else 1)

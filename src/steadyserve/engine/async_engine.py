@@ -83,6 +83,8 @@ class AsyncEngine:
         self._stop = threading.Event()
         self.dead: str | None = None  # why the engine loop died
         self.step_observers: list[Callable[[StepStats], None]] = []
+        # Called with (num_running, num_waiting, kv_usage) when admissions or aborts change them between steps.
+        self.state_observers: list[Callable[[int, int, float], None]] = []
         self.finish_observers: list[Callable[[RequestOutput], None]] = []
         self.death_observers: list[Callable[[str], None]] = []
         self._finish_times: deque[float] = deque(maxlen=256)  # for Retry-After estimates
@@ -168,11 +170,13 @@ class AsyncEngine:
 
     def _drain_inbox(self) -> None:
         outputs = []
+        changed = False
         while True:
             try:
                 kind, item = self._inbox.get_nowait()
             except queue.Empty:
                 break
+            changed = True
             if kind == "add":
                 req = item  # type: ignore[assignment]
                 try:
@@ -186,6 +190,10 @@ class AsyncEngine:
                     outputs.append(out)
         if outputs:
             self._deliver(outputs)
+        if changed:
+            sched = self.engine.scheduler
+            for fn in self.state_observers:
+                fn(sched.num_running, sched.num_waiting, self.engine.block_manager.usage)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}

@@ -1,0 +1,167 @@
+"""Metrics, logs and alert rules against a live server (issue 6).
+
+Counters must move exactly as events happen: one disconnect, one 429, one
+INVALID_ARGUMENT. The alert rules may only name metrics a live scrape has.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import time
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+import yaml
+
+from steadyserve.client import Client
+from steadyserve.testing.server import ServerProcess
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_model: str):
+    # One running sequence and no queue: a second concurrent request is refused (429).
+    with ServerProcess(tiny_model, "--max-num-seqs", "1", "--max-queue", "0", "--log-format", "json") as s:
+        yield s
+
+
+def wait_for(fn, timeout: float = 10.0, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = fn()
+        if v:
+            return v
+        time.sleep(interval)
+    return fn()
+
+
+def open_stream(srv: ServerProcess, max_tokens: int = 400) -> socket.socket:
+    """Start an SSE stream on a raw socket and read until its first event arrives."""
+    body = json.dumps({"prompt": "The quick brown fox", "max_tokens": max_tokens, "stream": True,
+                       "ignore_eos": True}).encode()
+    s = socket.create_connection(("127.0.0.1", srv.http_port), timeout=30)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    data = b""
+    while b"data:" not in data:
+        chunk = s.recv(4096)
+        assert chunk, "server closed the stream before the first event"
+        data += chunk
+    return s
+
+
+def test_scrape_parses_and_histograms_fill(srv: ServerProcess) -> None:
+    r = httpx.post(srv.http_url + "/v1/completions", json={"prompt": "hello", "max_tokens": 8, "ignore_eos": True})
+    assert r.status_code == 200
+    m = srv.metrics()
+    for h in ("steadyserve_time_to_first_token_seconds", "steadyserve_inter_token_latency_seconds",
+              "steadyserve_request_duration_seconds", "steadyserve_queue_wait_seconds", "steadyserve_batch_size",
+              "steadyserve_step_duration_seconds", "http_request_duration_seconds"):
+        count = sum(v for (name, _), v in m.items() if name == h + "_count")
+        assert count > 0, f"{h} has no observations after a generation"
+    assert wait_for(lambda: srv.metric("steadyserve_event_loop_lag_seconds_count") > 0)
+    assert srv.metric("steadyserve_engine_alive") == 1
+    assert srv.metric("steadyserve_device_mismatch") == 0
+    assert srv.metric("steadyserve_generated_tokens_total") >= 8
+    assert srv.metric("steadyserve_process_resident_memory_bytes") > 50e6
+    fp = r.headers["x-steadyserve-fingerprint"]
+    info = [labels for (name, labels), v in m.items() if name == "steadyserve_model_info" and v == 1]
+    assert len(info) == 1 and dict(info[0])["fingerprint"] == fp and dict(info[0])["device"] == "cpu"
+
+
+def test_one_disconnect_counts_once(srv: ServerProcess) -> None:
+    before = srv.metric("steadyserve_streams_aborted_total", reason="client_disconnect")
+    s = open_stream(srv)
+    s.close()
+    assert wait_for(lambda: srv.metric("steadyserve_streams_aborted_total", reason="client_disconnect") == before + 1)
+    assert wait_for(lambda: srv.metric("steadyserve_requests_running") == 0)
+    time.sleep(0.3)
+    assert srv.metric("steadyserve_streams_aborted_total", reason="client_disconnect") == before + 1
+
+
+def test_one_429_counts_once(srv: ServerProcess) -> None:
+    before = srv.metric("steadyserve_requests_rejected_total", reason="overloaded")
+    s = open_stream(srv)  # holds the only seat
+    try:
+        r = httpx.post(srv.http_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4})
+        assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+        assert r.json()["error"]["type"] == "overloaded"
+    finally:
+        s.close()
+    assert srv.metric("steadyserve_requests_rejected_total", reason="overloaded") == before + 1
+    assert srv.metric("http_requests_total", method="POST", route="/v1/completions", status="429") >= 1
+
+
+def test_one_invalid_argument_counts_once(srv: ServerProcess) -> None:
+    labels = dict(grpc_type="unary", grpc_service="steadyserve.v1.Inference", grpc_method="Score",
+                  grpc_code="INVALID_ARGUMENT")
+    before = srv.metric("grpc_server_handled_total", **labels)
+    with Client(srv.grpc_addr, retries=False) as c:
+        with pytest.raises(grpc.RpcError) as e:
+            c.score("")
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert srv.metric("grpc_server_handled_total", **labels) == before + 1
+    started = dict(grpc_type="unary", grpc_service="steadyserve.v1.Inference", grpc_method="Score")
+    assert srv.metric("grpc_server_started_total", **started) >= 1
+
+
+def test_one_structured_log_line_per_request(srv: ServerProcess) -> None:
+    rid = "obs-log-test-1"
+    r = httpx.post(srv.http_url + "/v1/completions", headers={"x-request-id": rid},
+                   json={"prompt": "hello", "max_tokens": 3, "ignore_eos": True})
+    assert r.status_code == 200 and r.headers["x-request-id"] == rid
+
+    def lines():
+        out = []
+        for line in srv.logs().splitlines():
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                continue
+            if obj.get("request_id") == rid:
+                out.append(obj)
+        return out
+
+    found = wait_for(lines)
+    assert len(found) == 1
+    rec = found[0]
+    assert rec["transport"] == "http" and rec["prompt_tokens"] > 0 and rec["generated_tokens"] == 3
+    assert rec["finish_reason"] == "length" and rec["fingerprint"] == r.headers["x-steadyserve-fingerprint"]
+    assert rec["ttft_s"] is not None and rec["total_s"] >= rec["ttft_s"]
+
+
+PROMQL_WORDS = {"sum", "by", "rate", "increase", "histogram_quantile", "count", "max", "min", "avg", "on",
+                "without", "le", "instance", "reason", "status", "grpc_code", "model", "device", "dtype",
+                "batch_invariant", "and", "or", "unless", "bool", "ignoring", "group_left", "group_right"}
+
+
+def test_alert_rules_name_only_live_metrics(srv: ServerProcess) -> None:
+    rules = yaml.safe_load((ROOT / "deploy/prometheus/alerts.yml").read_text())
+    scraped = {name for name, _ in srv.metrics()}
+    alerts = [r for g in rules["groups"] for r in g["rules"]]
+    assert {a["alert"] for a in alerts} >= {"SteadyserveServerErrors", "SteadyserveStalledStreams",
+                                            "SteadyserveStreamBacklog", "SteadyserveEventLoopLag",
+                                            "SteadyserveKVCacheFull", "SteadyserveRejecting",
+                                            "SteadyserveEngineDead", "SteadyserveDeviceMismatch"}
+    for a in alerts:
+        expr = re.sub(r'\{[^}]*\}|"[^"]*"|\[[^\]]*\]', " ", a["expr"])
+        names = {w for w in re.findall(r"[a-zA-Z_:][a-zA-Z0-9_:]*", expr) if w not in PROMQL_WORDS}
+        assert names, a["alert"]
+        for n in names:
+            assert n in scraped, f"alert {a['alert']} uses {n}, which the server does not export"
+        assert set(a) >= {"alert", "expr", "labels", "annotations"}
+
+
+def test_grafana_dashboard_queries_live_metrics(srv: ServerProcess) -> None:
+    dash = json.loads((ROOT / "deploy/grafana/steadyserve.json").read_text())
+    scraped = {name for name, _ in srv.metrics()}
+    for panel in dash["panels"]:
+        for t in panel["targets"]:
+            expr = re.sub(r'\{[^}]*\}|"[^"]*"|\[[^\]]*\]', " ", t["expr"])
+            for n in re.findall(r"[a-z_]+_(?:total|seconds_bucket|bytes|ratio|running|waiting)\b", expr):
+                assert n in scraped, f"panel {panel['title']!r} queries {n}, not exported"
