@@ -1,0 +1,154 @@
+"""Our forward pass against transformers' on the same weights, float32.
+
+Per-token logprobs of several prompts agree within 1e-4; greedy continuations of 32 tokens are
+identical (and their logprobs agree too). Tiny random models of each supported family are built at
+test time; SmolLM2 (the default model) runs too, marked smollm2.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from steadyserve.config import EngineConfig
+from steadyserve.engine.engine import LLMEngine
+from steadyserve.engine.offline import run_requests
+from steadyserve.engine.selftest import run_selftest
+from steadyserve.engine.sequence import Request, SamplingParams
+from steadyserve.models.loader import LoadedModel, load_model
+from steadyserve.testing import build_tiny_model
+
+TOL = 1e-4
+GREEDY = 32
+TEXTS = [
+    "The quick brown fox",
+    "Streams end with a finish reason or an error. Logprobs are identical whatever shares the batch. "
+    "A model server must stay correct under load, and so it does.",
+    "Überall façade naïve café — 日本語のテキスト, emoji 🙂🚀",
+]
+
+
+def make_engine(loaded: LoadedModel) -> LLMEngine:
+    engine = LLMEngine(loaded, EngineConfig(kv_cache_memory=32 * 1024**2, threads=2, max_num_batched_tokens=512,
+                                            batch_invariant=loaded.model.tiler.enabled))
+    if loaded.model.tiler.enabled:  # what the server runs: the verified tile ladder
+        assert run_selftest(engine).passed
+    return engine
+
+
+def prompts_for(tokenizer, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    ps = [tokenizer.encode(t, add_special_tokens=False) for t in TEXTS]
+    ps.append([rng.randrange(vocab) for _ in range(70)])  # spans 3 KV blocks of 32
+    return ps
+
+
+def hf_model(path: str):
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return m.eval()
+
+
+@torch.inference_mode()
+def hf_prompt_logprobs(model, ids: list[int]) -> torch.Tensor:
+    """Logprob of prompt token i (i >= 1) given the tokens before it."""
+    logits = model(torch.tensor([ids])).logits[0].float()
+    lp = torch.log_softmax(logits, dim=-1)
+    return lp[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+@torch.inference_mode()
+def hf_greedy(model, ids: list[int], n: int) -> tuple[list[int], list[float]]:
+    out = model(torch.tensor([ids]), use_cache=True)
+    toks, lps = [], []
+    for _ in range(n):
+        lp = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
+        t = int(torch.argmax(lp))
+        toks.append(t)
+        lps.append(float(lp[t]))
+        out = model(torch.tensor([[t]]), past_key_values=out.past_key_values, use_cache=True)
+    return toks, lps
+
+
+def check_parity(name: str, loaded: LoadedModel, hf_path: str, prompts: list[list[int]]) -> None:
+    engine = make_engine(loaded)
+    ref = hf_model(hf_path)
+    reqs = []
+    for i, p in enumerate(prompts):
+        reqs.append(Request(f"score{i}", p, SamplingParams(max_tokens=0, prompt_logprobs=0)))
+        reqs.append(Request(f"gen{i}", p, SamplingParams(max_tokens=GREEDY, temperature=0, logprobs=0,
+                                                        ignore_eos=True)))
+    done = run_requests(engine, reqs)  # all at once: parity holds inside a batch too
+    worst = 0.0
+    for i, p in enumerate(prompts):
+        ours = torch.tensor(done[f"score{i}"].prompt_logprob_values, dtype=torch.float64)
+        theirs = hf_prompt_logprobs(ref, p).double()
+        assert ours.shape == theirs.shape
+        diff = float((ours - theirs).abs().max())
+        worst = max(worst, diff)
+        assert diff <= TOL, f"{name} prompt {i}: max |logprob diff| {diff:.3g}"
+        g = done[f"gen{i}"]
+        toks, lps = hf_greedy(ref, p, GREEDY)
+        assert g.finish_reason == "length"
+        assert g.token_ids == toks, f"{name} prompt {i}: greedy continuations differ"
+        gdiff = float((torch.tensor(g.logprob_values, dtype=torch.float64) - torch.tensor(lps)).abs().max())
+        worst = max(worst, gdiff)
+        assert gdiff <= TOL, f"{name} prompt {i}: greedy logprob diff {gdiff:.3g}"
+    print(f"\nPARITY {name}: max |logprob diff| {worst:.3g} over {len(prompts)} prompts; "
+          f"greedy {GREEDY} tokens identical")
+
+
+ARCHS = ["llama", "qwen2", "llama3", "mistral"]
+
+
+@pytest.fixture(scope="module")
+def arch_dirs(models_dir: Path, tiny_model: str, tiny_qwen2: str) -> dict[str, str]:
+    dirs = {"llama": tiny_model, "qwen2": tiny_qwen2}
+    for arch in ("llama3", "mistral"):
+        dirs[arch] = str(build_tiny_model(models_dir / f"tiny-{arch}", arch=arch))
+    # Mistral with a sliding window shorter than the prompts.
+    sw = models_dir / "tiny-mistral-window"
+    if not sw.exists():
+        build_tiny_model(sw, arch="mistral", seed=1)
+        cfg = json.loads((sw / "config.json").read_text())
+        cfg["sliding_window"] = 16
+        (sw / "config.json").write_text(json.dumps(cfg))
+    dirs["mistral-window16"] = str(sw)
+    return dirs
+
+
+@pytest.mark.parametrize("arch", ARCHS + ["mistral-window16"])
+@pytest.mark.parametrize("invariant", [True, False], ids=["invariant", "plain"])
+def test_tiny_parity(arch_dirs, arch, invariant):
+    path = arch_dirs[arch]
+    loaded = load_model(path, batch_invariant=invariant, max_model_len=512)
+    check_parity(f"tiny-{arch}-{'bi' if invariant else 'plain'}", loaded, path,
+                 prompts_for(loaded.tokenizer, loaded.args.vocab_size))
+
+
+def test_tiny_models_have_the_features_under_test(arch_dirs):
+    qwen = load_model(arch_dirs["qwen2"])
+    assert qwen.args.qkv_bias and not qwen.args.tie_word_embeddings
+    assert qwen.model.lm_head is not qwen.model.embed
+    llama = load_model(arch_dirs["llama"])
+    assert llama.args.tie_word_embeddings and llama.args.num_kv_heads < llama.args.num_heads
+    l3 = load_model(arch_dirs["llama3"])
+    assert l3.args.hf_config.rope_scaling["rope_type"] == "llama3"
+    assert load_model(arch_dirs["mistral-window16"], max_model_len=512).args.sliding_window == 16
+
+
+@pytest.mark.smollm2
+def test_smollm2_parity(smollm2):
+    tok = smollm2.loaded.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+               for q in ("What is the capital of France?", "Write a haiku about servers that never crash.")]
+    prompts = [list(p["input_ids"]) if hasattr(p, "keys") else list(p) for p in prompts]
+    prompts += [tok.encode("The history of the printing press begins in", add_special_tokens=False),
+                tok.encode("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+                           add_special_tokens=False)]
+    check_parity("SmolLM2-135M", smollm2.loaded, smollm2.hf_dir, prompts)
