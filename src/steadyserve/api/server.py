@@ -85,10 +85,18 @@ def build_state(config: Config) -> ServerState:
     return state
 
 
+# Kernel send buffer of each HTTP connection (accepted sockets inherit it from the listener; Linux
+# doubles it). Left to autotuning it grows to tcp_wmem's max (4 MiB): a client that stops reading
+# would then hide megabytes before a write blocks, so --stall-timeout could not see the stall for
+# a whole long stream, and each stalled stream would pin that much kernel memory.
+SEND_BUFFER_BYTES = 128 * 1024
+
+
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
     sock.bind((host, port))
     sock.listen(2048)
     sock.setblocking(False)

@@ -9,7 +9,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...engine.sequence import RequestOutput, TokenLogprob
-from ..protocol import token_text
+from ..protocol import token_text as _token_text_uncached
+
+_TOKEN_TEXT: dict[int, dict[int, str]] = {}  # id(tokenizer) -> token id -> text; at most the vocabulary
+
+
+def token_text(tokenizer: Any, token_id: int) -> str:
+    """protocol.token_text, memoized: logprobs with 20 alternatives would otherwise decode
+    tens of thousands of single tokens on the event loop for one echoed prompt."""
+    cache = _TOKEN_TEXT.setdefault(id(tokenizer), {})
+    text = cache.get(token_id)
+    if text is None:
+        text = cache[token_id] = _token_text_uncached(tokenizer, token_id)
+    return text
 
 
 def _bytes_to_unicode_inverse() -> dict[str, int]:
@@ -57,7 +69,18 @@ def _added_tokens(tokenizer: Any) -> frozenset[str]:
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
+_TOKEN_BYTES: dict[int, dict[int, bytes]] = {}
+
+
 def token_bytes(tokenizer: Any, token_id: int) -> bytes:
+    cache = _TOKEN_BYTES.setdefault(id(tokenizer), {})
+    b = cache.get(token_id)
+    if b is None:
+        b = cache[token_id] = _token_bytes(tokenizer, token_id)
+    return b
+
+
+def _token_bytes(tokenizer: Any, token_id: int) -> bytes:
     """A token's raw bytes (OpenAI's `bytes`): exact for byte-level BPE and byte-fallback pieces,
     even when the token is part of a UTF-8 character and its text is only U+FFFD."""
     try:

@@ -1,0 +1,347 @@
+"""HTTP streams under load against real servers: concurrency, disconnects, stalled readers, overload, drain.
+
+Servers run on 127.0.0.1 with ephemeral ports; clients are real sockets. Load is
+bounded (at most 64 streams) so the file runs on two shared cores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from http_util import five_xx, parse_stream, post_request, status_counts, stream_completion, wait_for
+from steadyserve.testing import build_tiny_model
+from steadyserve.testing.server import ServerProcess
+
+STALL_TIMEOUT = 2.0
+
+
+@pytest.fixture(scope="module")
+def long_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny model with 4096 positions, for outputs bigger than the socket buffers."""
+    return str(build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-4k", max_position_embeddings=4096))
+
+
+@pytest.fixture(scope="module")
+def srv(long_model: str):
+    with ServerProcess(long_model, "--grpc-port", "-1", "--served-model-name", "tiny",
+                       "--stall-timeout", str(STALL_TIMEOUT), "--max-num-seqs", "32", "--max-queue", "32",
+                       threads=1) as s:
+        yield s
+
+
+def running(server: ServerProcess) -> float:
+    return server.metric("steadyserve_requests_running")
+
+
+def in_flight_zero(server: ServerProcess) -> bool:
+    return running(server) == 0 and server.metric("steadyserve_requests_waiting") == 0
+
+
+# ---- concurrency ----------------------------------------------------------------------------------------
+
+async def _one_stream(client: httpx.AsyncClient, i: int) -> tuple[int, list[dict], bool, float]:
+    t0 = time.monotonic()
+    body = {"prompt": f"stream {i}: the quick brown fox", "max_tokens": 24, "temperature": 0.8, "seed": i,
+            "stream": True, "stream_options": {"include_usage": True}}
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        raw = await r.aread()
+    chunks, done = parse_stream(raw) if r.status_code == 200 else ([], False)
+    return r.status_code, chunks, done, time.monotonic() - t0
+
+
+def test_64_concurrent_sse_streams_complete(srv):
+    async def main():
+        limits = httpx.Limits(max_connections=80, max_keepalive_connections=80)
+        async with httpx.AsyncClient(base_url=srv.http_url, timeout=120, limits=limits) as client:
+            t0 = time.monotonic()
+            results = await asyncio.gather(*(_one_stream(client, i) for i in range(64)))
+            return results, time.monotonic() - t0
+
+    results, wall = asyncio.run(main())
+    print(f"\n64 concurrent SSE streams x 24 tokens: wall {wall:.2f} s, "
+          f"slowest {max(r[3] for r in results):.2f} s")
+    texts = {}
+    for i, (status, chunks, done, _) in enumerate(results):
+        assert status == 200, i
+        assert done, f"stream {i} did not end with [DONE]"
+        text_chunks = [c for c in chunks if c["choices"]]
+        assert text_chunks[-1]["choices"][0]["finish_reason"] in ("length", "stop"), i
+        assert all(c["choices"][0]["finish_reason"] is None for c in text_chunks[:-1]), i
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] >= 1, i
+        texts[i] = "".join(c["choices"][0]["text"] for c in text_chunks)
+    # Streamed under load == non-streamed alone, for the same seeded request.
+    with httpx.Client(base_url=srv.http_url, timeout=60) as c:
+        for i in (0, 31, 63):
+            r = c.post("/v1/completions", json={"prompt": f"stream {i}: the quick brown fox", "max_tokens": 24,
+                                                 "temperature": 0.8, "seed": i})
+            assert r.json()["choices"][0]["text"] == texts[i]
+    assert five_xx(srv) == 0
+
+
+# ---- disconnects ----------------------------------------------------------------------------------------
+
+def _open_stream(port: int, body: dict) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(post_request(port, "/v1/completions", json.dumps(body).encode()))
+    return s
+
+
+def test_disconnect_mid_stream_frees_the_slot(srv):
+    """A client that goes away mid-stream is aborted in the engine at once (running count drops)."""
+    wait_for(lambda: in_flight_zero(srv), 30, what="idle engine")
+    aborted0 = srv.metric("steadyserve_streams_aborted_total", reason="client_disconnect")
+    long = {"max_tokens": 3500, "ignore_eos": True, "stream": True}
+    other = _open_stream(srv.http_port, {"prompt": "keeps going", **long})  # keeps the engine stepping
+    stop = threading.Event()
+
+    def read_other():
+        other.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                other.recv(1 << 20)
+            except (socket.timeout, OSError):
+                pass
+
+    reader = threading.Thread(target=read_other, daemon=True)
+    reader.start()
+    try:
+        s = _open_stream(srv.http_port, {"prompt": "a long one", **long})
+        got = b""
+        while got.count(b"data: ") < 3:
+            got += s.recv(65536)
+        wait_for(lambda: running(srv) == 2, 10, what="running == 2")
+        t0 = time.monotonic()
+        s.close()
+        wait_for(lambda: running(srv) == 1, 5, interval=0.01, what="slot freed after disconnect")
+        freed = time.monotonic() - t0
+        print(f"\ndisconnect -> engine running count 2 -> 1 in {freed * 1000:.0f} ms")
+        assert freed < 1.0
+        wait_for(lambda: srv.metric("steadyserve_streams_aborted_total", reason="client_disconnect")
+                 == aborted0 + 1, 5, what="client_disconnect counted")
+    finally:
+        stop.set()
+        reader.join(5)
+        other.close()
+    # The last stream going away leaves the engine idle, and the gauge says so.
+    wait_for(lambda: running(srv) == 0, 5, interval=0.01, what="running == 0 when idle")
+
+
+def test_disconnect_of_non_streaming_request_frees_the_slot(srv):
+    wait_for(lambda: in_flight_zero(srv), 30, what="idle engine")
+    body = json.dumps({"prompt": "whole", "max_tokens": 3500, "ignore_eos": True}).encode()
+    s = socket.create_connection(("127.0.0.1", srv.http_port))
+    s.sendall(post_request(srv.http_port, "/v1/completions", body))
+    wait_for(lambda: running(srv) == 1, 10, what="running == 1")
+    s.close()
+    wait_for(lambda: running(srv) == 0, 5, interval=0.01, what="slot freed after disconnect")
+
+
+# ---- stalled readers ----------------------------------------------------------------------------------------
+
+def test_stalled_reader_is_cut_while_others_continue(srv):
+    """A client that stops reading is cut after --stall-timeout; its backlog stays bounded; others go on."""
+    wait_for(lambda: in_flight_zero(srv), 30, what="idle engine")
+    stalls0 = srv.metric("steadyserve_streams_aborted_total", reason="stall")
+    rss0 = srv.metric("steadyserve_process_resident_memory_bytes")
+    # Echoed prompt logprobs (20 alternatives per token) plus logprobs for every generated token: megabytes.
+    prompt = [5 + (i * 7) % 370 for i in range(1200)]  # ~0.45 MB of echoed logprobs in the first event
+    body = json.dumps({"prompt": prompt, "echo": True, "logprobs": 20, "max_tokens": 2500, "ignore_eos": True,
+                       "stream": True}).encode()
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", srv.http_port))
+    t0 = time.monotonic()
+    s.sendall(post_request(srv.http_port, "/v1/completions", body))
+    s.recv(1024)  # the response head; then read nothing more
+
+    # Meanwhile other clients stream normally: the engine never waits for the stalled socket.
+    others = []
+    with httpx.Client(base_url=srv.http_url, timeout=30) as c:
+        wait_for(lambda: running(srv) == 1, 10, what="stalled request running")
+        for i in range(3):
+            t1 = time.monotonic()
+            r, chunks, done = stream_completion(c, "/v1/completions", {"prompt": f"other {i}", "max_tokens": 16})
+            assert r.status_code == 200 and done and chunks[-1]["choices"][0]["finish_reason"] == "length"
+            others.append(time.monotonic() - t1)
+
+    backlog_seen = [0.0]
+
+    def cut() -> bool:
+        m = srv.metrics()
+        backlog_seen[0] = max(backlog_seen[0], m.get(("steadyserve_stream_backlog_bytes", ()), 0.0))
+        return m.get(("steadyserve_streams_aborted_total", (("reason", "stall"),)), 0.0) == stalls0 + 1
+
+    wait_for(cut, STALL_TIMEOUT + 20, interval=0.05, what="stall counted")
+    backlog_bytes = backlog_seen[0]
+    cut_after = time.monotonic() - t0
+    wait_for(lambda: in_flight_zero(srv), 5, what="stalled request aborted in the engine")
+    rss1 = srv.metric("steadyserve_process_resident_memory_bytes")
+    print(f"\nstalled reader cut {cut_after:.2f} s after its request (stall timeout {STALL_TIMEOUT} s); "
+          f"backlog while stalled {backlog_bytes / 1e6:.2f} MB; RSS {rss0 / 1e6:.0f} -> {rss1 / 1e6:.0f} MB; "
+          f"other streams meanwhile {', '.join(f'{t:.2f}' for t in others)} s")
+    assert cut_after < STALL_TIMEOUT + 15
+    assert 0 < backlog_bytes < 4e6  # the stalled stream's unsent bytes were seen, and bounded
+    assert rss1 - rss0 < 200e6
+    # The connection is closed: reading what is left ends in EOF or a reset, never hangs.
+    s.settimeout(5)
+    try:
+        while s.recv(1 << 20):
+            pass
+    except ConnectionResetError:
+        pass
+    finally:
+        s.close()
+    assert srv.metric("steadyserve_stream_backlog_bytes") == 0
+
+
+# ---- overload ------------------------------------------------------------------------------------------------
+
+def test_overload_gives_429_with_retry_after_and_no_5xx(srv):
+    """Fill running + queued (32 + 32) with long streams; everything beyond is refused at once with 429."""
+    wait_for(lambda: in_flight_zero(srv), 30, what="idle engine")
+    rejected0 = srv.metric("steadyserve_requests_rejected_total", reason="overloaded")
+    stop = threading.Event()
+    holders: list[socket.socket] = []
+    body = json.dumps({"prompt": "hold", "max_tokens": 3000, "ignore_eos": True, "stream": True}).encode()
+    for _ in range(64):
+        s = socket.create_connection(("127.0.0.1", srv.http_port))
+        s.sendall(post_request(srv.http_port, "/v1/completions", body))
+        holders.append(s)
+
+    def drain_all():  # read the holders' streams so they never stall
+        while not stop.is_set():
+            for s in holders:
+                s.setblocking(False)
+                try:
+                    s.recv(1 << 20)
+                except (BlockingIOError, OSError):
+                    pass
+            time.sleep(0.02)
+
+    reader = threading.Thread(target=drain_all, daemon=True)
+    reader.start()
+    try:
+        wait_for(lambda: srv.metric("steadyserve_requests_running") + srv.metric("steadyserve_requests_waiting")
+                 >= 64, 30, what="64 in flight")
+        latencies = []
+        with httpx.Client(base_url=srv.http_url, timeout=10) as c:
+            for i in range(20):
+                t0 = time.monotonic()
+                r = c.post("/v1/completions", json={"prompt": "one more", "max_tokens": 4,
+                                                    "stream": i % 2 == 0})
+                latencies.append(time.monotonic() - t0)
+                assert r.status_code == 429, r.text
+                err = r.json()["error"]
+                assert err["type"] == "overloaded" and err["code"] == "overloaded"
+                assert int(r.headers["retry-after"]) >= 1
+            r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                     "max_tokens": 2})
+            assert r.status_code == 429 and "retry-after" in r.headers
+            assert c.get("/readyz").status_code == 200  # overloaded is not unready
+        latencies.sort()
+        print(f"\n429 latency: median {latencies[10] * 1000:.1f} ms, max {latencies[-1] * 1000:.1f} ms")
+        assert latencies[10] < 0.5
+    finally:
+        stop.set()
+        reader.join(5)
+        for s in holders:
+            s.close()
+    wait_for(lambda: in_flight_zero(srv), 15, what="holders aborted")
+    assert srv.metric("steadyserve_requests_rejected_total", reason="overloaded") == rejected0 + 21
+    with httpx.Client(base_url=srv.http_url, timeout=30) as c:
+        assert c.post("/v1/completions", json={"prompt": "after", "max_tokens": 2}).status_code == 200
+    assert five_xx(srv) == 0, status_counts(srv)
+
+
+# ---- drain --------------------------------------------------------------------------------------------------
+
+def _sse_thread(url: str, body: dict, out: dict, key: int) -> threading.Thread:
+    def run():
+        try:
+            with httpx.Client(base_url=url, timeout=120) as c:
+                r, chunks, done = stream_completion(c, "/v1/completions", body)
+                out[key] = (r.status_code, chunks, done)
+        except Exception as e:  # recorded, asserted by the test
+            out[key] = ("exception", repr(e), False)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_sigterm_drains_20_streams_refuses_new_and_exits_0(tiny_model: str):
+    with ServerProcess(tiny_model, "--grpc-port", "-1", "--max-num-seqs", "8", "--max-queue", "16",
+                       "--drain-timeout", "60", threads=1) as srv:
+        results: dict[int, tuple] = {}
+        body = {"prompt": "drain me", "max_tokens": 400, "ignore_eos": True,
+                "stream_options": {"include_usage": True}}
+        threads = [_sse_thread(srv.http_url, {**body, "seed": i}, results, i) for i in range(20)]
+        wait_for(lambda: srv.metric("steadyserve_requests_admitted_total", transport="http") >= 20, 30,
+                 what="20 streams admitted")
+        assert srv.metric("steadyserve_requests_running") + srv.metric("steadyserve_requests_waiting") > 0
+        t0 = time.monotonic()
+        srv.signal(signal.SIGTERM)
+        with httpx.Client(base_url=srv.http_url, timeout=10) as c:
+            wait_for(lambda: c.get("/readyz").status_code == 503, 2, interval=0.01, what="/readyz 503")
+            unready_after = time.monotonic() - t0
+            assert c.get("/readyz").json()["reason"] == "draining"
+            r = c.post("/v1/completions", json={"prompt": "new", "max_tokens": 2})
+            assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
+            assert r.json()["error"]["code"] == "draining"
+            r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                     "max_tokens": 2, "stream": True})
+            assert r.status_code == 503 and "retry-after" in r.headers
+            assert c.get("/healthz").status_code == 200
+        code = srv.wait(90)
+        drained = time.monotonic() - t0
+        for t in threads:
+            t.join(10)
+        print(f"\nSIGTERM: unready in {unready_after * 1000:.0f} ms; 20 streams drained, exit {code} "
+              f"after {drained:.2f} s")
+        assert code == 0
+        assert sorted(results) == list(range(20))
+        for i, (status, chunks, done) in results.items():
+            assert status == 200 and done, (i, status, chunks)
+            final = [c for c in chunks if c["choices"]][-1]
+            assert final["choices"][0]["finish_reason"] == "length", i
+            assert chunks[-1]["usage"]["completion_tokens"] == 400, i
+            assert not any("error" in c for c in chunks), i
+
+
+@pytest.mark.slow
+def test_drain_timeout_ends_streams_with_an_error_event_and_second_signal_exits_at_once(long_model: str):
+    # Drain timeout: the stream that cannot finish gets an explicit error event, then [DONE]; exit 0.
+    with ServerProcess(long_model, "--grpc-port", "-1", "--drain-timeout", "1", threads=1) as srv:
+        out: dict[int, tuple] = {}
+        t = _sse_thread(srv.http_url, {"prompt": "forever", "max_tokens": 4000, "ignore_eos": True}, out, 0)
+        wait_for(lambda: srv.metric("steadyserve_requests_running") == 1, 30, what="running")
+        srv.signal(signal.SIGTERM)
+        assert srv.wait(30) == 0
+        t.join(10)
+        status, chunks, done = out[0]
+        assert status == 200 and done, out
+        assert chunks[-1]["error"]["code"] == "drain_timeout"
+        assert set(chunks[-1]["error"]) == {"message", "type", "param", "code"}
+        assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+    # A second signal during the drain exits at once.
+    with ServerProcess(long_model, "--grpc-port", "-1", "--drain-timeout", "60", threads=1) as srv:
+        out = {}
+        t = _sse_thread(srv.http_url, {"prompt": "forever", "max_tokens": 4000, "ignore_eos": True}, out, 0)
+        wait_for(lambda: srv.metric("steadyserve_requests_running") == 1, 30, what="running")
+        srv.signal(signal.SIGTERM)
+        time.sleep(0.3)
+        assert srv.proc.poll() is None  # still draining
+        t0 = time.monotonic()
+        srv.signal(signal.SIGINT)
+        code = srv.wait(10)
+        assert time.monotonic() - t0 < 3 and code != 0
+        t.join(10)
