@@ -42,6 +42,7 @@ class Outcome:
     finish_reason: str | None = None
     error_code: str | None = None
     t_end: float = 0.0
+    disconnected: bool = False  # this client hung up on purpose before the end
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -125,6 +126,7 @@ class Bench:
         if res.exception and kind != "disconnect":
             out.truncated = res.status == 200
         out.itls = [b - a for a, b in zip(res.token_times, res.token_times[1:])]
+        out.disconnected = res.disconnected
         return out
 
     async def ws(self, prompt: str, max_tokens: int, kind: str) -> Outcome:
@@ -147,7 +149,7 @@ class Bench:
                         if kind == "slow":
                             await asyncio.sleep(len(raw) / self.a.slow_rate)
                         if cut is not None and len(times) >= cut:
-                            out.status = "disconnected"
+                            out.status, out.disconnected = "disconnected", True
                             return out
                     elif msg["type"] == "final":
                         out.finish_reason = msg["finish_reason"]
@@ -183,7 +185,7 @@ class Bench:
                     await asyncio.sleep(len(msg.batch.text.encode()) / self.a.slow_rate)
                 if cut is not None and len(times) >= cut:
                     call.cancel()
-                    out.status = "CANCELLED"
+                    out.status, out.disconnected = "CANCELLED", True
                     break
         except Exception as e:
             code = getattr(e, "code", None)
@@ -265,6 +267,7 @@ class Bench:
             "finish_reasons": dict(Counter(x.finish_reason for x in o if x.finish_reason)),
             "error_codes": dict(Counter(x.error_code for x in o if x.error_code)),
             "roles": dict(Counter(x.kind for x in o)),
+            "disconnected": sum(x.disconnected for x in o),
             "truncated_streams": sum(x.truncated for x in o),
         }
 
@@ -280,7 +283,7 @@ def print_report(r: dict[str, Any]) -> None:
     print(f"  end-to-end   {ms(r['e2e_s'])}")
     print(f"  status       {r['status']}   roles {r['roles']}")
     print(f"  finish       {r['finish_reasons']}   errors {r['error_codes']}")
-    print(f"  truncated streams: {r['truncated_streams']}")
+    print(f"  hung up on purpose: {r['disconnected']}   truncated streams: {r['truncated_streams']}")
 
 
 def plot(outcomes: list[Outcome], out_dir: str) -> list[str]:
