@@ -52,9 +52,8 @@ class _Call:
         self.trailers[key] = value
         self.context.set_trailing_metadata(tuple(self.trailers.items()))
 
-    async def abort(self, code: grpc.StatusCode, message: str, **extra: str) -> NoReturn:
-        for key, value in extra.items():
-            self.trailers[key.replace("_", "-")] = value
+    async def abort(self, code: grpc.StatusCode, message: str, extra: dict[str, str] | None = None) -> NoReturn:
+        self.trailers.update(extra or {})
         await self.context.abort(code, message, trailing_metadata=tuple(self.trailers.items()))
         raise AssertionError("unreachable: context.abort raises")
 
@@ -70,11 +69,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         """Refuse new work while draining or dead; validate the common fields; returns (call, request id)."""
         call = _Call(context, self.fingerprint)
         st = self.state
-        if st.draining or not st.engine.alive:
-            reason = "draining" if st.draining else "dead"
-            self._count_rejected(reason)
-            await call.abort(Code.UNAVAILABLE, "server is draining (shutting down); retry on another replica"
-                             if st.draining else "the engine is not running", steadyserve_error_code=reason)
+        if st.draining:  # the same refusal state.submit gives, for every rpc, not only those reaching the engine
+            await self._refuse(call, AdmissionError("draining", "server is draining (shutting down); retry on "
+                                                    "another replica", retry_after=5.0), "input")
+        if not st.engine.alive:
+            await self._refuse(call, AdmissionError("dead", "the engine is not running"), "input")
         try:
             rid = check_common(st, model, request_id)
         except BadInput as e:
@@ -88,8 +87,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     async def _invalid(self, call: _Call, e: BadInput) -> NoReturn:
         self._count_rejected("invalid")
-        await call.abort(Code.INVALID_ARGUMENT, str(e), steadyserve_error_field=e.field,
-                         steadyserve_error_code="invalid")
+        await call.abort(Code.INVALID_ARGUMENT, str(e), {ERROR_FIELD_KEY: e.field, ERROR_CODE_KEY: "invalid"})
 
     async def _submit(self, call: _Call, rid: str, ids: list[int], params: SamplingParams, input_field: str,
                       scoring: bool = False) -> StreamHandle:
@@ -97,19 +95,21 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         try:
             stream = self.state.submit(rid, ids, params, "grpc")
         except AdmissionError as e:
-            self._count_rejected(e.reason)
-            extra = {ERROR_CODE_KEY: e.reason}
-            if e.reason in ("overloaded", "draining", "dead"):
-                ms = str(max(1, math.ceil((e.retry_after or 1.0) * 1000)))
-                extra[RETRY_AFTER_KEY] = ms
-                if e.reason == "overloaded":  # a retry policy waits this long; draining: retry elsewhere now
-                    extra[PUSHBACK_KEY] = ms
-                code = Code.RESOURCE_EXHAUSTED if e.reason == "overloaded" else Code.UNAVAILABLE
-                await call.abort(code, str(e), **{k.replace("-", "_"): v for k, v in extra.items()})
-            field = admission_field(e.param, input_field, scoring)
-            await call.abort(Code.INVALID_ARGUMENT, f"{field}: {e}", steadyserve_error_field=field,
-                             steadyserve_error_code=e.reason)
+            await self._refuse(call, e, input_field, scoring)
         return self.state.streams.open_stream(rid, stream, "grpc")
+
+    async def _refuse(self, call: _Call, e: AdmissionError, input_field: str, scoring: bool = False) -> NoReturn:
+        """An admission refusal as a status: RESOURCE_EXHAUSTED, UNAVAILABLE or INVALID_ARGUMENT."""
+        self._count_rejected(e.reason)
+        if e.reason in ("overloaded", "draining", "dead"):
+            ms = str(max(1, math.ceil((e.retry_after or 1.0) * 1000)))
+            trailers = {ERROR_CODE_KEY: e.reason, RETRY_AFTER_KEY: ms}
+            if e.reason == "overloaded":  # a retry policy waits this long; draining: retry elsewhere now
+                trailers[PUSHBACK_KEY] = ms
+            code = Code.RESOURCE_EXHAUSTED if e.reason == "overloaded" else Code.UNAVAILABLE
+            await call.abort(code, str(e), trailers)
+        field = admission_field(e.param, input_field, scoring)
+        await call.abort(Code.INVALID_ARGUMENT, f"{field}: {e}", {ERROR_FIELD_KEY: field, ERROR_CODE_KEY: e.reason})
 
     def _arm_deadline(self, context: grpc.aio.ServicerContext, handle: StreamHandle) -> asyncio.TimerHandle | None:
         """Abort the engine request when the deadline passes, whether or not gRPC cancels this handler."""
@@ -126,7 +126,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     async def _end_with_problem(self, call: _Call, problem: tuple[str, str]) -> NoReturn:
         code, message = problem
-        await call.abort(END_STATUS.get(code, Code.ABORTED), message, steadyserve_error_code=code)
+        await call.abort(END_STATUS.get(code, Code.ABORTED), message, {ERROR_CODE_KEY: code})
 
     def _text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)

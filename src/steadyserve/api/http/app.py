@@ -197,7 +197,8 @@ def create_app(state: ServerState) -> FastAPI:
         problem = handle.error_for(last) if last is not None else ("engine_error", "no output")
         if problem is not None:
             code, message = problem
-            status = 400 if code == "request_error" else 503 if code == "drain_timeout" else 500
+            # 499 (client closed request, as nginx logs it): the client is gone and no server fault occurred.
+            status = {"request_error": 400, "drain_timeout": 503, "client_disconnect": 499}.get(code, 500)
             return error_response(status, message, "server_error" if status >= 500 else "invalid_request_error",
                                   None, code)
         return JSONResponse(fmt.full(acc, want_lp))
@@ -303,7 +304,13 @@ class Envelope:
                 await receive()
                 await send({"type": "websocket.close", "code": 1008, "reason": "missing or invalid API key"})
                 return
-            return await self.app(scope, receive, send)
+
+            async def ws_send(message: dict) -> None:  # the handshake response carries the headers too
+                if message["type"] == "websocket.accept":
+                    message = {**message, "headers": list(message.get("headers") or []) + extra}
+                await send(message)
+
+            return await self.app(scope, receive, ws_send)
         t0 = time.perf_counter()
         status = [500]
 
