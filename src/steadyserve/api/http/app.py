@@ -22,6 +22,7 @@ from ...engine.engine import AdmissionError
 from ...engine.sequence import InvalidRequest
 from ..protocol import encode_prompt, render_chat
 from ..state import ServerState
+from .console import mount_console
 from .errors import admission_response, error_response
 from .openai_format import Accumulated, Formatter
 from .schemas import ChatCompletionRequest, CompletionRequest
@@ -254,6 +255,7 @@ def create_app(state: ServerState) -> FastAPI:
             raise BadRequest(400, str(e), e.param, e.reason) from None
         return kind, ids, params, None
 
+    mount_console(app, state)  # the web console: /, /playground, /static/*, /v1/console/*
     return app
 
 
@@ -305,9 +307,14 @@ class Envelope:
                 await send({"type": "websocket.close", "code": 1008, "reason": "missing or invalid API key"})
                 return
 
+            offered = [p.strip() for p in headers.get(b"sec-websocket-protocol", b"").decode("latin-1").split(",")]
+            bearer = next((p for p in offered if p.startswith("bearer.")), None)
+
             async def ws_send(message: dict) -> None:  # the handshake response carries the headers too
                 if message["type"] == "websocket.accept":
                     message = {**message, "headers": list(message.get("headers") or []) + extra}
+                    if bearer and not message.get("subprotocol"):  # a browser fails a handshake that drops it
+                        message["subprotocol"] = bearer
                 await send(message)
 
             return await self.app(scope, receive, ws_send)
