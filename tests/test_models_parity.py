@@ -8,6 +8,7 @@ test time; SmolLM2 (the default model) runs too, marked smollm2.
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from steadyserve.models.loader import LoadedModel, load_model
 from steadyserve.testing import build_tiny_model
 
 TOL = 1e-4
+THREADS = int(os.environ.get("STEADYSERVE_TEST_THREADS", "1"))  # 2 threads crawl on a shared 2-core box
 GREEDY = 32
 TEXTS = [
     "The quick brown fox",
@@ -32,11 +34,14 @@ TEXTS = [
 ]
 
 
-def make_engine(loaded: LoadedModel) -> LLMEngine:
-    engine = LLMEngine(loaded, EngineConfig(kv_cache_memory=32 * 1024**2, threads=2, max_num_batched_tokens=512,
-                                            batch_invariant=loaded.model.tiler.enabled))
+def make_engine(loaded: LoadedModel, selftest: bool = True) -> LLMEngine:
+    engine = LLMEngine(loaded, EngineConfig(kv_cache_memory=32 * 1024**2, threads=THREADS,
+                                            max_num_batched_tokens=512, batch_invariant=loaded.model.tiler.enabled))
     if loaded.model.tiler.enabled:  # what the server runs: the verified tile ladder
-        assert run_selftest(engine).passed
+        if selftest:
+            assert run_selftest(engine).passed
+        else:
+            loaded.model.tiler.calibrate(loaded.model.gemm_weights())
     return engine
 
 
@@ -75,8 +80,9 @@ def hf_greedy(model, ids: list[int], n: int) -> tuple[list[int], list[float]]:
     return toks, lps
 
 
-def check_parity(name: str, loaded: LoadedModel, hf_path: str, prompts: list[list[int]]) -> None:
-    engine = make_engine(loaded)
+def check_parity(name: str, loaded: LoadedModel, hf_path: str, prompts: list[list[int]],
+                 selftest: bool = True) -> None:
+    engine = make_engine(loaded, selftest)
     ref = hf_model(hf_path)
     reqs = []
     for i, p in enumerate(prompts):
@@ -151,4 +157,4 @@ def test_smollm2_parity(smollm2):
     prompts += [tok.encode("The history of the printing press begins in", add_special_tokens=False),
                 tok.encode("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
                            add_special_tokens=False)]
-    check_parity("SmolLM2-135M", smollm2.loaded, smollm2.hf_dir, prompts)
+    check_parity("SmolLM2-135M", smollm2.loaded, smollm2.hf_dir, prompts, selftest=False)
