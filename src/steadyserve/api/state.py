@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +32,8 @@ class ServerState:
     started_at: float = field(default_factory=time.time)
     metrics: Any = None  # steadyserve.metrics.Metrics, when enabled
     streams: StreamRegistry = field(default_factory=StreamRegistry)
+    # The last finished requests, newest last, for the web console's table (api/http/console.py).
+    recent: deque = field(default_factory=lambda: deque(maxlen=200))
 
     @property
     def model_name(self) -> str:
@@ -66,12 +69,14 @@ class ServerState:
             if out.finished:
                 now = time.monotonic()
                 ttft = first_token[0] - request.arrival_time if first_token else None
-                reqlog.info("request done", extra={"fields": {
+                fields = {
                     "request_id": request_id, "transport": transport, "prompt_tokens": out.num_prompt_tokens,
                     "generated_tokens": out.num_generated_tokens,
                     "ttft_s": None if ttft is None else round(ttft, 4),
                     "total_s": round(now - request.arrival_time, 4), "finish_reason": out.finish_reason,
-                    "error": out.error, "fingerprint": fingerprint}})
+                    "error": out.error, "fingerprint": fingerprint}
+                reqlog.info("request done", extra={"fields": fields})
+                self.recent.append({**fields, "finished_at": time.time()})
 
         stream.on_output = on_output
         return stream
