@@ -19,6 +19,7 @@ import grpc
 
 from ..state import ServerState
 from . import FINGERPRINT_KEY
+from .servicer import deadline_passed
 
 log = logging.getLogger("steadyserve.grpc")
 
@@ -36,9 +37,8 @@ _KINDS = (  # (handler attribute, grpc_type label, factory)
 
 def _code_name(context: grpc.aio.ServicerContext, exc: BaseException | None) -> str:
     """The status the client sees, as go-grpc-prometheus spells it (OK, INVALID_ARGUMENT, ...)."""
-    if isinstance(exc, asyncio.CancelledError):
-        remaining = context.time_remaining()
-        return "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0.01 else "CANCELLED"
+    if isinstance(exc, asyncio.CancelledError) or context.cancelled():
+        return "DEADLINE_EXCEEDED" if deadline_passed(context) else "CANCELLED"
     code = context.code()
     if code is None:
         return "UNKNOWN" if exc is not None and not isinstance(exc, grpc.aio.AbortError) else "OK"
@@ -92,7 +92,8 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
                                 "missing or invalid API key (metadata authorization: Bearer ...)", trailer)
 
         def end(context: grpc.aio.ServicerContext, t0: float, exc: BaseException | None) -> None:
-            if exc is not None and not isinstance(exc, (grpc.aio.AbortError, asyncio.CancelledError)):
+            if exc is not None and not isinstance(exc, (grpc.aio.AbortError, asyncio.CancelledError)) \
+                    and not context.cancelled():
                 log.error("rpc failed", exc_info=exc, extra={"fields": {"method": labels[2]}})
             if metrics is not None:
                 metrics.grpc_handled.labels(*labels, _code_name(context, exc)).inc()

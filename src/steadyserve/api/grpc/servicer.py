@@ -40,6 +40,16 @@ END_STATUS = {
 FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
 
 
+# A client whose deadline passes cancels the call itself (RST_STREAM), a little before the server's
+# copy of the deadline runs out: a cancel this close to the deadline is the deadline.
+DEADLINE_SLACK_S = 0.5
+
+
+def deadline_passed(context: grpc.aio.ServicerContext) -> bool:
+    remaining = context.time_remaining()
+    return remaining is not None and remaining <= DEADLINE_SLACK_S
+
+
 class _Call:
     """One RPC's trailing metadata, kept whole so that every exit path sends all of it."""
 
@@ -118,9 +128,18 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             return None
         return asyncio.get_running_loop().call_later(max(0.0, remaining), handle.cut, "deadline")
 
+    def _close(self, context: grpc.aio.ServicerContext, handle: StreamHandle, timer: asyncio.TimerHandle | None
+               ) -> None:
+        """End of an RPC's engine request, however the RPC ended: cancelled, failed or done."""
+        if timer is not None:
+            timer.cancel()
+        if not handle.stream.finished:  # left before the engine finished: deadline, cancel, gone client
+            handle.cut(self._cut_reason(context))  # counted once, by reason; the engine frees the slot next step
+        handle.backlog_bytes = 0
+        self.state.streams.close(handle)
+
     def _cut_reason(self, context: grpc.aio.ServicerContext) -> str:
-        remaining = context.time_remaining()
-        if remaining is not None and remaining <= 0.01:
+        if deadline_passed(context):
             return "deadline"
         return "drain_timeout" if self.state.draining else "client_disconnect"
 
@@ -155,14 +174,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 if out.prompt_logprobs is not None:
                     prompt_lps = out.prompt_logprobs
                 last = out
-        except asyncio.CancelledError:
-            handle.cut(self._cut_reason(context))
-            raise
         finally:
-            if timer is not None:
-                timer.cancel()
-            handle.stream.abort()
-            self.state.streams.close(handle)
+            self._close(context, handle, timer)
         problem = handle.error_for(last) if last is not None else ("engine_error", "no output from the engine")
         if problem is None and prompt_lps is None:
             problem = ("engine_error", "the engine finished without prompt logprobs")
@@ -203,18 +216,13 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                         usage=pb.Usage(prompt_tokens=last.num_prompt_tokens,
                                        completion_tokens=last.num_generated_tokens),
                         request_id=rid, fingerprint=self.fingerprint, model=self.state.model_name)))
-        except asyncio.CancelledError:
-            handle.cut(self._cut_reason(context))
-            raise
+        except _ClientGone:
+            return  # nobody to tell; `finally` counts why the stream ended
         except _Stalled:
             await self._end_with_problem(call, ("stall", "the client accepted no data for the stall timeout; "
                                                          "stream aborted"))
         finally:
-            if timer is not None:
-                timer.cancel()
-            handle.stream.abort()
-            handle.backlog_bytes = 0
-            self.state.streams.close(handle)
+            self._close(context, handle, timer)
 
     async def _write(self, context: grpc.aio.ServicerContext, handle: StreamHandle, msg: Any) -> None:
         """Send one stream message; cut the stream if the client takes nothing for --stall-timeout."""
@@ -224,6 +232,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         except asyncio.TimeoutError:
             handle.cut("stall")
             raise _Stalled() from None
+        except Exception:
+            if context.cancelled():  # gRPC fails writes to a call the client cancelled (ExecuteBatchError)
+                raise _ClientGone() from None
+            raise
         handle.backlog_bytes = 0
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
@@ -246,4 +258,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
 
 class _Stalled(Exception):
+    pass
+
+
+class _ClientGone(Exception):
     pass
