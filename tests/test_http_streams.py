@@ -347,3 +347,34 @@ def test_drain_timeout_ends_streams_with_an_error_event_and_second_signal_exits_
         code = srv.wait(10)
         assert time.monotonic() - t0 < 3 and code != 0
         t.join(10)
+
+
+# ---- the event loop never blocks on request preparation --------------------------------------------------
+
+def test_megabyte_prompt_does_not_block_the_event_loop(srv):
+    """Tokenizing a 1 MB prompt takes seconds; it happens off the loop, so health checks stay fast."""
+    text = "The quick brown fox jumps over the lazy dog. " * 22000  # just under the 1 MiB body limit
+    out: dict = {}
+
+    def big():
+        with httpx.Client(base_url=srv.http_url, timeout=120) as c:
+            t0 = time.monotonic()
+            out["r"] = c.post("/v1/completions", json={"prompt": text, "max_tokens": 1})
+            out["t"] = time.monotonic() - t0
+
+    t = threading.Thread(target=big, daemon=True)
+    t.start()
+    worst = 0.0
+    with httpx.Client(base_url=srv.http_url, timeout=30) as c:
+        time.sleep(0.2)
+        while t.is_alive():
+            t0 = time.monotonic()
+            assert c.get("/healthz").status_code == 200
+            worst = max(worst, time.monotonic() - t0)
+            time.sleep(0.05)
+    t.join()
+    r = out["r"]
+    print(f"\n1 MB prompt refused in {out['t']:.2f} s; worst /healthz meanwhile {worst * 1000:.0f} ms")
+    assert r.status_code == 400 and "4096" in r.json()["error"]["message"]
+    assert out["t"] > 0.3  # it really took a while (else this test proves nothing)
+    assert worst < max(0.5, out["t"] / 4)

@@ -37,7 +37,8 @@ class StreamHandle:
 
     def cut(self, reason: str) -> None:
         """End the stream early for `reason`; the engine frees its slot at the next step."""
-        if self.end_reason is None and not self.stream.finished:
+        # A stall is counted even when the engine had already finished: the client never got the end.
+        if self.end_reason is None and (not self.stream.finished or reason == "stall"):
             self.end_reason = reason
             metrics = self.registry.metrics
             if metrics is not None:

@@ -11,6 +11,7 @@ import hmac
 import json
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import FastAPI, Request, WebSocket
@@ -155,10 +156,18 @@ def create_app(state: ServerState) -> FastAPI:
             raise BadRequest(400, str(e), getattr(e, "param", None), "invalid_value") from None
         return req, prompt_ids, params
 
+    # Tokenizing and chat-template rendering take time proportional to the body (seconds for a
+    # megabyte): they run on one helper thread (the tokenizer releases the GIL), never on the loop.
+    # One thread: HF tokenizers are not meant to be used from several threads at once.
+    tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="steadyserve-tokenize")
+
+    async def prepare_off_loop(body: Any, kind: str) -> tuple[Any, list[int], Any]:
+        return await asyncio.get_running_loop().run_in_executor(tokenize_pool, prepare, body, kind)
+
     async def run(request: Request, kind: str) -> Response:
         body = await read_json(request, cfg.max_request_bytes)
         try:
-            req, prompt_ids, params = prepare(body, kind)
+            req, prompt_ids, params = await prepare_off_loop(body, kind)
         except AdmissionError as e:
             return refuse(e)
         tok = state.loaded.tokenizer
@@ -246,11 +255,11 @@ def create_app(state: ServerState) -> FastAPI:
     async def ws(websocket: WebSocket) -> None:
         await websocket_stream(websocket, state, run_prepare=prepare_ws)
 
-    def prepare_ws(body: Any) -> tuple[str, list[int], Any, Formatter | None]:
+    async def prepare_ws(body: Any) -> tuple[str, list[int], Any, Formatter | None]:
         """Validate a WS request body; returns (kind, prompt_ids, params). Raises BadRequest."""
         kind = "chat" if isinstance(body, dict) and "messages" in body else "completion"
         try:
-            _, ids, params = prepare(body, kind)
+            _, ids, params = await prepare_off_loop(body, kind)
         except AdmissionError as e:
             raise BadRequest(400, str(e), e.param, e.reason) from None
         return kind, ids, params, None

@@ -59,7 +59,7 @@ async def websocket_stream(ws: WebSocket, state, run_prepare: Callable) -> None:
         return await _fail(ws, CLOSE_BAD_REQUEST, "the request frame is not a JSON object", "invalid_request_error",
                            None, "invalid_json")
     try:
-        kind, ids, params, _ = run_prepare(body)
+        kind, ids, params, _ = await run_prepare(body)
     except BadRequest as e:
         return await _fail(ws, CLOSE_BAD_REQUEST, str(e), "invalid_request_error", e.param, e.code)
     request_id = ws.scope["state"]["request_id"]
