@@ -1,0 +1,291 @@
+"""Engine behaviour on the tiny model: admission, stop strings, isolation of failures, abort,
+and the AsyncEngine's death reporting."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+import torch
+
+from steadyserve.config import EngineConfig
+from steadyserve.engine.async_engine import AsyncEngine
+from steadyserve.engine.engine import AdmissionError, LLMEngine
+from steadyserve.engine.offline import Completed, run_requests
+from steadyserve.engine.selftest import run_selftest
+from steadyserve.engine.sequence import Request, SamplingParams
+from steadyserve.models.loader import load_model
+
+THREADS = int(os.environ.get("STEADYSERVE_TEST_THREADS", "1"))
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model):
+    return load_model(tiny_model)
+
+
+def make_engine(loaded, **kw) -> LLMEngine:
+    cfg = dict(kv_cache_memory=8 * 1024**2, threads=THREADS, max_num_batched_tokens=256, max_num_seqs=16)
+    cfg.update(kw)
+    engine = LLMEngine(loaded, EngineConfig(**cfg))
+    assert run_selftest(engine).passed
+    return engine
+
+
+@pytest.fixture
+def engine(loaded):
+    return make_engine(loaded)
+
+
+def gen(rid: str, prompt: list[int], n: int = 12, **kw) -> Request:
+    kw.setdefault("temperature", 0)
+    return Request(rid, prompt, SamplingParams(max_tokens=n, logprobs=0, ignore_eos=True, **kw))
+
+
+PROMPTS = [[5, 17, 42, 99, 3], [100, 200, 300], list(range(10, 50)), [7] * 12, [250, 11, 64, 64, 1]]
+
+
+def same(a: Completed, b: Completed) -> bool:
+    return a.token_ids == b.token_ids and a.logprob_values == b.logprob_values and a.text == b.text
+
+
+# ---- admission ---------------------------------------------------------------------------------
+
+def test_too_long_for_the_context_is_refused_at_once(loaded):
+    engine = make_engine(loaded, max_model_len=0)
+    ctx = engine.max_model_len
+    with pytest.raises(AdmissionError) as e:
+        engine.add_request(gen("long", [1] * (ctx - 5), 6))
+    assert e.value.reason == "too_long" and "context length" in str(e.value) and e.value.param == "max_tokens"
+    engine.add_request(gen("fits", [1] * (ctx - 5), 5))  # exactly the context: fine
+    assert engine.scheduler.num_waiting == 1
+
+
+def test_larger_than_the_whole_cache_is_refused_at_once(loaded):
+    per_block = 2 * loaded.args.num_layers * loaded.args.num_kv_heads * loaded.args.head_dim * 32 * 4
+    engine = make_engine(loaded, kv_cache_memory=3 * per_block)
+    assert engine.kv.num_blocks == 3
+    with pytest.raises(AdmissionError) as e:
+        engine.add_request(gen("huge", [1] * 90, 7))  # 97 tokens > 96 slots: it could never run
+    assert e.value.reason == "too_long" and "KV cache of 96 tokens" in str(e.value)
+    assert not engine.has_work()
+    done = run_requests(engine, [gen("ok", [1] * 90, 6)])  # 96 tokens: runs
+    assert done["ok"].finish_reason == "length"
+
+
+@pytest.mark.parametrize("prompt, params, param", [
+    ([], SamplingParams(), "prompt"),
+    ([10 ** 6], SamplingParams(), "prompt"),
+    ([1], SamplingParams(temperature=-1), "temperature"),
+    ([1], SamplingParams(top_p=0), "top_p"),
+    ([1], SamplingParams(max_tokens=0), "max_tokens"),
+    ([1], SamplingParams(logprobs=21), "logprobs"),
+    ([1], SamplingParams(stop=[""]), "stop"),
+])
+def test_invalid_requests(engine, prompt, params, param):
+    with pytest.raises(AdmissionError) as e:
+        engine.add_request(Request("bad", prompt, params))
+    assert e.value.reason == "invalid" and e.value.param == param
+
+
+# ---- stop strings and text ---------------------------------------------------------------------
+
+def run_streaming(engine: LLMEngine, reqs: list[Request]) -> dict[str, list]:
+    outs: dict[str, list] = {r.request_id: [] for r in reqs}
+    for r in reqs:
+        engine.add_request(r)
+    while engine.has_work():
+        for o in engine.step()[0]:
+            outs[o.request_id].append(o)
+    return outs
+
+
+def test_stop_strings_cut_the_text_and_never_leak(engine):
+    prompt = PROMPTS[2]
+    full = run_requests(engine, [gen("full", prompt, 48)])["full"]
+    text = full.text
+    assert len(text) > 30, text
+    stops = {f"s{i}": text[i:i + n] for i, n in ((4, 3), (11, 2), (17, 5), (25, 4))}
+    reqs = [gen(rid, prompt, 48, stop=[s]) for rid, s in stops.items()]
+    reqs.append(gen("two", prompt, 48, stop=[stops["s25"], stops["s17"]]))
+    outs = run_streaming(engine, reqs)
+    for rid, stream in outs.items():
+        ss = [stops[rid]] if rid in stops else [stops["s25"], stops["s17"]]
+        expected = text[:min(text.find(s) for s in ss)]
+        sent = ""
+        for o in stream:
+            sent += o.text_delta
+            assert expected.startswith(sent), f"{rid}: streamed {sent!r} is not a prefix of {expected!r}"
+        assert sent == expected and stream[-1].finished and stream[-1].finish_reason == "stop"
+        assert sum(len(o.new_token_ids) for o in stream) < 48
+
+
+def test_deltas_concatenate_to_the_decoded_text(engine):
+    outs = run_streaming(engine, [gen(f"r{i}", p, 30) for i, p in enumerate(PROMPTS)])
+    for rid, stream in outs.items():
+        ids = [t for o in stream for t in o.new_token_ids]
+        text = "".join(o.text_delta for o in stream)
+        assert text == engine.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        assert [o.finished for o in stream].count(True) == 1 and stream[-1].finished
+
+
+def test_stop_token_ids(engine):
+    full = run_requests(engine, [gen("full", PROMPTS[0], 20)])["full"]
+    tok = full.token_ids[5]
+    first = full.token_ids.index(tok)
+    got = run_requests(engine, [gen("st", PROMPTS[0], 20, stop_token_ids=[tok])])["st"]
+    assert got.finish_reason == "stop" and got.token_ids == full.token_ids[:first + 1]
+
+
+# ---- failures stay with their request ----------------------------------------------------------
+
+def test_fault_hook_fails_only_that_request(engine):
+    reqs = lambda: [gen(f"r{i}", p, 10) for i, p in enumerate(PROMPTS)]  # noqa: E731
+    ref = run_requests(engine, reqs())
+
+    def hook(seq):
+        if seq.request_id == "r2" and seq.num_generated_tokens == 3:
+            raise RuntimeError("injected fault")
+
+    engine.fault_hook = hook
+    done = run_requests(engine, reqs())
+    engine.fault_hook = None
+    assert done["r2"].finish_reason == "error" and "injected fault" in done["r2"].error
+    assert len(done["r2"].token_ids) == 3
+    for rid in ("r0", "r1", "r3", "r4"):
+        assert done[rid].finish_reason == "length" and same(done[rid], ref[rid]), rid
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert not engine.has_work()
+
+
+def test_nan_row_fails_only_that_request(engine):
+    reqs = lambda: [gen(f"r{i}", p, 8) for i, p in enumerate(PROMPTS)]  # noqa: E731
+    ref = run_requests(engine, reqs())
+    real = engine.runner.execute
+
+    def execute(sched):
+        results = real(sched)
+        for item, res in zip(sched.scheduled, results):
+            if item.seq.request_id == "r1" and res.sample_row is not None and item.seq.num_generated_tokens == 2:
+                res.sample_row = torch.full_like(res.sample_row, float("nan"))
+        return results
+
+    engine.runner.execute = execute
+    try:
+        done = run_requests(engine, reqs())
+    finally:
+        engine.runner.execute = real
+    assert done["r1"].finish_reason == "error" and "NaN" in done["r1"].error
+    for rid in ("r0", "r2", "r3", "r4"):
+        assert same(done[rid], ref[rid]), rid
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_abort_frees_and_others_continue(engine):
+    ref = run_requests(engine, [gen(f"r{i}", p, 10) for i, p in enumerate(PROMPTS)])
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(gen(f"r{i}", p, 10))
+    got: dict[str, Completed] = {f"r{i}": Completed() for i in range(len(PROMPTS))}
+    step = 0
+    while engine.has_work():
+        if step == 3:
+            out = engine.abort_request("r3")
+            assert out is not None and out.finished and out.finish_reason == "abort"
+            got["r3"].add(out)
+            assert engine.abort_request("r3") is None
+        for o in engine.step()[0]:
+            got[o.request_id].add(o)
+        step += 1
+    assert got["r3"].finish_reason == "abort" and len(got["r3"].token_ids) < 10
+    for rid in ("r0", "r1", "r2", "r4"):
+        assert same(got[rid], ref[rid])
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+# ---- AsyncEngine ---------------------------------------------------------------------------------
+
+async def collect(stream) -> list:
+    return [o async for o in stream]
+
+
+def test_async_engine_streams_match_offline(engine):
+    ref = run_requests(engine, [gen(f"r{i}", p, 10) for i, p in enumerate(PROMPTS)])
+
+    async def main():
+        ae = AsyncEngine(engine, max_queue=8)
+        ae.start()
+        try:
+            streams = [ae.submit(gen(f"r{i}", p, 10)) for i, p in enumerate(PROMPTS)]
+            results = await asyncio.wait_for(asyncio.gather(*(collect(s) for s in streams)), 60)
+            assert ae.num_in_flight == 0
+            return results
+        finally:
+            ae.shutdown()
+
+    for i, outs in enumerate(asyncio.run(main())):
+        c = Completed()
+        for o in outs:
+            c.add(o)
+        assert same(c, ref[f"r{i}"]) and c.finish_reason == "length"
+
+
+def test_async_engine_refuses_beyond_capacity_and_too_long(engine):
+    async def main():
+        ae = AsyncEngine(engine, max_queue=0)
+        ae.max_num_seqs = 2  # capacity 2, engine thread not started: nothing finishes
+        ae._thread = None
+        s1 = ae.submit(gen("a", [1, 2], 4))
+        ae.submit(gen("b", [1, 2], 4))
+        with pytest.raises(AdmissionError) as e:
+            ae.submit(gen("c", [1, 2], 4))
+        assert e.value.reason == "overloaded" and e.value.retry_after
+        with pytest.raises(AdmissionError) as e:
+            ae.submit(gen("d", [1] * engine.max_model_len, 4))
+        assert e.value.reason == "too_long"
+        with pytest.raises(AdmissionError) as e:
+            ae.submit(gen("a", [1, 2], 4))
+        assert e.value.reason in ("invalid", "overloaded")
+        del s1
+
+    asyncio.run(main())
+
+
+def test_async_engine_reports_death_and_fails_streams(engine):
+    deaths = []
+
+    async def main():
+        ae = AsyncEngine(engine, max_queue=8)
+        ae.death_observers.append(deaths.append)
+        calls = {"n": 0}
+        real_step = engine.step
+
+        def step():
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("boom in the loop")
+            return real_step()
+
+        engine.step = step
+        try:
+            ae.start()
+            streams = [ae.submit(gen(f"r{i}", p, 20)) for i, p in enumerate(PROMPTS)]
+            results = await asyncio.wait_for(asyncio.gather(*(collect(s) for s in streams)), 30)  # never hangs
+            for _ in range(100):
+                if not ae.alive:
+                    break
+                await asyncio.sleep(0.05)
+            assert not ae.alive and "boom in the loop" in ae.dead
+            with pytest.raises(AdmissionError) as e:
+                ae.submit(gen("late", [1], 2))
+            assert e.value.reason == "dead"
+            return results
+        finally:
+            del engine.step
+            ae.shutdown()
+
+    results = asyncio.run(main())
+    for outs in results:
+        assert outs[-1].finished and outs[-1].finish_reason == "error"
+        assert "engine failed" in outs[-1].error and "boom in the loop" in outs[-1].error
+    assert deaths and "boom in the loop" in deaths[0]
