@@ -58,6 +58,15 @@ def wait_for(pred, timeout: float = 10.0, interval: float = 0.01) -> float:
     return time.monotonic() - t0
 
 
+def wait_metric(server, name: str, value: float, **labels: str) -> None:
+    """Wait until a counter reaches `value`; on failure show every stream and RPC outcome counted."""
+    try:
+        wait_for(lambda: server.metric(name, **labels) == value)
+    except AssertionError:
+        seen = {k: v for k, v in server.metrics().items() if v and ("aborted" in k[0] or "handled_total" in k[0])}
+        raise AssertionError(f"{name}{labels} != {value}: {seen}") from None
+
+
 def fill(small, stub, timeout: float | None = None) -> list:
     """Start CAPACITY long streams and wait until the server has admitted all of them."""
     before = small.metric("steadyserve_requests_admitted_total", transport="grpc")
@@ -93,10 +102,7 @@ def test_deadline_aborts_the_request_and_frees_its_slot(small, stub):
     freed = wait_for(lambda: score_code(stub) == Code.OK, timeout=5)
     print(f"\nslots free {freed * 1000:.0f} ms after the deadline")
     assert freed < 1.0
-    try:
-        wait_for(lambda: small.metric("steadyserve_streams_aborted_total", reason="deadline") == aborted + CAPACITY)
-    except AssertionError:
-        raise AssertionError([(k, v) for k, v in small.metrics().items() if "aborted" in k[0] or "handled" in k[0]])
+    wait_metric(small, "steadyserve_streams_aborted_total", aborted + CAPACITY, reason="deadline")
 
 
 def test_cancelled_stream_frees_its_slot(small, stub):
@@ -108,11 +114,7 @@ def test_cancelled_stream_frees_its_slot(small, stub):
     freed = wait_for(lambda: score_code(stub) == Code.OK, timeout=5)
     print(f"\nslots free {freed * 1000:.0f} ms after the cancel")
     assert freed < 1.0
-    try:
-        wait_for(lambda: small.metric("steadyserve_streams_aborted_total", reason="client_disconnect")
-                 == aborted + CAPACITY)
-    except AssertionError:
-        raise AssertionError((aborted, [(k, v) for k, v in small.metrics().items() if "aborted" in k[0] or "handled" in k[0]]))
+    wait_metric(small, "steadyserve_streams_aborted_total", aborted + CAPACITY, reason="client_disconnect")
 
 
 def test_overload_is_resource_exhausted_at_once_and_nothing_else(small):
