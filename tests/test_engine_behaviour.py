@@ -102,23 +102,35 @@ def run_streaming(engine: LLMEngine, reqs: list[Request]) -> dict[str, list]:
 
 
 def test_stop_strings_cut_the_text_and_never_leak(engine):
-    prompt = PROMPTS[2]
-    full = run_requests(engine, [gen("full", prompt, 48)])["full"]
-    text = full.text
-    assert len(text) > 30, text
-    stops = {f"s{i}": text[i:i + n] for i, n in ((4, 3), (11, 2), (17, 5), (25, 4))}
-    reqs = [gen(rid, prompt, 48, stop=[s]) for rid, s in stops.items()]
-    reqs.append(gen("two", prompt, 48, stop=[stops["s25"], stops["s17"]]))
+    prompt = engine.tokenizer.encode("The quick brown fox")
+    sampled = dict(temperature=1.0, seed=3)  # seeded: every request below draws the same tokens
+    text = run_requests(engine, [gen("full", prompt, 48, **sampled)])["full"].text
+    starts = [i for i in range(2, len(text) - 6) if "\ufffd" not in text[i:i + 5]]
+    assert len(starts) >= 8, text
+    picks = [starts[len(starts) * k // 5] for k in range(1, 5)]
+    stops = {f"s{k}": text[i:i + 2 + k % 3] for k, i in enumerate(picks)}
+    reqs = [gen(rid, prompt, 48, stop=[s], **sampled) for rid, s in stops.items()]
+    reqs.append(gen("two", prompt, 48, stop=[stops["s3"], stops["s2"]], **sampled))
     outs = run_streaming(engine, reqs)
     for rid, stream in outs.items():
-        ss = [stops[rid]] if rid in stops else [stops["s25"], stops["s17"]]
+        ss = [stops[rid]] if rid in stops else [stops["s3"], stops["s2"]]
         expected = text[:min(text.find(s) for s in ss)]
         sent = ""
         for o in stream:
             sent += o.text_delta
             assert expected.startswith(sent), f"{rid}: streamed {sent!r} is not a prefix of {expected!r}"
-        assert sent == expected and stream[-1].finished and stream[-1].finish_reason == "stop"
+        assert sent == expected and stream[-1].finished and stream[-1].finish_reason == "stop", (rid, ss, sent)
         assert sum(len(o.new_token_ids) for o in stream) < 48
+
+
+def test_stop_string_completed_by_the_final_flush_is_a_stop(engine):
+    """Text held back as partial characters is only decoded at the end; a stop string it completes
+    still cuts the text, and the finish reason says so."""
+    prompt = list(range(10, 50))  # the tiny model answers with pieces of multi-byte characters
+    full = run_requests(engine, [gen("full", prompt, 12)])["full"]
+    assert full.text.startswith("\ufffd\ufffd\ufffd"), full.text
+    got = run_requests(engine, [gen("st", prompt, 12, stop=["\ufffd\ufffd\ufffd"])])["st"]
+    assert got.text == "" and got.finish_reason == "stop"
 
 
 def test_deltas_concatenate_to_the_decoded_text(engine):

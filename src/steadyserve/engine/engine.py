@@ -198,6 +198,8 @@ class LLMEngine:
     def _finish(self, seq: Sequence, toks: list[int], delta: str, lps: list[TokenLogprob],
                 prompt_lps: list[TokenLogprob | None] | None, reason: str, num_batch_seqs: int) -> RequestOutput:
         delta += seq.state.detok.finish()
+        if seq.state.detok.stopped:  # the final flush (held-back partial characters) completed a stop string
+            reason = "stop"
         self.scheduler.retire(seq)
         return self._output(seq, toks, delta, lps, prompt_lps, reason, num_batch_seqs=num_batch_seqs)
 
