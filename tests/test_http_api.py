@@ -182,6 +182,25 @@ def test_sdk_chat_logprobs_and_max_completion_tokens(oai):
     assert streamed == [(e.token, e.logprob) for e in content]
 
 
+def test_sdk_chat_text_content_parts(oai):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Name "}, {"type": "text", "text": "a fox."}]}]
+    plain = [{"role": "user", "content": "Name a fox."}]
+    a = oai.chat.completions.create(model="tiny", messages=parts, max_tokens=6, temperature=0)
+    b = oai.chat.completions.create(model="tiny", messages=plain, max_tokens=6, temperature=0)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert a.usage.prompt_tokens == b.usage.prompt_tokens
+
+
+def test_sdk_streamed_scoring_equals_whole(oai):
+    kw = dict(model="tiny", prompt="The quick brown fox jumps", max_tokens=0, echo=True, logprobs=3)
+    whole = oai.completions.create(**kw).choices[0]
+    chunks = [c for c in oai.completions.create(**kw, stream=True) if c.choices]
+    assert "".join(c.choices[0].text for c in chunks) == whole.text
+    lps = [v for c in chunks if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    assert lps == whole.logprobs.token_logprobs and lps[0] is None
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
 def test_sdk_stop_strings(oai):
     base = oai.completions.create(model="tiny", prompt="The quick", max_tokens=30, temperature=0)
     text = base.choices[0].text
@@ -340,6 +359,9 @@ BAD_INPUTS = [
     ("chat-message-no-content", CH, {"messages": [{"role": "user"}]}, 400, "content"),
     ("chat-message-bad-role", CH, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
     ("chat-message-content-number", CH, {"messages": [{"role": "user", "content": 5}]}, 400, "content"),
+    ("chat-message-image-part", CH, {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400, "content"),
+    ("chat-message-content-null", CH, {"messages": [{"role": "assistant", "content": None}]}, 400, "content"),
     ("chat-too-long", CH, {"messages": [{"role": "user", "content": "fox " * 400}], "max_tokens": 4}, 400, "512"),
     ("chat-max-tokens-0", CH, {"messages": MSG, "max_tokens": 0}, 400, "max_tokens"),
     ("chat-max-tokens-negative", CH, {"messages": MSG, "max_completion_tokens": -3}, 400, "max_completion_tokens"),

@@ -80,10 +80,20 @@ class CompletionRequest(_Common):
         )
 
 
+class TextPart(BaseModel):
+    """A content part, as the SDK sends `content=[{"type": "text", "text": ...}]`; text only."""
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "developer"]
-    content: str
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
 class ChatCompletionRequest(_Common):
@@ -120,4 +130,4 @@ class ChatCompletionRequest(_Common):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def message_dicts(self) -> list[dict[str, Any]]:
-        return [m.model_dump() for m in self.messages]
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
