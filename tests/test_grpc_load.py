@@ -144,7 +144,9 @@ def test_overload_is_resource_exhausted_at_once_and_nothing_else(small):
     assert codes.count("OK") >= CAPACITY and codes.count("RESOURCE_EXHAUSTED") >= 1
     for code, seconds, trailers in results:
         if code == "RESOURCE_EXHAUSTED":
-            assert int(trailers[RETRY_AFTER_KEY]) >= 1 and seconds < 1.0
+            # Refused, not queued: a queued call would wait for a 48-token stream to end. The bound is
+            # loose because 60 calls from one Python client share 2 busy cores with the server.
+            assert int(trailers[RETRY_AFTER_KEY]) >= 1 and seconds < 2.0
 
 
 def test_client_retry_policy_rides_out_overload(small, stub):
