@@ -27,6 +27,11 @@ test: install
 test-fast: install
 	$(PY) -m pytest -m "not slow" $(ARGS)
 
+# N replicas on 127.0.0.1 behind nginx (installed from Debian's packages if missing); prints the URLs.
+REPLICAS ?= 2
+cluster-demo: install
+	$(PY) scripts/cluster_demo.py --replicas $(REPLICAS) $(ARGS)
+
 proto: install
 	$(PY) -m steadyserve.api.grpc.codegen
 
