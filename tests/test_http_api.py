@@ -6,6 +6,7 @@ One real `steadyserve serve` process (tiny random model, 512-token context) on
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 
@@ -225,6 +226,19 @@ def test_sdk_headers_request_id_echo(oai, fingerprint):
                                                         extra_headers={"x-request-id": "s-1"}) as r:
         assert r.headers["x-request-id"] == "s-1" and r.headers[FP_HEADER] == fingerprint
         list(r.iter_lines())
+
+
+def test_same_client_request_id_twice_concurrently(srv):
+    """Two requests in flight under one x-request-id both run, and both get their id back."""
+    async def main():
+        async with httpx.AsyncClient(base_url=srv.http_url, timeout=60) as c:
+            return await asyncio.gather(*(c.post("/v1/completions", json={"prompt": "dup", "max_tokens": 40,
+                                                                          "ignore_eos": True},
+                                                 headers={"x-request-id": "same-id"}) for _ in range(3)))
+
+    for r in asyncio.run(main()):
+        assert r.status_code == 200, r.text
+        assert r.headers["x-request-id"] == "same-id" and r.json()["usage"]["completion_tokens"] == 40
 
 
 def test_sdk_errors_map_to_sdk_exceptions(oai):

@@ -11,6 +11,7 @@ import hmac
 import json
 import re
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -81,6 +82,17 @@ def find_surrogate(value: Any, path: str = "") -> str | None:
         if found:
             return found
     return None
+
+
+def submit_unique(state: ServerState, request_id: str, prompt_ids: list[int], params: Any, transport: str):
+    """state.submit under the client's x-request-id; if that id is already in flight (a client or
+    proxy reusing ids), the engine gets a suffixed id while the client still sees its own."""
+    try:
+        return state.submit(request_id, prompt_ids, params, transport)
+    except AdmissionError as e:
+        if e.reason != "invalid" or e.param != "request_id":
+            raise
+    return state.submit(f"{request_id}.{uuid.uuid4().hex[:8]}", prompt_ids, params, transport)
 
 
 def validation_message(e: ValidationError) -> tuple[str, str | None]:
@@ -173,7 +185,7 @@ def create_app(state: ServerState) -> FastAPI:
         tok = state.loaded.tokenizer
         request_id = request.scope["state"]["request_id"]
         try:
-            stream = state.submit(request_id, prompt_ids, params, "http")
+            stream = submit_unique(state, request_id, prompt_ids, params, "http")
         except AdmissionError as e:
             return refuse(e)
         echo = kind == "completion" and req.echo  # type: ignore[union-attr]

@@ -38,7 +38,7 @@ def _lp_json(lps) -> list[dict[str, Any]]:
 
 
 async def websocket_stream(ws: WebSocket, state, run_prepare: Callable) -> None:
-    from .app import BadRequest
+    from .app import BadRequest, submit_unique
 
     await ws.accept()
     cfg = state.config.server
@@ -64,7 +64,7 @@ async def websocket_stream(ws: WebSocket, state, run_prepare: Callable) -> None:
         return await _fail(ws, CLOSE_BAD_REQUEST, str(e), "invalid_request_error", e.param, e.code)
     request_id = ws.scope["state"]["request_id"]
     try:
-        stream = state.submit(request_id, ids, params, "ws")
+        stream = submit_unique(state, request_id, ids, params, "ws")
     except AdmissionError as e:
         if state.metrics is not None:
             state.metrics.rejected.labels(e.reason).inc()
