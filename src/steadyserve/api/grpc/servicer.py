@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NoReturn
 
 import grpc
@@ -37,6 +38,7 @@ END_STATUS = {
     "request_error": Code.ABORTED,  # this request failed in the engine (e.g. non-finite logits); others did not
     "stall": Code.ABORTED,
 }
+INLINE_TOKENIZE_CHARS = 2048  # shorter texts are tokenized on the loop (the high-rate Score path)
 FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
 
 
@@ -73,6 +75,16 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self.state = state
         self.fingerprint = str(state.fingerprint)
         self._token_text: dict[int, str] = {}  # decoded once per token id: Score is called at high rates
+        # Tokenizing a 1 MB prompt or rendering a chat template takes seconds of CPU: never on the loop,
+        # which moves every stream's bytes. One thread: HF tokenizers are not meant for concurrent use.
+        self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="steadyserve-grpc-tokenize")
+
+    async def _prompt_ids(self, request: Any) -> tuple[list[int], str]:
+        which = request.WhichOneof("input")
+        if which == "chat" or (which == "text" and len(request.text) > INLINE_TOKENIZE_CHARS):
+            return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, prompt_ids, self.state,
+                                                                    request)
+        return prompt_ids(self.state, request)  # short text, token ids: microseconds, not worth a thread hop
 
     # ---- shared steps ----------------------------------------------------
     async def _open(self, context: grpc.aio.ServicerContext, model: str = "", request_id: str = "") -> tuple[_Call, str]:
@@ -161,7 +173,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def Score(self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
         call, rid = await self._open(context, request.model, request.request_id)
         try:
-            ids, field = prompt_ids(self.state, request)
+            ids, field = await self._prompt_ids(request)
             params = score_params(request)
         except BadInput as e:
             await self._invalid(call, e)
@@ -189,7 +201,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         call, rid = await self._open(context, request.model, request.request_id)
         try:
-            ids, field = prompt_ids(self.state, request)
+            ids, field = await self._prompt_ids(request)
             params = generate_params(self.state, request)
         except BadInput as e:
             await self._invalid(call, e)
@@ -250,7 +262,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         call, _ = await self._open(context)
         try:
-            ids, _field = prompt_ids(self.state, request)
+            ids, _field = await self._prompt_ids(request)
         except BadInput as e:
             await self._invalid(call, e)
         return pb.TokenizeResponse(token_ids=ids, tokens=[self._text(t) for t in ids],
