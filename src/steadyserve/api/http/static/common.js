@@ -99,9 +99,10 @@ export async function boot(start) {
     input.focus();
   }
   onUnauthorized(() => {
+    const had = apiKey();
     sessionStorage.removeItem(KEY);
     if (started) location.reload();
-    else showLogin("That API key was not accepted.");
+    else showLogin(had ? "That API key was not accepted." : "");
   });
   form.addEventListener("submit", async (ev) => {
     ev.preventDefault();
@@ -123,9 +124,7 @@ export async function boot(start) {
       start(data);
     } catch (e) {
       if (e.status === 401) {
-        const had = apiKey();
-        sessionStorage.removeItem(KEY);
-        showLogin(had ? "That API key was not accepted." : "");
+        // onUnauthorized has shown the login
       } else {
         showLogin(e.message + " — retrying…");
         setTimeout(attempt, 2000);

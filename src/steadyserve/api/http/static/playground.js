@@ -216,7 +216,10 @@ function stream() {
       summarize();
     } else if (m.type === "error") {
       failed = true;
-      showError(describeError(m.status, m.error || {}, m.retry_after));
+      const err = m.error || {};
+      // Refusals carry their HTTP status; a bad request (close 1008) is a 400, anything else a server error.
+      const status = m.status || (err.type === "invalid_request_error" ? 400 : 500);
+      showError(describeError(status, err, m.retry_after));
       setStatus("");
     }
   }
