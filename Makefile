@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml requirements-model.txt 2>/dev/null | sha1sum | cut -c1-12)
 ARGS ?=
 
-.PHONY: install serve test test-fast soak proto bench cluster-demo clean
+.PHONY: install browser serve test test-fast soak proto bench cluster-demo clean
 
 $(STAMP): pyproject.toml requirements-model.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -21,7 +21,18 @@ install: $(STAMP)
 serve: install
 	$(VENV)/bin/steadyserve serve $(ARGS)
 
-test: install
+# The console's browser tests use Debian's chromium (Playwright's own browser download does not work here).
+browser:
+	@if [ -x /usr/bin/chromium ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "installing Debian's chromium for the console's browser tests"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+	    || echo "NOTE: could not install chromium: tests/test_console.py will skip its browser tests"; \
+	else \
+	  echo "NOTE: no /usr/bin/chromium and no root apt-get to install it: tests/test_console.py will skip its browser tests (apt-get install chromium)"; \
+	fi
+
+test: install browser
 	$(PY) -m pytest $(ARGS)
 
 test-fast: install

@@ -10,6 +10,7 @@ export class LineChart {
     this.span = opts.span || 120;
     this.format = opts.format || ((v) => String(Math.round(v * 100) / 100));
     this.minMax = opts.minMax || 0; // the y axis goes at least this high
+    this.integer = !!opts.integer; // counts: ticks on whole numbers
     this.label = opts.label || figure.querySelector("figcaption").textContent.trim();
     this.series = new Map(); // name -> {color, points: [[t, v|null]]}
     this.max = 0;
@@ -70,7 +71,7 @@ export class LineChart {
     let ymax = this.minMax;
     for (const s of this.series.values())
       for (const [t, v] of s.points) if (v !== null && t >= now - this.span && v > ymax) ymax = v;
-    ymax = niceCeil(ymax);
+    ymax = this.integer ? Math.max(4, Math.ceil(ymax / 4) * 4) : niceCeil(ymax);
     const x = (t) => padL + ((t - (now - this.span)) / this.span) * (w - padL - padR);
     const y = (v) => padT + (1 - v / ymax) * (h - padT - padB);
     g.font = "11px system-ui, sans-serif";

@@ -10,7 +10,7 @@ const reasonsSeen = new Set();
 function setupCharts() {
   const fig = (name) => document.querySelector(`figure[data-chart="${name}"]`);
   charts.tokens = new LineChart(fig("tokens"), { format: (v) => fmtNum(v), minMax: 10 });
-  charts.requests = new LineChart(fig("requests"), { format: (v) => fmtNum(v, Number.isInteger(v) ? 0 : 1), minMax: 4 });
+  charts.requests = new LineChart(fig("requests"), { format: (v) => fmtNum(v, 0), minMax: 4, integer: true });
   charts.kv = new LineChart(fig("kv"), { format: (v) => fmtNum(v * 100, 0) + "%", minMax: 0.05 });
   charts.ttft = new LineChart(fig("ttft"), { format: fmtSeconds, minMax: 0.01 });
   charts.itl = new LineChart(fig("itl"), { format: fmtSeconds, minMax: 0.01 });
