@@ -181,7 +181,7 @@ class AsyncEngine:
                 req = item  # type: ignore[assignment]
                 try:
                     self.engine.add_request(req)  # type: ignore[arg-type]
-                except AdmissionError as e:  # re-checked here; should not happen after submit's check
+                except Exception as e:  # a bad request fails alone; it must never stop the loop
                     outputs.append(RequestOutput(req.request_id, [], "", [], finished=True,  # type: ignore[attr-defined]
                                                  finish_reason="error", error=str(e)))
             else:

@@ -41,6 +41,8 @@ class SamplingParams:
             raise InvalidRequest("max_tokens", "max_tokens must be an integer >= 0")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise InvalidRequest("temperature", "temperature must be >= 0")
+        if self.seed is not None and not -(2 ** 63) <= self.seed < 2 ** 64:
+            raise InvalidRequest("seed", "seed must be in -2**63 .. 2**64-1")
         if not 0 < self.top_p <= 1:
             raise InvalidRequest("top_p", "top_p must be in (0, 1]")
         if self.top_k < 0:

@@ -255,12 +255,6 @@ def create_app(state: ServerState) -> FastAPI:
     async def metrics() -> Response:
         if state.metrics is None:
             return PlainTextResponse("metrics disabled\n", status_code=404)
-        # The running/waiting gauges are set after each engine step; an abort that leaves the engine
-        # idle runs no further step. Never report more than is in flight (admitted, not finished).
-        m, in_flight = state.metrics, state.engine.num_in_flight
-        running = min(m.running._value.get(), in_flight)
-        m.running.set(running)
-        m.waiting.set(min(m.waiting._value.get(), in_flight - running))
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.websocket("/v1/stream")
