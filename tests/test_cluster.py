@@ -139,9 +139,12 @@ def test_drain_one_replica_under_load(cluster) -> None:
                               "-n", "64", "--output-tokens", "48-96", "--prompt-words", "8-32", "--json"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        # Signal while the victim has streams running.
+        # Signal while the victim has HTTP streams (through nginx) running, so that nginx keeps
+        # sending it requests during its drain: those are refused (503) and must be retried.
         deadline = time.monotonic() + 60
-        while victim.metric("steadyserve_requests_running") < 2:
+        http0 = victim.metric("steadyserve_requests_admitted_total", transport="http")
+        while (victim.metric("steadyserve_requests_admitted_total", transport="http") - http0 < 2
+               or victim.metric("steadyserve_requests_running") < 2):
             assert bench.poll() is None, "bench ended before the victim had work"
             assert time.monotonic() < deadline, "the victim never got work"
             time.sleep(0.05)
