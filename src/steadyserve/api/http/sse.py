@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
+from typing import Any, Awaitable
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -32,12 +32,16 @@ def sse_event(obj: Any) -> bytes:
 DONE = b"data: [DONE]\n\n"
 
 
-async def guarded_send(send: Send, message: dict, handle: StreamHandle, transport: Any, timeout: float) -> None:
-    """Send one message; cut the stream if the client takes nothing for `timeout` seconds."""
-    body = message.get("body") or message.get("text") or b""
-    handle.backlog_bytes = len(body) + (transport.get_write_buffer_size() if transport is not None else 0)
+async def guarded_send(sending: Awaitable[None], nbytes: int, handle: StreamHandle, transport: Any,
+                       timeout: float) -> None:
+    """Await one send of `nbytes`; cut the stream if the client takes nothing for `timeout` s.
+
+    While it waits, the bytes count in the stream's backlog (with what the
+    transport still buffers): the server-side view of send-buffer back-pressure.
+    """
+    handle.backlog_bytes = nbytes + (transport.get_write_buffer_size() if transport is not None else 0)
     try:
-        await asyncio.wait_for(send(message), timeout)
+        await asyncio.wait_for(sending, timeout)
     except asyncio.TimeoutError:
         handle.cut("stall")
         raise StreamStalled() from None
@@ -75,8 +79,8 @@ class SSEResponse(Response):
         watcher = asyncio.create_task(watch_disconnect(receive, h))
 
         async def emit(data: bytes) -> None:
-            await guarded_send(send, {"type": "http.response.body", "body": data, "more_body": True}, h, transport,
-                               self.stall_timeout)
+            await guarded_send(send({"type": "http.response.body", "body": data, "more_body": True}), len(data), h,
+                               transport, self.stall_timeout)
 
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})

@@ -19,7 +19,7 @@ from starlette.websockets import WebSocketDisconnect
 from ...engine.engine import AdmissionError
 from .errors import ADMISSION_STATUS, error_body
 from .openai_format import Accumulated
-from .sse import StreamStalled
+from .sse import StreamStalled, guarded_send
 
 CLOSE_OK, CLOSE_BAD_REQUEST, CLOSE_SERVER_ERROR, CLOSE_TRY_LATER = 1000, 1008, 1011, 1013
 
@@ -91,7 +91,7 @@ async def websocket_stream(ws: WebSocket, state, run_prepare: Callable) -> None:
 
     async def emit(obj: dict) -> None:
         text = json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
-        await _send_guarded(ws, text, handle, transport, cfg.stall_timeout)
+        await guarded_send(ws.send_text(text), len(text), handle, transport, cfg.stall_timeout)
 
     acc = Accumulated()
     try:
@@ -132,13 +132,3 @@ async def websocket_stream(ws: WebSocket, state, run_prepare: Callable) -> None:
         handle.stream.abort()
         state.streams.close(handle)
         handle.backlog_bytes = 0
-
-
-async def _send_guarded(ws: WebSocket, text: str, handle, transport, timeout: float) -> None:
-    handle.backlog_bytes = len(text) + (transport.get_write_buffer_size() if transport is not None else 0)
-    try:
-        await asyncio.wait_for(ws.send_text(text), timeout)
-    except asyncio.TimeoutError:
-        handle.cut("stall")
-        raise StreamStalled() from None
-    handle.backlog_bytes = transport.get_write_buffer_size() if transport is not None else 0
