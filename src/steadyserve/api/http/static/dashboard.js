@@ -6,6 +6,7 @@ const POLL_MS = 1000;
 const charts = {};
 let prev = null; // the previous stats, for rates
 const reasonsSeen = new Set();
+const tokHist = []; // [server time, generated tokens], the last few seconds
 
 function setupCharts() {
   const fig = (name) => document.querySelector(`figure[data-chart="${name}"]`);
@@ -69,9 +70,14 @@ function update(s) {
   } else {
     $("#window-note").textContent = "Metrics are disabled on this server (--no-metrics): only the gauges are shown.";
   }
+  if (s.counters && !tokHist.length) tokHist.push([t, s.counters.generated_tokens]);
   if (s.counters && prev && prev.counters && t > prev.time) {
     const dt = t - prev.time;
-    charts.tokens.push(t, { "tokens/s": Math.max(0, s.counters.generated_tokens - prev.counters.generated_tokens) / dt });
+    // Tokens/s over the last ~3 s: steps are bursty, a single poll interval is too jumpy to read.
+    tokHist.push([t, s.counters.generated_tokens]);
+    while (tokHist.length > 2 && t - tokHist[1][0] >= 3) tokHist.shift();
+    const [t0, g0] = tokHist[0];
+    charts.tokens.push(t, { "tokens/s": t > t0 ? Math.max(0, s.counters.generated_tokens - g0) / (t - t0) : 0 });
     const vals = {};
     for (const [kind, group] of [["rejected", s.counters.rejected], ["aborted", s.counters.aborted]]) {
       for (const [reason, v] of Object.entries(group)) {
