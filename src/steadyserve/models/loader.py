@@ -196,9 +196,8 @@ def load_model(path: str, device: str = "cpu", dtype: str = "auto", *, batch_inv
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     except Exception as e:
         raise LoadError(f"{model_dir}: cannot load tokenizer ({str(e).splitlines()[0]})") from None
+    # Sliding-window models keep their full context: attention masks keys outside the window.
     limit = args.max_position_embeddings
-    if args.sliding_window:
-        limit = min(limit, args.sliding_window) if not max_model_len else limit
     max_len = min(max_model_len, limit) if max_model_len else limit
     try:
         model = Transformer(args, weights, dev, dt, RowTiler(row_tile, batch_invariant), max_len)
