@@ -31,17 +31,24 @@ class ServerProcess:
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
                                      env={**os.environ, **(env or {})})
         deadline = time.monotonic() + startup_timeout
-        while not self.ready_file.exists():
+        while not self._read_ready():
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.logs()}")
             if time.monotonic() > deadline:
                 self.kill()
                 raise RuntimeError(f"server not ready after {startup_timeout} s:\n{self.logs()}")
             time.sleep(0.05)
-        info = json.loads(self.ready_file.read_text())
+        info = self._read_ready()
         self.http_port: int = info["http_port"]
         self.grpc_port: int = info["grpc_port"]
         self.pid: int = info["pid"]
+
+    def _read_ready(self) -> dict | None:
+        """The ready file's contents, or None while it is missing or still being written."""
+        try:
+            return json.loads(self.ready_file.read_text())
+        except (OSError, ValueError):
+            return None
 
     @property
     def http_url(self) -> str:
