@@ -57,6 +57,8 @@ def build_state(config: Config) -> ServerState:
         "device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch."),
         "load_s": round(loaded.load_seconds, 2), "cached": loaded.from_cache, "context": loaded.max_model_len}})
     engine = LLMEngine(loaded, ec)
+    if os.environ.get(TEST_FAULTS_ENV) == "1":
+        install_test_faults(engine)
     log.info("kv cache allocated", extra={"fields": {
         "budget_bytes": ec.kv_cache_memory, "blocks": engine.kv.num_blocks, "block_size": ec.block_size,
         "token_capacity": engine.kv.num_blocks * ec.block_size, "max_num_seqs": ec.max_num_seqs,
@@ -83,6 +85,36 @@ def build_state(config: Config) -> ServerState:
                         streams=StreamRegistry(metrics))
     metrics.backlog_sources[0] = state.streams.backlog_bytes
     return state
+
+
+# ---- TEST-ONLY fault injection (off unless STEADYSERVE_TEST_FAULTS=1; never set it in production) ----------
+TEST_FAULTS_ENV = "STEADYSERVE_TEST_FAULTS"
+FAIL_REQUEST_MARKER = "<<fail-request>>"  # that request fails alone, after its second generated token
+KILL_ENGINE_MARKER = "<<kill-engine>>"  # the engine loop itself dies at that request's first step
+
+
+class EngineKilledForTest(BaseException):
+    """TEST-ONLY: a BaseException, so the per-request handler (which catches Exception) lets it kill the loop."""
+
+
+def install_test_faults(engine: LLMEngine) -> None:
+    """TEST-ONLY: install LLMEngine.fault_hook reacting to marker strings in a request's prompt."""
+    log.warning("TEST-ONLY fault injection is ON (%s=1): prompts containing %s fail, %s kills the engine",
+                TEST_FAULTS_ENV, FAIL_REQUEST_MARKER, KILL_ENGINE_MARKER)
+    tok = engine.tokenizer
+
+    def hook(seq: Any) -> None:
+        kind = getattr(seq, "_test_fault", None)
+        if kind is None:
+            text = tok.decode(seq.request.prompt_token_ids)
+            kind = "kill" if KILL_ENGINE_MARKER in text else "fail" if FAIL_REQUEST_MARKER in text else ""
+            seq._test_fault = kind
+        if kind == "kill":
+            raise EngineKilledForTest("test fault: engine loop killed")
+        if kind == "fail" and seq.num_generated_tokens >= 2:
+            raise RuntimeError("test fault: request failed")
+
+    engine.fault_hook = hook
 
 
 # Kernel send buffer of each HTTP connection (accepted sockets inherit it from the listener; Linux
@@ -154,8 +186,10 @@ class Server:
                                               "grpc": f"{sc.host}:{grpc_port}" if grpc_port >= 0 else "off",
                                               "pid": os.getpid()}})
         if sc.ready_file:
-            Path(sc.ready_file).write_text(json.dumps({"http_port": http_port, "grpc_port": grpc_port,
-                                                       "pid": os.getpid()}))
+            # Atomically (write, then rename): a poller must never read a half-written file.
+            tmp = Path(sc.ready_file + ".tmp")
+            tmp.write_text(json.dumps({"http_port": http_port, "grpc_port": grpc_port, "pid": os.getpid()}))
+            os.replace(tmp, sc.ready_file)
         await self._stop.wait()
         if self.exit_code == EXIT_OK:
             await self._drain()
