@@ -271,7 +271,27 @@ def create_app(state: ServerState) -> FastAPI:
         return kind, ids, params, None
 
     mount_console(app, state)  # the web console: /, /playground, /static/*, /v1/console/*
+    app.openapi = lambda: openapi_schema(app)  # type: ignore[method-assign]
     return app
+
+
+def openapi_schema(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's spec plus the request bodies: the routes parse JSON by hand (to name bad fields and bound
+    sizes), so FastAPI cannot see their pydantic models; describe them here for clients and fuzzers."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    from fastapi.openapi.utils import get_openapi
+
+    spec = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    schemas = spec.setdefault("components", {}).setdefault("schemas", {})
+    for path, model in (("/v1/completions", CompletionRequest), ("/v1/chat/completions", ChatCompletionRequest)):
+        js = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        schemas.update(js.pop("$defs", {}))
+        schemas[model.__name__] = js
+        spec["paths"][path]["post"]["requestBody"] = {"required": True, "content": {"application/json": {
+            "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+    app.openapi_schema = spec
+    return spec
 
 
 class Envelope:
