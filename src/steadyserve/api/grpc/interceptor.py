@@ -18,7 +18,7 @@ from typing import Any, Awaitable, Callable
 import grpc
 
 from ..state import ServerState
-from . import FINGERPRINT_KEY
+from . import ERROR_CODE_KEY, FINGERPRINT_KEY
 from .servicer import deadline_passed
 
 log = logging.getLogger("steadyserve.grpc")
@@ -71,7 +71,10 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
             behavior = getattr(handler, attr)
             if behavior is not None:
                 wrapped = self._wrap(behavior, (grpc_type, service, method), authorized)
-                return factory(wrapped, request_deserializer=handler.request_deserializer,
+                deserializer = handler.request_deserializer
+                if deserializer is not None and attr in ("unary_unary", "unary_stream"):
+                    deserializer = _tolerant(deserializer)
+                return factory(wrapped, request_deserializer=deserializer,
                                response_serializer=handler.response_serializer)
         return handler
 
@@ -84,6 +87,13 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
                 metrics.grpc_started.labels(*labels).inc()
             context.set_trailing_metadata(trailer)
             return time.perf_counter()
+
+        async def malformed(context: grpc.aio.ServicerContext, request: "_Malformed") -> None:
+            if metrics is not None:
+                metrics.rejected.labels("invalid").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"the request is not a valid protobuf message for {labels[2]}: {request.why}",
+                                trailer + ((ERROR_CODE_KEY, "invalid"),))
 
         async def refuse(context: grpc.aio.ServicerContext) -> None:
             if metrics is not None:
@@ -105,6 +115,8 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
                 try:
                     if not authorized:
                         await refuse(context)
+                    if isinstance(request, _Malformed):
+                        await malformed(context, request)
                     async for item in behavior(request, context):
                         yield item
                 except BaseException as e:
@@ -119,6 +131,8 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
             try:
                 if not authorized:
                     await refuse(context)
+                if isinstance(request, _Malformed):
+                    await malformed(context, request)
                 return await behavior(request, context)
             except BaseException as e:
                 exc = e
@@ -126,3 +140,19 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
             finally:
                 end(context, t0, exc)
         return wrapper
+
+
+class _Malformed:
+    """A request whose bytes did not parse; the handler wrapper answers INVALID_ARGUMENT (gRPC would say UNKNOWN)."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+
+def _tolerant(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def deserialize(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as e:  # DecodeError, invalid UTF-8 in a string field, ...
+            return _Malformed(f"{type(e).__name__}: {e}"[:200])
+    return deserialize

@@ -1,0 +1,195 @@
+"""Issue 8, bad input: schemathesis over the server's own OpenAPI spec, hypothesis on request parsing,
+raw-bytes gRPC messages, and a huge WebSocket frame. One real server on 127.0.0.1 (the tiny model).
+
+Incremental detokenization is property-tested in tests/test_detokenizer.py; WebSocket non-JSON, binary and
+second-request frames in tests/test_websocket.py. Example counts are bounded so the file runs in about a minute.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import grpc
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect
+
+from http_util import five_xx, status_counts
+from steadyserve.api.http.schemas import ChatCompletionRequest, CompletionRequest
+from steadyserve.engine.sequence import InvalidRequest
+from steadyserve.client import Client
+from steadyserve.testing.server import ServerProcess
+
+MAX_EXAMPLES = int(os.environ.get("STEADYSERVE_FUZZ_EXAMPLES", "40"))  # per operation
+
+
+@pytest.fixture(scope="module")
+def fz(tiny_model: str):
+    with ServerProcess(tiny_model, "--max-num-seqs", "8", "--max-tokens-cap", "64", "--stall-timeout", "5",
+                       threads=1) as s:
+        yield s
+
+
+# ---- schemathesis -----------------------------------------------------------------------------------------
+
+def test_openapi_spec_describes_the_request_bodies(fz):
+    spec = httpx.get(fz.http_url + "/openapi.json").json()
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        body = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        name = body["$ref"].rsplit("/", 1)[1]
+        assert "max_tokens" in spec["components"]["schemas"][name]["properties"]
+
+
+def test_schemathesis_every_http_operation_no_5xx(fz):
+    schema = schemathesis.openapi.from_url(fz.http_url + "/openapi.json")
+    seen: dict[str, dict[int, int]] = {}
+    for result in schema.get_all_operations():
+        op = result.ok()
+        label = f"{op.method.upper()} {op.path}"
+        counts = seen.setdefault(label, {})
+
+        @settings(max_examples=MAX_EXAMPLES, deadline=None, database=None,
+                  suppress_health_check=list(HealthCheck))
+        @given(case=op.as_strategy())
+        def run(case) -> None:
+            if isinstance(case.body, dict) and isinstance(case.body.get("max_tokens"), int):
+                case.body["max_tokens"] = min(case.body["max_tokens"], 8)  # bounded work per example
+            r = case.call(base_url=fz.http_url, timeout=60)
+            counts[r.status_code] = counts.get(r.status_code, 0) + 1
+            assert r.status_code < 500, (label, case.body, r.status_code, r.text[:500])
+            ctype = r.headers.get("content-type") or [""]
+            ctype = ctype[0] if isinstance(ctype, list) else ctype
+            if r.status_code >= 400 and ctype.startswith("application/json"):
+                assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+        run()
+    print(f"\nschemathesis: {sum(sum(c.values()) for c in seen.values())} requests over {len(seen)} operations: "
+          f"{seen}")
+    assert {"POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /healthz",
+            "GET /readyz", "GET /metrics"} <= set(seen)
+    assert sum(seen["POST /v1/completions"].values()) >= 10
+    assert fz.proc.poll() is None and five_xx(fz) == 0, status_counts(fz)
+    assert httpx.get(fz.http_url + "/readyz").status_code == 200
+
+
+# ---- hypothesis on request parsing (in process) -------------------------------------------------------------
+
+FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
+          "seed", "stop", "stream", "stream_options", "n", "logprobs", "top_logprobs", "echo", "best_of",
+          "suffix", "frequency_penalty", "presence_penalty", "logit_bias", "ignore_eos", "response_format",
+          "tools", "role", "content", "type", "text", "include_usage"]
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-2**70, max_value=2**70)
+    | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=5),
+                                                                inner, max_size=5),
+    max_leaves=12)
+bodies = st.dictionaries(st.sampled_from(FIELDS), json_values, max_size=8)
+
+
+@settings(max_examples=400, deadline=None, database=None)
+@given(body=bodies, chat=st.booleans())
+def test_request_parsing_refuses_by_name_and_never_crashes(body, chat):
+    model = ChatCompletionRequest if chat else CompletionRequest
+    try:
+        req = model.model_validate(body)
+        params = req.sampling_params(16)
+        params.validate()
+    except (ValidationError, InvalidRequest, ValueError):
+        return  # refused: the HTTP layer turns these into 400 naming the field
+    assert params.max_tokens >= 0 and 0 <= params.temperature <= 2 and 0 < params.top_p <= 1
+    assert params.logprobs is None or 0 <= params.logprobs <= 20
+
+
+# ---- gRPC: raw bytes --------------------------------------------------------------------------------------
+
+def _raw(ch: grpc.Channel, method: str):
+    return ch.unary_unary(method, request_serializer=None, response_deserializer=None)
+
+
+RAW_SCORE = [
+    ("garbage", b"\xff\xff\xff\xff\x0f", "bad"),
+    ("truncated-length", b"\x0a\x10abc", "bad"),  # field 1, length 16, 3 bytes follow
+    ("wrong-wire-type", b"\x08\x96\x01", "any"),  # field 1 as a varint instead of a string
+    ("group-tags", b"\x0b\x0c", "any"),
+    ("unknown-field-only", b"\xa0\x1f\x01", "invalid"),  # field 500; no input given
+    ("huge-tag", b"\xf8\xff\xff\xff\x0f\x01", "any"),
+    ("invalid-utf8-string", b"\x0a\x02\xc3\x28", "bad"),
+    ("empty", b"", "invalid"),
+]
+CLEAN = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OK}  # never UNKNOWN / INTERNAL
+
+
+def test_grpc_raw_bytes_get_clean_status_codes(fz):
+    seen = {}
+    with grpc.insecure_channel(fz.grpc_addr) as ch:
+        score = _raw(ch, "/steadyserve.v1.Inference/Score")
+        for name, payload, _ in RAW_SCORE:
+            try:
+                score(payload, timeout=10)
+                seen[name] = grpc.StatusCode.OK
+            except grpc.RpcError as e:
+                seen[name] = e.code()
+        # A valid request with an unknown field appended: unknown fields are ignored.
+        from steadyserve.client import pb
+        ok = pb.ScoreRequest(text="hello").SerializeToString() + b"\xa0\x1f\x01"
+        assert pb.ScoreResponse.FromString(score(ok, timeout=10)).usage.prompt_tokens > 0
+        # Over-size message: refused by gRPC before we parse it.
+        with pytest.raises(grpc.RpcError) as e:
+            score(b"\x0a" + b"\x80\x80\x80\x01" + b"x" * (2 * 1024 * 1024), timeout=10)
+        seen["over-size"] = e.value.code()
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        # Unknown method: UNIMPLEMENTED.
+        with pytest.raises(grpc.RpcError) as e:
+            _raw(ch, "/steadyserve.v1.Inference/Nope")(b"", timeout=10)
+        assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        gen = ch.unary_stream("/steadyserve.v1.Inference/Generate", request_serializer=None,
+                              response_deserializer=None)
+        for name, payload, _ in RAW_SCORE:
+            try:
+                list(gen(payload, timeout=10))
+                seen["gen-" + name] = grpc.StatusCode.OK
+            except grpc.RpcError as e:
+                seen["gen-" + name] = e.code()
+    print(f"\ngRPC raw bytes: { {k: v.name for k, v in seen.items()} }")
+    for name, _, kind in RAW_SCORE:
+        for key in (name, "gen-" + name):
+            assert seen[key] in CLEAN, (key, seen[key])
+            if kind == "bad":
+                assert seen[key] != grpc.StatusCode.OK, key
+            if kind == "invalid":
+                assert seen[key] == grpc.StatusCode.INVALID_ARGUMENT, key
+    with Client(fz.grpc_addr, timeout=30, retries=False) as c:  # unaffected
+        assert c.score("still serving").usage.prompt_tokens > 0 and c.health() == "SERVING"
+    assert fz.metric("steadyserve_engine_alive") == 1
+    bad = [k for k, v in fz.metrics().items() if k[0] == "grpc_server_handled_total" and v
+           and dict(k[1])["grpc_code"] in ("UNKNOWN", "INTERNAL")]
+    assert not bad, bad
+
+
+# ---- WebSocket: huge frame --------------------------------------------------------------------------------
+
+def test_ws_huge_frame_is_closed_1009_and_nothing_else_breaks(fz):
+    url = f"ws://127.0.0.1:{fz.http_port}/v1/stream"
+    huge = json.dumps({"prompt": "x" * (2 * 1024 * 1024), "max_tokens": 1})  # > --max-request-bytes (1 MiB)
+    with connect(url, open_timeout=30, max_size=None) as ws:
+        try:
+            ws.send(huge)
+            ws.recv(timeout=30)
+        except ConnectionClosed:
+            pass
+        code = ws.close_code
+    print(f"\nWS 2 MiB frame: close code {code}")
+    assert code == 1009  # message too big
+    with connect(url, open_timeout=30) as ws:
+        ws.send(json.dumps({"prompt": "after", "max_tokens": 2}))
+        msgs = []
+        while not msgs or msgs[-1]["type"] not in ("final", "error"):
+            msgs.append(json.loads(ws.recv(timeout=30)))
+        assert msgs[-1]["type"] == "final"
