@@ -38,6 +38,11 @@ test: install browser
 test-fast: install
 	$(PY) -m pytest -m "not slow" $(ARGS)
 
+# Memory soak (~10 minutes, not part of `make test`): mixed traffic, RSS growth after warm-up < 5%;
+# writes benchmarks/results/soak.json. `make soak ARGS="--minutes 2"` for a shorter run.
+soak: install
+	$(PY) benchmarks/soak.py $(ARGS)
+
 # N replicas on 127.0.0.1 behind nginx (installed from Debian's packages if missing); prints the URLs.
 REPLICAS ?= 2
 cluster-demo: install
