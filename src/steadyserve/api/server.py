@@ -77,9 +77,7 @@ def build_state(config: Config) -> ServerState:
     metrics = Metrics(loaded.name, str(fp), fp.device, fp.dtype, fp.batch_invariant)
     async_engine.step_observers.append(metrics.on_step)
     async_engine.state_observers.append(metrics.on_state)
-    asked = config.model.device
-    metrics.device_mismatch.set(0 if asked == "auto" or fp.device.startswith(asked.split(":")[0]) and
-                                (":" not in asked or fp.device == asked) else 1)
+    metrics.device_mismatch.set(0 if _device_matches(config.model.device, fp.device) else 1)
     state = ServerState(config=config, loaded=loaded, engine=async_engine, fingerprint=fp,
                         selftest=selftest if ec.batch_invariant else None, metrics=metrics,
                         streams=StreamRegistry(metrics))
@@ -122,6 +120,11 @@ def install_test_faults(engine: LLMEngine) -> None:
 # would then hide megabytes before a write blocks, so --stall-timeout could not see the stall for
 # a whole long stream, and each stalled stream would pin that much kernel memory.
 SEND_BUFFER_BYTES = 128 * 1024
+
+
+def _device_matches(asked: str, actual: str) -> bool:
+    """`auto` matches anything; `cuda` matches any CUDA device; otherwise exactly."""
+    return asked == "auto" or actual == asked or (asked == "cuda" and actual.startswith("cuda:"))
 
 
 def _bind(host: str, port: int) -> socket.socket:
