@@ -119,6 +119,10 @@ class LLMEngine:
     def step(self) -> tuple[list[RequestOutput], StepStats]:
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()  # 1. schedule
+        now = time.monotonic()
+        for item in sched.scheduled:  # queue wait ends when a request is first scheduled, not computed
+            if item.seq.first_scheduled_time is None:
+                item.seq.first_scheduled_time = now
         outputs: list[RequestOutput] = []
         num_generated = 0
         if not sched.is_empty:
@@ -146,8 +150,6 @@ class LLMEngine:
         seq.num_computed_tokens += n
         st: _SeqState = seq.state
         now = time.monotonic()
-        if seq.first_scheduled_time is None:
-            seq.first_scheduled_time = now
         try:
             if self.fault_hook is not None:
                 self.fault_hook(seq)
