@@ -35,20 +35,22 @@ def plain_server(smolwidth_model: str):
 
 
 def test_validate_passes_on_invariant_server(invariant_server: ServerProcess) -> None:
+    # Fewer clients than seats (32), so steps are not all full and their sizes differ.
     r = cli("validate", "--http", invariant_server.http_url, "--grpc", invariant_server.grpc_addr,
-            "-n", "96", "-c", "48", "--background", "1", "--json")
+            "-n", "96", "-c", "16", "--background", "1", "--json")
     rep = json.loads(r.stdout)
     assert r.returncode == 0, r.stdout + r.stderr
     assert rep["passed"] and rep["errors"] == 0
+    sizes = set()
     for kind in ("score", "generate"):
         (fp, g), = rep["kinds"][kind]["fingerprints"].items()
         assert fp.endswith("-bi")
         assert g["distinct_vectors"] == 1 and g["max_abs_drift"] == 0
         assert set(g["by_transport"]) == {"http", "grpc"}
-        # The probes really did share their steps with other sequences.
-        assert rep["kinds"][kind]["batch_seqs"]["max"] > 8
-    # Scoring probes finish in one step: their step sizes differ from probe to probe.
-    assert rep["kinds"]["score"]["batch_seqs"]["distinct"] > 1
+        b = rep["kinds"][kind]["batch_seqs"]
+        assert b["max"] > 4  # the probes really did share their steps with other sequences
+        sizes |= {b["min"], b["max"]}
+    assert len(sizes) > 1  # ...and not always with the same number of them
 
 
 def test_validate_catches_drift_without_invariance(plain_server: ServerProcess) -> None:
