@@ -109,14 +109,18 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
                 metrics.grpc_handled.labels(*labels, _code_name(context, exc)).inc()
                 metrics.grpc_seconds.labels(*labels).observe(time.perf_counter() - t0)
 
+        async def admit(request: Any, context: grpc.aio.ServicerContext) -> None:
+            """Abort before the handler runs: no key, or a message that did not decode."""
+            if not authorized:
+                await refuse(context)
+            if isinstance(request, _Malformed):
+                await malformed(context, request)
+
         if inspect.isasyncgenfunction(behavior):  # a streaming handler written as an async generator
             async def stream_wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 t0, exc = begin(context), None
                 try:
-                    if not authorized:
-                        await refuse(context)
-                    if isinstance(request, _Malformed):
-                        await malformed(context, request)
+                    await admit(request, context)
                     async for item in behavior(request, context):
                         yield item
                 except BaseException as e:
@@ -129,10 +133,7 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
         async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
             t0, exc = begin(context), None
             try:
-                if not authorized:
-                    await refuse(context)
-                if isinstance(request, _Malformed):
-                    await malformed(context, request)
+                await admit(request, context)
                 return await behavior(request, context)
             except BaseException as e:
                 exc = e
