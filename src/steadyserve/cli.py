@@ -36,7 +36,10 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=d.threads, help="torch intra-op threads; 0 = all cores")
     g.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=d.batch_invariant,
                    help="bitwise batch-invariant numerics (default: on)")
-    g.add_argument("--row-tile", type=int, default=d.row_tile, help="rows per GEMM tile (default: %(default)s)")
+    g.add_argument("--row-tile", type=int, default=d.row_tile,
+                   help="most rows per row-wise kernel call (default: %(default)s)")
+    g.add_argument("--attention", default=d.attention, choices=["auto", "native", "python"],
+                   help="attention kernel: native C++ when built (auto), required (native), or Python")
 
 
 def _add_server_flags(p: argparse.ArgumentParser) -> None:
@@ -65,7 +68,8 @@ def config_from_args(a: argparse.Namespace) -> Config:
         engine=EngineConfig(kv_cache_memory=parse_size(a.kv_cache_memory, "--kv-cache-memory"),
                             block_size=a.block_size, max_num_seqs=a.max_num_seqs, max_queue=a.max_queue,
                             max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
-                            threads=a.threads, batch_invariant=a.batch_invariant, row_tile=a.row_tile),
+                            threads=a.threads, batch_invariant=a.batch_invariant, row_tile=a.row_tile,
+                            attention=a.attention),
         server=ServerConfig(host=a.host, http_port=a.http_port, grpc_port=a.grpc_port,
                             stall_timeout=a.stall_timeout, drain_timeout=a.drain_timeout,
                             max_request_bytes=parse_size(a.max_request_bytes, "--max-request-bytes"),

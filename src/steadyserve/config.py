@@ -51,7 +51,8 @@ class EngineConfig:
     max_model_len: int = 0  # --max-model-len: context cap; 0 = the model's own
     threads: int = 0  # --threads: torch intra-op threads; 0 = all cores
     batch_invariant: bool = True  # --batch-invariant / --no-batch-invariant
-    row_tile: int = 64  # --row-tile: fixed row count of every row-wise kernel call
+    row_tile: int = 256  # --row-tile: most rows per row-wise kernel call; fewer only in counts verified at start-up
+    attention: str = "auto"  # --attention: auto | native (C++ kernel, else refuse to start) | python
 
     def validate(self) -> None:
         if self.kv_cache_memory <= 0:
@@ -71,6 +72,8 @@ class EngineConfig:
             raise ConfigError("--threads must be 0 (all cores) or positive")
         if self.row_tile < 1:
             raise ConfigError("--row-tile must be at least 1")
+        if self.attention not in ("auto", "native", "python"):
+            raise ConfigError(f"--attention must be auto, native or python, not {self.attention!r}")
 
     @property
     def num_threads(self) -> int:

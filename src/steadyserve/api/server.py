@@ -51,7 +51,8 @@ def build_state(config: Config) -> ServerState:
     """Load the model and start the engine; the synchronous part of start-up."""
     mc, ec = config.model, config.engine
     loaded = load_model(mc.path, mc.device, mc.dtype, batch_invariant=ec.batch_invariant, row_tile=ec.row_tile,
-                        max_model_len=ec.max_model_len, name=mc.name, cache_dir=mc.cache_dir)
+                        max_model_len=ec.max_model_len, name=mc.name, cache_dir=mc.cache_dir,
+                        attention=ec.attention, block_size=ec.block_size)
     log.info("model loaded", extra={"fields": {
         "model": loaded.name, "architecture": loaded.args.architecture, "params": loaded.args.num_params,
         "device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch."),
@@ -71,7 +72,7 @@ def build_state(config: Config) -> ServerState:
         log.warning("batch invariance is OFF (--no-batch-invariant): logprobs depend on batch composition",
                     extra={"fields": {"selftest": selftest.detail}})
     fp = Fingerprint(loaded.weights_hash[:12], str(loaded.dtype).removeprefix("torch."), str(loaded.device),
-                     ec.batch_invariant and selftest.passed)
+                     ec.batch_invariant and selftest.passed, loaded.model.kernel_id)
     log.info("model fingerprint", extra={"fields": {"fingerprint": str(fp)}})
     async_engine = AsyncEngine(engine, ec.max_queue)
     metrics = Metrics(loaded.name, str(fp), fp.device, fp.dtype, fp.batch_invariant)

@@ -13,7 +13,8 @@ from typing import Callable
 
 import torch
 
-from ..config import EngineConfig
+from ..config import ConfigError, EngineConfig
+from ..kernels.build import NATIVE_KERNEL_ID
 from ..models.loader import LoadedModel
 from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer
@@ -67,6 +68,9 @@ class LLMEngine:
         self.cfg = cfg
         self.tokenizer = loaded.tokenizer
         self.max_model_len = loaded.max_model_len
+        if loaded.model.kernel_id == NATIVE_KERNEL_ID and cfg.block_size % 16:
+            raise ConfigError("--block-size must be a multiple of 16 for the native attention kernel "
+                              "(or use --attention python)")
         self.kv = allocate_kv_cache(loaded.args, cfg.kv_cache_memory, cfg.block_size, loaded.dtype, loaded.device)
         self.block_manager = BlockManager(self.kv.num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)

@@ -30,25 +30,27 @@ class ModelRunner:
         bs = self.kv.block_size
         ids: list[int] = []
         positions: list[int] = []
+        seq_of: list[int] = []
         tables: list[list[int]] = []
         spans = []  # per seq: (row of first token, n, first needed logits row, number of rows)
         max_blocks = max(len(s.seq.block_table) for s in out.scheduled)
-        for sched in out.scheduled:
+        for i, sched in enumerate(out.scheduled):
             seq, n = sched.seq, sched.num_new_tokens
             start = seq.num_computed_tokens
             row0 = len(ids)
             ids.extend(seq.token_ids[start:start + n])
             positions.extend(range(start, start + n))
-            table = seq.block_table + [0] * (max_blocks - len(seq.block_table))
-            tables.extend([table] * n)
+            seq_of.extend([i] * n)
+            tables.append(seq.block_table + [0] * (max_blocks - len(seq.block_table)))
             spans.append((row0, n, start, 0))
         dev = self.device
         pos = torch.tensor(positions, dtype=torch.int64)
-        tab = torch.tensor(tables, dtype=torch.int64)
-        blocks = tab.gather(1, (pos // bs)[:, None])[:, 0]
+        tab = torch.tensor(tables, dtype=torch.int64)  # (S, NBmax)
+        of = torch.tensor(seq_of, dtype=torch.int64)  # (T,)
+        blocks = tab[of, pos // bs]
         batch = ForwardBatch(input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
                              positions=pos.to(dev), slot_blocks=blocks.to(dev),
-                             slot_offsets=(pos % bs).to(dev), block_tables=tab.to(dev))
+                             slot_offsets=(pos % bs).to(dev), block_tables=tab.to(dev), seq_of=of.to(dev))
         return batch, spans
 
     @torch.inference_mode()

@@ -34,7 +34,7 @@ def run_selftest(engine: LLMEngine, seed: int = 1234) -> SelfTestResult:
     t0 = time.perf_counter()
     model = engine.loaded.model
     if model.tiler.enabled:
-        model.tiler.calibrate(model.gemm_weights())
+        model.calibrate()
     rng = random.Random(seed)
     vocab = engine.loaded.args.vocab_size
     prompt = [rng.randrange(vocab) for _ in range(24)]
@@ -53,5 +53,18 @@ def run_selftest(engine: LLMEngine, seed: int = 1234) -> SelfTestResult:
     secs = time.perf_counter() - t0
     if problems:
         return SelfTestResult(False, "batch variance detected: " + ", ".join(problems), secs)
-    return SelfTestResult(True, f"bitwise equal alone/batched/prefill/decode; row tiles "
-                                f"{model.tiler.tiles} ({secs:.2f} s)", secs)
+    return SelfTestResult(True, f"bitwise equal alone/batched/prefill/decode; attention {model.kernel_id}; "
+                                f"row counts {_ladder(model.tiler.tiles)}, LM head {_ladder(model.head_tiler.tiles)} "
+                                f"({secs:.2f} s)", secs)
+
+
+def _ladder(tiles: list[int]) -> str:
+    """[1, 2, ..., 64]-style summary: the verified counts, runs of consecutive ones shortened."""
+    parts, i = [], 0
+    while i < len(tiles):
+        j = i
+        while j + 1 < len(tiles) and tiles[j + 1] == tiles[j] + 1:
+            j += 1
+        parts.append(str(tiles[i]) if j - i < 2 else f"{tiles[i]}-{tiles[j]}")
+        i = j + 1
+    return "[" + ",".join(parts) + "]"

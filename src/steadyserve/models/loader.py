@@ -21,7 +21,9 @@ from typing import Any
 
 import torch
 
+from ..kernels import build as kernels
 from .args import ModelArgs
+from .attention import AttentionFn, attention_invariant, attention_native, attention_plain
 from .layers import RowTiler
 from .registry import model_args
 from .transformer import Transformer
@@ -44,9 +46,10 @@ class Fingerprint:
     dtype: str  # "float32" | "bfloat16" | "float16"
     device: str  # "cpu" | "cuda:0" ...
     batch_invariant: bool  # enabled and confirmed by the start-up self-test
+    kernel: str  # attention kernel: "nat1" (native C++) or "py" (Python fallback); their bits differ
 
     def __str__(self) -> str:
-        return f"{self.weights}-{self.dtype}-{self.device}-{'bi' if self.batch_invariant else 'nbi'}"
+        return f"{self.weights}-{self.dtype}-{self.device}-{'bi' if self.batch_invariant else 'nbi'}-{self.kernel}"
 
 
 @dataclass
@@ -163,8 +166,31 @@ def _read_weights(model_dir: Path) -> tuple[dict[str, torch.Tensor], list[Path]]
     return weights, files
 
 
+def select_attention(choice: str, device: torch.device, dtype: torch.dtype, batch_invariant: bool,
+                     block_size: int, head_dim: int) -> tuple[AttentionFn, str]:
+    """The attention kernel for --attention auto | native | python, and its fingerprint id.
+
+    auto takes the native kernel where it is built and fits (CPU, float32, block
+    size and head dim multiples of 16), else the Python path; native insists.
+    """
+    if choice not in ("auto", "native", "python"):
+        raise LoadError(f"--attention must be auto, native or python, not {choice!r}")
+    if choice != "python":
+        fits = device.type == "cpu" and dtype == torch.float32 and block_size % 16 == 0 and head_dim % 16 == 0
+        status = kernels.load() if fits else None
+        if status is not None and status.available:
+            return attention_native, status.kernel_id
+        if choice == "native":
+            why = status.detail if status is not None else (
+                "it needs a CPU, float32, and --block-size and the head dim multiples of 16")
+            raise LoadError(f"--attention native: {why}")
+        log.warning("attention: Python path (%s)", status.detail if status is not None else "native kernel does not fit")
+    return (attention_invariant if batch_invariant else attention_plain), kernels.PYTHON_KERNEL_ID
+
+
 def load_model(path: str, device: str = "cpu", dtype: str = "auto", *, batch_invariant: bool = True,
-               row_tile: int = 64, max_model_len: int = 0, name: str = "", cache_dir: str = "") -> LoadedModel:
+               row_tile: int = 256, max_model_len: int = 0, name: str = "", cache_dir: str = "",
+               attention: str = "auto", block_size: int = 32) -> LoadedModel:
     """Load and build the model. Raises LoadError with a one-line message."""
     t0 = time.perf_counter()
     src = Path(path or default_model_path())
@@ -200,7 +226,8 @@ def load_model(path: str, device: str = "cpu", dtype: str = "auto", *, batch_inv
     limit = args.max_position_embeddings
     max_len = min(max_model_len, limit) if max_model_len else limit
     try:
-        model = Transformer(args, weights, dev, dt, RowTiler(row_tile, batch_invariant), max_len)
+        attn, kernel_id = select_attention(attention, dev, dt, batch_invariant, block_size, args.head_dim)
+        model = Transformer(args, weights, dev, dt, RowTiler(row_tile, batch_invariant), max_len, attn, kernel_id)
     except (KeyError, RuntimeError, ValueError) as e:
         raise LoadError(f"{model_dir}: weights do not match config.json ({e})") from None
     return LoadedModel(model=model, args=args, tokenizer=tokenizer,

@@ -9,23 +9,29 @@ layer makes two GEMM calls per tile instead of five.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
 from .args import ModelArgs, rope_tables
-from .layers import RowTiler, apply_rope, attention_invariant, attention_plain, rms_norm, write_kv
+from .attention import AttentionFn, write_kv
+from .layers import RowProbe, RowTiler, apply_rope, rms_norm
+
+# Rows of one LM-head call at most: (64, V) float32 logits, and a calibration that stays cheap.
+MAX_HEAD_TILE = 64
 
 
 @dataclass
 class ForwardBatch:
-    """The tokens of one engine step, flattened across sequences (T tokens)."""
+    """The tokens of one engine step, flattened across S sequences (T tokens)."""
 
     input_ids: torch.Tensor  # (T,) int64
     positions: torch.Tensor  # (T,) int64, absolute position of each token in its sequence
     slot_blocks: torch.Tensor  # (T,) int64, KV block the token's K/V is written to
     slot_offsets: torch.Tensor  # (T,) int64, offset inside that block
-    block_tables: torch.Tensor  # (T, NBmax) int64, the block table of the token's sequence
+    block_tables: torch.Tensor  # (S, NBmax) int64, each sequence's block table, padded with block 0
+    seq_of: torch.Tensor  # (T,) int64, the token's row in block_tables
 
 
 @dataclass
@@ -46,12 +52,14 @@ class Transformer:
     """Forward pass only; no autograd, no module state beyond weights."""
 
     def __init__(self, args: ModelArgs, weights: dict[str, torch.Tensor], device: torch.device,
-                 dtype: torch.dtype, tiler: RowTiler, max_len: int) -> None:
+                 dtype: torch.dtype, tiler: RowTiler, max_len: int, attention: AttentionFn, kernel_id: str) -> None:
         self.args = args
         self.device = device
         self.dtype = dtype
-        self.tiler = tiler
-        self.attention = attention_invariant if tiler.enabled else attention_plain
+        self.tiler = tiler  # the layers' row-wise functions
+        self.head_tiler = RowTiler(min(tiler.max_tile, MAX_HEAD_TILE), tiler.enabled)  # LM head + log-softmax
+        self.attention = attention
+        self.kernel_id = kernel_id  # names the attention kernel in the fingerprint: its bits differ per kernel
 
         def w(name: str) -> torch.Tensor:
             return weights[name].to(device=device, dtype=dtype).contiguous()
@@ -90,6 +98,29 @@ class Transformer:
         self.sin = sin.to(device=device, dtype=dtype)
         self.scale = args.head_dim ** -0.5
 
+    def _qkv(self, lw: LayerWeights, x: torch.Tensor, cos: torch.Tensor,
+             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Row-wise: norm, fused q|k|v projection, RoPE. x: (T, hidden) -> (T, H, D), (T, Hkv, D), (T, Hkv, D)."""
+        a = self.args
+        h, hkv, d = a.num_heads, a.num_kv_heads, a.head_dim
+        qkv = F.linear(rms_norm(x, lw.input_norm, a.rms_norm_eps), lw.wqkv, lw.bqkv)
+        q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
+        return apply_rope(q.view(-1, h, d), cos, sin), apply_rope(k.view(-1, hkv, d), cos, sin), v.reshape(-1, hkv, d)
+
+    def _out_mlp(self, lw: LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Row-wise: output projection + residual, norm, gated MLP + residual. (T, hidden), (T, H, D) -> (T, hidden)."""
+        eps = self.args.rms_norm_eps
+        x = x + F.linear(attn.reshape(attn.shape[0], -1), lw.wo, lw.bo)
+        gate, up = F.linear(rms_norm(x, lw.post_norm, eps), lw.w_gate_up, lw.b_gate_up).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, lw.w_down, lw.b_down)
+
+    def _final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.final_norm, self.args.rms_norm_eps)
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Row-wise: (R, hidden) -> (R, V) float32 log-probabilities."""
+        return torch.log_softmax(F.linear(hidden, self.lm_head).float(), dim=-1)
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """Run the layers over a step's tokens, filling the KV cache.
@@ -97,39 +128,44 @@ class Transformer:
         k_cache: (L, NB, Hkv, D, Bs); v_cache: (L, NB, Hkv, Bs, D).
         Returns the final-normed hidden states, (T, hidden).
         """
-        a = self.args
-        h, hkv, d = a.num_heads, a.num_kv_heads, a.head_dim
         x = F.embedding(batch.input_ids, self.embed)  # (T, hidden)
         cos, sin = self.cos[batch.positions], self.sin[batch.positions]  # (T, D)
         for i, lw in enumerate(self.layers):
-            def qkv_fn(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       lw: LayerWeights = lw) -> tuple[torch.Tensor, ...]:
-                qkv = F.linear(rms_norm(x, lw.input_norm, a.rms_norm_eps), lw.wqkv, lw.bqkv)
-                q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
-                q = apply_rope(q.view(-1, h, d), cos, sin)
-                k = apply_rope(k.view(-1, hkv, d), cos, sin)
-                return q, k, v.reshape(-1, hkv, d)
-
-            q, k, v = self.tiler(qkv_fn, x, cos, sin)  # (T, H, D), (T, Hkv, D), (T, Hkv, D)
+            q, k, v = self.tiler(partial(self._qkv, lw), x, cos, sin)  # (T, H, D), (T, Hkv, D), (T, Hkv, D)
             write_kv(k_cache[i], v_cache[i], k, v, batch.slot_blocks, batch.slot_offsets)
-            attn = self.attention(q, k_cache[i], v_cache[i], batch.block_tables, batch.positions,
-                                  self.scale, a.sliding_window)  # (T, H, D)
-
-            def out_mlp_fn(x: torch.Tensor, attn: torch.Tensor, lw: LayerWeights = lw) -> torch.Tensor:
-                x = x + F.linear(attn.reshape(attn.shape[0], -1), lw.wo, lw.bo)
-                gate, up = F.linear(rms_norm(x, lw.post_norm, a.rms_norm_eps), lw.w_gate_up,
-                                    lw.b_gate_up).chunk(2, dim=-1)
-                return x + F.linear(F.silu(gate) * up, lw.w_down, lw.b_down)
-
-            x = self.tiler(out_mlp_fn, x, attn)  # (T, hidden)
-        return self.tiler(lambda x: rms_norm(x, self.final_norm, a.rms_norm_eps), x)
-
-    def gemm_weights(self) -> list[torch.Tensor]:
-        """One weight of each GEMM shape the forward pass uses (for tile calibration)."""
-        lw = self.layers[0]
-        return [lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down, self.lm_head]
+            attn = self.attention(q, k_cache[i], v_cache[i], batch.block_tables, batch.seq_of, batch.positions,
+                                  self.scale, self.args.sliding_window)  # (T, H, D)
+            x = self.tiler(partial(self._out_mlp, lw), x, attn)  # (T, hidden)
+        return self.tiler(self._final_norm, x)
 
     @torch.inference_mode()
     def logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(R, hidden) -> (R, V) float32 log-probabilities, row by row in fixed tiles."""
-        return self.tiler(lambda x: torch.log_softmax(F.linear(x, self.lm_head).float(), dim=-1), hidden)
+        """(R, hidden) -> (R, V) float32 log-probabilities, in verified row counts."""
+        return self.head_tiler(self._head, hidden)
+
+    def row_probes(self) -> tuple[list[RowProbe], list[RowProbe]]:
+        """The row-wise functions as run, with random inputs: (layer tiler probes, LM head probes).
+
+        Every layer has the same shapes, so layer 0's weights stand for all.
+        """
+        a, lw = self.args, self.layers[0]
+        hidden, h, d = a.hidden_size, a.num_heads, a.head_dim
+
+        def rand(n: int, g: torch.Generator, *shape: int) -> torch.Tensor:
+            return torch.randn(n, *shape, generator=g).to(self.device, self.dtype)
+
+        def trig(n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+            pos = torch.randint(0, self.cos.shape[0], (n,), generator=g).to(self.device)
+            return self.cos[pos], self.sin[pos]
+
+        layer = [(partial(self._qkv, lw), lambda n, g: (rand(n, g, hidden), *trig(n, g))),
+                 (partial(self._out_mlp, lw), lambda n, g: (rand(n, g, hidden), rand(n, g, h, d))),
+                 (self._final_norm, lambda n, g: (rand(n, g, hidden),))]
+        head = [(self._head, lambda n, g: (rand(n, g, hidden),))]
+        return layer, head
+
+    @torch.inference_mode()
+    def calibrate(self) -> tuple[list[int], list[int]]:
+        """Find the row counts that keep every row bitwise the same (see RowTiler)."""
+        layer, head = self.row_probes()
+        return self.tiler.calibrate(layer), self.head_tiler.calibrate(head)

@@ -1,0 +1,87 @@
+"""Build and load the native kernels, once per source version, into a cache.
+
+    python -m steadyserve.kernels     # what `make install` and the Dockerfile run
+
+Flags are part of the numerics: -O2 without -ffast-math and with
+-ffp-contract=off (no fused multiply-add), and no -march: the kernels pick
+their vector width at run time (target_clones) with the same bits on each.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("steadyserve.kernels")
+
+SOURCES = [Path(__file__).parent / "csrc" / "paged_attention.cpp"]
+CFLAGS = ["-O2", "-ffp-contract=off", "-fno-fast-math", "-fno-unsafe-math-optimizations"]
+# Bumped whenever a kernel's reduction order changes: it is part of the fingerprint.
+NATIVE_KERNEL_ID = "nat1"
+PYTHON_KERNEL_ID = "py"
+
+
+@dataclass(frozen=True)
+class KernelStatus:
+    """Which attention kernel a process can use, and why."""
+
+    available: bool  # the native extension is built and registered
+    kernel_id: str  # "nat1" when available; the fingerprint names it
+    detail: str  # one line: where it was built from, or why it could not be
+
+
+_status: KernelStatus | None = None
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("STEADYSERVE_CACHE") or os.path.join(Path.home(), ".cache", "steadyserve")
+    h = hashlib.sha256()
+    for src in SOURCES:
+        h.update(src.read_bytes())
+    h.update(" ".join(CFLAGS).encode())
+    h.update(torch.__version__.encode())
+    h.update(sys.version.encode())
+    return Path(root) / "kernels" / h.hexdigest()[:16]
+
+
+def load() -> KernelStatus:
+    """Build (first call only, ~10 s) and register the native kernels; never raises."""
+    global _status
+    if _status is not None:
+        return _status
+    t0 = time.perf_counter()
+    try:
+        from torch.utils.cpp_extension import load as cpp_load
+
+        try:  # the ninja wheel's binary, when the venv's bin is not on PATH
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        except ImportError:
+            pass
+
+        build_dir = _cache_dir()
+        build_dir.mkdir(parents=True, exist_ok=True)
+        cpp_load(name="steadyserve_kernels", sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
+                 build_directory=str(build_dir), is_python_module=False, verbose=False)
+        torch.ops.steadyserve.paged_attention  # noqa: B018 - raises if registration failed
+        _status = KernelStatus(True, NATIVE_KERNEL_ID,
+                               f"native kernels {NATIVE_KERNEL_ID} from {build_dir} ({time.perf_counter() - t0:.1f} s)")
+    except Exception as e:  # no compiler, no ninja, a read-only cache...
+        reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        _status = KernelStatus(False, PYTHON_KERNEL_ID, f"native kernels unavailable, using Python attention: {reason}")
+        log.warning(_status.detail)
+    return _status
+
+
+def kernel_status() -> KernelStatus | None:
+    """The result of `load()` if it ran in this process, else None."""
+    return _status
+

@@ -1,0 +1,242 @@
+// Causal attention over a paged KV cache, with one fixed reduction order per output row.
+//
+// Why: a token's attention output must be bitwise identical whether it was computed
+// in prefill, chunked prefill or decode, whatever else is in the batch, on any
+// thread count, and (for fleet reproducibility) on any x86-64 vector width.
+//
+// The reduction order, for the token at absolute position p and one query head:
+//   1. score[j] = (sum over d = 0..D-1, in order, of q[d] * k_j[d]) * scale, for every
+//      key j in [first, p], where first = 0, or p - window + 1 with a sliding window.
+//   2. m = max_j score[j]   (exact in any order).
+//   3. e[j] = exp_det(score[j] - m), a polynomial exp made of IEEE mul/add only.
+//   4. l = sum_j e[j] over 16 lanes: lane i sums the keys with j % 16 == i in
+//      ascending j; the 16 lanes are then added in one fixed pairwise tree.
+//   5. out[d] = (sum over j ascending of e[j] * v_j[d]) / l.
+// Every lane of every vector computes one element with the same sequence of IEEE
+// operations, so the vector width (SSE2, AVX2, AVX-512, chosen by target_clones)
+// changes speed, never bits. Built with -ffp-contract=off (no fused multiply-add)
+// and without -ffast-math, so the compiler may not reorder any of it.
+//
+// Work is split over (token, kv-head) pairs; each pair is owned by one thread and
+// all query heads of its group share the K/V loads.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int kLanes = 16;  // accumulator lanes; part of the numerics, not a tuning knob
+
+#define STEADY_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+
+// exp(x) for x <= 0 from IEEE add/sub/mul only (Cephes expf coefficients, ~1 ulp);
+// x < -87 returns 0, so a masked score (-inf) contributes an exact zero.
+inline float exp_det(float x) {
+  const float kLog2e = 1.44269504088896341f;
+  const float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const float kC1 = 0.693359375f, kC2 = -2.12194440e-4f;
+  float xc = x < -87.0f ? -87.0f : x;
+  float n = (xc * kLog2e + kRound) - kRound;
+  float r = (xc - n * kC1) - n * kC2;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  float y = (p * (r * r) + r) + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return x < -87.0f ? 0.0f : y * scale;
+}
+
+struct Problem {
+  const float* q;        // (T, H, D)
+  const float* k;        // (NB, Hkv, D, Bs)
+  const float* v;        // (NB, Hkv, Bs, D)
+  const int64_t* tables; // (S, NBmax)
+  const int64_t* seq_of; // (T,)
+  const int64_t* pos;    // (T,)
+  float* out;            // (T, H, D)
+  int64_t h, hkv, d, bs, nb_max;
+  float scale;
+  int64_t window;
+};
+
+// Scores of N consecutive keys of one block (N a multiple of 16) for G query heads:
+// out[r * stride + i] = (sum over d ascending of q_r[d] * k_i[d]) * scale, or -inf for
+// keys outside [first, p]. More keys per pass only means more independent chains.
+template <int G, int N>
+inline void score_keys(const float* qg, const float* kb, int64_t D, int64_t Bs, int64_t key0, int64_t first,
+                       int64_t p, float scale, float* out, int64_t stride) {
+  float s[G][N] = {};
+  for (int64_t dd = 0; dd < D; ++dd) {
+    const float* kr = kb + dd * Bs;
+    for (int r = 0; r < G; ++r) {
+      const float qv = qg[r * D + dd];
+      for (int l = 0; l < N; ++l) s[r][l] += qv * kr[l];
+    }
+  }
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int r = 0; r < G; ++r)
+    for (int l = 0; l < N; ++l) {
+      const int64_t j = key0 + l;
+      out[r * stride + l] = (j >= first && j <= p) ? s[r][l] * scale : neg_inf;
+    }
+}
+
+// One (token, kv head): all G query heads of that kv head share each K and V load.
+// `scores` holds G rows of `stride` floats; row r, index i is key c0 + i, where c0
+// is `first` rounded down to a multiple of 16, so lanes sit at fixed absolute positions.
+// W (wide) handles 32 keys and 64 dimensions per pass where the shapes allow; the
+// arithmetic of every element is the same either way.
+template <int G, bool W>
+STEADY_CLONES
+void attend_one(const Problem& P, int64_t t, int64_t g, float* scores, int64_t stride) {
+  const int64_t D = P.d, Bs = P.bs;
+  const int64_t p = P.pos[t];
+  const int64_t first = P.window > 0 && p - P.window + 1 > 0 ? p - P.window + 1 : 0;
+  const int64_t c0 = first - first % kLanes;
+  const int64_t* table = P.tables + P.seq_of[t] * P.nb_max;
+  const float* qg = P.q + (t * P.h + g * G) * D;  // (G, D)
+
+  // 1. Scores (a pass never straddles a block: Bs % 16 == 0).
+  for (int64_t c = c0, blk = c0 / Bs, off = c0 % Bs; c <= p;) {
+    if (off == Bs) off = 0, ++blk;
+    const float* kb = P.k + ((table[blk] * P.hkv + g) * D) * Bs + off;  // row d at kb + d * Bs
+    if (W && off + 2 * kLanes <= Bs && c + kLanes <= p) {
+      score_keys<G, 2 * kLanes>(qg, kb, D, Bs, c, first, p, P.scale, scores + (c - c0), stride);
+      c += 2 * kLanes, off += 2 * kLanes;
+    } else {
+      score_keys<G, kLanes>(qg, kb, D, Bs, c, first, p, P.scale, scores + (c - c0), stride);
+      c += kLanes, off += kLanes;
+    }
+  }
+  const int64_t n_chunks = (p - c0) / kLanes + 1;
+  float total[G];
+  for (int r = 0; r < G; ++r) {
+    float* sr = scores + r * stride;
+    // 2. Max (exact in any order).
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t i = 0; i < n_chunks * kLanes; ++i) m = sr[i] > m ? sr[i] : m;
+    // 3-4. Exponentials in place (masked keys give exact zeros), summed in 16 lanes.
+    float lane[kLanes] = {};
+    for (int64_t c = 0; c < n_chunks; ++c)
+      for (int l = 0; l < kLanes; ++l) {
+        const float e = exp_det(sr[c * kLanes + l] - m);
+        sr[c * kLanes + l] = e;
+        lane[l] += e;
+      }
+    float l8[8], l4[4], l2[2];
+    for (int i = 0; i < 8; ++i) l8[i] = lane[2 * i] + lane[2 * i + 1];
+    for (int i = 0; i < 4; ++i) l4[i] = l8[2 * i] + l8[2 * i + 1];
+    for (int i = 0; i < 2; ++i) l2[i] = l4[2 * i] + l4[2 * i + 1];
+    total[r] = l2[0] + l2[1];
+  }
+  // 5. Weighted values over the attended keys, ascending, block by block; one lane per
+  //    output dimension, NV dimensions per pass.
+  constexpr int NV = W ? 4 * kLanes : kLanes;
+  for (int64_t d0 = 0; d0 < D; d0 += NV) {
+    float acc[G][NV] = {};
+    for (int64_t b = first / Bs; b * Bs <= p; ++b) {
+      const float* vb = P.v + ((table[b] * P.hkv + g) * Bs) * D + d0;  // (Bs, D) from column d0
+      const int64_t k0 = b * Bs > first ? b * Bs : first, k1 = b * Bs + Bs - 1 < p ? b * Bs + Bs - 1 : p;
+      for (int64_t key = k0; key <= k1; ++key) {
+        const float* vr = vb + (key - b * Bs) * D;
+        for (int r = 0; r < G; ++r) {
+          const float e = scores[r * stride + (key - c0)];
+          for (int l = 0; l < NV; ++l) acc[r][l] += e * vr[l];
+        }
+      }
+    }
+    for (int r = 0; r < G; ++r) {
+      float* o = P.out + (t * P.h + g * G + r) * D + d0;
+      for (int l = 0; l < NV; ++l) o[l] = acc[r][l] / total[r];  // a division, not a reciprocal multiply
+    }
+  }
+}
+
+using AttendFn = void (*)(const Problem&, int64_t, int64_t, float*, int64_t);
+
+template <bool W>
+AttendFn attend_for(int64_t group) {
+  switch (group) {
+    case 1: return attend_one<1, W>;
+    case 2: return attend_one<2, W>;
+    case 3: return attend_one<3, W>;
+    case 4: return attend_one<4, W>;
+    case 5: return attend_one<5, W>;
+    case 6: return attend_one<6, W>;
+    case 7: return attend_one<7, W>;
+    case 8: return attend_one<8, W>;
+    default: return nullptr;
+  }
+}
+
+// Wide passes need 32-key blocks and 64-dimension heads; other shapes take 16 at a time.
+AttendFn attend_for_shape(int64_t group, int64_t bs, int64_t d) {
+  return bs % (2 * kLanes) == 0 && d % (4 * kLanes) == 0 ? attend_for<true>(group) : attend_for<false>(group);
+}
+
+void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_tables, const at::Tensor& seq_of, const at::Tensor& positions,
+                     at::Tensor& out, double scale, int64_t window) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
+              v_cache.scalar_type() == at::kFloat, "paged_attention: float32 only");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_of.scalar_type() == at::kLong &&
+              positions.scalar_type() == at::kLong, "paged_attention: int64 indices");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+              block_tables.is_contiguous() && seq_of.is_contiguous() && positions.is_contiguous(),
+              "paged_attention: contiguous tensors only");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "paged_attention: bad ranks");
+  Problem P;
+  const int64_t T = q.size(0);
+  P.h = q.size(1);
+  P.d = q.size(2);
+  P.hkv = k_cache.size(1);
+  P.bs = k_cache.size(3);
+  P.nb_max = block_tables.size(1);
+  TORCH_CHECK(k_cache.size(2) == P.d && v_cache.size(2) == P.bs && v_cache.size(3) == P.d,
+              "paged_attention: cache shapes do not match q");
+  TORCH_CHECK(P.h % P.hkv == 0 && attend_for_shape(P.h / P.hkv, 16, 16) != nullptr,
+              "paged_attention: 1 to 8 query heads per kv head");
+  TORCH_CHECK(P.bs % kLanes == 0 && P.d % kLanes == 0, "paged_attention: block size and head dim must be multiples of 16");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.sizes() == q.sizes(),
+              "paged_attention: out must be a contiguous float32 tensor shaped like q");
+  P.q = q.data_ptr<float>();
+  P.k = k_cache.data_ptr<float>();
+  P.v = v_cache.data_ptr<float>();
+  P.tables = block_tables.data_ptr<int64_t>();
+  P.seq_of = seq_of.data_ptr<int64_t>();
+  P.pos = positions.data_ptr<int64_t>();
+  P.out = out.data_ptr<float>();
+  P.scale = static_cast<float>(scale);
+  P.window = window;
+  const int64_t group = P.h / P.hkv;
+  const AttendFn attend = attend_for_shape(group, P.bs, P.d);
+  at::parallel_for(0, T * P.hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t t = i / P.hkv, g = i % P.hkv;
+      const int64_t stride = P.pos[t] + 2 * kLanes;  // room for the chunk-aligned span [c0, p]
+      scratch.resize(static_cast<size_t>(group * stride));
+      attend(P, t, g, scratch.data(), stride);
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(steadyserve, m) {
+  m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_of, "
+        "Tensor positions, Tensor(a!) out, float scale, int window) -> ()");
+  m.impl("paged_attention", c10::DispatchKey::CPU, TORCH_FN(paged_attention));
+}
