@@ -20,8 +20,8 @@ ARG TORCH_VERSION=2.13.0
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
 # python:*-slim has Python; a CUDA base (Ubuntu) needs it installed. The distribution's
 # python3 is whatever the base ships, so there is no version to pin.
-# hadolint ignore=DL3008
 # g++ builds the native attention kernel (model stage); the runtime image needs no compiler.
+# hadolint ignore=DL3008
 RUN apt-get update && apt-get install -y --no-install-recommends g++ \
     && if ! command -v python3 >/dev/null; then \
         apt-get install -y --no-install-recommends python3 python3-dev python3-venv; \
