@@ -22,7 +22,7 @@ import torch
 log = logging.getLogger("steadyserve.kernels")
 
 SOURCES = [Path(__file__).parent / "csrc" / "paged_attention.cpp"]
-CFLAGS = ["-O2", "-ffp-contract=off", "-fno-fast-math", "-fno-unsafe-math-optimizations"]
+CFLAGS = ["-O2", "-fopenmp", "-ffp-contract=off", "-fno-fast-math", "-fno-unsafe-math-optimizations"]
 # Bumped whenever a kernel's reduction order changes: it is part of the fingerprint.
 NATIVE_KERNEL_ID = "nat1"
 PYTHON_KERNEL_ID = "py"
@@ -69,7 +69,7 @@ def load() -> KernelStatus:
 
         build_dir = _cache_dir()
         build_dir.mkdir(parents=True, exist_ok=True)
-        cpp_load(name="steadyserve_kernels", sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
+        cpp_load(name="steadyserve_kernels", sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
                  build_directory=str(build_dir), is_python_module=False, verbose=False)
         torch.ops.steadyserve.paged_attention  # noqa: B018 - raises if registration failed
         _status = KernelStatus(True, NATIVE_KERNEL_ID,
