@@ -1,143 +1,196 @@
-"""Engine throughput against the machine's own roofline, batch-invariant vs not.
+"""Engine throughput: batch-invariant vs plain vs transformers, in one run, as ratios.
 
-In one run, with SmolLM2-135M, float32, 2 threads:
-  * roofline: peak fp32 matmul FLOP/s (large torch.mm) / (2 x parameters) = tokens/s
-    a perfectly compute-bound forward pass could reach;
-  * decode throughput (generated tokens/s) at concurrency 1, 8, 32, 64, 128 with
-    128-token prompts and 128-token outputs, both end-to-end (prefill included)
-    and over decode-only steps, each as a fraction of the roofline;
-  * batch-invariant vs --no-batch-invariant, side by side;
-  * peak RSS vs model + KV budget + 500 MiB.
+SmolLM2-135M, float32, 2 threads. Each row runs in its own process, so each has
+its own peak RSS and MKL runs as that row would run in production (steadyserve
+sets MKL_CBWR=AUTO,STRICT; transformers runs without it):
+  * steadyserve batch-invariant and `--no-batch-invariant`: decode tok/s (decode
+    steps only) and end-to-end tok/s at each concurrency level, with
+    `--prompt-len`-token prompts and `--output-len` outputs; prefill tok/s of one
+    `--prefill-len`-token prompt; peak RSS against model + KV budget + 500 MiB;
+  * transformers (benchmarks/hf_reference.py): `generate()` at batch 1 and with a
+    static batch of the largest level, and one forward over the prefill prompt;
+  * roofline: peak fp32 matmul FLOP/s (large torch.mm) / (2 x parameters).
 
-    .venv/bin/python benchmarks/engine_throughput.py [--quick] [--levels 1,8,64]
-Writes benchmarks/results/engine_throughput.json and prints a table.
+    .venv/bin/python benchmarks/engine_throughput.py [--levels 1,8,64] [--output-len 64]
+Writes benchmarks/results/engine_throughput.json and prints a Markdown table.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import json
 import os
+import platform
 import random
 import resource
-import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-import torch
+HERE = Path(__file__).parent
+KV_BUDGET = 1024 ** 3
 
-from steadyserve.config import EngineConfig
-from steadyserve.engine.engine import LLMEngine
-from steadyserve.engine.selftest import run_selftest
-from steadyserve.engine.sequence import Request, SamplingParams
-from steadyserve.models import load_model
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def worker(a: argparse.Namespace) -> dict:
+    """One steadyserve engine (invariant or plain) through every level, in this process."""
+    import torch
+
+    from steadyserve.config import EngineConfig
+    from steadyserve.engine.engine import LLMEngine
+    from steadyserve.engine.selftest import run_selftest
+    from steadyserve.engine.sequence import Request, SamplingParams
+    from steadyserve.models import load_model
+
+    torch.set_num_threads(a.threads)
+    bi = a.worker == "batch_invariant"
+    levels = [int(x) for x in a.levels.split(",")]
+    lm = load_model("", batch_invariant=bi)
+    cfg = EngineConfig(kv_cache_memory=KV_BUDGET, threads=a.threads, max_num_seqs=max(levels),
+                       max_num_batched_tokens=max(2048, a.prefill_len), batch_invariant=bi, max_queue=max(levels))
+    engine = LLMEngine(lm, cfg)
+    st = run_selftest(engine)
+    vocab = lm.args.vocab_size
+    rng = random.Random(0)
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(vocab) for _ in range(n)]
+
+    out: dict = {"selftest": st.detail, "kernel": lm.model.kernel_id, "params": lm.args.num_params,
+                 "model_bytes": lm.args.num_params * 4, "levels": []}
+    # Prefill: one prompt alone, one step (the token budget holds it whole); best of 3.
+    times = []
+    for i in range(3):
+        engine.add_request(Request(f"prefill-{i}", prompt(a.prefill_len), SamplingParams(max_tokens=1, temperature=0)))
+        while engine.has_work():
+            _, s = engine.step()
+            if s.num_tokens == a.prefill_len:
+                times.append(s.duration)
+    out["prefill"] = {"tokens": a.prefill_len, "seconds": min(times), "tokens_per_s": a.prefill_len / min(times)}
+    for c in levels:
+        for i in range(c):
+            engine.add_request(Request(f"c{c}-{i}", prompt(a.prompt_len),
+                                       SamplingParams(max_tokens=a.output_len, temperature=0, ignore_eos=True)))
+        generated = decode_tokens = 0
+        decode_time = 0.0
+        t0 = time.perf_counter()
+        while engine.has_work():
+            _, s = engine.step()
+            generated += s.num_generated
+            if s.num_tokens == s.num_seqs:  # a pure decode step: one token per sequence
+                decode_tokens += s.num_generated
+                decode_time += s.duration
+        wall = time.perf_counter() - t0
+        out["levels"].append({"concurrency": c, "generated_tokens": generated, "wall_s": wall,
+                              "e2e_tokens_per_s": generated / wall,
+                              "decode_tokens_per_s": decode_tokens / decode_time if decode_time else None})
+        print(f"{a.worker:16s} c={c:3d} decode {out['levels'][-1]['decode_tokens_per_s'] or 0:7.1f} tok/s "
+              f"e2e {generated / wall:7.1f} tok/s", file=sys.stderr)
+    out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    out["rss_bound_bytes"] = out["model_bytes"] + KV_BUDGET + 500 * 1024 ** 2
+    return out
 
 
 def peak_matmul_flops(n: int = 2048, reps: int = 5) -> float:
+    import torch
+
     a, b = torch.randn(n, n), torch.randn(n, n)
     torch.mm(a, b)
-    times = []
+    best = float("inf")
     for _ in range(reps):
         t = time.perf_counter()
         torch.mm(a, b)
-        times.append(time.perf_counter() - t)
-    return 2 * n ** 3 / min(times)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n ** 3 / best
 
 
-def run_level(engine: LLMEngine, concurrency: int, prompt_len: int, output_len: int, seed: int) -> dict:
-    rng = random.Random(seed)
-    vocab = engine.loaded.args.vocab_size
-    for i in range(concurrency):
-        engine.add_request(Request(f"c{concurrency}-{i}", [rng.randrange(vocab) for _ in range(prompt_len)],
-                                   SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)))
-    generated = 0
-    decode_tokens = 0
-    decode_time = 0.0
-    t0 = time.perf_counter()
-    while engine.has_work():
-        outs, st = engine.step()
-        generated += st.num_generated
-        if st.num_tokens == st.num_seqs:  # a pure decode step: one token per sequence
-            decode_tokens += st.num_generated
-            decode_time += st.duration
-    wall = time.perf_counter() - t0
-    return {"concurrency": concurrency, "generated_tokens": generated, "wall_s": wall,
-            "e2e_tokens_per_s": generated / wall, "decode_tokens_per_s": decode_tokens / decode_time if decode_time else None}
-
-
-def _save(results: dict) -> None:
-    out = Path(__file__).parent / "results"
-    out.mkdir(exist_ok=True)
-    (out / "engine_throughput.json").write_text(json.dumps(results, indent=2))
+def run_json(cmd: list[str], env: dict[str, str]) -> dict:
+    res = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=True)
+    return json.loads(res.stdout.strip().splitlines()[-1])
 
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--levels", default="1,8,32,64,128")
-    p.add_argument("--plain-levels", default=None, help="levels for --no-batch-invariant (default: --levels)")
+    p.add_argument("--levels", default="1,8,64")
     p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--prefill-len", type=int, default=512)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--quick", action="store_true", help="32-token outputs (a smoke run)")
+    p.add_argument("--worker", choices=["batch_invariant", "plain"], help=argparse.SUPPRESS)
     a = p.parse_args()
-    if a.quick:
-        a.output_len = 32
+    if a.worker:
+        print(json.dumps(worker(a)))
+        return 0
     levels = [int(x) for x in a.levels.split(",")]
+    common = ["--levels", a.levels, "--prompt-len", str(a.prompt_len), "--output-len", str(a.output_len),
+              "--prefill-len", str(a.prefill_len), "--threads", str(a.threads)]
+    env = dict(os.environ)
+    results: dict = {"date": datetime.date.today().isoformat(), "cpu": cpu_model(), "threads": a.threads,
+                     "prompt_len": a.prompt_len, "output_len": a.output_len, "prefill_len": a.prefill_len,
+                     "command": " ".join(["benchmarks/engine_throughput.py", *sys.argv[1:]]), "runs": {}}
+    for mode in ("batch_invariant", "plain"):
+        results["runs"][mode] = run_json([sys.executable, __file__, "--worker", mode, *common], env)
+    # transformers as its users run it: no steadyserve import, no MKL_CBWR.
+    from steadyserve.models.loader import convert_gguf, default_model_path
+
+    model_dir = str(convert_gguf(Path(default_model_path()))[0])
+    hf_env = {k: v for k, v in env.items() if k != "MKL_CBWR"}
+    results["transformers"] = run_json(
+        [sys.executable, str(HERE / "hf_reference.py"), model_dir, "--batch", str(max(levels)), "--prompt-len",
+         str(a.prompt_len), "--output-len", str(a.output_len), "--prefill-len", str(a.prefill_len),
+         "--threads", str(a.threads)], hf_env)
+    import torch
+
     torch.set_num_threads(a.threads)
     peak = peak_matmul_flops()
-    kv_budget = 2 * 1024 ** 3
-    results: dict = {"date": datetime.date.today().isoformat(), "threads": a.threads, "prompt_len": a.prompt_len,
-                     "output_len": a.output_len, "peak_matmul_gflops": peak / 1e9, "runs": {}}
-    for bi in (True, False):
-        lm = load_model("", batch_invariant=bi)
-        params = lm.args.num_params
-        roofline = peak / (2 * params)
-        results["params"] = params
-        results["roofline_tokens_per_s"] = roofline
-        model_bytes = params * 4
-        cfg = EngineConfig(kv_cache_memory=kv_budget, threads=a.threads, max_num_seqs=max(levels),
-                           max_num_batched_tokens=2048, batch_invariant=bi, max_queue=max(levels))
-        engine = LLMEngine(lm, cfg)
-        st = run_selftest(engine)
-        name = "batch_invariant" if bi else "plain"
-        runs = []
-        for c in (levels if bi or not a.plain_levels else [int(x) for x in a.plain_levels.split(",")]):
-            r = run_level(engine, c, a.prompt_len, a.output_len, seed=c)
-            r["e2e_fraction_of_roofline"] = r["e2e_tokens_per_s"] / roofline
-            if r["decode_tokens_per_s"]:
-                r["decode_fraction_of_roofline"] = r["decode_tokens_per_s"] / roofline
-            print(f"{name:16s} c={c:4d} e2e {r['e2e_tokens_per_s']:7.1f} tok/s "
-                  f"decode {r['decode_tokens_per_s'] or 0:7.1f} tok/s "
-                  f"({100 * r.get('decode_fraction_of_roofline', 0):.0f}% of roofline)", file=sys.stderr)
-            runs.append(r)
-            results["runs"][name] = {"selftest": st.detail, "levels": runs, "model_bytes": model_bytes}
-            _save(results)  # a long run keeps what it measured so far
-        del engine, lm
-        gc.collect()
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    results["peak_rss_bytes"] = rss
-    results["rss_bound_bytes"] = results["params"] * 4 + kv_budget + 500 * 1024 ** 2
-    bi_runs = {r["concurrency"]: r for r in results["runs"]["batch_invariant"]["levels"]}
-    plain_runs = {r["concurrency"]: r for r in results["runs"]["plain"]["levels"]}
-    results["invariance_cost"] = {c: 1 - bi_runs[c]["e2e_tokens_per_s"] / plain_runs[c]["e2e_tokens_per_s"]
-                                  for c in bi_runs if c in plain_runs}
-    _save(results)
-    print(f"\npeak fp32 matmul {peak / 1e9:.1f} GFLOP/s; params {results['params'] / 1e6:.1f}M; "
-          f"roofline {results['roofline_tokens_per_s']:.0f} tok/s")
-    print("| concurrency | BI e2e tok/s | BI decode tok/s | BI decode / roofline | plain e2e tok/s | "
-          "plain decode tok/s | invariance cost (e2e) |")
-    print("|---|---|---|---|---|---|---|")
-    for c in [c for c in levels if c in plain_runs]:
-        b, pl = bi_runs[c], plain_runs[c]
-        print(f"| {c} | {b['e2e_tokens_per_s']:.1f} | {b['decode_tokens_per_s'] or 0:.1f} | "
-              f"{100 * b.get('decode_fraction_of_roofline', 0):.0f}% | {pl['e2e_tokens_per_s']:.1f} | "
-              f"{pl['decode_tokens_per_s'] or 0:.1f} | {100 * results['invariance_cost'][c]:.0f}% |")
-    print(f"roofline measured in this run: {peak / 1e9:.1f} GFLOP/s peak fp32 matmul")
-    print(f"peak RSS {rss / 2**20:.0f} MiB (bound: model + KV budget + 500 MiB = "
-          f"{results['rss_bound_bytes'] / 2**20:.0f} MiB)")
+    bi, plain, hf = results["runs"]["batch_invariant"], results["runs"]["plain"], results["transformers"]
+    roofline = peak / (2 * bi["params"])
+    results.update(peak_matmul_gflops=peak / 1e9, roofline_tokens_per_s=roofline)
+    by_c = {m: {r["concurrency"]: r for r in results["runs"][m]["levels"]} for m in results["runs"]}
+    hf_decode = {1: hf["batch1"]["decode_tokens_per_s"], max(levels): hf[f"batch{max(levels)}"]["decode_tokens_per_s"]}
+    ratios: dict = {"invariance_cost_e2e": {}, "invariance_cost_decode": {}, "decode_vs_transformers": {},
+                    "decode_fraction_of_roofline": {}}
+    for c in levels:
+        b, pl = by_c["batch_invariant"][c], by_c["plain"][c]
+        ratios["invariance_cost_e2e"][c] = 1 - b["e2e_tokens_per_s"] / pl["e2e_tokens_per_s"]
+        ratios["invariance_cost_decode"][c] = 1 - b["decode_tokens_per_s"] / pl["decode_tokens_per_s"]
+        ratios["decode_fraction_of_roofline"][c] = b["decode_tokens_per_s"] / roofline
+        if c in hf_decode:
+            ratios["decode_vs_transformers"][c] = b["decode_tokens_per_s"] / hf_decode[c]
+    ratios["prefill_vs_transformers"] = bi["prefill"]["tokens_per_s"] / hf["prefill"]["tokens_per_s"]
+    results["ratios"] = ratios
+    out = HERE / "results"
+    out.mkdir(exist_ok=True)
+    (out / "engine_throughput.json").write_text(json.dumps(results, indent=2))
+
+    print(f"\n{results['cpu']}, {a.threads} threads; SmolLM2-135M fp32; prompts {a.prompt_len}, outputs "
+          f"{a.output_len}; roofline {roofline:.0f} tok/s ({peak / 1e9:.0f} GFLOP/s peak fp32 matmul)")
+    print("| concurrency | BI decode tok/s | plain decode tok/s | transformers decode tok/s | BI / transformers | "
+          "BI e2e tok/s | plain e2e tok/s | invariance cost (decode / e2e) | BI decode of roofline |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for c in levels:
+        b, pl = by_c["batch_invariant"][c], by_c["plain"][c]
+        hf_c = f"{hf_decode[c]:.1f}" if c in hf_decode else "-"
+        vs = f"{ratios['decode_vs_transformers'][c]:.2f}x" if c in hf_decode else "-"
+        print(f"| {c} | {b['decode_tokens_per_s']:.1f} | {pl['decode_tokens_per_s']:.1f} | {hf_c} | {vs} | "
+              f"{b['e2e_tokens_per_s']:.1f} | {pl['e2e_tokens_per_s']:.1f} | "
+              f"{100 * ratios['invariance_cost_decode'][c]:.0f}% / {100 * ratios['invariance_cost_e2e'][c]:.0f}% | "
+              f"{100 * ratios['decode_fraction_of_roofline'][c]:.0f}% |")
+    print(f"| prefill {a.prefill_len} tokens | {bi['prefill']['tokens_per_s']:.0f} tok/s | "
+          f"{plain['prefill']['tokens_per_s']:.0f} tok/s | {hf['prefill']['tokens_per_s']:.0f} tok/s (one forward) | "
+          f"{ratios['prefill_vs_transformers']:.2f}x | | | | |")
+    for m in ("batch_invariant", "plain"):
+        r = results["runs"][m]
+        print(f"peak RSS {m}: {r['peak_rss_bytes'] / 2**20:.0f} MiB (bound model + KV + 500 MiB = "
+              f"{r['rss_bound_bytes'] / 2**20:.0f} MiB); kernel {r['kernel']}; self-test: {r['selftest']}")
     return 0
 
 

@@ -1,0 +1,177 @@
+"""The native paged-attention kernel: accuracy, and the bitwise claims its source documents.
+
+The kernel must be built wherever the suite runs (make install builds it; CI
+machines have a compiler): a missing kernel fails here rather than skipping.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from steadyserve import kernels
+from steadyserve.models.attention import attention_invariant, attention_native, attention_plain
+
+H, HKV, D, BS = 9, 3, 64, 32  # SmolLM2's heads: 3 query heads per kv head
+
+
+@pytest.fixture(scope="module", autouse=True)
+def native_built() -> None:
+    st = kernels.load()
+    assert st.available, f"the native kernel must build on this machine: {st.detail}"
+
+
+def paged_cache(num_blocks: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(num_blocks, HKV, D, BS, generator=g), torch.randn(num_blocks, HKV, BS, D, generator=g)
+
+
+def tables_for(lengths: list[int], num_blocks: int, seed: int = 1) -> torch.Tensor:
+    """Each sequence gets its own blocks, in a scrambled order (as a long-running cache has them)."""
+    need = [(n + BS - 1) // BS for n in lengths]
+    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))[:sum(need)]
+    rows, i = [], 0
+    for k in need:
+        rows.append(perm[i:i + k].tolist() + [0] * (max(need) - k))
+        i += k
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+def prefill_batch(lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """seq_of and positions for every token of every sequence."""
+    seq_of = torch.cat([torch.full((n,), i, dtype=torch.int64) for i, n in enumerate(lengths)])
+    pos = torch.cat([torch.arange(n, dtype=torch.int64) for n in lengths])
+    return seq_of, pos
+
+
+def run(q, k, v, tables, seq_of, pos, window=0, fn=attention_native):
+    return fn(q, k, v, tables, seq_of, pos, D ** -0.5, window)
+
+
+@pytest.mark.parametrize("window", [0, 40])
+def test_matches_float64_attention(window: int) -> None:
+    k, v = paged_cache(40)
+    lengths = [300, 70, 1, 33]
+    tables = tables_for(lengths, 40)
+    seq_of, pos = prefill_batch(lengths)
+    q = torch.randn(len(pos), H, D, generator=torch.Generator().manual_seed(2))
+    out = run(q, k, v, tables, seq_of, pos, window)
+    ref = run(q.double(), k.double(), v.double(), tables, seq_of, pos, window, fn=attention_plain)
+    err = (out.double() - ref).abs().max().item()
+    assert err < 1e-5, f"max |native - float64 SDPA| = {err}"
+
+
+def test_token_alone_equals_token_in_any_batch_bitwise() -> None:
+    """Prefill of everything at once vs each token alone (= decode) vs other batch mates and orders."""
+    k, v = paged_cache(40)
+    lengths = [300, 70, 17]
+    tables = tables_for(lengths, 40)
+    seq_of, pos = prefill_batch(lengths)
+    q = torch.randn(len(pos), H, D, generator=torch.Generator().manual_seed(3))
+    whole = run(q, k, v, tables, seq_of, pos)
+    for t in [0, 1, 15, 16, 31, 32, 33, 100, 299, 300, 369, 386]:
+        alone = run(q[t:t + 1], k, v, tables[seq_of[t:t + 1]], torch.zeros(1, dtype=torch.int64), pos[t:t + 1])
+        assert torch.equal(alone[0], whole[t]), f"token {t}: alone differs from the batch"
+    # The same tokens in reverse order, with their tables in another order: same bits.
+    order = torch.arange(len(pos) - 1, -1, -1)
+    shuffled = run(q[order], k, v, tables.flip(0), (len(lengths) - 1 - seq_of)[order], pos[order])
+    assert torch.equal(shuffled, whole[order])
+
+
+def test_same_bits_on_one_and_two_threads_and_other_block_placement() -> None:
+    k, v = paged_cache(40)
+    lengths = [200, 64]
+    tables = tables_for(lengths, 40)
+    seq_of, pos = prefill_batch(lengths)
+    q = torch.randn(len(pos), H, D, generator=torch.Generator().manual_seed(4))
+    two = run(q, k, v, tables, seq_of, pos)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run(q, k, v, tables, seq_of, pos)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    # Move every block elsewhere in the cache: the kernel reads through the table, so bits stay.
+    other = tables_for(lengths, 40, seed=9)
+    k2, v2 = k.clone(), v.clone()
+    k2[other[tables != 0]] = k[tables[tables != 0]]
+    v2[other[tables != 0]] = v[tables[tables != 0]]
+    k2[other[0, 0]], v2[other[0, 0]] = k[tables[0, 0]], v[tables[0, 0]]  # block 0 is also the padding id
+    assert torch.equal(run(q, k2, v2, other, seq_of, pos), two)
+
+
+def test_python_fallback_is_invariant_too_but_not_bitwise_native() -> None:
+    """The fingerprint names the kernel because the two paths' bits differ."""
+    k, v = paged_cache(20)
+    lengths = [150]
+    tables = tables_for(lengths, 20)
+    seq_of, pos = prefill_batch(lengths)
+    q = torch.randn(len(pos), H, D, generator=torch.Generator().manual_seed(5))
+    py = run(q, k, v, tables, seq_of, pos, fn=attention_invariant)
+    nat = run(q, k, v, tables, seq_of, pos)
+    assert (py - nat).abs().max().item() < 1e-5
+    assert not torch.equal(py, nat)
+    last = run(q[-1:], k, v, tables, seq_of[-1:], pos[-1:], fn=attention_invariant)
+    assert torch.equal(last[0], py[-1])
+
+
+def test_refuses_shapes_it_does_not_support() -> None:
+    k, v = torch.zeros(4, HKV, D, 24), torch.zeros(4, HKV, 24, D)  # block size 24: not a multiple of 16
+    q = torch.zeros(1, H, D)
+    one = torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="multiples of 16"):
+        attention_native(q, k, v, torch.zeros(1, 1, dtype=torch.int64), one, one, 1.0, 0)
+
+
+VECTOR_WIDTH_SCRIPT = r"""
+import hashlib, sys, torch
+from torch.utils.cpp_extension import load
+src, flags, build = sys.argv[1], sys.argv[2].split(), sys.argv[3]
+load(name="steadyserve_kernels", sources=[src], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+     build_directory=build, is_python_module=False)
+g = torch.Generator().manual_seed(0)
+k, v = torch.randn(20, 3, 64, 32, generator=g), torch.randn(20, 3, 32, 64, generator=g)
+tables = torch.randperm(20, generator=g)[:10].view(1, 10)
+pos = torch.arange(300); seq_of = torch.zeros(300, dtype=torch.int64)
+q = torch.randn(300, 9, 64, generator=g)
+out = torch.empty_like(q)
+torch.ops.steadyserve.paged_attention(q, k, v, tables, seq_of, pos, out, 0.125, 0)
+print(hashlib.sha256(out.numpy().tobytes()).hexdigest())
+"""
+
+
+def test_vector_width_does_not_change_the_bits(tmp_path) -> None:
+    """The kernel's target_clones pick SSE2, AVX2 or AVX-512 at run time; force each with -m
+    flags and without clones, and compare the outputs' hashes."""
+    from steadyserve.kernels.build import CFLAGS, SOURCES
+
+    src = SOURCES[0].read_text().replace('__attribute__((target_clones("avx512f", "avx2", "default")))', "")
+    assert src != SOURCES[0].read_text(), "the kernel no longer uses target_clones: update this test"
+    plain_src = tmp_path / "paged_attention.cpp"
+    plain_src.write_text(src)
+    have = open("/proc/cpuinfo").read()
+    variants = {"default": [], "sse4.2": ["-msse4.2"], "avx2": ["-mavx2"]}
+    if " avx512f" in have:
+        variants["avx512f"] = ["-mavx512f"]
+    hashes = {}
+    for name, extra in variants.items():
+        build = tmp_path / name
+        build.mkdir()
+        res = subprocess.run([sys.executable, "-c", VECTOR_WIDTH_SCRIPT, str(plain_src), " ".join(CFLAGS + extra),
+                              str(build)], capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr[-2000:]
+        hashes[name] = res.stdout.strip().splitlines()[-1]
+    assert len(set(hashes.values())) == 1, f"vector widths disagree: {hashes}"
+    # And the shipped build (clones dispatched at run time) gives the same bits.
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(20, 3, 64, 32, generator=g), torch.randn(20, 3, 32, 64, generator=g)
+    tables = torch.randperm(20, generator=g)[:10].view(1, 10)
+    pos = torch.arange(300)
+    q = torch.randn(300, 9, 64, generator=g)
+    out = attention_native(q, k, v, tables, torch.zeros(300, dtype=torch.int64), pos, 0.125, 0)
+    assert hashlib.sha256(out.numpy().tobytes()).hexdigest() == hashes["default"]
