@@ -1,0 +1,59 @@
+"""Which attention kernel runs is a choice the fingerprint names: native C++ or the Python fallback."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import pytest
+
+from steadyserve.config import ConfigError, EngineConfig
+from steadyserve.engine.engine import LLMEngine
+from steadyserve.engine.selftest import run_selftest
+from steadyserve.models import load_model
+from steadyserve.models.loader import LoadError
+from steadyserve.testing.server import ServerProcess
+
+
+@pytest.mark.parametrize("attention, kernel_id", [("auto", "nat1"), ("python", "py")])
+def test_each_kernel_passes_the_selftest_and_is_named(tiny_model: str, attention: str, kernel_id: str) -> None:
+    loaded = load_model(tiny_model, attention=attention)
+    assert loaded.model.kernel_id == kernel_id
+    st = run_selftest(LLMEngine(loaded, EngineConfig(kv_cache_memory=8 * 1024**2, threads=2)))
+    assert st.passed, st.detail
+    assert f"attention {kernel_id}" in st.detail
+
+
+def test_kernels_agree_on_greedy_tokens_but_not_on_bits(tiny_model: str) -> None:
+    """Why the fingerprint must name the kernel: the same request gives other logprob bits."""
+    from steadyserve.engine.offline import run_requests
+    from steadyserve.engine.sequence import Request, SamplingParams
+
+    outs = {}
+    for attention in ("auto", "python"):
+        engine = LLMEngine(load_model(tiny_model, attention=attention), EngineConfig(kv_cache_memory=8 * 1024**2))
+        req = Request("r", list(range(3, 60)), SamplingParams(max_tokens=0, prompt_logprobs=0))
+        outs[attention] = run_requests(engine, [req])["r"].prompt_logprob_values
+    diffs = [abs(a - b) for a, b in zip(outs["auto"], outs["python"])]
+    assert max(diffs) < 1e-4
+    assert outs["auto"] != outs["python"]
+
+
+def test_native_kernel_refuses_a_block_size_it_cannot_run(tiny_model: str) -> None:
+    with pytest.raises(LoadError, match="--attention native"):
+        load_model(tiny_model, attention="native", block_size=24)
+    loaded = load_model(tiny_model, attention="native")
+    with pytest.raises(ConfigError, match="multiple of 16"):
+        LLMEngine(loaded, EngineConfig(kv_cache_memory=8 * 1024**2, block_size=24))
+    # auto falls back to Python attention for such a block size, and says so in the kernel id.
+    assert load_model(tiny_model, block_size=24).model.kernel_id == "py"
+
+
+def test_served_fingerprint_names_the_kernel(tiny_model: str) -> None:
+    fps = {}
+    for attention in ("auto", "python"):
+        with ServerProcess(tiny_model, "--attention", attention) as s:
+            with urllib.request.urlopen(s.http_url + "/readyz", timeout=10) as r:
+                fps[attention] = json.load(r)["system_fingerprint"]
+    assert fps["auto"].endswith("-bi-nat1") and fps["python"].endswith("-bi-py"), fps
+    assert fps["auto"].rsplit("-", 1)[0] == fps["python"].rsplit("-", 1)[0]
