@@ -181,6 +181,7 @@ def test_nan_row_fails_only_that_request(engine):
         for item, res in zip(sched.scheduled, results):
             if item.seq.request_id == "r1" and res.sample_row is not None and item.seq.num_generated_tokens == 2:
                 res.sample_row = torch.full_like(res.sample_row, float("nan"))
+                res.sample_has_nan = True  # the runner reports NaN rows with the step's other row checks
         return results
 
     engine.runner.execute = execute

@@ -164,7 +164,7 @@ class LLMEngine:
                 return self._output(seq, [], "", [], prompt_lps, num_batch_seqs=num_batch_seqs)
             if seq.params.max_tokens == 0:  # scoring only
                 return self._finish(seq, [], "", [], prompt_lps, "length", num_batch_seqs)
-            tok = sample(result.sample_row, seq.params, st.generator)
+            tok = sample(result.sample_row, seq.params, st.generator, result.sample_argmax, result.sample_has_nan)
             seq.token_ids.append(tok)
             if seq.first_token_time is None:
                 seq.first_token_time = now

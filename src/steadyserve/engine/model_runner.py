@@ -18,6 +18,8 @@ class SeqResult:
     sample_row: torch.Tensor | None  # (V,) distribution of the next token, if its chunk reached the end
     prompt_rows: torch.Tensor | None  # (n, V): distributions of prompt tokens first_prompt_pos .. +n-1
     first_prompt_pos: int  # position of the prompt token the first prompt row scores
+    sample_argmax: int = -1  # argmax of sample_row (first maximum), computed for the whole step at once
+    sample_has_nan: bool = False  # sample_row contains NaN
 
 
 class ModelRunner:
@@ -79,11 +81,16 @@ class ModelRunner:
         if not rows:
             return [SeqResult(None, None, 0) for _ in out.scheduled]
         lp = self.model.logprobs(hidden[torch.tensor(rows, device=self.device)]).cpu()  # (R, V) float32
+        # Row-wise selections (exact, so batch-invariant), once per step rather than once per sequence.
+        argmax = lp.argmax(dim=1).tolist()  # (R,)
+        has_nan = lp.isnan().any(dim=1).tolist()  # (R,)
         results = []
         for pp_index, num_pp, first_pp, sample_index in plans:
             results.append(SeqResult(
                 sample_row=lp[sample_index] if sample_index >= 0 else None,
                 prompt_rows=lp[pp_index:pp_index + num_pp] if num_pp else None,
                 first_prompt_pos=first_pp,
+                sample_argmax=argmax[sample_index] if sample_index >= 0 else -1,
+                sample_has_nan=bool(has_nan[sample_index]) if sample_index >= 0 else False,
             ))
         return results

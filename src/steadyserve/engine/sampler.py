@@ -26,12 +26,17 @@ def make_generator(seed: int | None, device: torch.device) -> torch.Generator | 
     return g
 
 
-def sample(row: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """row: (V,) float32 log-probabilities. Returns the chosen token id."""
-    if torch.isnan(row).any():
+def sample(row: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+           argmax: int | None = None, has_nan: bool | None = None) -> int:
+    """row: (V,) float32 log-probabilities. Returns the chosen token id.
+
+    `argmax` and `has_nan`, when the caller computed them for a whole step at
+    once, must equal `row.argmax()` (first maximum) and `row.isnan().any()`.
+    """
+    if has_nan if has_nan is not None else bool(torch.isnan(row).any()):
         raise NumericalError("the model produced NaN log-probabilities")
     if params.greedy:
-        return int(torch.argmax(row).item())
+        return argmax if argmax is not None else int(torch.argmax(row).item())
     logits = row / params.temperature
     if params.top_k and params.top_k < logits.shape[0]:
         kth = torch.topk(logits, params.top_k).values[-1]

@@ -103,9 +103,9 @@ class Transformer:
         """Row-wise: norm, fused q|k|v projection, RoPE. x: (T, hidden) -> (T, H, D), (T, Hkv, D), (T, Hkv, D)."""
         a = self.args
         h, hkv, d = a.num_heads, a.num_kv_heads, a.head_dim
-        qkv = F.linear(rms_norm(x, lw.input_norm, a.rms_norm_eps), lw.wqkv, lw.bqkv)
-        q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
-        return apply_rope(q.view(-1, h, d), cos, sin), apply_rope(k.view(-1, hkv, d), cos, sin), v.reshape(-1, hkv, d)
+        qkv = F.linear(rms_norm(x, lw.input_norm, a.rms_norm_eps), lw.wqkv, lw.bqkv)  # (T, (H + 2*Hkv) * D)
+        qk = apply_rope(qkv[:, :(h + hkv) * d].view(-1, h + hkv, d), cos, sin)  # q and k heads in one call
+        return qk[:, :h], qk[:, h:], qkv[:, (h + hkv) * d:].reshape(-1, hkv, d)
 
     def _out_mlp(self, lw: LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Row-wise: output projection + residual, norm, gated MLP + residual. (T, hidden), (T, H, D) -> (T, hidden)."""
