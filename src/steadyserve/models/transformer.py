@@ -49,7 +49,10 @@ class LayerWeights:
 
 
 class Transformer:
-    """Forward pass only; no autograd, no module state beyond weights."""
+    """Forward pass only; no autograd, no module state beyond weights.
+
+    The constructor consumes `weights`: tensors it fuses are removed from the dict.
+    """
 
     def __init__(self, args: ModelArgs, weights: dict[str, torch.Tensor], device: torch.device,
                  dtype: torch.dtype, tiler: RowTiler, max_len: int, attention: AttentionFn, kernel_id: str) -> None:
@@ -68,12 +71,17 @@ class Transformer:
             return w(name) if name in weights else None
 
         def cat(names: list[str]) -> torch.Tensor | None:
+            """Fuse, and drop the unfused parts at once, so peak memory holds one copy of the model."""
             parts = [maybe(n) for n in names]
             if all(p is None for p in parts):
                 return None
             if any(p is None for p in parts):
                 raise ValueError(f"some but not all of {names} are present")
-            return torch.cat(parts).contiguous()  # type: ignore[arg-type]
+            for n in names:
+                del weights[n]
+            fused = torch.cat(parts).contiguous()  # type: ignore[arg-type]
+            del parts
+            return fused
 
         self.embed = w("model.embed_tokens.weight")  # (V, hidden)
         self.lm_head = self.embed if args.tie_word_embeddings or "lm_head.weight" not in weights \
