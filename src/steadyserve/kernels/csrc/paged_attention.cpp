@@ -5,17 +5,20 @@
 // thread count, and (for fleet reproducibility) on any x86-64 vector width.
 //
 // The reduction order, for the token at absolute position p and one query head:
-//   1. score[j] = (sum over d = 0..D-1, in order, of q[d] * k_j[d]) * scale, for every
-//      key j in [first, p], where first = 0, or p - window + 1 with a sliding window.
+//   1. score[j] = s_D * scale, where s_0 = 0 and s_{d+1} = fma(q[d], k_j[d], s_d) (one
+//      rounding per step, d ascending), for every key j in [first, p], where first = 0,
+//      or p - window + 1 with a sliding window.
 //   2. m = max_j score[j]   (exact in any order).
 //   3. e[j] = exp_det(score[j] - m), a polynomial exp made of IEEE mul/add only.
 //   4. l = sum_j e[j] over 16 lanes: lane i sums the keys with j % 16 == i in
 //      ascending j; the 16 lanes are then added in one fixed pairwise tree.
-//   5. out[d] = (sum over j ascending of e[j] * v_j[d]) / l.
+//   5. out[d] = a / l, where a accumulates fma(e[j], v_j[d], a) over j ascending.
 // Every lane of every vector computes one element with the same sequence of IEEE
-// operations, so the vector width (SSE2, AVX2, AVX-512, chosen by target_clones)
-// changes speed, never bits. Built with -ffp-contract=off (no fused multiply-add)
-// and without -ffast-math, so the compiler may not reorder any of it.
+// operations, so the vector width (x86-64-v4 = AVX-512, v3 = AVX2 + FMA, chosen by
+// target_clones at run time) changes speed, never bits. The fused multiply-adds are
+// written out (fmaf: exactly rounded everywhere; the baseline build calls libm's);
+// -ffp-contract=off keeps the compiler from fusing anything else, and there is no
+// -ffast-math, so it may not reorder any of it.
 //
 // Work is split over (token, kv-head) pairs; each pair is owned by one thread and
 // all query heads of its group share the K/V loads.
@@ -34,7 +37,7 @@ namespace {
 
 constexpr int kLanes = 16;  // accumulator lanes; part of the numerics, not a tuning knob
 
-#define STEADY_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#define STEADY_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 
 // exp(x) for x <= 0 from IEEE add/sub/mul only (Cephes expf coefficients, ~1 ulp);
 // x < -87 returns 0, so a masked score (-inf) contributes an exact zero.
@@ -82,7 +85,7 @@ inline void score_keys(const float* qg, const float* kb, int64_t D, int64_t Bs, 
     const float* kr = kb + dd * Bs;
     for (int r = 0; r < G; ++r) {
       const float qv = qg[r * D + dd];
-      for (int l = 0; l < N; ++l) s[r][l] += qv * kr[l];
+      for (int l = 0; l < N; ++l) s[r][l] = std::fmaf(qv, kr[l], s[r][l]);
     }
   }
   const float neg_inf = -std::numeric_limits<float>::infinity();
@@ -153,7 +156,7 @@ void attend_one(const Problem& P, int64_t t, int64_t g, float* scores, int64_t s
         const float* vr = vb + (key - b * Bs) * D;
         for (int r = 0; r < G; ++r) {
           const float e = scores[r * stride + (key - c0)];
-          for (int l = 0; l < NV; ++l) acc[r][l] += e * vr[l];
+          for (int l = 0; l < NV; ++l) acc[r][l] = std::fmaf(e, vr[l], acc[r][l]);
         }
       }
     }
