@@ -114,6 +114,7 @@ class Peer:
             except ProcessLookupError:
                 pass
         self.log.close()
+        Path(self.log.name).unlink(missing_ok=True)
 
 
 def thread_env(threads: int) -> dict[str, str]:
@@ -169,6 +170,7 @@ def start_transformers_serve(model_dir: str, threads: int, kv_bytes: int) -> Pee
     return Peer("transformers serve", argv, env, "/health",
                 {"port": port, "dtype": "float32", "device": "cpu", "threads": threads, "env": env,
                  "cb_num_blocks": blocks, "cb_page_size": 256, "kv_cache_bytes": kv_bytes,
+                 "cb_max_batch_tokens": "default (8192)", "attn_implementation": "default", "compile": False,
                  "transformers": transformers.__version__, "request_extra_body": TRANSFORMERS_NO_EOS})
 
 
@@ -189,13 +191,15 @@ def supports_echo_logprobs(url: str) -> tuple[bool, str]:
 
 
 def warm_up(url: str, extra_body: dict | None = None) -> None:
-    """One short streamed request, so lazy start-up work (the peer builds its paged cache on the first
+    """Two short streamed requests, so lazy start-up work (the peer builds its paged cache on the first
     request) is not counted in the first measured TTFT."""
-    body = {"prompt": "the model server", "max_tokens": 2, "stream": True, "temperature": 0.0, **(extra_body or {})}
-    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as r:
-        r.read()
+    for words in (3, 30):
+        body = {"prompt": " ".join(["the model server"] * words), "max_tokens": 4, "stream": True,
+                "temperature": 0.0, **(extra_body or {})}
+        req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            r.read()
 
 
 def cpu_name() -> str:

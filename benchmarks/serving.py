@@ -73,6 +73,7 @@ def parse_args() -> argparse.Namespace:
                                               "(default: 64 with --quick, else 256 and 200)")
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=2, help="compute threads of every server")
+    p.add_argument("--out", type=Path, default=HERE / "results", help="where serving.json and serving.md go")
     p.add_argument("--no-peer", action="store_true", help="leave out transformers serve (no `bench` extra)")
     return p.parse_args()
 
@@ -162,8 +163,8 @@ def main() -> int:
         results["peak_rss"] = {name: peak_rss_mib(s["pid"]) for name, s in servers.items()}
     finally:
         stop_all(servers)
-    out = HERE / "results"
-    out.mkdir(exist_ok=True)
+    out = a.out
+    out.mkdir(parents=True, exist_ok=True)
     (out / "serving.json").write_text(json.dumps(results, indent=2))
     table = markdown(results)
     print(table)
@@ -185,11 +186,12 @@ def markdown(r: dict) -> str:
              f"{r['threads']} threads per server, {r['output_tokens']} output tokens per stream, "
              f"streaming /v1/completions, command: `{r['command']}`", "",
              "| concurrency | " + " | ".join(f"{n} tok/s" for n in names) + " | steadyserve / transformers serve | "
-             "steadyserve / baseline |", "|---" * (len(names) + 3) + "|"]
+             "steadyserve / baseline | steadyserve / --no-batch-invariant |", "|---" * (len(names) + 4) + "|"]
     short = []
     for c, d in r["levels"].items():
         lines.append(f"| {c} | " + " | ".join(f"{d[n]['output_tokens_per_s']:.1f}" if n in d else "-" for n in names)
-                     + f" | {ratio(d.get(SS), d.get(PEER))} | {ratio(d.get(SS), d.get(BASE))} |")
+                     + f" | {ratio(d.get(SS), d.get(PEER))} | {ratio(d.get(SS), d.get(BASE))} | "
+                       f"{ratio(d.get(SS), d.get(PLAIN))} |")
         short += [f"{n} at c={c}: {x['output_tokens']}/{x['expected_output_tokens']} tokens, "
                   f"{x['truncated_streams']} truncated" for n, x in d.items()
                   if x["output_tokens"] != x["expected_output_tokens"] or x["truncated_streams"]]
