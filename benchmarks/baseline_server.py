@@ -69,8 +69,19 @@ async def completions(request: Request):
                          "usage": {"prompt_tokens": len(ids), "completion_tokens": 0 if max_tokens == 0 else len(toks)}})
 
 
+class _CountingStreamer(TextIteratorStreamer):
+    """Counts generated tokens: the text arrives a word at a time, so events are not tokens."""
+
+    generated = 0
+
+    def put(self, value) -> None:
+        if not self.next_tokens_are_prompt:
+            self.generated += value.numel()
+        super().put(value)
+
+
 async def _stream(ids: list[int], max_tokens: int, ignore_eos: bool, rid: str):
-    streamer = TextIteratorStreamer(TOKENIZER, skip_prompt=True, skip_special_tokens=True)  # type: ignore[arg-type]
+    streamer = _CountingStreamer(TOKENIZER, skip_prompt=True, skip_special_tokens=True)  # type: ignore[arg-type]
 
     def run() -> None:
         with LOCK, torch.no_grad():
@@ -89,7 +100,8 @@ async def _stream(ids: list[int], max_tokens: int, ignore_eos: bool, rid: str):
             yield "data: " + json.dumps({"id": rid, "object": "text_completion", "created": int(time.time()),
                                          "choices": [{"index": 0, "text": text, "finish_reason": None}]}) + "\n\n"
     yield "data: " + json.dumps({"id": rid, "object": "text_completion",
-                                 "choices": [{"index": 0, "text": "", "finish_reason": "length"}]}) + "\n\n"
+                                 "choices": [{"index": 0, "text": "", "finish_reason": "length"}],
+                                 "usage": {"prompt_tokens": len(ids), "completion_tokens": streamer.generated}}) + "\n\n"
     yield "data: [DONE]\n\n"
 
 

@@ -43,6 +43,7 @@ class Outcome:
     error_code: str | None = None
     t_end: float = 0.0
     disconnected: bool = False  # this client hung up on purpose before the end
+    usage_counted: bool = False  # num_tokens came from the server's usage object (count_usage)
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -114,17 +115,24 @@ class Bench:
             return Outcome("normal", "exception", error_code=type(e).__name__)
 
     async def sse(self, prompt: str, max_tokens: int, kind: str) -> Outcome:
-        body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": self.a.ignore_eos,
-                "temperature": 0.0}
+        body: dict[str, Any] = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0.0}
+        if self.a.ignore_eos is not None:  # None: a server that refuses the extension (a benchmark peer)
+            body["ignore_eos"] = self.a.ignore_eos
+        count_usage = getattr(self.a, "count_usage", False)
+        if count_usage:  # count the tokens the server says it sent, not the events that carried them
+            body["stream_options"] = {"include_usage": True}
+        body.update(getattr(self.a, "extra_body", None) or {})
         res: StreamResult = await sse_post(
             self.url + "/v1/completions", body, self.headers,
             read_rate=self.a.slow_rate if kind == "slow" else None, rcvbuf=4096 if kind == "slow" else None,
             disconnect_after_events=self.rng.randint(1, max(1, max_tokens // 2)) if kind == "disconnect" else None)
         out = Outcome(kind, str(res.status) if not res.exception else "exception", ttft=res.ttft,
-                      num_tokens=res.num_tokens, truncated=res.truncated and not res.exception,
+                      num_tokens=res.usage_tokens if count_usage and res.usage_tokens is not None else res.num_tokens,
+                      truncated=res.truncated and not res.exception,
                       finish_reason=res.finish_reason, error_code=(res.error or {}).get("code") or res.exception)
         if res.exception and kind != "disconnect":
             out.truncated = res.status == 200
+        out.usage_counted = count_usage and res.usage_tokens is not None
         out.itls = [b - a for a, b in zip(res.token_times, res.token_times[1:])]
         out.disconnected = res.disconnected
         return out
@@ -269,6 +277,7 @@ class Bench:
             "roles": dict(Counter(x.kind for x in o)),
             "disconnected": sum(x.disconnected for x in o),
             "truncated_streams": sum(x.truncated for x in o),
+            "usage_counted_streams": sum(x.usage_counted for x in o),
         }
 
 

@@ -26,7 +26,8 @@ class StreamResult:
     error: dict[str, Any] | None = None  # an error event, or the error body of a non-200
     t_start: float = 0.0
     token_times: list[float] = field(default_factory=list)  # arrival time of each event with text/tokens
-    num_tokens: int = 0
+    num_tokens: int = 0  # events with text or logprobs (a coalesced event or a silent token under-counts)
+    usage_tokens: int | None = None  # completion_tokens of a usage object, when the server sent one
     text: str = ""
     bytes_read: int = 0
     disconnected: bool = False  # we hung up on purpose
@@ -172,6 +173,9 @@ def _on_event(event: bytes, res: StreamResult) -> None:
             continue
         obj = json.loads(data)
         res.events.append(obj)
+        usage = obj.get("usage")
+        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+            res.usage_tokens = usage["completion_tokens"]
         if "error" in obj:
             res.error = obj["error"]
             continue
