@@ -49,7 +49,7 @@ class Fingerprint:
     kernel: str  # attention kernel: "nat1" (native C++) or "py" (Python fallback); their bits differ
 
     def __str__(self) -> str:
-        return f"{self.weights}-{self.dtype}-{self.device}-{'bi' if self.batch_invariant else 'nbi'}-{self.kernel}"
+        return f"{self.weights}-{self.dtype}-{self.device}-{self.kernel}-{'bi' if self.batch_invariant else 'nbi'}"
 
 
 @dataclass
