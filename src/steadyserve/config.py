@@ -51,7 +51,7 @@ class EngineConfig:
     max_model_len: int = 0  # --max-model-len: context cap; 0 = the model's own
     threads: int = 0  # --threads: torch intra-op threads; 0 = all cores
     batch_invariant: bool = True  # --batch-invariant / --no-batch-invariant
-    row_tile: int = 256  # --row-tile: most rows per row-wise kernel call; fewer only in counts verified at start-up
+    row_tile: int = 512  # --row-tile: most rows per row-wise kernel call; fewer only in counts verified at start-up
     attention: str = "auto"  # --attention: auto | native (C++ kernel, else refuse to start) | python
 
     def validate(self) -> None:

@@ -41,8 +41,9 @@ class RowTiler:
         self.tiles = [max_tile]  # verified row counts, ascending; calibrate() may add smaller ones
 
     def candidate_tiles(self) -> list[int]:
-        """Every count to 16, then steps of 4 to 64 and of 16 beyond: padding stays under 25%."""
-        ladder = set(range(1, 17)) | set(range(20, 65, 4)) | set(range(80, self.max_tile + 1, 16))
+        """Every count to 16, then steps of 4 to 64, of 16 to 256 and of 64 beyond: padding stays under 25%."""
+        ladder = (set(range(1, 17)) | set(range(20, 65, 4)) | set(range(80, 257, 16))
+                  | set(range(320, self.max_tile + 1, 64)))
         return sorted(t for t in ladder if t < self.max_tile) + [self.max_tile]
 
     def calibrate(self, fns: list[RowProbe], seed: int = 0) -> list[int]:

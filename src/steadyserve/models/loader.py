@@ -189,7 +189,7 @@ def select_attention(choice: str, device: torch.device, dtype: torch.dtype, batc
 
 
 def load_model(path: str, device: str = "cpu", dtype: str = "auto", *, batch_invariant: bool = True,
-               row_tile: int = 256, max_model_len: int = 0, name: str = "", cache_dir: str = "",
+               row_tile: int = 512, max_model_len: int = 0, name: str = "", cache_dir: str = "",
                attention: str = "auto", block_size: int = 32) -> LoadedModel:
     """Load and build the model. Raises LoadError with a one-line message."""
     t0 = time.perf_counter()
