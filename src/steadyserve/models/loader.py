@@ -228,6 +228,7 @@ def load_model(path: str, device: str = "cpu", dtype: str = "auto", *, batch_inv
     try:
         attn, kernel_id = select_attention(attention, dev, dt, batch_invariant, block_size, args.head_dim)
         model = Transformer(args, weights, dev, dt, RowTiler(row_tile, batch_invariant), max_len, attn, kernel_id)
+        weights.clear()  # what the model did not take (e.g. rotary buffers) must not pin the file mapping
     except (KeyError, RuntimeError, ValueError) as e:
         raise LoadError(f"{model_dir}: weights do not match config.json ({e})") from None
     return LoadedModel(model=model, args=args, tokenizer=tokenizer,

@@ -51,7 +51,7 @@ class LayerWeights:
 class Transformer:
     """Forward pass only; no autograd, no module state beyond weights.
 
-    The constructor consumes `weights`: tensors it fuses are removed from the dict.
+    The constructor consumes `weights`: every tensor it uses is removed from the dict.
     """
 
     def __init__(self, args: ModelArgs, weights: dict[str, torch.Tensor], device: torch.device,
@@ -64,24 +64,23 @@ class Transformer:
         self.attention = attention
         self.kernel_id = kernel_id  # names the attention kernel in the fingerprint: its bits differ per kernel
 
+        # Loaded weights may be views of the safetensors file's mmap: pages touched through it stay
+        # in RSS as long as any view lives. Every weight is taken out of `weights` and copied into
+        # memory the model owns, so the mapping is released once loading ends (RSS = one model copy).
         def w(name: str) -> torch.Tensor:
-            return weights[name].to(device=device, dtype=dtype).contiguous()
+            return weights.pop(name).to(device=device, dtype=dtype, copy=True).contiguous()
 
         def maybe(name: str) -> torch.Tensor | None:
             return w(name) if name in weights else None
 
         def cat(names: list[str]) -> torch.Tensor | None:
-            """Fuse, and drop the unfused parts at once, so peak memory holds one copy of the model."""
-            parts = [maybe(n) for n in names]
-            if all(p is None for p in parts):
+            """Fuse the named weights (all or none present) into one owned tensor."""
+            present = [n for n in names if n in weights]
+            if not present:
                 return None
-            if any(p is None for p in parts):
+            if len(present) != len(names):
                 raise ValueError(f"some but not all of {names} are present")
-            for n in names:
-                del weights[n]
-            fused = torch.cat(parts).contiguous()  # type: ignore[arg-type]
-            del parts
-            return fused
+            return torch.cat([weights.pop(n) for n in names]).to(device=device, dtype=dtype).contiguous()
 
         self.embed = w("model.embed_tokens.weight")  # (V, hidden)
         self.lm_head = self.embed if args.tie_word_embeddings or "lm_head.weight" not in weights \
