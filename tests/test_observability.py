@@ -140,9 +140,19 @@ PROMQL_WORDS = {"sum", "by", "rate", "increase", "histogram_quantile", "count", 
                 "batch_invariant", "and", "or", "unless", "bool", "ignoring", "group_left", "group_right"}
 
 
+def scraped_after_traffic(srv: ServerProcess) -> set[str]:
+    """Metric names exported once the server has served HTTP and gRPC (labelled counters appear on first use):
+    each test makes its own traffic, so it passes alone and in any order."""
+    assert httpx.post(srv.http_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                      timeout=30).status_code == 200
+    with Client(srv.grpc_addr, timeout=30, retries=False) as c:
+        assert c.score("hello there").usage.prompt_tokens > 0
+    return {name for name, _ in srv.metrics()}
+
+
 def test_alert_rules_name_only_live_metrics(srv: ServerProcess) -> None:
     rules = yaml.safe_load((ROOT / "deploy/prometheus/alerts.yml").read_text())
-    scraped = {name for name, _ in srv.metrics()}
+    scraped = scraped_after_traffic(srv)
     alerts = [r for g in rules["groups"] for r in g["rules"]]
     assert {a["alert"] for a in alerts} >= {"SteadyserveServerErrors", "SteadyserveStalledStreams",
                                             "SteadyserveStreamBacklog", "SteadyserveEventLoopLag",
@@ -159,7 +169,7 @@ def test_alert_rules_name_only_live_metrics(srv: ServerProcess) -> None:
 
 def test_grafana_dashboard_queries_live_metrics(srv: ServerProcess) -> None:
     dash = json.loads((ROOT / "deploy/grafana/steadyserve.json").read_text())
-    scraped = {name for name, _ in srv.metrics()}
+    scraped = scraped_after_traffic(srv)
     for panel in dash["panels"]:
         for t in panel["targets"]:
             expr = re.sub(r'\{[^}]*\}|"[^"]*"|\[[^\]]*\]', " ", t["expr"])
