@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml requirements-model.txt 2>/dev/null | sha1sum | cut -c1-12)
 ARGS ?=
 
-.PHONY: install browser serve test test-fast soak proto bench cluster-demo clean
+.PHONY: install browser nginx serve test test-fast soak proto bench cluster-demo clean
 
 $(STAMP): pyproject.toml requirements-model.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -23,19 +23,33 @@ install: $(STAMP)
 serve: install
 	$(VENV)/bin/steadyserve serve $(ARGS)
 
-# The console's browser tests use Debian's chromium (Playwright's own browser download does not work here).
+# The console's browser tests use Debian's chromium (Playwright's own browser download does not work here);
+# the cluster tests use Debian's nginx. `make test` installs both when run as root with apt-get, and fails
+# with a clear message when it cannot: the suite never passes without the tests that need them.
 browser:
-	@if [ -x /usr/bin/chromium ]; then :; \
+	@if [ -x "$${STEADYSERVE_CHROMIUM:-/usr/bin/chromium}" ]; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	  echo "installing Debian's chromium for the console's browser tests"; \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
-	    || echo "NOTE: could not install chromium: tests/test_console.py will skip its browser tests"; \
+	    || { echo "ERROR: could not install chromium (apt-get install chromium failed): tests/test_console.py's browser tests cannot run" >&2; exit 1; }; \
 	else \
-	  echo "NOTE: no /usr/bin/chromium and no root apt-get to install it: tests/test_console.py will skip its browser tests (apt-get install chromium)"; \
+	  echo "ERROR: no /usr/bin/chromium and no root apt-get to install it: tests/test_console.py's browser tests cannot run. Install it (apt-get install chromium) or set STEADYSERVE_CHROMIUM" >&2; exit 1; \
 	fi
 
-test: install browser
-	$(PY) -m pytest $(ARGS)
+nginx:
+	@if command -v nginx >/dev/null || [ -x /usr/sbin/nginx ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "installing Debian's nginx for the cluster tests"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nginx >/dev/null) \
+	    || { echo "ERROR: could not install nginx (apt-get install nginx failed): tests/test_cluster.py cannot run" >&2; exit 1; }; \
+	else \
+	  echo "ERROR: no nginx and no root apt-get to install it: tests/test_cluster.py cannot run (apt-get install nginx)" >&2; exit 1; \
+	fi
+
+# STEADYSERVE_STRICT_SKIPS=1: a skipped test fails the run unless allow-listed in tests/conftest.py (as in CI).
+# Test order is random (pytest-randomly): the seed is printed; ARGS="--randomly-seed=N" repeats an order.
+test: install browser nginx
+	STEADYSERVE_STRICT_SKIPS=1 $(PY) -m pytest $(ARGS)
 
 test-fast: install
 	$(PY) -m pytest -m "not slow" $(ARGS)

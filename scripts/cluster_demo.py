@@ -139,6 +139,7 @@ class Nginx:
                 self.proc.kill()
                 self.proc.wait(5)
         self.log.close()
+        shutil.rmtree(self.prefix, ignore_errors=True)
 
 
 class Cluster:
@@ -183,6 +184,7 @@ class Cluster:
                 r.wait(60)
             except subprocess.TimeoutExpired:
                 r.kill()
+            r.__exit__(None, None, None)  # closes its log, removes its temporary directory
         if getattr(self, "nginx", None) is not None:
             self.nginx.stop()
 

@@ -107,3 +107,130 @@ def status_counts(server) -> dict[str, float]:
 
 def five_xx(server) -> float:
     return sum(v for k, v in status_counts(server).items() if k.startswith("5"))
+
+
+class CuttingProxy:
+    """A TCP proxy on 127.0.0.1 in front of a real server that cuts every other stream cleanly mid-way.
+
+    It stands for a worker killed mid-stream behind a balancer: the client sees a well-formed end (the
+    chunked terminator for SSE, a WebSocket close 1000) without a finish reason. Streams are a POST with
+    `"stream": true` or a WebSocket upgrade; of those, the 1st, 3rd, 5th ... connection is cut after
+    `keep` body chunks / frames. Everything else is piped untouched. `cut` counts the streams it cut.
+    """
+
+    def __init__(self, upstream_port: int, keep: int = 3) -> None:
+        import asyncio
+        import threading
+
+        self.upstream_port, self.keep = upstream_port, keep
+        self.cut = 0
+        self.streams = 0
+        self._loop = asyncio.new_event_loop()
+        ready = threading.Event()
+
+        async def start() -> None:
+            self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+            self.port = self._server.sockets[0].getsockname()[1]
+            ready.set()
+
+        self._thread = threading.Thread(target=lambda: (self._loop.run_until_complete(start()),
+                                                        self._loop.run_forever()), daemon=True)
+        self._thread.start()
+        assert ready.wait(10), "proxy did not start"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def _handle(self, cr, cw) -> None:
+        import asyncio
+
+        try:
+            ur, uw = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        except OSError:
+            cw.close()
+            return
+        try:
+            head = await cr.readuntil(b"\r\n\r\n")
+            low = head.lower()
+            body = b""
+            if b"content-length:" in low:
+                n = int(low.split(b"content-length:")[1].split(b"\r\n")[0])
+                body = await cr.readexactly(n)
+            is_ws = b"upgrade: websocket" in low
+            is_stream = is_ws or (head.startswith(b"POST ") and b'"stream": true' in body.replace(b'"stream":true',
+                                                                                               b'"stream": true'))
+            cut = False
+            if is_stream:
+                self.streams += 1
+                cut = self.streams % 2 == 1
+            uw.write(head + body)
+            await uw.drain()
+            if not cut:
+                await asyncio.gather(self._pipe(cr, uw), self._pipe(ur, cw))
+                return
+            pump = asyncio.ensure_future(self._pipe(cr, uw))  # the client's side (WS frames) goes on up
+            rhead = await ur.readuntil(b"\r\n\r\n")
+            cw.write(rhead)
+            if is_ws:
+                for _ in range(self.keep):
+                    cw.write(await self._ws_frame(ur))
+                cw.write(b"\x88\x02\x03\xe8")  # close 1000, no reason: a clean end without a final message
+            else:
+                for _ in range(self.keep):
+                    size_line = await ur.readuntil(b"\r\n")
+                    size = int(size_line.split(b";")[0], 16)
+                    chunk = await ur.readexactly(size + 2)
+                    cw.write(size_line + chunk)
+                    if size == 0:
+                        break
+                cw.write(b"0\r\n\r\n")  # the chunked terminator: a well-formed end of the body
+            await cw.drain()
+            self.cut += 1
+            pump.cancel()
+        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+            pass
+        finally:
+            for w in (cw, uw):
+                w.close()
+
+    @staticmethod
+    async def _ws_frame(r) -> bytes:
+        h = await r.readexactly(2)
+        n = h[1] & 0x7F
+        ext = b""
+        if n == 126:
+            ext = await r.readexactly(2)
+            n = int.from_bytes(ext, "big")
+        elif n == 127:
+            ext = await r.readexactly(8)
+            n = int.from_bytes(ext, "big")
+        return h + ext + await r.readexactly(n)
+
+    @staticmethod
+    async def _pipe(r, w) -> None:
+        try:
+            while data := await r.read(65536):
+                w.write(data)
+                await w.drain()
+        except (OSError, Exception):  # noqa: BLE001  the other side went away
+            pass
+        finally:
+            w.close()
+
+    def close(self) -> None:
+        async def stop() -> None:
+            self._server.close()
+            await self._server.wait_closed()
+
+        import asyncio
+        asyncio.run_coroutine_threadsafe(stop(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+    def __enter__(self) -> "CuttingProxy":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -3,7 +3,8 @@ headless Chromium (Debian's, driven by Playwright): dashboard charts move after 
 stream renders every token with hover details, score mode equals the API, the determinism button
 reports one vector, a 429 is shown, and an API key gates everything but the login.
 
-Screenshots go to artifacts/ (git-ignored)."""
+Screenshots go to pytest's temporary directory (STEADYSERVE_ARTIFACTS=dir keeps them elsewhere), never
+into the checkout."""
 
 from __future__ import annotations
 
@@ -19,14 +20,14 @@ from pathlib import Path
 
 import httpx
 import pytest
+from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
 from http_util import wait_for
-from steadyserve.testing.server import ServerProcess
+from steadyserve.testing.server import ServerProcess, start_servers
 
 KEY = "console-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
 CHROMIUM = os.environ.get("STEADYSERVE_CHROMIUM", "/usr/bin/chromium")
 CHROME_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                "--disable-sync", "--no-first-run", "--disable-dev-shm-usage"]
@@ -36,12 +37,10 @@ CHROME_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking
 def servers(tiny_model: str):
     """(keyed, tight): `keyed` needs an API key and has the default capacity; `tight` is open and has one seat
     and no queue, so one long stream makes the next request a 429. Started side by side (startup is mostly imports)."""
-    with ThreadPoolExecutor(2) as pool:
-        fk = pool.submit(ServerProcess, tiny_model, "--grpc-port", "-1", "--api-key", KEY, "--stall-timeout", "10",
-                         threads=1)
-        ft = pool.submit(ServerProcess, tiny_model, "--grpc-port", "-1", "--max-num-seqs", "1", "--max-queue", "0",
-                         "--stall-timeout", "10", threads=1)
-        keyed, tight = fk.result(), ft.result()
+    keyed, tight = start_servers(
+        ((tiny_model, "--grpc-port", "-1", "--api-key", KEY, "--stall-timeout", "10"), {"threads": 1}),
+        ((tiny_model, "--grpc-port", "-1", "--max-num-seqs", "1", "--max-queue", "0", "--stall-timeout", "10"),
+         {"threads": 1}))
     try:
         yield keyed, tight
     finally:
@@ -141,20 +140,25 @@ def test_api_key_gates_console_data_and_websocket_subprotocol(keyed, tight):
         while not msgs or msgs[-1]["type"] not in ("final", "error"):
             msgs.append(json.loads(ws.recv(timeout=30)))
         assert msgs[-1]["type"] == "final" and msgs[-1]["usage"]["completion_tokens"] == 3
-    with pytest.raises(Exception):
+    # A wrong key is refused at the handshake (closed before accept: HTTP 403), not after a stream started.
+    with pytest.raises(InvalidStatus) as e:
         with connect(url, subprotocols=["bearer.wrong"], open_timeout=30) as ws:
             ws.send(json.dumps({"prompt": "hi", "max_tokens": 3}))
             ws.recv(timeout=10)
+    assert e.value.response.status_code == 403
 
 
 def test_tokens_endpoint_matches_echoed_tokens(keyed):
     echo = complete(keyed, {"prompt": "Tokens, with text: ünïcode!", "max_tokens": 0, "echo": True,
                             "logprobs": 0}).json()
-    ids = httpx.post(keyed.http_url + "/v1/completions", headers=AUTH, timeout=30,
-                     json={"prompt": "Tokens, with text: ünïcode!", "max_tokens": 1, "temperature": 0,
-                           "logprobs": 0, "echo": True}).json()
+    one_more = httpx.post(keyed.http_url + "/v1/completions", headers=AUTH, timeout=30,
+                          json={"prompt": "Tokens, with text: ünïcode!", "max_tokens": 1, "temperature": 0,
+                                "logprobs": 0, "echo": True}).json()
     tokens = echo["choices"][0]["logprobs"]["tokens"]
-    assert tokens and ids
+    # The echoed prompt is several tokens, and the same ones whether or not a token is generated after it.
+    assert len(tokens) >= 5 and "".join(tokens).startswith("Tokens, with text: "), tokens
+    assert one_more["choices"][0]["logprobs"]["tokens"][:len(tokens)] == tokens
+    assert len(one_more["choices"][0]["logprobs"]["tokens"]) == len(tokens) + 1
     # Re-derive the ids through the stream API (it reports ids), then ask the console endpoint for their text.
     with connect(f"ws://127.0.0.1:{keyed.http_port}/v1/stream", subprotocols=[f"bearer.{KEY}"]) as ws:
         ws.send(json.dumps({"prompt": "Tokens", "max_tokens": 6, "temperature": 0, "logprobs": 2}))
@@ -188,13 +192,22 @@ def _browser_unavailable() -> str | None:
 
 
 @pytest.fixture(scope="module")
+def artifacts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where screenshots go: a temporary directory, or STEADYSERVE_ARTIFACTS when set."""
+    where = os.environ.get("STEADYSERVE_ARTIFACTS")
+    if where:
+        Path(where).mkdir(parents=True, exist_ok=True)
+        return Path(where)
+    return tmp_path_factory.mktemp("console-artifacts")
+
+
+@pytest.fixture(scope="module")
 def browser():
     why = _browser_unavailable()
     if why:
         pytest.skip(f"browser tests skipped: {why}")
     from playwright.sync_api import sync_playwright
 
-    ARTIFACTS.mkdir(exist_ok=True)
     with sync_playwright() as p:
         b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROME_ARGS)
         yield b
@@ -255,7 +268,7 @@ def test_login_gates_everything(tab, keyed):
     assert not [e for e in t.errors if "401" not in e], t.errors  # the failed attempt logs its 401, nothing else
 
 
-def test_dashboard_charts_update_after_traffic(tab, keyed):
+def test_dashboard_charts_update_after_traffic(tab, keyed, artifacts):
     t = tab()
     pg = t.page
     pg.goto(keyed.http_url + "/")
@@ -291,12 +304,12 @@ def test_dashboard_charts_update_after_traffic(tab, keyed):
     label = pg.get_attribute("figure[data-chart=tokens] canvas", "aria-label")
     assert label.startswith("Output tokens/s") and "Latest" in label
     time.sleep(1.2)  # one more poll so the lines have drawn past the burst
-    pg.screenshot(path=str(ARTIFACTS / "console-dashboard.png"))
+    pg.screenshot(path=str(artifacts / "console-dashboard.png"))
     assert no_horizontal_scroll(pg)
     pg.set_viewport_size({"width": 420, "height": 900})
     pg.wait_for_timeout(500)
     assert no_horizontal_scroll(pg)
-    pg.screenshot(path=str(ARTIFACTS / "console-dashboard-narrow.png"))
+    pg.screenshot(path=str(artifacts / "console-dashboard-narrow.png"))
     assert not t.errors, t.errors
 
 
@@ -309,7 +322,7 @@ def ws_run(srv, req: dict) -> list[dict]:
     return msgs
 
 
-def test_playground_stream_renders_every_token_with_details(tab, keyed):
+def test_playground_stream_renders_every_token_with_details(tab, keyed, artifacts):
     t = tab()
     pg = t.page
     pg.goto(keyed.http_url + "/playground")
@@ -350,12 +363,12 @@ def test_playground_stream_renders_every_token_with_details(tab, keyed):
     assert pg.evaluate("document.activeElement.dataset.i") == "1"
     assert f"logprob {lps[1]['logprob']:.4f}" in pg.inner_text("#tip")
     pg.hover("#tokens .tok >> nth=5")
-    pg.screenshot(path=str(ARTIFACTS / "console-playground.png"))
+    pg.screenshot(path=str(artifacts / "console-playground.png"))
     assert no_horizontal_scroll(pg)
     pg.set_viewport_size({"width": 420, "height": 900})
     pg.wait_for_timeout(300)
     assert no_horizontal_scroll(pg)
-    pg.screenshot(path=str(ARTIFACTS / "console-playground-narrow.png"), full_page=True)
+    pg.screenshot(path=str(artifacts / "console-playground-narrow.png"), full_page=True)
     # A validation error is shown as the server's message.
     pg.set_viewport_size({"width": 1280, "height": 800})
     pg.fill("#temperature", "5")

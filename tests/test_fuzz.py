@@ -21,6 +21,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
 from http_util import five_xx, status_counts
+from steadyserve.api.http.app import validation_message
 from steadyserve.api.http.schemas import ChatCompletionRequest, CompletionRequest
 from steadyserve.engine.sequence import InvalidRequest
 from steadyserve.client import Client
@@ -97,12 +98,23 @@ bodies = st.dictionaries(st.sampled_from(FIELDS), json_values, max_size=8)
 @given(body=bodies, chat=st.booleans())
 def test_request_parsing_refuses_by_name_and_never_crashes(body, chat):
     model = ChatCompletionRequest if chat else CompletionRequest
+    fields = set(model.model_fields)
     try:
         req = model.model_validate(body)
         params = req.sampling_params(16)
         params.validate()
-    except (ValidationError, InvalidRequest, ValueError):
-        return  # refused: the HTTP layer turns these into 400 naming the field
+    except ValidationError as e:
+        # Refused: the HTTP layer answers 400 with this message and param. Either the param is a field of the
+        # request (its first element), or, for a check across fields (no location), the message names one.
+        msg, param = validation_message(e)
+        if param:
+            assert param.split(".")[0] in fields, (param, msg, body)
+        else:
+            assert any(f in msg for f in fields), (msg, body)
+        return
+    except InvalidRequest as e:  # refused by a range check: param is the request's field, and the message says it
+        assert e.param in fields and e.param in str(e), (e.param, str(e), body)
+        return
     assert params.max_tokens >= 0 and 0 <= params.temperature <= 2 and 0 < params.top_p <= 1
     assert params.logprobs is None or 0 <= params.logprobs <= 20
 

@@ -3,7 +3,11 @@
 The "small" server has room for 4 requests (2 running + 2 queued), so a few
 long streams fill it. The model has a 4096-token context so that a stream of
 4000 tokens outlives every test that holds one; each such test cancels its
-streams before it ends. Counts and times are bounded; everything is on 127.0.0.1.
+streams before it ends. Tests synchronise on the server's own counters, not on
+sleeps; what they bound must hold on any 2-core machine, fast or slow: that a slot
+is freed by the abort (the 4000-token streams did not finish), not how many
+milliseconds it took (printed). No test stops `small`: the drain test has its own
+server, so the tests pass in any order. Everything is on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -91,29 +95,38 @@ def assert_full(stub) -> None:
     assert int(trailers[RETRY_AFTER_KEY]) >= 1 and trailers[ERROR_CODE_KEY] == "overloaded"
 
 
+def finished_length(server) -> float:
+    return server.metric("steadyserve_requests_finished_total", finish_reason="length")
+
+
 def test_deadline_aborts_the_request_and_frees_its_slot(small, stub):
     aborted = small.metric("steadyserve_streams_aborted_total", reason="deadline")
-    calls = fill(small, stub, timeout=2.0)
+    length0 = finished_length(small)
+    # The deadline only has to outlast fill() and assert_full() (milliseconds); 5 s leaves a slow machine room,
+    # and 4000 tokens take far longer than 5 s on any CPU (the check below makes sure they did not finish).
+    calls = fill(small, stub, timeout=5.0)
     assert_full(stub)
     for c in calls:
         with pytest.raises(grpc.RpcError) as e:
             list(c)
         assert e.value.code() == Code.DEADLINE_EXCEEDED
-    freed = wait_for(lambda: score_code(stub) == Code.OK, timeout=5)
+    freed = wait_for(lambda: score_code(stub) == Code.OK, timeout=30)
     print(f"\nslots free {freed * 1000:.0f} ms after the deadline")
-    assert freed < 1.0
     wait_metric(small, "steadyserve_streams_aborted_total", aborted + CAPACITY, reason="deadline")
+    # Freed by the abort, not by the streams running to their end.
+    assert finished_length(small) - length0 <= 1, "the long streams finished instead of being aborted"
 
 
 def test_cancelled_stream_frees_its_slot(small, stub):
     aborted = small.metric("steadyserve_streams_aborted_total", reason="client_disconnect")
+    length0 = finished_length(small)
     calls = fill(small, stub)  # 2 running, 2 queued: which is which is the scheduler's business
     assert_full(stub)
     for c in calls:
         c.cancel()
-    freed = wait_for(lambda: score_code(stub) == Code.OK, timeout=5)
+    freed = wait_for(lambda: score_code(stub) == Code.OK, timeout=30)
     print(f"\nslots free {freed * 1000:.0f} ms after the cancel")
-    assert freed < 1.0
+    assert finished_length(small) - length0 <= 1, "the long streams finished instead of being aborted"
     wait_metric(small, "steadyserve_streams_aborted_total", aborted + CAPACITY, reason="client_disconnect")
 
 
@@ -144,15 +157,22 @@ def test_overload_is_resource_exhausted_at_once_and_nothing_else(small):
     assert codes.count("OK") >= CAPACITY and codes.count("RESOURCE_EXHAUSTED") >= 1
     for code, seconds, trailers in results:
         if code == "RESOURCE_EXHAUSTED":
-            # Refused, not queued: a queued call would wait for a 48-token stream to end. The bound is
-            # loose because 60 calls from one Python client share 2 busy cores with the server.
-            assert int(trailers[RETRY_AFTER_KEY]) >= 1 and seconds < 2.0
+            # Refused, not queued: the code itself says so (a queued call ends OK). How fast is printed above,
+            # not bounded: 60 calls from one Python client share 2 busy cores with the server.
+            assert int(trailers[RETRY_AFTER_KEY]) >= 1 and trailers[ERROR_CODE_KEY] == "overloaded"
 
 
 def test_client_retry_policy_rides_out_overload(small, stub):
     calls = fill(small, stub)
     rejected = small.metric("steadyserve_requests_rejected_total", reason="overloaded")
-    releaser = threading.Timer(0.3, lambda: [c.cancel() for c in calls])
+
+    def release() -> None:  # free the slots once the server has refused the Score once (not after a timer)
+        wait_for(lambda: small.metric("steadyserve_requests_rejected_total", reason="overloaded") > rejected,
+                 timeout=60)
+        for c in calls:
+            c.cancel()
+
+    releaser = threading.Thread(target=release, daemon=True)
     releaser.start()
     try:
         with Client(small.grpc_addr, timeout=30) as c:  # retries on: RESOURCE_EXHAUSTED, with server pushback
@@ -160,25 +180,33 @@ def test_client_retry_policy_rides_out_overload(small, stub):
             assert c.score("retry me").usage.prompt_tokens > 0
             print(f"\nScore succeeded after {time.monotonic() - t0:.2f} s of overload")
     finally:
-        releaser.join()
+        releaser.join(60)
+        for c in calls:
+            c.cancel()
     assert small.metric("steadyserve_requests_rejected_total", reason="overloaded") > rejected
 
 
-def test_drain_timeout_ends_unfinished_streams_with_unavailable(small, stub):
-    """Runs last on `small`: SIGTERM with streams that cannot finish within --drain-timeout (3 s)."""
-    calls = [stub.Generate(LONG) for _ in range(2)]
-    for c in calls:
-        assert next(c).WhichOneof("event") == "batch"
-    t0 = time.monotonic()
-    small.signal(signal.SIGTERM)
-    for c in calls:
-        with pytest.raises(grpc.RpcError) as e:
-            list(c)
-        assert e.value.code() == Code.UNAVAILABLE, e.value.details()
-        assert dict(e.value.trailing_metadata())[ERROR_CODE_KEY] == "drain_timeout"
-    waited = time.monotonic() - t0
-    assert 2.5 < waited < 15, waited
-    assert small.wait(30) == 0
+def test_drain_timeout_ends_unfinished_streams_with_unavailable(long_model):
+    """SIGTERM with streams that cannot finish within --drain-timeout (3 s): 4000 tokens each. Its own server."""
+    with ServerProcess(long_model, "--max-num-seqs", "2", "--max-queue", "2", "--drain-timeout", "3") as srv, \
+            grpc.insecure_channel(srv.grpc_addr) as ch:
+        stub = pb_grpc.InferenceStub(ch)
+        calls = [stub.Generate(LONG) for _ in range(2)]
+        for c in calls:
+            assert next(c).WhichOneof("event") == "batch"
+        t0 = time.monotonic()
+        srv.signal(signal.SIGTERM)
+        for c in calls:
+            with pytest.raises(grpc.RpcError) as e:
+                list(c)
+            assert e.value.code() == Code.UNAVAILABLE, e.value.details()
+            assert dict(e.value.trailing_metadata())[ERROR_CODE_KEY] == "drain_timeout"
+        waited = time.monotonic() - t0
+        print(f"\nstreams ended {waited:.2f} s after SIGTERM (--drain-timeout 3)")
+        # Not before the drain timeout (0.5 s margin for when t0 was taken); the upper bound only rules out a
+        # hang: 3 s plus the shutdown, with 12 s to spare for a slow machine.
+        assert 2.5 < waited < 15, waited
+        assert srv.wait(30) == 0
 
 
 def _free_port() -> int:
@@ -245,7 +273,8 @@ def test_sigterm_health_refusal_and_in_flight_streams_complete(long_model):
         assert srv.wait(60) == 0
     finally:
         poller.done.set()
-        srv.kill()
+        poller.join(5)
+        srv.__exit__(None, None, None)
     seen = poller.seen
     assert seen[0] == "UNAVAILABLE" and "SERVING" in seen and "NOT_SERVING" in seen, seen
     assert seen.index("SERVING") < seen.index("NOT_SERVING"), seen

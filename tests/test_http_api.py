@@ -244,7 +244,8 @@ def test_same_client_request_id_twice_concurrently(srv):
 def test_sdk_errors_map_to_sdk_exceptions(oai):
     with pytest.raises(openai.NotFoundError) as ei:
         oai.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
-    assert ei.value.body["code"] == "model_not_found" if isinstance(ei.value.body, dict) else True
+    assert isinstance(ei.value.body, dict) and ei.value.body["code"] == "model_not_found", ei.value.body
+    assert ei.value.status_code == 404
     with pytest.raises(openai.BadRequestError) as ei:
         oai.completions.create(model="tiny", prompt="hi", max_tokens=2, temperature=-1)
     assert "temperature" in str(ei.value)

@@ -1,7 +1,10 @@
 """HTTP streams under load against real servers: concurrency, disconnects, stalled readers, overload, drain.
 
 Servers run on 127.0.0.1 with ephemeral ports; clients are real sockets. Load is
-bounded (at most 64 streams) so the file runs on two shared cores.
+bounded (at most 64 streams) so the file runs on two shared cores. Tests synchronise on
+the server's counters and state, not on sleeps; they bound only what holds on any 2-core
+machine, fast or slow (that a slot was freed by an abort, not how many ms it took: printed),
+and each memory bound is checked to be smaller than what the failure it guards against costs.
 """
 
 from __future__ import annotations
@@ -124,7 +127,8 @@ def test_disconnect_mid_stream_frees_the_slot(srv):
         wait_for(lambda: running(srv) == 1, 5, interval=0.01, what="slot freed after disconnect")
         freed = time.monotonic() - t0
         print(f"\ndisconnect -> engine running count 2 -> 1 in {freed * 1000:.0f} ms")
-        assert freed < 1.0
+        # Freed by the abort (counted below only for a stream the engine had not finished), not by its
+        # 3500 tokens running out; how fast is printed, not bounded.
         wait_for(lambda: srv.metric("steadyserve_streams_aborted_total", reason="client_disconnect")
                  == aborted0 + 1, 5, what="client_disconnect counted")
     finally:
@@ -156,8 +160,23 @@ def test_stalled_reader_is_cut_while_others_continue(srv):
     rss0 = srv.metric("steadyserve_process_resident_memory_bytes")
     # Echoed prompt logprobs (20 alternatives per token) plus logprobs for every generated token: megabytes.
     prompt = [5 + (i * 7) % 370 for i in range(1200)]  # ~0.45 MB of echoed logprobs in the first event
-    body = json.dumps({"prompt": prompt, "echo": True, "logprobs": 20, "max_tokens": 2500, "ignore_eos": True,
-                       "stream": True}).encode()
+    request = {"prompt": prompt, "echo": True, "logprobs": 20, "max_tokens": 2500, "ignore_eos": True,
+               "stream": True}
+    # The sizes of this response's events, from a short version of it read in full: the first event (the
+    # echoed prompt) and a generated token's event. The whole response is their sum over 2500 tokens.
+    with httpx.Client(base_url=srv.http_url, timeout=60) as c:
+        with c.stream("POST", "/v1/completions", json={**request, "max_tokens": 4}) as r:
+            events = [e for e in r.read().split(b"\n\n") if e.startswith(b"data: {")]
+    first_event, token_event = len(events[0]) + 2, max(len(e) for e in events[1:]) + 2
+    whole = first_event + 2500 * token_event
+    # The server sends one event at a time and waits for it to be taken: its backlog is at most the event
+    # being sent plus what uvicorn's transport still buffers (its 64 KiB high-water mark plus the previous
+    # event). A server that queued events regardless would hold the whole response less what the kernel can
+    # hide (its 128 KiB send buffer, doubled, and our 4 KiB receive buffer, doubled).
+    backlog_bound = 2 * first_event + 64 * 1024
+    unbounded_backlog = whole - 2 * 128 * 1024 - 2 * 4096
+    assert backlog_bound < unbounded_backlog, (backlog_bound, whole)  # the bound can trip
+    body = json.dumps(request).encode()
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     s.connect(("127.0.0.1", srv.http_port))
@@ -193,10 +212,16 @@ def test_stalled_reader_is_cut_while_others_continue(srv):
     wait_for(lambda: in_flight_zero(srv), 5, what="stalled request aborted in the engine")
     rss1 = srv.metric("steadyserve_process_resident_memory_bytes")
     print(f"\nstalled reader cut {cut_after:.2f} s after its request (stall timeout {STALL_TIMEOUT} s); "
-          f"backlog while stalled {backlog_bytes / 1e6:.2f} MB; RSS {rss0 / 1e6:.0f} -> {rss1 / 1e6:.0f} MB; "
+          f"backlog while stalled {backlog_bytes / 1e6:.2f} MB (bound {backlog_bound / 1e6:.2f} MB, whole response "
+          f"{whole / 1e6:.2f} MB); RSS {rss0 / 1e6:.0f} -> {rss1 / 1e6:.0f} MB; "
           f"other streams meanwhile {', '.join(f'{t:.2f}' for t in others)} s")
+    # Never before the stall timeout; the upper bound only rules out a stall that is never cut (the write
+    # blocks within a second of the request; 15 s leave a slow machine room).
     assert STALL_TIMEOUT <= cut_after < STALL_TIMEOUT + 15
-    assert 0 < backlog_bytes < 4e6  # the stalled stream's unsent bytes were seen, and bounded
+    assert 0 < backlog_bytes <= backlog_bound  # the stalled stream's unsent bytes were seen, and bounded
+    # A coarse guard only, against gross growth (the backlog bound above is the sharp one, and is checked to be
+    # able to trip): RSS moves by 5-70 MB here from allocator noise alone (more when a test before this one
+    # tokenized a megabyte prompt), so it cannot see one 2 MB response and is not meant to.
     assert rss1 - rss0 < 200e6
     # The connection is closed: reading what is left ends in EOF or a reset, never hangs.
     s.settimeout(5)
@@ -255,8 +280,8 @@ def test_overload_gives_429_with_retry_after_and_no_5xx(srv):
             assert r.status_code == 429 and "retry-after" in r.headers
             assert c.get("/readyz").status_code == 200  # overloaded is not unready
         latencies.sort()
+        # Refused, not queued: the 429 itself says so (a queued request would wait for a 3000-token stream).
         print(f"\n429 latency: median {latencies[10] * 1000:.1f} ms, max {latencies[-1] * 1000:.1f} ms")
-        assert latencies[10] < 0.5
     finally:
         stop.set()
         reader.join(5)
@@ -327,7 +352,8 @@ def test_sigterm_drains_20_streams_refuses_new_and_exits_0(tiny_model: str):
 @pytest.mark.slow
 def test_drain_timeout_ends_streams_with_an_error_event_and_second_signal_exits_at_once(long_model: str):
     # Drain timeout: the stream that cannot finish gets an explicit error event, then [DONE]; exit 0.
-    with ServerProcess(long_model, "--grpc-port", "-1", "--drain-timeout", "1", threads=1) as srv:
+    # 4000 tokens cannot finish in 0.5 s on any CPU (that is 125 us per engine step); the error event proves it.
+    with ServerProcess(long_model, "--grpc-port", "-1", "--drain-timeout", "0.5", threads=1) as srv:
         out: dict[int, tuple] = {}
         t = _sse_thread(srv.http_url, {"prompt": "forever", "max_tokens": 4000, "ignore_eos": True}, out, 0)
         wait_for(lambda: srv.metric("steadyserve_requests_running") == 1, 30, what="running")
@@ -345,12 +371,15 @@ def test_drain_timeout_ends_streams_with_an_error_event_and_second_signal_exits_
         t = _sse_thread(srv.http_url, {"prompt": "forever", "max_tokens": 4000, "ignore_eos": True}, out, 0)
         wait_for(lambda: srv.metric("steadyserve_requests_running") == 1, 30, what="running")
         srv.signal(signal.SIGTERM)
-        time.sleep(0.3)
+        with httpx.Client(base_url=srv.http_url, timeout=10) as c:  # draining, seen by the server itself
+            wait_for(lambda: c.get("/readyz").status_code == 503, 10, interval=0.01, what="/readyz 503")
         assert srv.proc.poll() is None  # still draining
         t0 = time.monotonic()
         srv.signal(signal.SIGINT)
-        code = srv.wait(10)
-        assert time.monotonic() - t0 < 3 and code != 0
+        code = srv.wait(30)
+        # Forced: a non-zero exit (a completed drain exits 0), well before --drain-timeout 60 s.
+        print(f"\nsecond signal: exit {code} after {time.monotonic() - t0:.2f} s")
+        assert code != 0 and time.monotonic() - t0 < 30
         t.join(10)
 
 
@@ -369,17 +398,21 @@ def test_megabyte_prompt_does_not_block_the_event_loop(srv):
 
     t = threading.Thread(target=big, daemon=True)
     t.start()
-    worst = 0.0
+    checks: list[float] = []  # latency of each /healthz that completed while the big request was in flight
     with httpx.Client(base_url=srv.http_url, timeout=30) as c:
-        time.sleep(0.2)
         while t.is_alive():
             t0 = time.monotonic()
             assert c.get("/healthz").status_code == 200
-            worst = max(worst, time.monotonic() - t0)
-            time.sleep(0.05)
+            if t.is_alive():
+                checks.append(time.monotonic() - t0)
     t.join()
     r = out["r"]
-    print(f"\n1 MB prompt refused in {out['t']:.2f} s; worst /healthz meanwhile {worst * 1000:.0f} ms")
+    worst = max(checks, default=0.0)
+    print(f"\n1 MB prompt refused in {out['t']:.2f} s; {len(checks)} /healthz answered meanwhile, worst "
+          f"{worst * 1000:.0f} ms")
     assert r.status_code == 400 and "4096" in r.json()["error"]["message"]
-    assert out["t"] > 0.3  # it really took a while (else this test proves nothing)
-    assert worst < max(0.5, out["t"] / 4)
+    # Not a timing bound: a blocked event loop answers nothing until the request is done, so at most one
+    # check could complete while it is in flight. Several did, on any machine where tokenizing takes a while;
+    # and each took well under the whole request (else it waited for the tokenizer).
+    assert len(checks) >= 3, checks
+    assert worst < out["t"] / 2, (worst, out["t"])

@@ -94,7 +94,9 @@ def test_one_429_counts_once(srv: ServerProcess) -> None:
     finally:
         s.close()
     assert srv.metric("steadyserve_requests_rejected_total", reason="overloaded") == before + 1
-    assert srv.metric("http_requests_total", method="POST", route="/v1/completions", status="429") >= 1
+    # Counted by the middleware once the response is done, which may be just after the client has it.
+    assert wait_for(lambda: srv.metric("http_requests_total", method="POST", route="/v1/completions",
+                                       status="429") >= 1)
 
 
 def test_one_invalid_argument_counts_once(srv: ServerProcess) -> None:
@@ -105,6 +107,14 @@ def test_one_invalid_argument_counts_once(srv: ServerProcess) -> None:
         with pytest.raises(grpc.RpcError) as e:
             c.score("")
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # The server may count the call just after the client sees its status: wait for the count, then make a
+    # later call and wait for it to be counted too, so a second (double) count of the first would be seen.
+    assert wait_for(lambda: srv.metric("grpc_server_handled_total", **labels) >= before + 1)
+    ok = {**labels, "grpc_code": "OK"}
+    ok_before = srv.metric("grpc_server_handled_total", **ok)
+    with Client(srv.grpc_addr, retries=False) as c:
+        c.score("a valid one")
+    assert wait_for(lambda: srv.metric("grpc_server_handled_total", **ok) >= ok_before + 1)
     assert srv.metric("grpc_server_handled_total", **labels) == before + 1
     started = dict(grpc_type="unary", grpc_service="steadyserve.v1.Inference", grpc_method="Score")
     assert srv.metric("grpc_server_started_total", **started) >= 1
@@ -140,9 +150,19 @@ PROMQL_WORDS = {"sum", "by", "rate", "increase", "histogram_quantile", "count", 
                 "batch_invariant", "and", "or", "unless", "bool", "ignoring", "group_left", "group_right"}
 
 
+def scraped_after_traffic(srv: ServerProcess) -> set[str]:
+    """Metric names exported once the server has served HTTP and gRPC (labelled counters appear on first use):
+    each test makes its own traffic, so it passes alone and in any order."""
+    assert httpx.post(srv.http_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                      timeout=30).status_code == 200
+    with Client(srv.grpc_addr, timeout=30, retries=False) as c:
+        assert c.score("hello there").usage.prompt_tokens > 0
+    return {name for name, _ in srv.metrics()}
+
+
 def test_alert_rules_name_only_live_metrics(srv: ServerProcess) -> None:
     rules = yaml.safe_load((ROOT / "deploy/prometheus/alerts.yml").read_text())
-    scraped = {name for name, _ in srv.metrics()}
+    scraped = scraped_after_traffic(srv)
     alerts = [r for g in rules["groups"] for r in g["rules"]]
     assert {a["alert"] for a in alerts} >= {"SteadyserveServerErrors", "SteadyserveStalledStreams",
                                             "SteadyserveStreamBacklog", "SteadyserveEventLoopLag",
@@ -159,7 +179,7 @@ def test_alert_rules_name_only_live_metrics(srv: ServerProcess) -> None:
 
 def test_grafana_dashboard_queries_live_metrics(srv: ServerProcess) -> None:
     dash = json.loads((ROOT / "deploy/grafana/steadyserve.json").read_text())
-    scraped = {name for name, _ in srv.metrics()}
+    scraped = scraped_after_traffic(srv)
     for panel in dash["panels"]:
         for t in panel["targets"]:
             expr = re.sub(r'\{[^}]*\}|"[^"]*"|\[[^\]]*\]', " ", t["expr"])

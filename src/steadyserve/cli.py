@@ -117,6 +117,10 @@ def cmd_info(a: argparse.Namespace) -> int:
     print(f"kv cache      {state.engine.engine.kv.num_blocks} blocks x {cfg.engine.block_size} tokens")
     print(f"self-test     {state.selftest.detail if state.selftest else 'skipped (batch invariance off)'}")
     print(f"load time     {lm.load_seconds:.2f} s ({'cached' if lm.from_cache else 'converted' if lm.from_cache is False and str(lm.name).endswith('gguf') else 'read'})")
+    from .platform_info import platform_info, row_tiles_of
+
+    for label, value in platform_info(row_tiles_of(lm)).lines():
+        print(f"{label:<14}{value}")
     return 0 if (state.selftest is None or state.selftest.passed) else 4
 
 

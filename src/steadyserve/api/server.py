@@ -30,6 +30,7 @@ from ..engine.engine import LLMEngine
 from ..engine.selftest import run_selftest
 from ..metrics import Metrics, sample_loop_lag
 from ..models.loader import Fingerprint, load_model
+from ..testing.drift import TEST_DRIFT_ENV, install_batch_drift
 from .http.app import Envelope, create_app
 from .state import ServerState
 from .streams import StreamRegistry
@@ -71,6 +72,10 @@ def build_state(config: Config) -> ServerState:
     else:
         log.warning("batch invariance is OFF (--no-batch-invariant): logprobs depend on batch composition",
                     extra={"fields": {"selftest": selftest.detail}})
+    if os.environ.get(TEST_DRIFT_ENV) == "1":  # after the self-test: the server claims invariance it lacks
+        log.warning("TEST-ONLY batch drift is ON (%s=1): logprobs depend on the step's token count, "
+                    "while the fingerprint still says -bi", TEST_DRIFT_ENV)
+        install_batch_drift(engine)
     fp = Fingerprint(loaded.weights_hash[:12], str(loaded.dtype).removeprefix("torch."), str(loaded.device),
                      ec.batch_invariant and selftest.passed, loaded.model.kernel_id)
     log.info("model fingerprint", extra={"fields": {"fingerprint": str(fp)}})

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 
@@ -28,16 +30,21 @@ class ServerProcess:
                 "--grpc-port", "0", "--ready-file", str(self.ready_file), "--threads", str(threads), *args]
         self.argv = argv
         self._log = open(self.log_path, "wb")
+        self._final_logs: str | None = None
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
                                      env={**os.environ, **(env or {})})
-        deadline = time.monotonic() + startup_timeout
-        while not self._read_ready():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.logs()}")
-            if time.monotonic() > deadline:
-                self.kill()
-                raise RuntimeError(f"server not ready after {startup_timeout} s:\n{self.logs()}")
-            time.sleep(0.05)
+        try:
+            deadline = time.monotonic() + startup_timeout
+            while not self._read_ready():
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.logs()}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"server not ready after {startup_timeout} s:\n{self.logs()}")
+                time.sleep(0.05)
+        except BaseException:  # no process, log file or temporary directory outlives a failed start
+            self.kill()
+            self._cleanup()
+            raise
         info = self._read_ready()
         self.http_port: int = info["http_port"]
         self.grpc_port: int = info["grpc_port"]
@@ -59,6 +66,8 @@ class ServerProcess:
         return f"127.0.0.1:{self.grpc_port}"
 
     def logs(self) -> str:
+        if self._final_logs is not None:  # stopped and cleaned up: what the log held at the end
+            return self._final_logs
         self._log.flush()
         return self.log_path.read_text(errors="replace")
 
@@ -103,6 +112,34 @@ class ServerProcess:
     def __enter__(self) -> "ServerProcess":
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    def _cleanup(self) -> None:
+        if self._final_logs is None:
+            self._final_logs = self.logs()
         self._log.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.stop()
+        finally:
+            self._cleanup()
+
+
+def start_servers(*specs: tuple[tuple, dict]) -> list[ServerProcess]:
+    """Start several servers side by side: `specs` are (args, kwargs) for ServerProcess.
+
+    All or nothing: if one fails to start, the ones that did start are stopped before the error is raised,
+    so a failed fixture leaves no server behind."""
+    with ThreadPoolExecutor(len(specs)) as pool:
+        futures = [pool.submit(ServerProcess, *args, **kwargs) for args, kwargs in specs]
+    started, errors = [], []
+    for f in futures:
+        try:
+            started.append(f.result())
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+    if errors:
+        for s in started:
+            s.__exit__(None, None, None)
+        raise errors[0]
+    return started

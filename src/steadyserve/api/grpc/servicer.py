@@ -19,6 +19,7 @@ import grpc
 
 from ...engine.engine import AdmissionError
 from ...engine.sequence import MAX_LOGPROBS, SamplingParams, TokenLogprob
+from ...platform_info import platform_info, row_tiles_of
 from ..protocol import token_text
 from ..state import ServerState
 from ..streams import StreamHandle
@@ -257,7 +258,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                             device=fp.device, dtype=fp.dtype, batch_invariant=fp.batch_invariant,
                             architecture=st.loaded.args.architecture, vocab_size=st.loaded.args.vocab_size,
                             max_tokens_cap=st.config.server.max_tokens_cap, max_logprobs=MAX_LOGPROBS,
-                            weights_hash=fp.weights)
+                            weights_hash=fp.weights, platform=_platform_pb(st.loaded))
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         call, _ = await self._open(context)
@@ -275,3 +276,10 @@ class _Stalled(Exception):
 
 class _ClientGone(Exception):
     pass
+
+
+def _platform_pb(loaded) -> pb.PlatformInfo:
+    p = platform_info(row_tiles_of(loaded))
+    return pb.PlatformInfo(cpu_model=p.cpu_model, cpu_flags=list(p.cpu_flags), num_cpus=p.num_cpus, isa=p.isa,
+                           torch_version=p.torch_version, mkl_version=p.mkl_version, mkl_cbwr=p.mkl_cbwr,
+                           mkl_enable_instructions=p.mkl_enable_instructions, row_tiles=list(p.row_tiles))

@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ...engine.engine import AdmissionError
 from ...engine.sequence import InvalidRequest
+from ...platform_info import platform_info, row_tiles_of
 from ..protocol import encode_prompt, render_chat
 from ..state import ServerState
 from .console import mount_console
@@ -237,7 +238,9 @@ def create_app(state: ServerState) -> FastAPI:
     async def models() -> dict:
         return {"object": "list", "data": [{
             "id": state.model_name, "object": "model", "created": int(state.started_at), "owned_by": "steadyserve",
-            "max_model_len": state.loaded.max_model_len, "system_fingerprint": str(state.fingerprint)}]}
+            "max_model_len": state.loaded.max_model_len, "system_fingerprint": str(state.fingerprint),
+            # The machine and library build that compute the responses (same facts as gRPC GetModelInfo).
+            "platform": platform_info(row_tiles_of(state.loaded)).as_dict()}]}
 
     @app.get("/healthz")
     async def healthz() -> dict:

@@ -171,7 +171,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "context_length", "fingerprint", "device", "dtype", "batch_invariant", "architecture", "vocab_size", "max_tokens_cap", "max_logprobs", "weights_hash")
+    __slots__ = ("model", "context_length", "fingerprint", "device", "dtype", "batch_invariant", "architecture", "vocab_size", "max_tokens_cap", "max_logprobs", "weights_hash", "platform")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -183,6 +183,7 @@ class ModelInfo(_message.Message):
     MAX_TOKENS_CAP_FIELD_NUMBER: _ClassVar[int]
     MAX_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_HASH_FIELD_NUMBER: _ClassVar[int]
+    PLATFORM_FIELD_NUMBER: _ClassVar[int]
     model: str
     context_length: int
     fingerprint: str
@@ -194,7 +195,30 @@ class ModelInfo(_message.Message):
     max_tokens_cap: int
     max_logprobs: int
     weights_hash: str
-    def __init__(self, model: _Optional[str] = ..., context_length: _Optional[int] = ..., fingerprint: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., batch_invariant: _Optional[bool] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_tokens_cap: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., weights_hash: _Optional[str] = ...) -> None: ...
+    platform: PlatformInfo
+    def __init__(self, model: _Optional[str] = ..., context_length: _Optional[int] = ..., fingerprint: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., batch_invariant: _Optional[bool] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_tokens_cap: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., weights_hash: _Optional[str] = ..., platform: _Optional[_Union[PlatformInfo, _Mapping]] = ...) -> None: ...
+
+class PlatformInfo(_message.Message):
+    __slots__ = ("cpu_model", "cpu_flags", "num_cpus", "isa", "torch_version", "mkl_version", "mkl_cbwr", "mkl_enable_instructions", "row_tiles")
+    CPU_MODEL_FIELD_NUMBER: _ClassVar[int]
+    CPU_FLAGS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CPUS_FIELD_NUMBER: _ClassVar[int]
+    ISA_FIELD_NUMBER: _ClassVar[int]
+    TORCH_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MKL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MKL_CBWR_FIELD_NUMBER: _ClassVar[int]
+    MKL_ENABLE_INSTRUCTIONS_FIELD_NUMBER: _ClassVar[int]
+    ROW_TILES_FIELD_NUMBER: _ClassVar[int]
+    cpu_model: str
+    cpu_flags: _containers.RepeatedScalarFieldContainer[str]
+    num_cpus: int
+    isa: str
+    torch_version: str
+    mkl_version: str
+    mkl_cbwr: str
+    mkl_enable_instructions: str
+    row_tiles: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, cpu_model: _Optional[str] = ..., cpu_flags: _Optional[_Iterable[str]] = ..., num_cpus: _Optional[int] = ..., isa: _Optional[str] = ..., torch_version: _Optional[str] = ..., mkl_version: _Optional[str] = ..., mkl_cbwr: _Optional[str] = ..., mkl_enable_instructions: _Optional[str] = ..., row_tiles: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text", "chat")

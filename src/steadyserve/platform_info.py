@@ -1,0 +1,108 @@
+"""What this machine computes with: the facts that decide which kernels run, and so which bits come out.
+
+Batch invariance is verified per machine (the row-tile ladder is calibrated at start-up), and the CPUs
+this project meets differ: AMD EPYC with AVX2, Intel Xeon with AVX-512 and AMX. `steadyserve info`,
+`GET /v1/models` and gRPC `GetModelInfo` all report the same `PlatformInfo`, collected here, so a result can
+be tied to the hardware and library build that produced it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import re
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+# CPU feature flags that change which kernels PyTorch, oneDNN and MKL pick (from /proc/cpuinfo).
+_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
+
+
+@dataclass(frozen=True)
+class PlatformInfo:
+    cpu_model: str  # e.g. "AMD EPYC 9R14" or "Intel(R) Xeon(R) Platinum 8488C"; "unknown" if not found
+    cpu_flags: tuple[str, ...]  # the subset of _FLAGS this CPU has
+    num_cpus: int  # logical CPUs the OS reports
+    isa: str  # the ISA PyTorch's CPU kernels dispatch to: torch.backends.cpu.get_cpu_capability()
+    torch_version: str
+    mkl_version: str  # the MKL PyTorch is linked with; "" when it has none
+    mkl_cbwr: str  # the MKL_CBWR environment value (conditional numerical reproducibility); "" when unset
+    mkl_enable_instructions: str  # MKL_ENABLE_INSTRUCTIONS (caps MKL's dispatch); "" when unset
+    row_tiles: tuple[int, ...] = field(default=())  # the verified row-tile ladder; () when not calibrated/off
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["cpu_flags"] = list(self.cpu_flags)
+        d["row_tiles"] = list(self.row_tiles)
+        return d
+
+    def lines(self) -> list[tuple[str, str]]:
+        """(label, value) pairs for a human-readable report."""
+        tiles = ", ".join(map(str, self.row_tiles)) if self.row_tiles else "none (batch invariance off)"
+        return [
+            ("cpu", f"{self.cpu_model} ({self.num_cpus} CPUs; {' '.join(self.cpu_flags) or 'no AVX2'})"),
+            ("isa", f"{self.isa} (torch.backends.cpu.get_cpu_capability())"),
+            ("torch", self.torch_version),
+            ("mkl", f"{self.mkl_version or 'none'}; MKL_CBWR={self.mkl_cbwr or '(unset)'}"
+                    + (f"; MKL_ENABLE_INSTRUCTIONS={self.mkl_enable_instructions}"
+                       if self.mkl_enable_instructions else "")),
+            ("row tiles", f"[{tiles}]" if self.row_tiles else tiles),
+        ]
+
+
+def _cpuinfo() -> tuple[str, tuple[str, ...]]:
+    model, flags = "", set()
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        text = ""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and not model:
+            model = value.strip()
+        elif key == "flags" and not flags:
+            flags = set(value.split())
+    model = model or platform.processor() or platform.machine() or "unknown"
+    return model, tuple(f for f in _FLAGS if f in flags)
+
+
+def _mkl_version(torch: Any) -> str:
+    if not torch.backends.mkl.is_available():
+        return ""
+    try:  # MKL is linked into libtorch_cpu; its version function is exported
+        lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
+        buf = ctypes.create_string_buffer(256)
+        lib.MKL_Get_Version_String(buf, len(buf))
+        text = buf.value.decode(errors="replace")
+    except (OSError, AttributeError):
+        text = torch.__config__.show()
+    m = re.search(r"Math Kernel Library Version ([\w.\-]+(?: Build \d+)?)", text)
+    return m.group(1).replace("-Product", "") if m else "present (version unknown)"
+
+
+@lru_cache(maxsize=1)
+def _static() -> PlatformInfo:
+    import torch
+
+    model, flags = _cpuinfo()
+    return PlatformInfo(cpu_model=model, cpu_flags=flags, num_cpus=os.cpu_count() or 1,
+                        isa=str(torch.backends.cpu.get_cpu_capability()), torch_version=torch.__version__,
+                        mkl_version=_mkl_version(torch), mkl_cbwr=os.environ.get("MKL_CBWR", ""),
+                        mkl_enable_instructions=os.environ.get("MKL_ENABLE_INSTRUCTIONS", ""))
+
+
+def platform_info(row_tiles: list[int] | tuple[int, ...] | None = None) -> PlatformInfo:
+    """This process's platform facts; `row_tiles` is the verified ladder (`loaded.model.tiler.tiles` when the
+    tiler is enabled), reported as given. The environment is read once per process, as MKL reads it."""
+    base = _static()
+    return PlatformInfo(**{**asdict(base), "cpu_flags": base.cpu_flags, "row_tiles": tuple(row_tiles or ())})
+
+
+def row_tiles_of(loaded: Any) -> tuple[int, ...]:
+    """The verified tile ladder of a loaded model; () when batch invariance is off."""
+    tiler = loaded.model.tiler
+    return tuple(tiler.tiles) if tiler.enabled else ()

@@ -1,0 +1,40 @@
+"""TEST-ONLY: break batch invariance on purpose, to show the checks catch it.
+
+`install_batch_drift(engine)` wraps the engine's model runner so that every log-prob row it returns is
+shifted by (tokens in the step) x `scale`: a result then depends on what shares its step (alone vs
+batched), and on how the sequence was computed (prefill vs decode, scored vs generated), which is exactly
+what batch invariance rules out. A uniform shift of a row keeps its argmax and its softmax, so greedy and
+seeded tokens stay the same and only the reported logprobs drift: the checks must catch it by the bits.
+
+The server installs it after its self-test when STEADYSERVE_TEST_DRIFT=1, so it still claims to be
+batch-invariant (fingerprint ...-bi) while it is not. Never set that outside tests.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+TEST_DRIFT_ENV = "STEADYSERVE_TEST_DRIFT"
+
+
+def install_batch_drift(engine: Any, scale: float = 2.0 ** -10) -> Callable[[], None]:
+    """Wrap engine.runner.execute; returns a function that restores it."""
+    runner = engine.runner
+    real = runner.execute
+
+    def execute(sched: Any) -> list:
+        results = real(sched)
+        bump = sched.num_tokens * scale
+        for r in results:
+            if r.sample_row is not None:
+                r.sample_row = r.sample_row + bump
+            if r.prompt_rows is not None:
+                r.prompt_rows = r.prompt_rows + bump
+        return results
+
+    runner.execute = execute
+
+    def restore() -> None:
+        runner.execute = real
+
+    return restore

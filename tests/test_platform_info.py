@@ -1,0 +1,73 @@
+"""The platform facts (CPU model, the ISA PyTorch dispatches to, MKL version and MKL_CBWR, the verified
+row-tile ladder) are the same in `steadyserve info`, HTTP GET /v1/models and gRPC GetModelInfo, and they are
+this machine's: compared with what the test process itself reads, not with constants."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import httpx
+import pytest
+import torch
+
+from steadyserve.client import Client
+from steadyserve.models.loader import load_model
+from steadyserve.platform_info import platform_info, row_tiles_of
+from steadyserve.testing.server import ServerProcess
+
+CBWR = "AUTO,STRICT"  # set for the child processes only; they must report it back
+
+
+@pytest.fixture(scope="module")
+def cbwr_server(tiny_model: str):
+    with ServerProcess(tiny_model, env={"MKL_CBWR": CBWR}, threads=1) as s:
+        yield s
+
+
+def test_platform_info_reads_this_machine():
+    p = platform_info([4, 64])
+    assert p.isa == torch.backends.cpu.get_cpu_capability() and p.isa
+    assert p.torch_version == torch.__version__
+    with open("/proc/cpuinfo") as f:
+        names = {line.split(":", 1)[1].strip() for line in f if line.startswith("model name")}
+    assert p.cpu_model in names
+    assert (p.mkl_version != "") == torch.backends.mkl.is_available()
+    assert p.row_tiles == (4, 64) and platform_info().row_tiles == ()
+
+
+def test_info_prints_platform_facts(tiny_model: str):
+    r = subprocess.run([sys.executable, "-m", "steadyserve.cli", "info", "--model", tiny_model, "--threads", "1"],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "MKL_CBWR": CBWR})
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = {m.group(1): m.group(2) for m in re.finditer(r"^(\S+(?: \S+)?)\s{2,}(.*)$", r.stdout, re.M)}
+    me = platform_info()
+    assert out["cpu"].startswith(me.cpu_model + " ("), r.stdout
+    assert out["isa"].startswith(me.isa + " "), r.stdout
+    assert f"MKL_CBWR={CBWR}" in out["mkl"] and me.mkl_version in out["mkl"], r.stdout
+    # The ladder the self-test verified in that process, as its own self-test line reports it.
+    tiles = re.search(r"row tiles (\[[\d, ]+\])", out["self-test"]).group(1)
+    assert out["row tiles"] == tiles and "64" in tiles, r.stdout
+
+
+def test_http_and_grpc_report_the_same_platform(cbwr_server: ServerProcess):
+    http = httpx.get(cbwr_server.http_url + "/v1/models", timeout=30).json()["data"][0]["platform"]
+    with Client(cbwr_server.grpc_addr, timeout=30, retries=False) as c:
+        g = c.model_info().platform
+    grpc_view = {"cpu_model": g.cpu_model, "cpu_flags": list(g.cpu_flags), "num_cpus": g.num_cpus, "isa": g.isa,
+                 "torch_version": g.torch_version, "mkl_version": g.mkl_version, "mkl_cbwr": g.mkl_cbwr,
+                 "mkl_enable_instructions": g.mkl_enable_instructions, "row_tiles": list(g.row_tiles)}
+    assert http == grpc_view
+    me = platform_info().as_dict()
+    for k in ("cpu_model", "cpu_flags", "num_cpus", "isa", "torch_version", "mkl_version"):
+        assert http[k] == me[k], k
+    assert http["mkl_cbwr"] == CBWR  # the server's own environment, not ours
+    # The tile ladder is the one the server's start-up self-test verified: ascending, ending at --row-tile 64.
+    assert http["row_tiles"] == sorted(http["row_tiles"]) and http["row_tiles"][-1] == 64
+
+
+def test_row_tiles_empty_without_invariance(tiny_model: str):
+    assert row_tiles_of(load_model(tiny_model, batch_invariant=False)) == ()
+    assert row_tiles_of(load_model(tiny_model, batch_invariant=True)) == (64,)  # before calibration: the full tile
