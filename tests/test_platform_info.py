@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from steadyserve.client import Client
+from steadyserve.config import EngineConfig
 from steadyserve.models.loader import load_model
 from steadyserve.platform_info import platform_info, row_tiles_of
 from steadyserve.testing.server import ServerProcess
@@ -47,9 +48,10 @@ def test_info_prints_platform_facts(tiny_model: str):
     assert out["cpu"].startswith(me.cpu_model + " ("), r.stdout
     assert out["isa"].startswith(me.isa + " "), r.stdout
     assert f"MKL_CBWR={CBWR}" in out["mkl"] and me.mkl_version in out["mkl"], r.stdout
-    # The ladder the self-test verified in that process, as its own self-test line reports it.
-    tiles = re.search(r"row tiles (\[[\d, ]+\])", out["self-test"]).group(1)
-    assert out["row tiles"] == tiles and "64" in tiles, r.stdout
+    # The ladder the self-test verified in that process: ascending, ending at the configured --row-tile.
+    assert out["self-test"].startswith("bitwise equal"), r.stdout
+    tiles = [int(t) for t in out["row tiles"].strip("[]").split(", ")]
+    assert tiles == sorted(tiles) and tiles[-1] == EngineConfig().row_tile, r.stdout
 
 
 def test_http_and_grpc_report_the_same_platform(cbwr_server: ServerProcess):
@@ -64,10 +66,11 @@ def test_http_and_grpc_report_the_same_platform(cbwr_server: ServerProcess):
     for k in ("cpu_model", "cpu_flags", "num_cpus", "isa", "torch_version", "mkl_version"):
         assert http[k] == me[k], k
     assert http["mkl_cbwr"] == CBWR  # the server's own environment, not ours
-    # The tile ladder is the one the server's start-up self-test verified: ascending, ending at --row-tile 64.
-    assert http["row_tiles"] == sorted(http["row_tiles"]) and http["row_tiles"][-1] == 64
+    # The tile ladder is the one the server's start-up self-test verified: ascending, ending at --row-tile.
+    assert http["row_tiles"] == sorted(http["row_tiles"]) and http["row_tiles"][-1] == EngineConfig().row_tile
 
 
 def test_row_tiles_empty_without_invariance(tiny_model: str):
     assert row_tiles_of(load_model(tiny_model, batch_invariant=False)) == ()
-    assert row_tiles_of(load_model(tiny_model, batch_invariant=True)) == (64,)  # before calibration: the full tile
+    # before calibration: the full tile only
+    assert row_tiles_of(load_model(tiny_model, batch_invariant=True)) == (EngineConfig().row_tile,)
