@@ -84,6 +84,13 @@ def tiny_model(models_dir: Path) -> str:
 
 
 @pytest.fixture(scope="session")
+def long_model(models_dir: Path) -> str:
+    """The tiny Llama with 4096 positions: streams long enough to outlast a signal or hold a seat,
+    however fast the machine generates."""
+    return str(build_tiny_model(models_dir / "tiny-llama-4k", arch="llama", max_position_embeddings=4096))
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2(models_dir: Path) -> str:
     """Tiny Qwen2 (q/k/v bias, untied embeddings)."""
     return str(build_tiny_model(models_dir / "tiny-qwen2", arch="qwen2"))

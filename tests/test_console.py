@@ -34,12 +34,12 @@ CHROME_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model: str):
+def servers(tiny_model: str, long_model: str):
     """(keyed, tight): `keyed` needs an API key and has the default capacity; `tight` is open and has one seat
     and no queue, so one long stream makes the next request a 429. Started side by side (startup is mostly imports)."""
     keyed, tight = start_servers(
         ((tiny_model, "--grpc-port", "-1", "--api-key", KEY, "--stall-timeout", "10"), {"threads": 1}),
-        ((tiny_model, "--grpc-port", "-1", "--max-num-seqs", "1", "--max-queue", "0", "--stall-timeout", "10"),
+        ((long_model, "--grpc-port", "-1", "--max-num-seqs", "1", "--max-queue", "0", "--stall-timeout", "10"),
          {"threads": 1}))
     try:
         yield keyed, tight
@@ -424,7 +424,8 @@ def test_check_determinism_reports_one_vector(tab, keyed):
 def test_overload_is_shown_as_a_message(tab, tight):
     """One seat, no queue: while a long stream holds the seat, the playground's stream and score get a 429."""
     with connect(f"ws://127.0.0.1:{tight.http_port}/v1/stream", close_timeout=1) as hold:
-        hold.send(json.dumps({"prompt": "hold", "max_tokens": 480, "ignore_eos": True}))
+        # 4000 tokens hold the one seat for the whole test, however fast the engine runs.
+        hold.send(json.dumps({"prompt": "hold", "max_tokens": 4000, "ignore_eos": True}))
         wait_for(lambda: stats(tight, headers={})["gauges"]["in_flight"] == 1, 30, what="the seat taken")
         t = tab(key=None)
         pg = t.page

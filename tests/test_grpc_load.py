@@ -17,7 +17,6 @@ import signal
 import socket
 import threading
 import time
-from pathlib import Path
 
 import grpc
 import pytest
@@ -26,17 +25,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from steadyserve.api.grpc import ERROR_CODE_KEY, RETRY_AFTER_KEY
 from steadyserve.client import AsyncClient, Client, generate_request, pb
 from steadyserve.api.protos.steadyserve.v1 import inference_pb2_grpc as pb_grpc
-from steadyserve.testing import build_tiny_model
 from steadyserve.testing.server import ServerProcess
 
 CAPACITY = 4
 LONG = generate_request("a long story", max_tokens=4000, temperature=0, ignore_eos=True)
 Code = grpc.StatusCode
-
-
-@pytest.fixture(scope="session")
-def long_model(models_dir: Path) -> str:
-    return str(build_tiny_model(models_dir / "tiny-llama-4k", arch="llama", max_position_embeddings=4096))
 
 
 @pytest.fixture(scope="module")

@@ -44,8 +44,8 @@ def http(srv) -> httpx.Client:
 @pytest.fixture(scope="module")
 def fingerprint(http) -> str:
     fp = http.get("/readyz").json()["system_fingerprint"]
-    h, dtype, device, bi = fp.split("-")
-    assert len(h) == 12 and dtype == "float32" and device == "cpu" and bi in ("bi", "nbi")
+    h, dtype, device, kernel, bi = fp.split("-")
+    assert len(h) == 12 and dtype == "float32" and device == "cpu" and kernel in ("nat1", "py") and bi in ("bi", "nbi")
     return fp
 
 

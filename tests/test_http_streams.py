@@ -15,22 +15,14 @@ import signal
 import socket
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
 from http_util import five_xx, parse_stream, post_request, status_counts, stream_completion, wait_for
-from steadyserve.testing import build_tiny_model
 from steadyserve.testing.server import ServerProcess
 
 STALL_TIMEOUT = 2.0
-
-
-@pytest.fixture(scope="module")
-def long_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The tiny model with 4096 positions, for outputs bigger than the socket buffers."""
-    return str(build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-4k", max_position_embeddings=4096))
 
 
 @pytest.fixture(scope="module")
