@@ -195,7 +195,8 @@ def test_stalled_reader_is_cut_while_others_continue(srv):
     with httpx.Client(base_url=srv.http_url, timeout=30) as c:
         for i in range(3):
             t1 = time.monotonic()
-            r, chunks, done = stream_completion(c, "/v1/completions", {"prompt": f"other {i}", "max_tokens": 16})
+            r, chunks, done = stream_completion(c, "/v1/completions", {"prompt": f"other {i}", "max_tokens": 16,
+                                                                          "ignore_eos": True})
             assert r.status_code == 200 and done and chunks[-1]["choices"][0]["finish_reason"] == "length"
             others.append(time.monotonic() - t1)
     sampler.join(STALL_TIMEOUT + 35)
