@@ -173,14 +173,28 @@ def test_200_concurrent_scores_are_bitwise_identical(server):
 
 
 def test_metrics_count_every_rpc_by_code(server, client):
+    # Self-contained (pytest-randomly may run this before any other test of the module):
+    # every counter must move by the calls made here.
+    score = dict(grpc_type="unary", grpc_service="steadyserve.v1.Inference", grpc_method="Score")
+    gen = dict(score, grpc_type="server_stream", grpc_method="Generate")
+    watched = [("grpc_server_started_total", score), ("grpc_server_handled_total", dict(score, grpc_code="OK")),
+               ("grpc_server_handled_total", dict(score, grpc_code="INVALID_ARGUMENT")),
+               ("grpc_server_handled_total", dict(gen, grpc_code="OK")),
+               ("steadyserve_requests_admitted_total", dict(transport="grpc"))]
+    before = [server.metric(name, **labels) for name, labels in watched]
     client.score("count me")
-    labels = dict(grpc_type="unary", grpc_service="steadyserve.v1.Inference", grpc_method="Score")
-    assert server.metric("grpc_server_started_total", **labels) >= 1
-    assert server.metric("grpc_server_handled_total", grpc_code="OK", **labels) >= 1
-    assert server.metric("grpc_server_handled_total", grpc_code="INVALID_ARGUMENT", **labels) >= 1
-    gen = dict(labels, grpc_type="server_stream", grpc_method="Generate")
-    assert server.metric("grpc_server_handled_total", grpc_code="OK", **gen) >= 1
-    assert server.metric("steadyserve_requests_admitted_total", transport="grpc") >= 1
+    with pytest.raises(grpc.RpcError):
+        client.stub.Score(pb.ScoreRequest(text=""), timeout=10)
+    assert len(list(client.generate(TEXT, max_tokens=2, temperature=0, ignore_eos=True))) >= 1
+    # The handled counter is bumped after the last message leaves; give it a moment.
+    deadline = time.monotonic() + 5
+    while True:
+        after = [server.metric(name, **labels) for name, labels in watched]
+        if all(a >= b + 1 for a, b in zip(after, before)) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    for (name, labels), b, a in zip(watched, before, after):
+        assert a >= b + 1, (name, labels, b, a)
     bad = [k for k, v in server.metrics().items() if k[0] == "grpc_server_handled_total" and v
            and dict(k[1])["grpc_code"] in ("UNKNOWN", "INTERNAL")]
     assert not bad, bad
