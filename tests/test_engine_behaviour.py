@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from steadyserve.config import EngineConfig
-from steadyserve.engine.async_engine import AsyncEngine
+from steadyserve.engine.async_engine import SECOND_MODEL_THREAD, AsyncEngine
 from steadyserve.engine.engine import AdmissionError, LLMEngine
+from steadyserve.engine.model_thread import ModelThread
 from steadyserve.engine.offline import Completed, run_requests
 from steadyserve.engine.selftest import run_selftest
 from steadyserve.engine.sequence import Request, SamplingParams
@@ -267,11 +268,30 @@ def test_async_engine_streams_match_offline(engine):
         assert same(c, ref[f"r{i}"]) and c.finish_reason == "length"
 
 
+def test_async_engine_warns_when_the_loop_is_not_the_building_thread(loaded, caplog):
+    """The server builds the engine on its ModelThread; a loop elsewhere is slow, and says so."""
+    async def run(ae: AsyncEngine) -> None:
+        ae.start()
+        try:
+            await asyncio.wait_for(collect(ae.submit(gen("w", [1, 2, 3], 2))), 60)
+        finally:
+            ae.shutdown()
+
+    with caplog.at_level("INFO", logger="steadyserve.engine"):
+        asyncio.run(run(AsyncEngine(make_engine(loaded), max_queue=2)))  # built here, looped on a new thread
+    assert SECOND_MODEL_THREAD in caplog.text
+    caplog.clear()
+    mt = ModelThread()
+    with caplog.at_level("INFO", logger="steadyserve.engine"):
+        asyncio.run(run(AsyncEngine(mt.call(lambda: make_engine(loaded)), max_queue=2, model_thread=mt)))
+    assert "engine loop started" in caplog.text and SECOND_MODEL_THREAD not in caplog.text
+    assert not mt.is_alive()  # shutdown ended the model thread
+
+
 def test_async_engine_refuses_beyond_capacity_and_too_long(engine):
     async def main():
         ae = AsyncEngine(engine, max_queue=0)
-        ae.max_num_seqs = 2  # capacity 2, engine thread not started: nothing finishes
-        ae._thread = None
+        ae.max_num_seqs = 2  # capacity 2, engine loop not started: nothing finishes
         s1 = ae.submit(gen("a", [1, 2], 4))
         ae.submit(gen("b", [1, 2], 4))
         with pytest.raises(AdmissionError) as e:

@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from steadyserve.client import Client
+from steadyserve.engine.async_engine import SECOND_MODEL_THREAD
 from steadyserve.testing.server import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -143,6 +144,25 @@ def test_one_structured_log_line_per_request(srv: ServerProcess) -> None:
     assert rec["transport"] == "http" and rec["prompt_tokens"] > 0 and rec["generated_tokens"] == 3
     assert rec["finish_reason"] == "length" and rec["fingerprint"] == r.headers["x-steadyserve-fingerprint"]
     assert rec["ttft_s"] is not None and rec["total_s"] >= rec["ttft_s"]
+
+
+def test_model_code_runs_on_one_thread(srv: ServerProcess) -> None:
+    """Load, self-test and the engine loop share one thread (a second OpenMP pool halves small-GEMM speed)."""
+    assert httpx.post(srv.http_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                      timeout=30).status_code == 200
+    started = [obj for obj in map(_json_or_none, srv.logs().splitlines())
+               if obj and obj.get("msg") == "engine loop started"]
+    assert len(started) == 1, started
+    assert started[0]["built_on_this_thread"] is True, started[0]
+    assert SECOND_MODEL_THREAD not in srv.logs()
+
+
+def _json_or_none(line: str) -> dict | None:
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        return None
+    return obj if isinstance(obj, dict) else None
 
 
 PROMQL_WORDS = {"sum", "by", "rate", "increase", "histogram_quantile", "count", "max", "min", "avg", "on",

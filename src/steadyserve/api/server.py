@@ -27,9 +27,10 @@ import uvicorn
 from ..config import Config
 from ..engine.async_engine import AsyncEngine
 from ..engine.engine import LLMEngine
-from ..engine.selftest import run_selftest
+from ..engine.model_thread import ModelThread
+from ..engine.selftest import SelfTestResult, run_selftest
 from ..metrics import Metrics, sample_loop_lag
-from ..models.loader import Fingerprint, load_model
+from ..models.loader import Fingerprint, LoadedModel, load_model
 from ..testing.drift import TEST_DRIFT_ENV, install_batch_drift
 from .http.app import Envelope, create_app
 from .state import ServerState
@@ -48,8 +49,8 @@ class _Uvicorn(uvicorn.Server):
         yield
 
 
-def build_state(config: Config) -> ServerState:
-    """Load the model and start the engine; the synchronous part of start-up."""
+def _load_and_check(config: Config) -> tuple[LoadedModel, LLMEngine, SelfTestResult]:
+    """Load the model, size the KV cache, run the self-test (on the model thread)."""
     mc, ec = config.model, config.engine
     loaded = load_model(mc.path, mc.device, mc.dtype, batch_invariant=ec.batch_invariant, row_tile=ec.row_tile,
                         max_model_len=ec.max_model_len, name=mc.name, cache_dir=mc.cache_dir,
@@ -76,10 +77,22 @@ def build_state(config: Config) -> ServerState:
         log.warning("TEST-ONLY batch drift is ON (%s=1): logprobs depend on the step's token count, "
                     "while the fingerprint still says -bi", TEST_DRIFT_ENV)
         install_batch_drift(engine)
+    return loaded, engine, selftest
+
+
+def build_state(config: Config) -> ServerState:
+    """Load the model and self-test it on the model thread that will run the engine (see model_thread.py)."""
+    ec = config.engine
+    model_thread = ModelThread()
+    try:
+        loaded, engine, selftest = model_thread.call(lambda: _load_and_check(config))
+    except BaseException:
+        model_thread.close()
+        raise
     fp = Fingerprint(loaded.weights_hash[:12], str(loaded.dtype).removeprefix("torch."), str(loaded.device),
                      ec.batch_invariant and selftest.passed, loaded.model.kernel_id)
     log.info("model fingerprint", extra={"fields": {"fingerprint": str(fp)}})
-    async_engine = AsyncEngine(engine, ec.max_queue)
+    async_engine = AsyncEngine(engine, ec.max_queue, model_thread)
     metrics = Metrics(loaded.name, str(fp), fp.device, fp.dtype, fp.batch_invariant)
     async_engine.step_observers.append(metrics.on_step)
     async_engine.state_observers.append(metrics.on_state)

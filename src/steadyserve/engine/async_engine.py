@@ -1,6 +1,6 @@
 """The engine thread and the asyncio-facing API the front ends use.
 
-One thread owns the LLMEngine and the model. Front ends (HTTP, gRPC, on the
+One thread owns the LLMEngine and the model (a ModelThread, which also loaded it). Front ends (HTTP, gRPC, on the
 event loop) only `submit()` requests and read outputs from per-request queues;
 they never run model code and never wait on the engine. Admission is decided
 here, at once, from counters: running + waiting is bounded, so excess load is
@@ -15,13 +15,19 @@ import queue
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 from .engine import AdmissionError, LLMEngine, StepStats
+from .model_thread import ModelThread
 from .sequence import Request, RequestOutput
 
 log = logging.getLogger("steadyserve.engine")
+
+SECOND_MODEL_THREAD = ("the engine loop runs on another thread than the one that built the engine: model code on "
+                       "two threads keeps two OpenMP worker pools, and small GEMMs run up to 2x slower "
+                       "(build the engine on the ModelThread that runs the loop)")
 
 
 @dataclass
@@ -70,7 +76,8 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_queue: int) -> None:
+    def __init__(self, engine: LLMEngine, max_queue: int, model_thread: ModelThread | None = None) -> None:
+        """`model_thread`: the thread that loaded the model (see model_thread.py); a new one if None."""
         self.engine = engine
         self.max_queue = max_queue
         self.max_num_seqs = engine.cfg.max_num_seqs
@@ -79,7 +86,8 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}  # request_id -> stream; written on loops, read on the engine thread
         self._num_in_flight = 0  # admitted and not yet finished; guarded by _count_lock
         self._count_lock = threading.Lock()  # a counter lock, never held around model code
-        self._thread: threading.Thread | None = None
+        self._model_thread = model_thread
+        self._loop_done: Future[None] | None = None  # the engine loop, once started
         self._stop = threading.Event()
         self.dead: str | None = None  # why the engine loop died
         self.step_observers: list[Callable[[StepStats], None]] = []
@@ -92,18 +100,19 @@ class AsyncEngine:
 
     # ---- lifecycle -------------------------------------------------------
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="steadyserve-engine", daemon=True)
-        self._thread.start()
+        if self._model_thread is None:
+            self._model_thread = ModelThread()
+        self._loop_done = self._model_thread.submit(self._run)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop.set()
         self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        if self._model_thread is not None:
+            self._model_thread.close(timeout)
 
     @property
     def alive(self) -> bool:
-        return self.dead is None and self._thread is not None and self._thread.is_alive()
+        return self.dead is None and self._loop_done is not None and not self._loop_done.done()
 
     @property
     def num_in_flight(self) -> int:
@@ -149,6 +158,11 @@ class AsyncEngine:
 
     # ---- engine thread ---------------------------------------------------
     def _run(self) -> None:
+        built_here = threading.get_ident() == self.engine.owner_thread_id
+        log.info("engine loop started", extra={"fields": {"thread": threading.current_thread().name,
+                                                          "built_on_this_thread": built_here}})
+        if not built_here:
+            log.warning(SECOND_MODEL_THREAD)
         try:
             while not self._stop.is_set():
                 self._drain_inbox()

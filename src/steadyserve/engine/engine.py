@@ -7,6 +7,7 @@ is locked because nothing else touches it.
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -64,6 +65,9 @@ class _SeqState:
 class LLMEngine:
     def __init__(self, loaded: LoadedModel, cfg: EngineConfig) -> None:
         torch.set_num_threads(cfg.num_threads)
+        # The thread that built the engine (and, in the server, loaded the model): stepping it from
+        # another one costs a second OpenMP worker pool (see model_thread.py). AsyncEngine checks.
+        self.owner_thread_id = threading.get_ident()
         self.loaded = loaded
         self.cfg = cfg
         self.tokenizer = loaded.tokenizer
