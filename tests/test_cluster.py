@@ -165,10 +165,12 @@ def test_drain_one_replica_under_load(own_cluster) -> None:
         victim.signal(signal.SIGTERM)
         t_signal = time.monotonic()
         # From the first scrape after the signal, the victim admits nothing new.
-        samples = []
+        samples, grpc_started = [], []
+        gen = dict(grpc_type="server_stream", grpc_service="steadyserve.v1.Inference", grpc_method="Generate")
         while victim.proc.poll() is None:
             try:
                 samples.append(admitted(victim))
+                grpc_started.append(victim.metric("grpc_server_started_total", **gen))
             except OSError:
                 break
             time.sleep(0.05)
@@ -186,7 +188,8 @@ def test_drain_one_replica_under_load(own_cluster) -> None:
     rep = json.loads(out)
     print(f"drain under load: victim exited 0 after {drain_s:.1f} s; bench status={rep['status']} "
           f"truncated={rep['truncated_streams']} errors={rep['error_codes']}; "
-          f"gRPC calls={len(grpc_results)} ({len(grpc_results) - grpc_before} after SIGTERM) errors={len(grpc_errors)}")
+          f"gRPC calls={len(grpc_results)} ({len(grpc_results) - grpc_before} after SIGTERM) errors={len(grpc_errors)}; "
+          f"gRPC calls the victim saw start after SIGTERM: {grpc_started[-1] - grpc_started[0] if grpc_started else '?'}")
     assert rep["truncated_streams"] == 0, rep
     assert rep["status"] == {"200": 64}, rep["status"]  # no client saw a 503 from the draining replica
     assert not rep["error_codes"], rep["error_codes"]

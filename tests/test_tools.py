@@ -4,7 +4,7 @@ validate must pass on a batch-invariant server and must fail on a server whose i
 purpose (STEADYSERVE_TEST_DRIFT=1: it claims -bi and drifts by the step's token count); against a
 --no-batch-invariant server it reports whatever this machine's plain kernels do (printed, plus the nbi
 fingerprint it must see). bench must count streams, and count a stream that was cut without a finish
-reason: a proxy that cuts every other stream cleanly shows that, over SSE and WebSocket.
+reason: a proxy that cuts every other stream cleanly shows that, over SSE, WebSocket and gRPC.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from grpc_util import GrpcCuttingProxy
 from http_util import CuttingProxy
 from steadyserve.testing.server import ServerProcess
 
@@ -127,4 +128,20 @@ def test_bench_counts_a_cut_stream_as_truncated(invariant_server: ServerProcess,
     assert proxy.streams == 6 and proxy.cut == 3
     assert rep["truncated_streams"] == proxy.cut
     assert r.returncode == 1  # bench fails the run when a stream was truncated
+    assert sum(rep["finish_reasons"].values()) == 6 - proxy.cut
+
+
+def test_bench_counts_a_cut_grpc_stream_as_truncated(invariant_server: ServerProcess, tmp_path: Path) -> None:
+    """Through a gRPC proxy that ends every other Generate with OK after 3 messages and no `final`."""
+    out = tmp_path / "report.json"
+    with GrpcCuttingProxy(invariant_server.grpc_addr, keep=3) as proxy:
+        r = cli("bench", "--grpc", proxy.addr, "--transport", "grpc", "-c", "2", "-n", "6", "--output-tokens",
+                "12-16", "--prompt-words", "4-8", "--disconnect", "0", "--slow-readers", "0", "--ignore-eos",
+                "--json", "--output", str(out))
+    rep = json.loads(out.read_text())
+    print(f"\nbench through the gRPC cutting proxy: proxy cut {proxy.cut} of {proxy.streams} streams; "
+          f"bench counted {rep['truncated_streams']} truncated; exit {r.returncode}")
+    assert proxy.streams == 6 and proxy.cut == 3
+    assert rep["truncated_streams"] == proxy.cut
+    assert r.returncode == 1
     assert sum(rep["finish_reasons"].values()) == 6 - proxy.cut

@@ -44,12 +44,21 @@ RETRY_POLICY = {
 MAX_RECEIVE_BYTES = 64 * 1024 * 1024  # the server's send limit
 
 
-def service_config(retries: bool = True) -> str:
-    """The channel's default service config: round_robin, and the retry policy for Inference calls."""
+def service_config(retries: bool = True, health_check: bool = False) -> str:
+    """The channel's default service config: round_robin, and the retry policy for Inference calls.
+
+    `health_check`: gRPC client-side health checking (a Watch on grpc.health.v1 per replica), so that
+    round_robin stops picking a replica the moment it reports NOT_SERVING (draining), before its port
+    closes. Only useful with several replicas: with one, every call would fail in the client instead of
+    getting the server's own refusal (UNAVAILABLE with `steadyserve-error-code: draining`).
+    """
     method: dict[str, Any] = {"name": [{"service": SERVICE}]}
     if retries:
         method["retryPolicy"] = RETRY_POLICY
-    return json.dumps({"loadBalancingConfig": [{"round_robin": {}}], "methodConfig": [method]})
+    cfg: dict[str, Any] = {"loadBalancingConfig": [{"round_robin": {}}], "methodConfig": [method]}
+    if health_check:
+        cfg["healthCheckConfig"] = {"serviceName": ""}
+    return json.dumps(cfg)
 
 
 def _split(address: str) -> tuple[str, int]:
@@ -87,9 +96,9 @@ def channel_target(addresses: str | Sequence[str]) -> str:
     raise ValueError("cannot mix IPv4 and IPv6 replicas in one channel")
 
 
-def channel_options(retries: bool = True) -> list[tuple[str, Any]]:
+def channel_options(retries: bool = True, health_check: bool = False) -> list[tuple[str, Any]]:
     return [
-        ("grpc.service_config", service_config(retries)),
+        ("grpc.service_config", service_config(retries, health_check)),
         ("grpc.enable_retries", 1 if retries else 0),
         ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
         ("grpc.keepalive_time_ms", 30_000),  # the server accepts pings every 10 s or slower
@@ -170,7 +179,8 @@ class _Base:
         self.timeout = timeout
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self._creds = grpc.ssl_channel_credentials(root_certificates) if (tls or root_certificates) else None
-        self._options = channel_options(retries)
+        several = not isinstance(addresses, str) and len(addresses) > 1  # balancing: route around a draining one
+        self._options = channel_options(retries, health_check=several)
 
     def _t(self, timeout: float | None) -> float | None:
         return self.timeout if timeout is None else timeout
