@@ -67,7 +67,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer requests per level, scoring and validate probes")
     p.add_argument("--levels", default="1,16,64", help="streaming concurrency levels, comma-separated")
-    p.add_argument("--n", type=int, help="requests per level (default: the level with --quick, else 2 x level, "
+    p.add_argument("--n", type=int, help="requests per level (default: the level, at least 4, with --quick, else 2 x level, "
                                          "at least 8)")
     p.add_argument("--probes", type=int, help="scoring requests and validate probes per server "
                                               "(default: 64 with --quick, else 256 and 200)")
@@ -127,7 +127,7 @@ def main() -> int:
     results["servers"] = {name: s["settings"] for name, s in servers.items()}
     try:
         for c in levels:
-            n = a.n or (c if a.quick else max(2 * c, 8))
+            n = a.n or (max(c, 4) if a.quick else max(2 * c, 8))  # at least 4: one stream alone is noise
             for name, s in servers.items():
                 print(f"streaming c={c} n={n} {name}", file=sys.stderr)
                 r = results["levels"].setdefault(str(c), {})[name] = bench(

@@ -154,13 +154,21 @@ def test_stalled_reader_is_cut_while_others_continue(srv):
     prompt = [5 + (i * 7) % 370 for i in range(1200)]  # ~0.45 MB of echoed logprobs in the first event
     request = {"prompt": prompt, "echo": True, "logprobs": 20, "max_tokens": 2500, "ignore_eos": True,
                "stream": True}
-    # The sizes of this response's events, from a short version of it read in full: the first event (the
-    # echoed prompt) and a generated token's event. The whole response is their sum over 2500 tokens.
-    with httpx.Client(base_url=srv.http_url, timeout=60) as c:
-        with c.stream("POST", "/v1/completions", json={**request, "max_tokens": 4}) as r:
-            events = [e for e in r.read().split(b"\n\n") if e.startswith(b"data: {")]
-    first_event, token_event = len(events[0]) + 2, max(len(e) for e in events[1:]) + 2
-    whole = first_event + 2500 * token_event
+    # The sizes of this response, from short versions of it read in full: its largest event (the echoed
+    # prompt, with whatever tokens a fast engine coalesced into it) and the bytes each generated token adds
+    # (from 4 vs 8 tokens: events may carry several tokens each). The whole response is about the first
+    # plus 2500 times the second.
+    def body_of(max_tokens: int) -> bytes:
+        with httpx.Client(base_url=srv.http_url, timeout=60) as c:
+            with c.stream("POST", "/v1/completions", json={**request, "max_tokens": max_tokens,
+                                                           "temperature": 0}) as r:
+                return r.read()
+
+    short, longer = body_of(4), body_of(8)
+    first_event = max(len(e) for e in short.split(b"\n\n")) + 2
+    token_bytes = (len(longer) - len(short)) / 4
+    assert token_bytes > 0, (len(short), len(longer))
+    whole = first_event + 2500 * token_bytes
     # The server sends one event at a time and waits for it to be taken: its backlog is at most the event
     # being sent plus what uvicorn's transport still buffers (its 64 KiB high-water mark plus the previous
     # event). A server that queued events regardless would hold the whole response less what the kernel can
