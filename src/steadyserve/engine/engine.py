@@ -195,11 +195,10 @@ class LLMEngine:
         st: _SeqState = seq.state
         if seq.prompt_logprobs_done:
             return None
-        if result.prompt_rows is not None:
-            for i, row in enumerate(result.prompt_rows):
-                pos = result.first_prompt_pos + i
-                if pos == len(st.prompt_logprobs) + 1:  # skip rows recomputed after a preemption
-                    st.prompt_logprobs.append(token_logprob(row, seq.token_ids[pos], seq.params.prompt_logprobs))
+        for i, lp in enumerate(result.prompt_logprobs):
+            pos = result.first_prompt_pos + i
+            if pos == len(st.prompt_logprobs) + 1:  # skip rows recomputed after a preemption
+                st.prompt_logprobs.append(lp)
         if seq.num_computed_tokens < seq.num_prompt_tokens:
             return None
         seq.prompt_logprobs_done = True

@@ -1,4 +1,11 @@
-"""Turns a scheduled step into tensors, runs the model, returns log-prob rows."""
+"""Turns a scheduled step into tensors, runs the model, returns log-prob rows.
+
+Memory: full-vocabulary rows exist for at most one LM-head tile of prompt rows
+at a time (reduced at once to each token's logprob and top alternatives) plus
+one row per sampling sequence. A step scoring 512 prompt tokens of a 49k
+vocabulary would otherwise hold 100 MB of log-probs, and a burst of scoring
+requests would push RSS past the model + KV + 500 MiB bound.
+"""
 
 from __future__ import annotations
 
@@ -6,18 +13,20 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models.transformer import ForwardBatch, Transformer
+from ..models.transformer import MAX_HEAD_TILE, ForwardBatch, Transformer
 from .kv_cache import KVCache
+from .sampler import token_logprob
 from .scheduler import SchedulerOutput
+from .sequence import TokenLogprob
 
 
 @dataclass
 class SeqResult:
-    """The log-prob rows one sequence gets from a step."""
+    """What one sequence gets from a step: the next token's distribution and its prompt tokens' logprobs."""
 
     sample_row: torch.Tensor | None  # (V,) distribution of the next token, if its chunk reached the end
-    prompt_rows: torch.Tensor | None  # (n, V): distributions of prompt tokens first_prompt_pos .. +n-1
-    first_prompt_pos: int  # position of the prompt token the first prompt row scores
+    prompt_logprobs: list[TokenLogprob]  # prompt tokens first_prompt_pos .. , each with its top alternatives
+    first_prompt_pos: int  # position of the prompt token the first entry scores
     sample_argmax: int = -1  # argmax of sample_row (first maximum), computed for the whole step at once
     sample_has_nan: bool = False  # sample_row contains NaN
 
@@ -61,36 +70,40 @@ class ModelRunner:
         batch, spans = self._prepare(out)
         hidden = self.model.forward(batch, self.kv.k, self.kv.v)  # (T, hidden)
         # Only rows that score a prompt token or pick the next token need the LM head.
-        rows: list[int] = []
+        sample_rows: list[int] = []  # hidden row of each sampling sequence's last token
+        prompt_rows: list[tuple[int, int, int]] = []  # (hidden row, index of seq, position of the token it scores)
         plans = []
-        for sched, (row0, n, start, _) in zip(out.scheduled, spans):
+        for i, (sched, (row0, n, start, _)) in enumerate(zip(out.scheduled, spans)):
             seq = sched.seq
             first_pp = last_pp = 0
             if not seq.prompt_logprobs_done:
                 # The row at position p scores prompt token p + 1.
                 first_pp = start + 1
                 last_pp = min(start + n + 1, seq.num_prompt_tokens)
-            num_pp = max(0, last_pp - first_pp)
-            pp_index = len(rows)
-            rows.extend(range(row0, row0 + num_pp))
+            prompt_rows += [(row0 + pp - first_pp, i, pp) for pp in range(first_pp, last_pp)]
             sample_index = -1
             if start + n == seq.num_tokens:
-                sample_index = len(rows)
-                rows.append(row0 + n - 1)
-            plans.append((pp_index, num_pp, first_pp, sample_index))
-        if not rows:
-            return [SeqResult(None, None, 0) for _ in out.scheduled]
-        lp = self.model.logprobs(hidden[torch.tensor(rows, device=self.device)]).cpu()  # (R, V) float32
-        # Row-wise selections (exact, so batch-invariant), once per step rather than once per sequence.
-        argmax = lp.argmax(dim=1).tolist()  # (R,)
-        has_nan = lp.isnan().any(dim=1).tolist()  # (R,)
-        results = []
-        for pp_index, num_pp, first_pp, sample_index in plans:
-            results.append(SeqResult(
-                sample_row=lp[sample_index] if sample_index >= 0 else None,
-                prompt_rows=lp[pp_index:pp_index + num_pp] if num_pp else None,
-                first_prompt_pos=first_pp,
-                sample_argmax=argmax[sample_index] if sample_index >= 0 else -1,
-                sample_has_nan=bool(has_nan[sample_index]) if sample_index >= 0 else False,
-            ))
-        return results
+                sample_index = len(sample_rows)
+                sample_rows.append(row0 + n - 1)
+            plans.append((first_pp, sample_index))
+        prompt_lps: list[list[TokenLogprob]] = [[] for _ in out.scheduled]
+        # Row counts are verified (RowTiler), so splitting rows over calls leaves every row's bits unchanged.
+        for c in range(0, len(prompt_rows), MAX_HEAD_TILE):
+            chunk = prompt_rows[c:c + MAX_HEAD_TILE]
+            lp = self.model.logprobs(hidden[torch.tensor([r for r, _, _ in chunk], device=self.device)]).cpu()
+            for row, (_, i, pp) in zip(lp, chunk):  # row: (V,)
+                seq = out.scheduled[i].seq
+                prompt_lps[i].append(token_logprob(row, seq.token_ids[pp], seq.params.prompt_logprobs))
+        argmax: list[int] = []
+        has_nan: list[bool] = []
+        lp = None
+        if sample_rows:
+            lp = self.model.logprobs(hidden[torch.tensor(sample_rows, device=self.device)]).cpu()  # (S, V)
+            # Row-wise selections (exact, so batch-invariant), once per step rather than once per sequence.
+            argmax = lp.argmax(dim=1).tolist()  # (S,)
+            has_nan = lp.isnan().any(dim=1).tolist()  # (S,)
+        return [SeqResult(sample_row=lp[si] if lp is not None and si >= 0 else None,
+                          prompt_logprobs=prompt_lps[i], first_prompt_pos=first_pp,
+                          sample_argmax=argmax[si] if si >= 0 else -1,
+                          sample_has_nan=bool(has_nan[si]) if si >= 0 else False)
+                for i, (first_pp, si) in enumerate(plans)]

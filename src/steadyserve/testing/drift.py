@@ -12,6 +12,7 @@ batch-invariant (fingerprint ...-bi) while it is not. Never set that outside tes
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable
 
 TEST_DRIFT_ENV = "STEADYSERVE_TEST_DRIFT"
@@ -28,8 +29,7 @@ def install_batch_drift(engine: Any, scale: float = 2.0 ** -10) -> Callable[[], 
         for r in results:
             if r.sample_row is not None:
                 r.sample_row = r.sample_row + bump
-            if r.prompt_rows is not None:
-                r.prompt_rows = r.prompt_rows + bump
+            r.prompt_logprobs = [replace(lp, logprob=lp.logprob + bump) for lp in r.prompt_logprobs]
         return results
 
     runner.execute = execute
