@@ -11,7 +11,10 @@ sets MKL_CBWR=AUTO,STRICT; transformers runs without it):
     static batch of the largest level, and one forward over the prefill prompt;
   * roofline: peak fp32 matmul FLOP/s (large torch.mm) / (2 x parameters).
 
-    .venv/bin/python benchmarks/engine_throughput.py [--levels 1,8,64] [--output-len 64]
+    .venv/bin/python benchmarks/engine_throughput.py [--levels 1,8,64] [--output-len 64] [--rounds 3]
+
+Every row runs once per round (order rotated between rounds) and each figure is
+the median over rounds; peak RSS is the maximum.
 Writes benchmarks/results/engine_throughput.json and prints a Markdown table.
 """
 
@@ -24,6 +27,7 @@ import os
 import platform
 import random
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -112,6 +116,18 @@ def peak_matmul_flops(n: int = 2048, reps: int = 5) -> float:
     return 2 * n ** 3 / best
 
 
+def median_of(runs: list) -> object:
+    """The median of every float leaf over runs of the same shape; other leaves from the first run."""
+    first = runs[0]
+    if isinstance(first, dict):
+        return {k: median_of([r[k] for r in runs]) for k in first}
+    if isinstance(first, list):
+        return [median_of(list(items)) for items in zip(*runs)]
+    if isinstance(first, float):
+        return statistics.median(runs)
+    return first
+
+
 def run_json(cmd: list[str], env: dict[str, str]) -> dict:
     res = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=True)
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -124,6 +140,7 @@ def main() -> int:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--prefill-len", type=int, default=512)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3, help="each row runs once per round; figures are medians")
     p.add_argument("--worker", choices=["batch_invariant", "plain"], help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
@@ -136,17 +153,31 @@ def main() -> int:
     results: dict = {"date": datetime.date.today().isoformat(), "cpu": cpu_model(), "threads": a.threads,
                      "prompt_len": a.prompt_len, "output_len": a.output_len, "prefill_len": a.prefill_len,
                      "command": " ".join(["benchmarks/engine_throughput.py", *sys.argv[1:]]), "runs": {}}
-    for mode in ("batch_invariant", "plain"):
-        results["runs"][mode] = run_json([sys.executable, __file__, "--worker", mode, *common], env)
     # transformers as its users run it: no steadyserve import, no MKL_CBWR.
     from steadyserve.models.loader import convert_gguf, default_model_path
 
     model_dir = str(convert_gguf(Path(default_model_path()))[0])
     hf_env = {k: v for k, v in env.items() if k != "MKL_CBWR"}
-    results["transformers"] = run_json(
+    commands = {mode: ([sys.executable, __file__, "--worker", mode, *common], env)
+                for mode in ("batch_invariant", "plain")}
+    commands["transformers"] = (
         [sys.executable, str(HERE / "hf_reference.py"), model_dir, "--batch", str(max(levels)), "--prompt-len",
          str(a.prompt_len), "--output-len", str(a.output_len), "--prefill-len", str(a.prefill_len),
          "--threads", str(a.threads)], hf_env)
+    # Rounds, each row once per round, the order rotated: on a shared machine throughput drifts by 10-20%
+    # between minutes, so one pass can flip a ratio near 1. Every figure is the median over rounds.
+    names = list(commands)
+    raw: dict[str, list[dict]] = {n: [] for n in names}
+    for r in range(a.rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            print(f"round {r + 1}/{a.rounds}: {name}", file=sys.stderr)
+            raw[name].append(run_json(*commands[name]))
+    results["rounds"] = a.rounds
+    results["raw"] = raw
+    for mode in ("batch_invariant", "plain"):
+        results["runs"][mode] = median_of(raw[mode])
+        results["runs"][mode]["peak_rss_bytes"] = max(x["peak_rss_bytes"] for x in raw[mode])
+    results["transformers"] = median_of(raw["transformers"])
     import torch
 
     torch.set_num_threads(a.threads)
@@ -172,7 +203,7 @@ def main() -> int:
     (out / "engine_throughput.json").write_text(json.dumps(results, indent=2))
 
     print(f"\n{results['cpu']}, {a.threads} threads; SmolLM2-135M fp32; prompts {a.prompt_len}, outputs "
-          f"{a.output_len}; roofline {roofline:.0f} tok/s ({peak / 1e9:.0f} GFLOP/s peak fp32 matmul)")
+          f"{a.output_len}; medians of {a.rounds} rounds; roofline {roofline:.0f} tok/s ({peak / 1e9:.0f} GFLOP/s peak fp32 matmul)")
     print("| concurrency | BI decode tok/s | plain decode tok/s | transformers decode tok/s | BI / transformers | "
           "BI e2e tok/s | plain e2e tok/s | invariance cost (decode / e2e) | BI decode of roofline |")
     print("|---|---|---|---|---|---|---|---|---|")
