@@ -9,7 +9,10 @@ sets MKL_CBWR=AUTO,STRICT; transformers runs without it):
     `--prefill-len`-token prompt; peak RSS against model + KV budget + 500 MiB;
   * transformers (benchmarks/hf_reference.py): `generate()` at batch 1 and with a
     static batch of the largest level, and one forward over the prefill prompt;
-  * roofline: peak fp32 matmul FLOP/s (large torch.mm) / (2 x parameters).
+  * roofline: peak fp32 matmul FLOP/s (large torch.mm) / (2 x parameters);
+  * invariance cost measured apart: both steadyserve engines in one process, their
+    decode steps alternated, so that machine drift between processes cannot pass
+    for a cost (on these shared cores one pass swung 20%).
 
     .venv/bin/python benchmarks/engine_throughput.py [--levels 1,8,64] [--output-len 64] [--rounds 3]
 
@@ -116,6 +119,56 @@ def peak_matmul_flops(n: int = 2048, reps: int = 5) -> float:
     return 2 * n ** 3 / best
 
 
+def interleaved(a: argparse.Namespace) -> dict:
+    """Invariant and plain engines in one process, decode steps alternated: the invariance cost without
+    the drift between processes and minutes (a step's median time per level, both engines)."""
+    import torch
+
+    from steadyserve.config import EngineConfig
+    from steadyserve.engine.engine import LLMEngine
+    from steadyserve.engine.selftest import run_selftest
+    from steadyserve.engine.sequence import Request, SamplingParams
+    from steadyserve.models import load_model
+
+    torch.set_num_threads(a.threads)
+    levels = [int(x) for x in a.levels.split(",")]
+    engines = {}
+    for bi in (True, False):
+        cfg = EngineConfig(kv_cache_memory=KV_BUDGET // 2, threads=a.threads, max_num_seqs=max(levels),
+                           max_num_batched_tokens=max(2048, a.prefill_len), batch_invariant=bi, max_queue=max(levels))
+        engines[bi] = LLMEngine(load_model("", batch_invariant=bi), cfg)
+        run_selftest(engines[bi])
+    out: dict = {"levels": []}
+    for c in levels:
+        times: dict[bool, list[float]] = {True: [], False: []}
+        for bi, e in engines.items():
+            rng = random.Random(c)  # the same prompts for both
+            for i in range(c):
+                e.add_request(Request(f"ab{c}-{i}", [rng.randrange(e.loaded.args.vocab_size) for _ in range(a.prompt_len)],
+                                      SamplingParams(max_tokens=a.output_len, temperature=0, ignore_eos=True)))
+            while True:  # prefill, until the first pure decode step
+                _, s = e.step()
+                if s.num_tokens == s.num_seqs:
+                    break
+        step = 0
+        while all(e.has_work() for e in engines.values()):
+            for bi in ((True, False) if step % 2 == 0 else (False, True)):
+                _, s = engines[bi].step()
+                if s.num_tokens == s.num_seqs == c:
+                    times[bi].append(s.duration)
+            step += 1
+        for e in engines.values():
+            while e.has_work():
+                e.step()
+        med = {bi: statistics.median(t) for bi, t in times.items()}
+        out["levels"].append({"concurrency": c, "steps": min(len(t) for t in times.values()),
+                              "invariant_step_s": med[True], "plain_step_s": med[False],
+                              "invariance_cost": 1 - med[False] / med[True]})
+        print(f"interleaved c={c:3d}: invariant {1e3 * med[True]:.1f} ms, plain {1e3 * med[False]:.1f} ms per "
+              f"decode step", file=sys.stderr)
+    return out
+
+
 def median_of(runs: list) -> object:
     """The median of every float leaf over runs of the same shape; other leaves from the first run."""
     first = runs[0]
@@ -141,10 +194,10 @@ def main() -> int:
     p.add_argument("--prefill-len", type=int, default=512)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3, help="each row runs once per round; figures are medians")
-    p.add_argument("--worker", choices=["batch_invariant", "plain"], help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=["batch_invariant", "plain", "interleaved"], help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
-        print(json.dumps(worker(a)))
+        print(json.dumps(interleaved(a) if a.worker == "interleaved" else worker(a)))
         return 0
     levels = [int(x) for x in a.levels.split(",")]
     common = ["--levels", a.levels, "--prompt-len", str(a.prompt_len), "--output-len", str(a.output_len),
@@ -178,6 +231,7 @@ def main() -> int:
         results["runs"][mode] = median_of(raw[mode])
         results["runs"][mode]["peak_rss_bytes"] = max(x["peak_rss_bytes"] for x in raw[mode])
     results["transformers"] = median_of(raw["transformers"])
+    results["interleaved"] = run_json([sys.executable, __file__, "--worker", "interleaved", *common], env)
     import torch
 
     torch.set_num_threads(a.threads)
@@ -218,6 +272,11 @@ def main() -> int:
     print(f"| prefill {a.prefill_len} tokens | {bi['prefill']['tokens_per_s']:.0f} tok/s | "
           f"{plain['prefill']['tokens_per_s']:.0f} tok/s | {hf['prefill']['tokens_per_s']:.0f} tok/s (one forward) | "
           f"{ratios['prefill_vs_transformers']:.2f}x | | | | |")
+    print("\nInvariance cost, both engines in one process, decode steps alternated (median step time):")
+    print("| concurrency | invariant ms/step | plain ms/step | invariance cost |\n|---|---|---|---|")
+    for lv in results["interleaved"]["levels"]:
+        print(f"| {lv['concurrency']} | {1e3 * lv['invariant_step_s']:.1f} | {1e3 * lv['plain_step_s']:.1f} | "
+              f"{100 * lv['invariance_cost']:.0f}% |")
     for m in ("batch_invariant", "plain"):
         r = results["runs"][m]
         print(f"peak RSS {m}: {r['peak_rss_bytes'] / 2**20:.0f} MiB (bound model + KV + 500 MiB = "
