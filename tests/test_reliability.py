@@ -161,6 +161,17 @@ def test_streaming_storm_250_streams_slow_readers_and_disconnects(big, model_4k)
     assert peak[0] < bound and rss1 < bound
 
 
+def test_rss_bound_trips_when_the_kv_cache_outgrows_its_budget(model_4k):
+    """The storm's RSS bound has teeth: a server whose KV cache is ten times the budget the bound assumes
+    (as a server that sized its cache from something other than --kv-cache-memory would be) is over it
+    as soon as it is up, before any traffic. The cache is zero-filled at start-up, so its pages are resident."""
+    with ServerProcess(model_4k, "--grpc-port", "-1", "--kv-cache-memory", "640MiB", threads=1) as s:
+        resident = rss(s)
+    bound = rss_bound(model_4k)
+    print(f"\nKV 640 MiB against a bound built for 64 MiB: RSS {resident / MiB:.0f} MiB, bound {bound / MiB:.0f} MiB")
+    assert resident > bound
+
+
 # ---- 2. stalled reader ----------------------------------------------------------------------------------
 
 def _stalled_reader(port: int) -> socket.socket:
