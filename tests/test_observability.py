@@ -42,7 +42,11 @@ def wait_for(fn, timeout: float = 10.0, interval: float = 0.05):
 
 
 def open_stream(srv: ServerProcess, max_tokens: int = 400) -> socket.socket:
-    """Start an SSE stream on a raw socket and read until its first event arrives."""
+    """Start an SSE stream on a raw socket and read until its first event arrives.
+
+    The server has one seat: first wait until whatever an earlier test left in flight (any order) is gone."""
+    assert wait_for(lambda: srv.metric("steadyserve_requests_running") == 0
+                    and srv.metric("steadyserve_requests_waiting") == 0), "the server's seat never came free"
     body = json.dumps({"prompt": "The quick brown fox", "max_tokens": max_tokens, "stream": True,
                        "ignore_eos": True}).encode()
     s = socket.create_connection(("127.0.0.1", srv.http_port), timeout=30)
@@ -51,7 +55,7 @@ def open_stream(srv: ServerProcess, max_tokens: int = 400) -> socket.socket:
     data = b""
     while b"data:" not in data:
         chunk = s.recv(4096)
-        assert chunk, "server closed the stream before the first event"
+        assert chunk, f"server closed the stream before the first event: {data[:300]!r}"
         data += chunk
     return s
 
