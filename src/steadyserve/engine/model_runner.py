@@ -96,13 +96,13 @@ class ModelRunner:
                 prompt_lps[i].append(token_logprob(row, seq.token_ids[pp], seq.params.prompt_logprobs))
         argmax: list[int] = []
         has_nan: list[bool] = []
-        lp = None
+        sample_lp = None
         if sample_rows:
-            lp = self.model.logprobs(hidden[torch.tensor(sample_rows, device=self.device)]).cpu()  # (S, V)
+            sample_lp = self.model.logprobs(hidden[torch.tensor(sample_rows, device=self.device)]).cpu()  # (S, V)
             # Row-wise selections (exact, so batch-invariant), once per step rather than once per sequence.
-            argmax = lp.argmax(dim=1).tolist()  # (S,)
-            has_nan = lp.isnan().any(dim=1).tolist()  # (S,)
-        return [SeqResult(sample_row=lp[si] if lp is not None and si >= 0 else None,
+            argmax = sample_lp.argmax(dim=1).tolist()  # (S,)
+            has_nan = sample_lp.isnan().any(dim=1).tolist()  # (S,)
+        return [SeqResult(sample_row=sample_lp[si] if sample_lp is not None and si >= 0 else None,
                           prompt_logprobs=prompt_lps[i], first_prompt_pos=first_pp,
                           sample_argmax=argmax[si] if si >= 0 else -1,
                           sample_has_nan=bool(has_nan[si]) if si >= 0 else False)

@@ -41,10 +41,6 @@ class ModelThread:
         """Run `fn` on the model thread and wait for it; exceptions are re-raised here."""
         return self.submit(fn).result()
 
-    @property
-    def ident(self) -> int | None:
-        return self._thread.ident
-
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
