@@ -9,7 +9,7 @@
 //      rounding per step, d ascending), for every key j in [first, p], where first = 0,
 //      or p - window + 1 with a sliding window.
 //   2. m = max_j score[j]   (exact in any order).
-//   3. e[j] = exp_det(score[j] - m), a polynomial exp made of IEEE mul/add only.
+//   3. e[j] = exp_det16(score[j] - m), a polynomial exp made of IEEE mul/add only.
 //   4. l = sum_j e[j] over 16 lanes: lane i sums the keys with j % 16 == i in
 //      ascending j; the 16 lanes are then added in one fixed pairwise tree.
 //   5. out[d] = a / l, where a accumulates fma(e[j], v_j[d], a) over j ascending.
@@ -39,26 +39,35 @@ constexpr int kLanes = 16;  // accumulator lanes; part of the numerics, not a tu
 
 #define STEADY_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 
-// exp(x) for x <= 0 from IEEE add/sub/mul only (Cephes expf coefficients, ~1 ulp);
-// x < -87 returns 0, so a masked score (-inf) contributes an exact zero.
-inline float exp_det(float x) {
-  const float kLog2e = 1.44269504088896341f;
-  const float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const float kC1 = 0.693359375f, kC2 = -2.12194440e-4f;
-  float xc = x < -87.0f ? -87.0f : x;
-  float n = (xc * kLog2e + kRound) - kRound;
-  float r = (xc - n * kC1) - n * kC2;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
+#define STEADY_INLINE __attribute__((always_inline)) inline  // inlined into each clone, so built for its ISA
+
+// 16 float lanes as one value: GCC lowers it to one zmm, two ymm or four xmm registers
+// in the respective clone, with the same element-wise IEEE operations on each.
+typedef float f16v __attribute__((vector_size(64)));
+typedef int32_t i16v __attribute__((vector_size(64)));
+
+// x[i] = exp(x[i] - m) for 16 lanes, in place, from IEEE add/sub/mul only (Cephes expf
+// coefficients, ~1 ulp) for x - m <= 0; x - m < -87 gives 0, so a masked score (-inf)
+// contributes an exact zero.
+STEADY_INLINE void exp_det16(float* x, float m) {
+  f16v in;
+  std::memcpy(&in, x, sizeof in);
+  in = in - m;
+  const i16v low = in < -87.0f;  // all ones where in < -87
+  const f16v xc = low ? f16v{} - 87.0f : in;
+  const f16v n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // + 1.5 * 2^23 rounds to an integer
+  const f16v r = (xc - n * 0.693359375f) - n * -2.12194440e-4f;
+  f16v p = r * 1.9875691500e-4f + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
-  float y = (p * (r * r) + r) + 1.0f;
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
+  const f16v y = (p * (r * r) + r) + 1.0f;
+  const i16v bits = (__builtin_convertvector(n, i16v) + 127) << 23;  // 2^n
+  f16v scale;
   std::memcpy(&scale, &bits, sizeof scale);
-  return x < -87.0f ? 0.0f : y * scale;
+  const f16v e = low ? f16v{} : y * scale;
+  std::memcpy(x, &e, sizeof e);
 }
 
 struct Problem {
@@ -78,7 +87,7 @@ struct Problem {
 // out[r * stride + i] = (sum over d ascending of q_r[d] * k_i[d]) * scale, or -inf for
 // keys outside [first, p]. More keys per pass only means more independent chains.
 template <int G, int N>
-inline void score_keys(const float* qg, const float* kb, int64_t D, int64_t Bs, int64_t key0, int64_t first,
+STEADY_INLINE void score_keys(const float* qg, const float* kb, int64_t D, int64_t Bs, int64_t key0, int64_t first,
                        int64_t p, float scale, float* out, int64_t stride) {
   float s[G][N] = {};
   for (int64_t dd = 0; dd < D; ++dd) {
@@ -128,16 +137,18 @@ void attend_one(const Problem& P, int64_t t, int64_t g, float* scores, int64_t s
   for (int r = 0; r < G; ++r) {
     float* sr = scores + r * stride;
     // 2. Max (exact in any order).
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t i = 0; i < n_chunks * kLanes; ++i) m = sr[i] > m ? sr[i] : m;
+    float mlane[kLanes];
+    for (int l = 0; l < kLanes; ++l) mlane[l] = -std::numeric_limits<float>::infinity();
+    for (int64_t c = 0; c < n_chunks; ++c)
+      for (int l = 0; l < kLanes; ++l) mlane[l] = sr[c * kLanes + l] > mlane[l] ? sr[c * kLanes + l] : mlane[l];
+    float m = mlane[0];
+    for (int l = 1; l < kLanes; ++l) m = mlane[l] > m ? mlane[l] : m;
     // 3-4. Exponentials in place (masked keys give exact zeros), summed in 16 lanes.
     float lane[kLanes] = {};
-    for (int64_t c = 0; c < n_chunks; ++c)
-      for (int l = 0; l < kLanes; ++l) {
-        const float e = exp_det(sr[c * kLanes + l] - m);
-        sr[c * kLanes + l] = e;
-        lane[l] += e;
-      }
+    for (int64_t c = 0; c < n_chunks; ++c) {
+      exp_det16(sr + c * kLanes, m);
+      for (int l = 0; l < kLanes; ++l) lane[l] += sr[c * kLanes + l];
+    }
     float l8[8], l4[4], l2[2];
     for (int i = 0; i < 8; ++i) l8[i] = lane[2 * i] + lane[2 * i + 1];
     for (int i = 0; i < 4; ++i) l4[i] = l8[2 * i] + l8[2 * i + 1];
