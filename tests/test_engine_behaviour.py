@@ -197,23 +197,34 @@ def test_fault_hook_fails_only_that_request(engine):
 
 
 def test_nan_row_fails_only_that_request(engine):
+    """One NaN in one sampling row (not at its maximum) fails that request alone: the runner's
+    step-wide row checks must find it."""
     reqs = lambda: [gen(f"r{i}", p, 8) for i, p in enumerate(PROMPTS)]  # noqa: E731
     ref = run_requests(engine, reqs())
-    real = engine.runner.execute
+    real_execute, real_logprobs = engine.runner.execute, engine.runner.model.logprobs
+    target: list[int] = []  # r1's row among this step's sampling rows, while armed
 
     def execute(sched):
-        results = real(sched)
-        for item, res in zip(sched.scheduled, results):
-            if item.seq.request_id == "r1" and res.sample_row is not None and item.seq.num_generated_tokens == 2:
-                res.sample_row = torch.full_like(res.sample_row, float("nan"))
-                res.sample_has_nan = True  # the runner reports NaN rows with the step's other row checks
-        return results
+        target.clear()
+        sampling = [it.seq for it in sched.scheduled if it.seq.num_computed_tokens + it.num_new_tokens == it.seq.num_tokens]
+        for i, seq in enumerate(sampling):
+            if seq.request_id == "r1" and seq.num_generated_tokens == 2:
+                target.append(i)
+        return real_execute(sched)
 
-    engine.runner.execute = execute
+    def logprobs(hidden):
+        out = real_logprobs(hidden)
+        if target:
+            row = out[target[0]]
+            row[(int(row.argmax()) + 1) % row.shape[0]] = float("nan")
+        return out
+
+    engine.runner.execute, engine.runner.model.logprobs = execute, logprobs
     try:
         done = run_requests(engine, reqs())
     finally:
-        engine.runner.execute = real
+        engine.runner.execute = real_execute
+        del engine.runner.model.logprobs  # the class's method again
     assert done["r1"].finish_reason == "error" and "NaN" in done["r1"].error
     for rid in ("r0", "r2", "r3", "r4"):
         assert same(done[rid], ref[rid]), rid

@@ -100,8 +100,10 @@ class ModelRunner:
         if sample_rows:
             sample_lp = self.model.logprobs(hidden[torch.tensor(sample_rows, device=self.device)]).cpu()  # (S, V)
             # Row-wise selections (exact, so batch-invariant), once per step rather than once per sequence.
-            argmax = sample_lp.argmax(dim=1).tolist()  # (S,)
-            has_nan = sample_lp.isnan().any(dim=1).tolist()  # (S,)
+            # One pass: max() propagates NaN and returns the first maximum's index, as argmax() does.
+            best, best_ids = sample_lp.max(dim=1)  # (S,), (S,)
+            argmax = best_ids.tolist()
+            has_nan = best.isnan().tolist()
         return [SeqResult(sample_row=sample_lp[si] if sample_lp is not None and si >= 0 else None,
                           prompt_logprobs=prompt_lps[i], first_prompt_pos=first_pp,
                           sample_argmax=argmax[si] if si >= 0 else -1,

@@ -20,6 +20,11 @@ from .layers import RowProbe, RowTiler, apply_rope, rms_norm
 
 # Rows of one LM-head call at most: (64, V) float32 logits, and a calibration that stays cheap.
 MAX_HEAD_TILE = 64
+# Vocabulary entries per LM-head GEMM. One (64, 576) x (576, 49152) GEMM ran 33 ms on an AMD EPYC
+# (2 threads); 24 GEMMs of 2048 columns each, 27 ms; at 4 rows, 11.4 vs 7.9 ms (a weight slice
+# of 4.5 MiB stays in cache while MKL sweeps it). The split is fixed, so every logit is always
+# computed by the same call shape; calibration checks rows stay independent of the row count.
+HEAD_COLUMNS = 2048
 
 
 @dataclass
@@ -85,6 +90,7 @@ class Transformer:
         self.embed = w("model.embed_tokens.weight")  # (V, hidden)
         self.lm_head = self.embed if args.tie_word_embeddings or "lm_head.weight" not in weights \
             else w("lm_head.weight")  # (V, hidden)
+        self.lm_head_parts = self.lm_head.split(HEAD_COLUMNS)  # views: (HEAD_COLUMNS, hidden) each, the last shorter
         self.final_norm = w("model.norm.weight")
         self.layers: list[LayerWeights] = []
         for i in range(args.num_layers):
@@ -126,7 +132,8 @@ class Transformer:
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Row-wise: (R, hidden) -> (R, V) float32 log-probabilities."""
-        return torch.log_softmax(F.linear(hidden, self.lm_head).float(), dim=-1)
+        logits = torch.cat([F.linear(hidden, part) for part in self.lm_head_parts], dim=1)  # (R, V)
+        return torch.log_softmax(logits.float(), dim=-1)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
