@@ -77,6 +77,16 @@ def test_generate_round_trip(client):
     assert "".join(m.batch.text for m in again[:-1]) == "".join(b.text for b in batches)
 
 
+def test_generate_reports_cached_prompt_tokens_with_the_same_logprobs(client):
+    text = " ".join(f"item {i} of the list" for i in range(30))
+    runs = [list(client.generate(text, max_tokens=4, temperature=0, ignore_eos=True, logprobs=1)) for _ in range(2)]
+    n = runs[0][-1].final.usage.prompt_tokens
+    assert n > 64
+    assert runs[1][-1].final.usage.cached_prompt_tokens == (n - 1) // 32 * 32  # full 32-token blocks
+    lps = [[(lp.token_id, lp.logprob) for m in r[:-1] for lp in m.batch.logprobs] for r in runs]
+    assert lps[0] == lps[1] and lps[0]
+
+
 def test_generate_chat_and_stop_token(client):
     msgs = list(client.generate(messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0))
     assert msgs[-1].final.finish_reason in (pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_STOP)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import subprocess
 import sys
+from collections import Counter
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -19,11 +20,13 @@ def make_seq(i: int, prompt_len: int, max_tokens: int = 4) -> Sequence:
 
 
 def advance(sched: Scheduler, out: SchedulerOutput) -> list[Sequence]:
-    """What the engine does after executing a step: count computed tokens, sample, retire."""
+    """What the engine does after executing a step: count computed tokens, publish full blocks to the
+    prefix cache, sample, retire."""
     finished = []
     for item in out.scheduled:
         seq = item.seq
         seq.num_computed_tokens += item.num_new_tokens
+        sched.block_manager.cache_full_blocks(seq, item.num_new_tokens)
         assert seq.num_computed_tokens <= seq.num_tokens
         if seq.num_computed_tokens == seq.num_tokens:
             seq.token_ids.append(7)
@@ -37,9 +40,10 @@ def check_invariants(sched: Scheduler, out: SchedulerOutput) -> None:
     bm = sched.block_manager
     assert out.num_tokens <= sched.max_num_batched_tokens
     assert len(sched.running) <= sched.max_num_seqs
-    owned = [b for s in sched.running for b in s.block_table]
-    assert len(owned) == len(set(owned)), "two sequences share a block"
-    assert len(owned) + bm.num_free_blocks == bm.num_blocks, "a block leaked"
+    holders = Counter(b for s in sched.running for b in s.block_table)  # shared prefix blocks count once each
+    assert all(bm.ref_count(b) == n for b, n in holders.items()), "a block's ref count is not its holders"
+    assert all(len(s.block_table) == len(set(s.block_table)) for s in sched.running)
+    assert len(holders) + bm.num_free_blocks == bm.num_blocks, "a block leaked"
     assert all(not s.block_table for s in sched.waiting), "a waiting sequence holds blocks"
     ids = [id(i.seq) for i in out.scheduled]
     assert len(ids) == len(set(ids))

@@ -40,6 +40,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="most rows per row-wise kernel call (default: %(default)s)")
     g.add_argument("--attention", default=d.attention, choices=["auto", "native", "python"],
                    help="attention kernel: native C++ when built (auto), required (native), or Python")
+    g.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=d.prefix_caching,
+                   help="reuse the cached K/V of shared prompt prefixes, bitwise-safe (default: on)")
 
 
 def _add_server_flags(p: argparse.ArgumentParser) -> None:
@@ -69,7 +71,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
                             block_size=a.block_size, max_num_seqs=a.max_num_seqs, max_queue=a.max_queue,
                             max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
                             threads=a.threads, batch_invariant=a.batch_invariant, row_tile=a.row_tile,
-                            attention=a.attention),
+                            attention=a.attention, prefix_caching=a.prefix_caching),
         server=ServerConfig(host=a.host, http_port=a.http_port, grpc_port=a.grpc_port,
                             stall_timeout=a.stall_timeout, drain_timeout=a.drain_timeout,
                             max_request_bytes=parse_size(a.max_request_bytes, "--max-request-bytes"),

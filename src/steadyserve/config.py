@@ -53,6 +53,7 @@ class EngineConfig:
     batch_invariant: bool = True  # --batch-invariant / --no-batch-invariant
     row_tile: int = 512  # --row-tile: most rows per row-wise kernel call; fewer only in counts verified at start-up
     attention: str = "auto"  # --attention: auto | native (C++ kernel, else refuse to start) | python
+    prefix_caching: bool = True  # --prefix-caching / --no-prefix-caching: reuse cached K/V of shared prompt prefixes
 
     def validate(self) -> None:
         if self.kv_cache_memory <= 0:

@@ -91,6 +91,13 @@ class Metrics:
         self.aborted = Counter(p + "streams_aborted_total", "Streams ended early by the server or client.",
                                ["reason"], registry=r)
         self.preemptions = Counter(p + "preemptions_total", "Sequences preempted for KV space.", registry=r)
+        self.prefix_queried = Counter(p + "prefix_cache_queried_tokens_total",
+                                      "Prompt tokens looked up in the prefix cache at admission.", registry=r)
+        self.prefix_hits = Counter(p + "prefix_cache_hit_tokens_total",
+                                   "Prompt tokens whose K/V came from the prefix cache (hit rate: this / queried).",
+                                   registry=r)
+        self.cached_blocks = Gauge(p + "kv_cache_cached_blocks",
+                                   "KV blocks holding a cached prefix, in use or reclaimable.", registry=r)
         self.backlog = Gauge(p + "stream_backlog_bytes", "Bytes produced for streams not yet taken by sockets.",
                              registry=r)
         self.loop_lag = Histogram(p + "event_loop_lag_seconds", "Event-loop scheduling lag, sampled.",
@@ -124,6 +131,9 @@ class Metrics:
         self.generated_tokens.inc(s.num_generated)
         if s.num_preempted:
             self.preemptions.inc(s.num_preempted)
+        self.prefix_queried.inc(s.num_prefix_queried_tokens)
+        self.prefix_hits.inc(s.num_prefix_hit_tokens)
+        self.cached_blocks.set(s.num_cached_blocks)
 
     def on_state(self, num_running: int, num_waiting: int, kv_usage: float) -> None:
         self.running.set(num_running)

@@ -50,6 +50,9 @@ class StepStats:
     num_running: int  # after the step
     num_waiting: int
     kv_usage: float  # 0..1
+    num_cached_blocks: int = 0  # KV blocks holding a cached prefix, after the step
+    num_prefix_queried_tokens: int = 0  # prompt tokens of the sequences admitted this step
+    num_prefix_hit_tokens: int = 0  # of which taken from the prefix cache
 
 
 class _SeqState:
@@ -76,7 +79,9 @@ class LLMEngine:
             raise ConfigError("--block-size must be a multiple of 16 for the native attention kernel "
                               "(or use --attention python)")
         self.kv = allocate_kv_cache(loaded.args, cfg.kv_cache_memory, cfg.block_size, loaded.dtype, loaded.device)
-        self.block_manager = BlockManager(self.kv.num_blocks, cfg.block_size)
+        # The prefix cache's hashes start from what determines a block's contents besides its tokens.
+        root = f"{loaded.weights_hash}-{loaded.dtype}-{loaded.model.kernel_id}-{cfg.batch_invariant}"
+        self.block_manager = BlockManager(self.kv.num_blocks, cfg.block_size, cfg.prefix_caching, root)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.runner = ModelRunner(loaded.model, self.kv)
         self.eos_token_ids = _eos_ids(loaded)
@@ -126,6 +131,8 @@ class LLMEngine:
     # ---- the step --------------------------------------------------------
     def step(self) -> tuple[list[RequestOutput], StepStats]:
         t0 = time.perf_counter()
+        bm = self.block_manager
+        queried0, hit0 = bm.num_queried_tokens, bm.num_hit_tokens
         sched = self.scheduler.schedule()  # 1. schedule
         now = time.monotonic()
         for item in sched.scheduled:  # queue wait ends when a request is first scheduled, not computed
@@ -143,7 +150,9 @@ class LLMEngine:
         stats = StepStats(num_seqs=len(sched.scheduled), num_tokens=sched.num_tokens, num_generated=num_generated,
                           num_preempted=len(sched.preempted), duration=time.perf_counter() - t0,
                           num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
-                          kv_usage=self.block_manager.usage)
+                          kv_usage=bm.usage, num_cached_blocks=bm.num_cached_blocks,
+                          num_prefix_queried_tokens=bm.num_queried_tokens - queried0,
+                          num_prefix_hit_tokens=bm.num_hit_tokens - hit0)
         return outputs, stats  # 4. emit (the caller delivers)
 
     def _update(self, item: ScheduledSeq, result: SeqResult, num_batch_seqs: int) -> RequestOutput | None:
@@ -156,6 +165,7 @@ class LLMEngine:
     def _update_seq(self, item: ScheduledSeq, result: SeqResult, num_batch_seqs: int) -> RequestOutput | None:
         seq, n = item.seq, item.num_new_tokens
         seq.num_computed_tokens += n
+        self.block_manager.cache_full_blocks(seq, n)
         st: _SeqState = seq.state
         now = time.monotonic()
         try:
@@ -218,7 +228,8 @@ class LLMEngine:
         return RequestOutput(request_id=seq.request_id, new_token_ids=toks, text_delta=delta, logprobs=lps,
                              prompt_logprobs=prompt_lps, finished=finish_reason is not None,
                              finish_reason=finish_reason, error=error, num_prompt_tokens=seq.num_prompt_tokens,
-                             num_generated_tokens=seq.num_generated_tokens, num_batch_seqs=num_batch_seqs)
+                             num_generated_tokens=seq.num_generated_tokens, num_batch_seqs=num_batch_seqs,
+                             num_cached_tokens=min(seq.num_cached_tokens, seq.num_prompt_tokens))
 
 
 def _eos_ids(loaded: LoadedModel) -> set[int]:

@@ -19,9 +19,11 @@ class Completed:
     finish_reason: str | None = None
     error: str | None = None
     num_outputs: int = 0
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache
 
     def add(self, out: RequestOutput) -> None:
         self.num_outputs += 1
+        self.num_cached_tokens = out.num_cached_tokens
         self.token_ids += out.new_token_ids
         self.logprobs += out.logprobs
         self.text += out.text_delta

@@ -4,7 +4,8 @@ Each step gets a token budget (`max_num_batched_tokens`). Running sequences go
 first, in admission order, each taking what it still has to compute (1 token
 when decoding, a chunk of its prompt while prefilling), so a long prompt is
 spread over several steps and never stalls running decodes. Waiting sequences
-are admitted into what budget and cache are left. When the cache runs out,
+are admitted into what budget and cache are left; a prompt's cached prefix
+blocks (see block_manager.py) cost neither budget nor new blocks. When the cache runs out,
 the most recently admitted running sequence is preempted: its blocks are freed
 and it is recomputed later (batch-invariant numerics make the recomputed K/V
 bitwise identical, so preemption cannot change a result).
@@ -125,11 +126,12 @@ class Scheduler:
         # 2. Admit waiting sequences, first come first served, while budget, seats and blocks last.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
-            n = min(seq.num_uncomputed_tokens, budget)
-            if not self.block_manager.can_grow(seq, n):
+            hits = self.block_manager.match_prefix(seq)
+            n = min(seq.num_tokens - len(hits) * self.block_manager.block_size, budget)
+            if not self.block_manager.can_admit(seq, hits, n):
                 break
             self.waiting.popleft()
-            self.block_manager.grow(seq, n)
+            self.block_manager.admit(seq, hits, n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n))

@@ -93,6 +93,7 @@ class RequestOutput:
     error: str | None = None  # set with finish_reason="error"
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0  # so far
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
     num_batch_seqs: int = 0  # sequences in the step that produced this output (for validate)
     queue_wait: float | None = None  # seconds from arrival to first step; on the first output only
 
@@ -114,7 +115,9 @@ class Sequence:
         self.token_ids: list[int] = list(request.prompt_token_ids)
         self.num_prompt_tokens = len(request.prompt_token_ids)
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.num_cached_tokens = 0  # of those, taken from the prefix cache at the latest admission
         self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []  # prefix hash of each full block of token_ids, as far as computed
         self.status = SequenceStatus.WAITING
         self.prompt_logprobs_done = request.params.prompt_logprobs is None
         self.num_preemptions = 0

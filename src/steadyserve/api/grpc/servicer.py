@@ -227,7 +227,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     await self._write(context, handle, pb.GenerateResponse(final=pb.GenerateFinal(
                         finish_reason=FINISH.get(last.finish_reason or "", pb.FINISH_REASON_UNSPECIFIED),
                         usage=pb.Usage(prompt_tokens=last.num_prompt_tokens,
-                                       completion_tokens=last.num_generated_tokens),
+                                       completion_tokens=last.num_generated_tokens,
+                                       cached_prompt_tokens=last.num_cached_tokens),
                         request_id=rid, fingerprint=self.fingerprint, model=self.state.model_name)))
         except _ClientGone:
             return  # nobody to tell; `finally` counts why the stream ended

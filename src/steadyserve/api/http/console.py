@@ -153,12 +153,15 @@ class Stats:
             running = min(m.running._value.get(), in_flight)
             waiting = min(m.waiting._value.get(), in_flight - running)
             out["gauges"] = {"running": running, "waiting": waiting, "in_flight": in_flight,
-                             "kv_cache_usage": m.kv_usage._value.get()}
+                             "kv_cache_usage": m.kv_usage._value.get(),
+                             "kv_cache_cached_blocks": m.cached_blocks._value.get()}
             out["counters"] = {
                 "generated_tokens": _total(m.generated_tokens), "prompt_tokens": _total(m.prompt_tokens),
                 "finished": _by_label(m.finished, "finish_reason"), "rejected": _by_label(m.rejected, "reason"),
                 "aborted": _by_label(m.aborted, "reason"), "admitted": _by_label(m.admitted, "transport"),
                 "preemptions": _total(m.preemptions),
+                "prefix_cache_queried_tokens": _total(m.prefix_queried),
+                "prefix_cache_hit_tokens": _total(m.prefix_hits),
             }
             now = time.monotonic()
             current = {name: _buckets(getattr(m, name)) for name in self.HISTS}

@@ -109,6 +109,7 @@ class Accumulated:
     error: str | None = None
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache
     max_batch_seqs: int = 0  # largest step this request shared (for `steadyserve validate`)
     queue_wait: float | None = None
 
@@ -125,10 +126,12 @@ class Accumulated:
             self.finish_reason, self.error = out.finish_reason, out.error
         self.num_prompt_tokens = out.num_prompt_tokens
         self.num_generated_tokens = out.num_generated_tokens
+        self.num_cached_tokens = out.num_cached_tokens
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": self.num_generated_tokens,
-                "total_tokens": self.num_prompt_tokens + self.num_generated_tokens}
+                "total_tokens": self.num_prompt_tokens + self.num_generated_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens}}
 
 
 class Formatter:

@@ -108,6 +108,11 @@ function totals(s) {
     for (const [r, v] of Object.entries(c.rejected)) if (v) rows.push([`Rejected: ${r}`, v]);
     for (const [r, v] of Object.entries(c.aborted)) if (v) rows.push([`Aborted: ${r}`, v]);
     if (c.preemptions) rows.push(["Preemptions", c.preemptions]);
+    if (c.prefix_cache_queried_tokens) {
+      const rate = c.prefix_cache_hit_tokens / c.prefix_cache_queried_tokens;
+      rows.push(["Prefix cache hits", `${(100 * rate).toFixed(1)}% of ${c.prefix_cache_queried_tokens} prompt tokens`]);
+    }
+    if (s.gauges.kv_cache_cached_blocks !== undefined) rows.push(["Cached KV blocks", s.gauges.kv_cache_cached_blocks]);
   }
   rows.push(["Capacity", `${s.capacity.max_num_seqs} running + ${s.capacity.max_queue} queued`]);
   rows.push(["Uptime", fmtSeconds(s.uptime_s)]);
