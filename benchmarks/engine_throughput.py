@@ -10,6 +10,8 @@ sets MKL_CBWR=AUTO,STRICT; transformers runs without it):
   * transformers (benchmarks/hf_reference.py): `generate()` at batch 1 and with a
     static batch of the largest level, and one forward over the prefill prompt;
   * roofline: peak fp32 matmul FLOP/s (large torch.mm) / (2 x parameters);
+  * steadyserve batch-invariant with `--numerics portable` (the same bits on every AVX2 host): the
+    cost of portability against the default host numerics;
   * invariance cost measured apart: both steadyserve engines in one process, their
     decode steps alternated, so that machine drift between processes cannot pass
     for a cost (on these shared cores one pass swung 20%).
@@ -57,12 +59,17 @@ def worker(a: argparse.Namespace) -> dict:
     from steadyserve.engine.sequence import Request, SamplingParams
     from steadyserve.models import load_model
 
+    from steadyserve.numerics import resolve
+
     torch.set_num_threads(a.threads)
-    bi = a.worker == "batch_invariant"
+    bi = a.worker in ("batch_invariant", "portable")
+    numerics = "portable" if a.worker == "portable" else "host"
+    resolve(numerics)  # the process was started with that path's environment, or this refuses
     levels = [int(x) for x in a.levels.split(",")]
     lm = load_model("", batch_invariant=bi)
     cfg = EngineConfig(kv_cache_memory=KV_BUDGET, threads=a.threads, max_num_seqs=max(levels),
-                       max_num_batched_tokens=max(2048, a.prefill_len), batch_invariant=bi, max_queue=max(levels))
+                       max_num_batched_tokens=max(2048, a.prefill_len), batch_invariant=bi, max_queue=max(levels),
+                       numerics=numerics)
     engine = LLMEngine(lm, cfg)
     st = run_selftest(engine)
     vocab = lm.args.vocab_size
@@ -194,7 +201,7 @@ def main() -> int:
     p.add_argument("--prefill-len", type=int, default=512)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3, help="each row runs once per round; figures are medians")
-    p.add_argument("--worker", choices=["batch_invariant", "plain", "interleaved"], help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=["batch_invariant", "plain", "portable", "interleaved"], help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
         print(json.dumps(interleaved(a) if a.worker == "interleaved" else worker(a)))
@@ -211,8 +218,11 @@ def main() -> int:
 
     model_dir = str(convert_gguf(Path(default_model_path()))[0])
     hf_env = {k: v for k, v in env.items() if k != "MKL_CBWR"}
+    from steadyserve.numerics import env_for
+
     commands = {mode: ([sys.executable, __file__, "--worker", mode, *common], env)
                 for mode in ("batch_invariant", "plain")}
+    commands["portable"] = ([sys.executable, __file__, "--worker", "portable", *common], env_for("portable"))
     commands["transformers"] = (
         [sys.executable, str(HERE / "hf_reference.py"), model_dir, "--batch", str(max(levels)), "--prompt-len",
          str(a.prompt_len), "--output-len", str(a.output_len), "--prefill-len", str(a.prefill_len),
@@ -231,7 +241,7 @@ def main() -> int:
             raw[name].append(run_json(*commands[name]))
     results["rounds"] = a.rounds
     results["raw"] = raw
-    for mode in ("batch_invariant", "plain"):
+    for mode in ("batch_invariant", "plain", "portable"):
         results["runs"][mode] = median_of(raw[mode])
         results["runs"][mode]["peak_rss_bytes"] = max(x["peak_rss_bytes"] for x in raw[mode])
     results["transformers"] = median_of(raw["transformers"])
@@ -254,6 +264,10 @@ def main() -> int:
         if c in hf_decode:
             ratios["decode_vs_transformers"][c] = b["decode_tokens_per_s"] / hf_decode[c]
     ratios["prefill_vs_transformers"] = bi["prefill"]["tokens_per_s"] / hf["prefill"]["tokens_per_s"]
+    port = results["runs"]["portable"]
+    ratios["portable_cost_decode"] = {c: 1 - by_c["portable"][c]["decode_tokens_per_s"] / by_c["batch_invariant"][c][
+        "decode_tokens_per_s"] for c in levels}
+    ratios["portable_cost_prefill"] = 1 - port["prefill"]["tokens_per_s"] / bi["prefill"]["tokens_per_s"]
     results["ratios"] = ratios
     out = HERE / "results"
     out.mkdir(exist_ok=True)
@@ -280,7 +294,14 @@ def main() -> int:
     for lv in results["interleaved"]["levels"]:
         print(f"| {lv['concurrency']} | {1e3 * lv['invariant_step_s']:.1f} | {1e3 * lv['plain_step_s']:.1f} | "
               f"{100 * lv['invariance_cost']:.0f}% |")
-    for m in ("batch_invariant", "plain"):
+    print("\nPortable numerics (--numerics portable: torch AVX2 kernels, MKL COMPATIBLE,STRICT) against the default:")
+    print("| concurrency | host decode tok/s | portable decode tok/s | cost of portability |\n|---|---|---|---|")
+    for c in levels:
+        print(f"| {c} | {by_c['batch_invariant'][c]['decode_tokens_per_s']:.1f} | "
+              f"{by_c['portable'][c]['decode_tokens_per_s']:.1f} | {100 * ratios['portable_cost_decode'][c]:.0f}% |")
+    print(f"| prefill {a.prefill_len} tokens | {bi['prefill']['tokens_per_s']:.0f} tok/s | "
+          f"{port['prefill']['tokens_per_s']:.0f} tok/s | {100 * ratios['portable_cost_prefill']:.0f}% |")
+    for m in ("batch_invariant", "plain", "portable"):
         r = results["runs"][m]
         print(f"peak RSS {m}: {r['peak_rss_bytes'] / 2**20:.0f} MiB (bound model + KV + 500 MiB = "
               f"{r['rss_bound_bytes'] / 2**20:.0f} MiB); kernel {r['kernel']}; self-test: {r['selftest']}")

@@ -16,6 +16,7 @@ import torch
 from steadyserve.client import Client
 from steadyserve.config import EngineConfig
 from steadyserve.models.loader import load_model
+from steadyserve.numerics import describe
 from steadyserve.platform_info import platform_info, row_tiles_of
 from steadyserve.testing.server import ServerProcess
 
@@ -57,11 +58,18 @@ def test_info_prints_platform_facts(tiny_model: str):
 def test_http_and_grpc_report_the_same_platform(cbwr_server: ServerProcess):
     http = httpx.get(cbwr_server.http_url + "/v1/models", timeout=30).json()["data"][0]["platform"]
     with Client(cbwr_server.grpc_addr, timeout=30, retries=False) as c:
-        g = c.model_info().platform
+        info = c.model_info()
+        g = info.platform
     grpc_view = {"cpu_model": g.cpu_model, "cpu_flags": list(g.cpu_flags), "num_cpus": g.num_cpus, "isa": g.isa,
                  "torch_version": g.torch_version, "mkl_version": g.mkl_version, "mkl_cbwr": g.mkl_cbwr,
-                 "mkl_enable_instructions": g.mkl_enable_instructions, "row_tiles": list(g.row_tiles)}
+                 "mkl_enable_instructions": g.mkl_enable_instructions, "row_tiles": list(g.row_tiles),
+                 "numerics": g.numerics, "numerics_id": g.numerics_id}
     assert http == grpc_view
+    # The numerics id is the fingerprint's, and it hashes the server's own environment (its MKL_CBWR).
+    assert http["numerics"] == "host" and f"-{http['numerics_id']}-" in info.fingerprint
+    facts = {k: http[k] for k in ("isa", "cpu_model", "torch_version", "mkl_version", "mkl_cbwr",
+                                  "mkl_enable_instructions")}
+    assert describe("host", cpu_flags=tuple(http["cpu_flags"]), **facts).numerics_id == http["numerics_id"]
     me = platform_info().as_dict()
     for k in ("cpu_model", "cpu_flags", "num_cpus", "isa", "torch_version", "mkl_version"):
         assert http[k] == me[k], k

@@ -4,8 +4,11 @@ import os as _os
 
 __version__ = "0.1.0"
 
-# MKL's strict conditional-numerical-reproducibility mode, before any BLAS call of
-# this process (MKL reads it once): GEMM rows then stop depending on the row count
-# (M >= 4 on the machines seen) and on the thread count. The row tiler verifies
-# this at start-up rather than trusting it; an operator's own setting wins.
-_os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+from .numerics import apply_env as _apply_env
+
+# MKL's strict conditional-numerical-reproducibility mode (and, for portable numerics, PyTorch's
+# AVX2 kernels and MKL's COMPATIBLE branch), before any BLAS call of this process: MKL and PyTorch
+# read them once. In strict mode GEMM rows stop depending on the row count (M >= 4 on the machines
+# seen) and on the thread count; the row tiler verifies this at start-up rather than trusting it.
+# An operator's own MKL_CBWR wins, and the fingerprint's numerics id names it (see numerics.py).
+_apply_env()

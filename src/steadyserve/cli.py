@@ -40,6 +40,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="most rows per row-wise kernel call (default: %(default)s)")
     g.add_argument("--attention", default=d.attention, choices=["auto", "native", "python"],
                    help="attention kernel: native C++ when built (auto), required (native), or Python")
+    g.add_argument("--numerics", default=d.numerics, choices=["host", "portable"],
+                   help="host: this CPU's fastest verified kernels; portable: the same bits on every AVX2 host "
+                        "(restarts the process with MKL and PyTorch pinned; default: %(default)s)")
     g.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=d.prefix_caching,
                    help="reuse the cached K/V of shared prompt prefixes, bitwise-safe (default: on)")
 
@@ -71,7 +74,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
                             block_size=a.block_size, max_num_seqs=a.max_num_seqs, max_queue=a.max_queue,
                             max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
                             threads=a.threads, batch_invariant=a.batch_invariant, row_tile=a.row_tile,
-                            attention=a.attention, prefix_caching=a.prefix_caching),
+                            attention=a.attention, prefix_caching=a.prefix_caching, numerics=a.numerics),
         server=ServerConfig(host=a.host, http_port=a.http_port, grpc_port=a.grpc_port,
                             stall_timeout=a.stall_timeout, drain_timeout=a.drain_timeout,
                             max_request_bytes=parse_size(a.max_request_bytes, "--max-request-bytes"),
@@ -148,6 +151,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     a = parser.parse_args(argv)
+    mode = getattr(a, "numerics", None)
+    if mode is not None and argv is None:
+        from .numerics import env_for, started_as
+
+        if not started_as(mode):  # MKL and PyTorch read their dispatch settings once: start afresh with them
+            os.execve(sys.executable, [sys.executable, "-m", "steadyserve", *sys.argv[1:]], env_for(mode))
     try:
         return a.fn(a)
     except ConfigError as e:

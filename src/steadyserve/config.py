@@ -54,6 +54,7 @@ class EngineConfig:
     row_tile: int = 512  # --row-tile: most rows per row-wise kernel call; fewer only in counts verified at start-up
     attention: str = "auto"  # --attention: auto | native (C++ kernel, else refuse to start) | python
     prefix_caching: bool = True  # --prefix-caching / --no-prefix-caching: reuse cached K/V of shared prompt prefixes
+    numerics: str = "host"  # --numerics: host (this CPU's fastest verified kernels) | portable (same bits on any AVX2 host)
 
     def validate(self) -> None:
         if self.kv_cache_memory <= 0:
@@ -73,6 +74,8 @@ class EngineConfig:
             raise ConfigError("--threads must be 0 (all cores) or positive")
         if self.row_tile < 1:
             raise ConfigError("--row-tile must be at least 1")
+        if self.numerics not in ("host", "portable"):
+            raise ConfigError(f"--numerics must be host or portable, not {self.numerics!r}")
         if self.attention not in ("auto", "native", "python"):
             raise ConfigError(f"--attention must be auto, native or python, not {self.attention!r}")
 

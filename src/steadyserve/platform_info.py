@@ -9,6 +9,7 @@ be tied to the hardware and library build that produced it.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import platform
 import re
@@ -16,6 +17,8 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
+
+from .numerics import Numerics, describe, started_mode
 
 # CPU feature flags that change which kernels PyTorch, oneDNN and MKL pick (from /proc/cpuinfo).
 _FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
@@ -31,12 +34,15 @@ class PlatformInfo:
     mkl_version: str  # the MKL PyTorch is linked with; "" when it has none
     mkl_cbwr: str  # the MKL_CBWR environment value (conditional numerical reproducibility); "" when unset
     mkl_enable_instructions: str  # MKL_ENABLE_INSTRUCTIONS (caps MKL's dispatch); "" when unset
+    numerics: Numerics | None = None  # the numerics path this process runs (numerics.py) and its id
     row_tiles: tuple[int, ...] = field(default=())  # the verified row-tile ladder; () when not calibrated/off
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["cpu_flags"] = list(self.cpu_flags)
         d["row_tiles"] = list(self.row_tiles)
+        d["numerics"] = self.numerics.mode if self.numerics else ""
+        d["numerics_id"] = self.numerics.numerics_id if self.numerics else ""
         return d
 
     def lines(self) -> list[tuple[str, str]]:
@@ -50,6 +56,7 @@ class PlatformInfo:
                     + (f"; MKL_ENABLE_INSTRUCTIONS={self.mkl_enable_instructions}"
                        if self.mkl_enable_instructions else "")),
             ("row tiles", f"[{tiles}]" if self.row_tiles else tiles),
+            ("numerics", self.numerics.describe() if self.numerics else "unknown"),
         ]
 
 
@@ -89,17 +96,18 @@ def _static() -> PlatformInfo:
     import torch
 
     model, flags = _cpuinfo()
-    return PlatformInfo(cpu_model=model, cpu_flags=flags, num_cpus=os.cpu_count() or 1,
-                        isa=str(torch.backends.cpu.get_cpu_capability()), torch_version=torch.__version__,
-                        mkl_version=_mkl_version(torch), mkl_cbwr=os.environ.get("MKL_CBWR", ""),
-                        mkl_enable_instructions=os.environ.get("MKL_ENABLE_INSTRUCTIONS", ""))
+    facts = dict(isa=str(torch.backends.cpu.get_cpu_capability()), cpu_model=model, cpu_flags=flags,
+                 torch_version=torch.__version__, mkl_version=_mkl_version(torch),
+                 mkl_cbwr=os.environ.get("MKL_CBWR", ""),
+                 mkl_enable_instructions=os.environ.get("MKL_ENABLE_INSTRUCTIONS", ""))
+    return PlatformInfo(num_cpus=os.cpu_count() or 1, numerics=describe(started_mode(), **facts), **facts)
 
 
 def platform_info(row_tiles: list[int] | tuple[int, ...] | None = None) -> PlatformInfo:
     """This process's platform facts; `row_tiles` is the verified ladder (`loaded.model.tiler.tiles` when the
     tiler is enabled), reported as given. The environment is read once per process, as MKL reads it."""
     base = _static()
-    return PlatformInfo(**{**asdict(base), "cpu_flags": base.cpu_flags, "row_tiles": tuple(row_tiles or ())})
+    return dataclasses.replace(base, row_tiles=tuple(row_tiles or ()))
 
 
 def row_tiles_of(loaded: Any) -> tuple[int, ...]:

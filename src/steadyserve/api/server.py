@@ -31,6 +31,7 @@ from ..engine.model_thread import ModelThread
 from ..engine.selftest import SelfTestResult, run_selftest
 from ..metrics import Metrics, sample_loop_lag
 from ..models.loader import Fingerprint, LoadedModel, load_model
+from ..numerics import resolve as resolve_numerics
 from ..testing.drift import TEST_DRIFT_ENV, install_batch_drift
 from .http.app import Envelope, create_app
 from .state import ServerState
@@ -83,6 +84,7 @@ def _load_and_check(config: Config) -> tuple[LoadedModel, LLMEngine, SelfTestRes
 def build_state(config: Config) -> ServerState:
     """Load the model and self-test it on the model thread that will run the engine (see model_thread.py)."""
     ec = config.engine
+    numerics = resolve_numerics(ec.numerics)  # refuses a process that cannot compute on the asked path
     model_thread = ModelThread()
     try:
         loaded, engine, selftest = model_thread.call(lambda: _load_and_check(config))
@@ -90,7 +92,7 @@ def build_state(config: Config) -> ServerState:
         model_thread.close()
         raise
     fp = Fingerprint(loaded.weights_hash[:12], str(loaded.dtype).removeprefix("torch."), str(loaded.device),
-                     ec.batch_invariant and selftest.passed, loaded.model.kernel_id)
+                     ec.batch_invariant and selftest.passed, loaded.model.kernel_id, numerics.numerics_id)
     log.info("model fingerprint", extra={"fields": {"fingerprint": str(fp)}})
     async_engine = AsyncEngine(engine, ec.max_queue, model_thread)
     metrics = Metrics(loaded.name, str(fp), fp.device, fp.dtype, fp.batch_invariant)

@@ -47,9 +47,12 @@ class Fingerprint:
     device: str  # "cpu" | "cuda:0" ...
     batch_invariant: bool  # enabled and confirmed by the start-up self-test
     kernel: str  # attention kernel: "nat1" (native C++) or "py" (Python fallback); their bits differ
+    numerics: str = ""  # numerics path id (numerics.py): "p…" portable, "h…" this host's kernels
 
     def __str__(self) -> str:
-        return f"{self.weights}-{self.dtype}-{self.device}-{self.kernel}-{'bi' if self.batch_invariant else 'nbi'}"
+        parts = [self.weights, self.dtype, self.device, self.numerics, self.kernel,
+                 "bi" if self.batch_invariant else "nbi"]
+        return "-".join(p for p in parts if p)
 
 
 @dataclass

@@ -283,4 +283,6 @@ def _platform_pb(loaded) -> pb.PlatformInfo:
     p = platform_info(row_tiles_of(loaded))
     return pb.PlatformInfo(cpu_model=p.cpu_model, cpu_flags=list(p.cpu_flags), num_cpus=p.num_cpus, isa=p.isa,
                            torch_version=p.torch_version, mkl_version=p.mkl_version, mkl_cbwr=p.mkl_cbwr,
-                           mkl_enable_instructions=p.mkl_enable_instructions, row_tiles=list(p.row_tiles))
+                           mkl_enable_instructions=p.mkl_enable_instructions, row_tiles=list(p.row_tiles),
+                           numerics=p.numerics.mode if p.numerics else "",
+                           numerics_id=p.numerics.numerics_id if p.numerics else "")

@@ -24,6 +24,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from ...platform_info import platform_info
 from .errors import error_response
 from .openai_format import token_text
 
@@ -137,6 +138,7 @@ class Stats:
             "model": {
                 "name": st.model_name, "fingerprint": str(fp), "weights": fp.weights, "device": fp.device,
                 "dtype": fp.dtype, "batch_invariant": fp.batch_invariant, "selftest": selftest,
+                "kernel": fp.kernel, "numerics_id": fp.numerics, "numerics": _numerics_text(),
                 "max_model_len": loaded.max_model_len, "architecture": loaded.args.architecture,
                 "num_layers": loaded.args.num_layers, "vocab_size": loaded.args.vocab_size,
             },
@@ -178,6 +180,11 @@ class Stats:
         recent = list(getattr(st, "recent", ()))
         out["recent"] = recent[::-1][:50]
         return out
+
+
+def _numerics_text() -> dict[str, Any]:
+    n = platform_info().numerics
+    return {"mode": n.mode, "facts": n.facts} if n else {"mode": "unknown", "facts": {}}
 
 
 def mount_console(app: FastAPI, state: Any) -> None:

@@ -27,6 +27,9 @@ function header(s) {
   $("#m-fp").textContent = m.fingerprint;
   $("#m-device").textContent = m.device;
   $("#m-dtype").textContent = m.dtype;
+  const num = $("#m-numerics");
+  num.textContent = `${m.numerics.mode} (${m.numerics_id}) · kernel ${m.kernel}`;
+  num.title = Object.entries(m.numerics.facts).map(([k, v]) => `${k}: ${v}`).join("\n");
   const bi = $("#m-bi");
   if (m.selftest === null) {
     bi.textContent = m.batch_invariant ? "on" : "off (self-test skipped)";
