@@ -11,7 +11,7 @@ weights, same KV budget), alternated round by round so that machine drift cannot
     never hits.
 For each: TTFT p50 (arrival to first token) and output tok/s; ratios on/off.
 
-    .venv/bin/python benchmarks/prefix_cache.py [--rounds 2] [--chats 64] [--system-len 512]
+    .venv/bin/python benchmarks/prefix_cache.py [--rounds 2] [--chats 64] [--system-len 512] [--workloads no_reuse]
 
 Writes benchmarks/results/prefix_cache.json and prints a Markdown table.
 """
@@ -100,6 +100,7 @@ def main() -> int:
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--workloads", default="shared_system_prompt,multi_turn,no_reuse")
     a = p.parse_args()
 
     import torch
@@ -122,7 +123,7 @@ def main() -> int:
         run_selftest(engines[on])
     raw: dict[str, dict[str, list[dict]]] = {}
     for r in range(a.rounds):
-        for name in ("shared_system_prompt", "multi_turn", "no_reuse"):
+        for name in a.workloads.split(","):
             for on in ((True, False) if r % 2 == 0 else (False, True)):
                 rng = random.Random(1000 * r + len(name))  # the same prompts for both engines
                 turns, warm = workloads(a, loaded.args.vocab_size, rng)[name]
@@ -144,7 +145,8 @@ def main() -> int:
     out = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "cpu": cpu_model(),
            "threads": a.threads, "args": vars(a), "command": "python benchmarks/prefix_cache.py " + " ".join(sys.argv[1:]),
            "summary": summary, "raw": raw}
-    dest = HERE / "results" / "prefix_cache.json"
+    dest = HERE / "results" / ("prefix_cache.json" if a.workloads == p.get_default("workloads")
+                               else f"prefix_cache_{a.workloads.replace(',', '_')}.json")
     dest.write_text(json.dumps(out, indent=1) + "\n")
     print(f"\nPrefix caching on vs off ({out['cpu']}, {a.threads} threads, {a.rounds} rounds, medians)\n")
     print("| workload | TTFT p50 off | TTFT p50 on | TTFT off/on | tok/s off | tok/s on | tok/s on/off |")
