@@ -76,6 +76,10 @@ def test_token_alone_equals_token_in_any_batch_bitwise() -> None:
     for t in [0, 1, 15, 16, 31, 32, 33, 100, 299, 300, 369, 386]:
         alone = run(q[t:t + 1], k, v, tables[seq_of[t:t + 1]], torch.zeros(1, dtype=torch.int64), pos[t:t + 1])
         assert torch.equal(alone[0], whole[t]), f"token {t}: alone differs from the batch"
+    # A chunk of a prompt starting at an odd position (chunked prefill): the kernel pairs consecutive tokens,
+    # so its pairs now straddle 16-key chunks and 32-key blocks (15|16, 31|32, ...): same bits.
+    chunk = slice(15, 75)
+    assert torch.equal(run(q[chunk], k, v, tables, seq_of[chunk], pos[chunk]), whole[chunk])
     # The same tokens in reverse order, with their tables in another order: same bits.
     order = torch.arange(len(pos) - 1, -1, -1)
     shuffled = run(q[order], k, v, tables.flip(0), (len(lengths) - 1 - seq_of)[order], pos[order])

@@ -85,3 +85,31 @@ def test_a_golden_mismatch_names_the_value_and_both_machines():
     problem = first_difference(golden, here)
     assert problem and "logprobs[3]" in problem and "Some Other CPU" in problem
     assert golden["made_on"]["cpu_model"] in problem
+
+
+def test_validate_across_a_mixed_fleet_reports_one_vector_per_fingerprint(smolwidth_model):
+    """A host replica and a portable one (two numerics paths, as two node pools would have) behind one
+    balancing client: validate sees two fingerprints with one vector each, not drift under one stamp."""
+    from steadyserve.client import Client
+    from steadyserve.testing.server import ServerProcess
+
+    text = "The quick brown fox jumps over the lazy dog, and then the dog"
+    with ServerProcess(smolwidth_model, "--max-num-seqs", "16") as host, \
+            ServerProcess(smolwidth_model, "--max-num-seqs", "16", "--numerics", "portable") as portable:
+        vectors, fps = [], []
+        for srv in (host, portable):
+            with Client(srv.grpc_addr, timeout=60, retries=False) as c:
+                res = c.score(text)
+                vectors.append([t.logprob for t in res.tokens[1:]])
+                fps.append(res.fingerprint)
+        # The paths really compute other bits here, so one stamp for both would hide drift.
+        assert vectors[0] != vectors[1], "host and portable numerics gave the same bits: nothing to tell apart"
+        assert fps[0] != fps[1] and fps[0].split("-")[3][0] == "h" and fps[1].split("-")[3][0] == "p", fps
+        r = subprocess.run([sys.executable, "-m", "steadyserve.cli", "validate", "--grpc",
+                            f"{host.grpc_addr},{portable.grpc_addr}", "-n", "24", "-c", "8", "--prompt", text,
+                            "--json"], capture_output=True, text=True, timeout=300)
+        rep = json.loads(r.stdout)
+    assert r.returncode == 0 and rep["passed"], r.stdout[-3000:]
+    for kind, k in rep["kinds"].items():
+        assert sorted(k["fingerprints"]) == sorted(fps), (kind, list(k["fingerprints"]))
+        assert all(g["distinct_vectors"] == 1 for g in k["fingerprints"].values()), (kind, k["fingerprints"])
