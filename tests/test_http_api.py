@@ -44,8 +44,9 @@ def http(srv) -> httpx.Client:
 @pytest.fixture(scope="module")
 def fingerprint(http) -> str:
     fp = http.get("/readyz").json()["system_fingerprint"]
-    h, dtype, device, kernel, bi = fp.split("-")
+    h, dtype, device, numerics, kernel, bi = fp.split("-")
     assert len(h) == 12 and dtype == "float32" and device == "cpu" and kernel in ("nat1", "py") and bi in ("bi", "nbi")
+    assert numerics[0] in "hp" and len(numerics) == 7  # the numerics path (steadyserve/numerics.py)
     return fp
 
 
