@@ -113,3 +113,14 @@ def test_validate_across_a_mixed_fleet_reports_one_vector_per_fingerprint(smolwi
     for kind, k in rep["kinds"].items():
         assert sorted(k["fingerprints"]) == sorted(fps), (kind, list(k["fingerprints"]))
         assert all(g["distinct_vectors"] == 1 for g in k["fingerprints"].values()), (kind, k["fingerprints"])
+
+
+def test_env_for_sets_and_drops_the_portable_pins(monkeypatch):
+    for key, value in (("STEADYSERVE_NUMERICS", "portable"), ("MKL_CBWR", "COMPATIBLE,STRICT"),
+                       ("ATEN_CPU_CAPABILITY", "avx2")):
+        monkeypatch.setenv(key, value)
+    host = env_for("host")  # a host child of a portable process gets the host defaults, not the pins
+    assert host["STEADYSERVE_NUMERICS"] == "host" and "MKL_CBWR" not in host and "ATEN_CPU_CAPABILITY" not in host
+    monkeypatch.setenv("MKL_CBWR", "AVX2")  # an operator's own value is not a pin: it stays, and the id names it
+    assert env_for("host")["MKL_CBWR"] == "AVX2"
+    assert env_for("portable")["MKL_CBWR"] == "COMPATIBLE,STRICT"

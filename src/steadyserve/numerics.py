@@ -54,8 +54,11 @@ def env_for(mode: str) -> dict[str, str]:
     """The environment a fresh process needs to run `mode`."""
     env = dict(os.environ)
     env[ENV] = mode
-    if mode == "portable":
-        env.update(PORTABLE_ENV)
+    for key, value in PORTABLE_ENV.items():
+        if mode == "portable":
+            env[key] = value
+        elif env.get(key) == value:  # a host process started from a portable one drops the pins
+            del env[key]
     return env
 
 
