@@ -94,6 +94,11 @@ class SSEResponse(Response):
                     break
                 problem = h.error_for(last) if last.finished else None
                 if problem is not None:
+                    # Tokens generated before the failure (a fast engine puts them in the same batch) go
+                    # out first: the client sees what was produced, then why the stream ended.
+                    before = pending + batch[:-1]
+                    if any(o.new_token_ids or o.text_delta for o in before):
+                        await emit(sse_event(self.fmt.chunk(before, self.want_logprobs)))
                     code, message = problem
                     await emit(sse_event(error_body(message, "server_error" if code != "request_error"
                                                     else "invalid_request_error", None, code)))

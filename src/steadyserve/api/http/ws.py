@@ -101,12 +101,7 @@ async def websocket_stream(ws: WebSocket, state, run_prepare: Callable) -> None:
             last = batch[-1]
             if handle.end_reason == "client_disconnect":
                 break
-            problem = handle.error_for(last) if last.finished else None
-            if problem is not None:
-                code, msg = problem
-                await _fail(ws, CLOSE_BAD_REQUEST if code == "request_error" else CLOSE_SERVER_ERROR, msg,
-                            "server_error", None, code)
-                break
+            # Tokens first, even in a batch that ends in a failure: the client sees what was produced.
             toks = [t for o in batch for t in o.new_token_ids]
             text = "".join(o.text_delta for o in batch)
             if toks or text:
@@ -114,6 +109,12 @@ async def websocket_stream(ws: WebSocket, state, run_prepare: Callable) -> None:
                 if params.logprobs is not None:
                     delta["logprobs"] = _lp_json([lp for o in batch for lp in o.logprobs])
                 await emit(delta)
+            problem = handle.error_for(last) if last.finished else None
+            if problem is not None:
+                code, msg = problem
+                await _fail(ws, CLOSE_BAD_REQUEST if code == "request_error" else CLOSE_SERVER_ERROR, msg,
+                            "server_error", None, code)
+                break
             if last.finished:
                 final: dict[str, Any] = {"type": "final", "finish_reason": last.finish_reason, "usage": acc.usage(),
                                          "system_fingerprint": fp, "request_id": request_id}
