@@ -140,10 +140,10 @@ class BlockManager:
     def cache_full_blocks(self, seq: Sequence, num_new_tokens: int) -> None:
         """Publish the blocks that seq's last `num_new_tokens` computed tokens filled. A prefix someone
         else already published keeps its block; this copy stays private and is freed plainly."""
-        if not self.prefix_caching:
-            return
         first = (seq.num_computed_tokens - num_new_tokens) // self.block_size
         full = seq.num_computed_tokens // self.block_size
+        if not self.prefix_caching or first == full:  # most decode steps fill no block
+            return
         hashes = self._prefix_hashes(seq, full)
         for i in range(first, full):
             h, block_id = hashes[i], seq.block_table[i]
