@@ -27,6 +27,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -236,13 +237,21 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   P.window = window;
   const int64_t group = P.h / P.hkv;
   const AttendFn attend = attend_for_shape(group, P.bs, P.d);
-  at::parallel_for(0, T * P.hkv, 1, [&](int64_t begin, int64_t end) {
+  // Units (token, kv head) are dealt round-robin, not in contiguous ranges: in a causal
+  // prefill later tokens attend to more keys, and with contiguous halves the thread
+  // holding the first half idled for two thirds of the call (AMD EPYC, 2 threads,
+  // 512 tokens: 4.4 -> 2.8 ms per layer). Which thread runs a unit never changes its bits.
+  const int64_t n_units = T * P.hkv;
+  const int64_t n_workers = std::min<int64_t>(at::get_num_threads(), n_units);
+  at::parallel_for(0, n_workers, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch;
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t t = i / P.hkv, g = i % P.hkv;
-      const int64_t stride = P.pos[t] + 2 * kLanes;  // room for the chunk-aligned span [c0, p]
-      scratch.resize(static_cast<size_t>(group * stride));
-      attend(P, t, g, scratch.data(), stride);
+    for (int64_t worker = begin; worker < end; ++worker) {
+      for (int64_t i = worker; i < n_units; i += n_workers) {
+        const int64_t t = i / P.hkv, g = i % P.hkv;
+        const int64_t stride = P.pos[t] + 2 * kLanes;  // room for the chunk-aligned span [c0, p]
+        scratch.resize(static_cast<size_t>(group * stride));
+        attend(P, t, g, scratch.data(), stride);
+      }
     }
   });
 }
