@@ -181,3 +181,30 @@ def test_vector_width_does_not_change_the_bits(tmp_path) -> None:
     q = torch.randn(300, 9, 64, generator=g)
     out = attention_native(q, k, v, tables, torch.zeros(300, dtype=torch.int64), pos, 0.125, 0)
     assert hashlib.sha256(out.numpy().tobytes()).hexdigest() == hashes["default"]
+
+
+def test_native_rope_equals_the_pytorch_expression_bitwise() -> None:
+    """csrc/rope.cpp claims the bits of layers.apply_rope (x * cos + rotate_half(x) * sin), in place on the
+    q and k heads of a fused q|k|v row, leaving v alone; with any thread count."""
+    from steadyserve.models.layers import apply_rope
+
+    g = torch.Generator().manual_seed(11)
+    t, heads = 300, H + HKV
+    width = (H + 2 * HKV) * D
+    qkv = torch.randn(t, width, generator=g) * torch.exp(torch.empty(t, width).uniform_(-7, 7, generator=g))
+    angles = torch.rand(t, D // 2, generator=g) * 4000  # positions up to thousands: any phase
+    cos, sin = torch.cat([angles.cos()] * 2, dim=1), torch.cat([angles.sin()] * 2, dim=1)  # (T, D), as rope_tables
+    want = apply_rope(qkv[:, :heads * D].view(t, heads, D), cos, sin)
+    for threads in (1, 2):
+        saved = torch.get_num_threads()
+        try:
+            torch.set_num_threads(threads)
+            got = qkv.clone()
+            torch.ops.steadyserve.rope_(got, cos, sin, heads)
+        finally:
+            torch.set_num_threads(saved)
+        assert torch.equal(got[:, :heads * D].view(t, heads, D), want)
+        assert torch.equal(got[:, heads * D:], qkv[:, heads * D:])  # v untouched
+    rows = qkv[100:164].clone()  # a slice of rows, as the row tiler passes them
+    torch.ops.steadyserve.rope_(rows, cos[100:164].contiguous(), sin[100:164].contiguous(), heads)
+    assert torch.equal(rows[:, :heads * D].view(64, heads, D), want[100:164])

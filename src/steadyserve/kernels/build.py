@@ -23,7 +23,7 @@ import torch
 
 log = logging.getLogger("steadyserve.kernels")
 
-SOURCES = [Path(__file__).parent / "csrc" / "paged_attention.cpp"]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "rope.cpp")]
 CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-fast-math", "-fno-unsafe-math-optimizations"]
 # Bumped whenever a kernel's reduction order changes: it is part of the fingerprint.
 NATIVE_KERNEL_ID = "nat1"  # nat1: fma dot products, 16-lane exp sums (csrc/paged_attention.cpp)

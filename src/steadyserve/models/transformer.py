@@ -14,6 +14,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from ..kernels.build import NATIVE_KERNEL_ID
 from .args import ModelArgs, rope_tables
 from .attention import AttentionFn, write_kv
 from .layers import RowProbe, RowTiler, apply_rope, rms_norm
@@ -68,6 +69,9 @@ class Transformer:
         self.head_tiler = RowTiler(min(tiler.max_tile, MAX_HEAD_TILE), tiler.enabled)  # LM head + log-softmax
         self.attention = attention
         self.kernel_id = kernel_id  # names the attention kernel in the fingerprint: its bits differ per kernel
+        # The native extension's in-place RoPE (kernels/csrc/rope.cpp) where it is loaded: bitwise equal to
+        # apply_rope, five tensor ops in one pass. float32 on the CPU only.
+        self.native_rope = kernel_id == NATIVE_KERNEL_ID and dtype == torch.float32 and device.type == "cpu"
 
         # Loaded weights may be views of the safetensors file's mmap: pages touched through it stay
         # in RSS as long as any view lives. Every weight is taken out of `weights` and copied into
@@ -117,8 +121,12 @@ class Transformer:
         a = self.args
         h, hkv, d = a.num_heads, a.num_kv_heads, a.head_dim
         qkv = F.linear(rms_norm(x, lw.input_norm, a.rms_norm_eps), lw.wqkv, lw.bqkv)  # (T, (H + 2*Hkv) * D)
+        v = qkv[:, (h + hkv) * d:].view(-1, hkv, d)
+        if self.native_rope:  # q and k heads in place, one pass; the same bits as apply_rope
+            torch.ops.steadyserve.rope_(qkv, cos, sin, h + hkv)
+            return qkv[:, :h * d].view(-1, h, d), qkv[:, h * d:(h + hkv) * d].view(-1, hkv, d), v
         qk = apply_rope(qkv[:, :(h + hkv) * d].view(-1, h + hkv, d), cos, sin)  # q and k heads in one call
-        return qk[:, :h], qk[:, h:], qkv[:, (h + hkv) * d:].reshape(-1, hkv, d)
+        return qk[:, :h], qk[:, h:], v
 
     def _out_mlp(self, lw: LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Row-wise: output projection + residual, norm, gated MLP + residual. (T, hidden), (T, H, D) -> (T, hidden)."""

@@ -1,0 +1,66 @@
+// Rotary position embedding, in place, with the bits of the PyTorch expression it replaces.
+//
+// models/layers.py defines RoPE as   x * cos + rotate_half(x) * sin,   where
+// rotate_half(x) = cat(-x[half:], x[:half]). PyTorch evaluates that as three rounded
+// IEEE operations per element (two products, one sum). This kernel does exactly those
+// three, in one pass over memory instead of five tensor ops (neg, cat, mul, mul, add):
+//   out[d]        = x[d] * c[d]               + (-x[d + half]) * s[d]
+//   out[d + half] = x[d + half] * c[d + half] + x[d] * s[d + half]
+// Negation is exact and rounding to nearest is symmetric, so -(a * b) == (-a) * b.
+// -ffp-contract=off (build.py) keeps the compiler from fusing a product into the sum,
+// so the vector width chosen by target_clones changes speed, never bits. tests/
+// test_attention_kernel.py checks it against the PyTorch expression, bitwise.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <cstdint>
+
+namespace {
+
+// Rotates heads [0, num_heads) of each row of x in place. x: (T, >= num_heads * D) with
+// unit column stride; cos, sin: (T, D) contiguous, the rows of each token's position.
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+void rope_rows(float* x, int64_t row_stride, const float* cos, const float* sin, int64_t t_begin, int64_t t_end,
+               int64_t num_heads, int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t t = t_begin; t < t_end; ++t) {
+    const float* c = cos + t * D;
+    const float* s = sin + t * D;
+    for (int64_t h = 0; h < num_heads; ++h) {
+      float* lo = x + t * row_stride + h * D;
+      float* hi = lo + half;
+      for (int64_t d = 0; d < half; ++d) {
+        const float x1 = lo[d], x2 = hi[d];
+        const float a = x1 * c[d], b = x2 * s[d];                 // rotate_half gives -x2 here
+        const float e = x2 * c[d + half], f = x1 * s[d + half];   // and x1 here
+        lo[d] = a - b;
+        hi[d] = e + f;
+      }
+    }
+  }
+}
+
+void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+              "rope_: float32 only");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rope_: x must be (T, width) with unit column stride");
+  TORCH_CHECK(cos.dim() == 2 && cos.is_contiguous() && sin.is_contiguous() && sin.sizes() == cos.sizes(),
+              "rope_: cos and sin must be contiguous (T, D)");
+  const int64_t T = x.size(0), D = cos.size(1);
+  TORCH_CHECK(cos.size(0) == T && D % 2 == 0 && num_heads >= 0 && num_heads * D <= x.size(1),
+              "rope_: shapes do not match");
+  float* xp = x.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const int64_t row_stride = x.stride(0);
+  at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) { rope_rows(xp, row_stride, cp, sp, begin, end, num_heads, D); });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(steadyserve, m) {
+  m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin, int num_heads) -> ()");
+  m.impl("rope_", c10::DispatchKey::CPU, TORCH_FN(rope_));
+}
