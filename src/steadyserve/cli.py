@@ -60,9 +60,10 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", default=os.environ.get("STEADYSERVE_API_KEY", ""),
                    help="require this bearer token (or set STEADYSERVE_API_KEY)")
     g.add_argument("--metrics-auth", action="store_true", help="/metrics requires the API key too")
-    g.add_argument("--log-format", default=d.log_format, choices=["text", "json"])
-    g.add_argument("--tls-cert", default=d.tls_cert)
-    g.add_argument("--tls-key", default=d.tls_key)
+    g.add_argument("--log-format", default=d.log_format, choices=["text", "json"],
+                   help="log lines as text or as one JSON object each (default: %(default)s)")
+    g.add_argument("--tls-cert", default=d.tls_cert, help="PEM certificate: serve HTTPS and gRPC over TLS")
+    g.add_argument("--tls-key", default=d.tls_key, help="PEM private key of --tls-cert")
     g.add_argument("--ready-file", default=d.ready_file, help="write bound ports as JSON here once serving")
 
 

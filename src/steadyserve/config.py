@@ -50,7 +50,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # --max-num-batched-tokens: per-step token budget (chunked prefill)
     max_model_len: int = 0  # --max-model-len: context cap; 0 = the model's own
     threads: int = 0  # --threads: torch intra-op threads; 0 = all cores
-    batch_invariant: bool = True  # --batch-invariant / --no-batch-invariant
+    batch_invariant: bool = True  # --batch-invariant / --no-batch-invariant: bitwise batch-invariant numerics, self-tested at start-up
     row_tile: int = 512  # --row-tile: most rows per row-wise kernel call; fewer only in counts verified at start-up
     attention: str = "auto"  # --attention: auto | native (C++ kernel, else refuse to start) | python
     prefix_caching: bool = True  # --prefix-caching / --no-prefix-caching: reuse cached K/V of shared prompt prefixes
@@ -87,29 +87,32 @@ class EngineConfig:
 @dataclass
 class ServerConfig:
     host: str = "127.0.0.1"  # --host: bind address; loopback unless said otherwise
-    http_port: int = 8000  # --http-port: 0 picks a free port
-    grpc_port: int = 50051  # --grpc-port: 0 picks a free port; -1 disables gRPC
+    http_port: int = 8000  # --http-port: HTTP (and WebSocket) listen port; 0 picks a free one
+    grpc_port: int = 50051  # --grpc-port: gRPC listen port; 0 picks a free one, -1 disables gRPC
     stall_timeout: float = 30.0  # --stall-timeout: seconds a stream's client may accept nothing
     drain_timeout: float = 120.0  # --drain-timeout: seconds SIGTERM waits for in-flight work
     max_request_bytes: int = 1024 * 1024  # --max-request-bytes: largest accepted request body
     max_tokens_cap: int = 4096  # --max-tokens-cap: largest max_tokens a request may ask for
     api_key: str = ""  # --api-key (or STEADYSERVE_API_KEY): bearer token; empty = open
-    metrics_public: bool = True  # --metrics-auth flips this: /metrics without the key
+    metrics_public: bool = True  # --metrics-auth: sets this false, and /metrics then needs the API key too
     log_format: str = "text"  # --log-format: text | json
     tls_cert: str = ""  # --tls-cert: PEM certificate for HTTP and gRPC
     tls_key: str = ""  # --tls-key: PEM private key
     ready_file: str = ""  # --ready-file: written with the bound ports once serving (for tests, scripts)
 
     def validate(self) -> None:
-        for flag, port in (("--http-port", self.http_port), ("--grpc-port", self.grpc_port)):
-            if not -1 <= port <= 65535:
-                raise ConfigError(f"{flag} must be in 0..65535 (or -1 to disable gRPC)")
+        if not 0 <= self.http_port <= 65535:
+            raise ConfigError("--http-port must be in 0..65535")
+        if not -1 <= self.grpc_port <= 65535:
+            raise ConfigError("--grpc-port must be in 0..65535, or -1 to disable gRPC")
         if self.stall_timeout <= 0:
             raise ConfigError("--stall-timeout must be positive")
         if self.drain_timeout < 0:
             raise ConfigError("--drain-timeout must be 0 or more")
         if self.max_request_bytes < 1024:
             raise ConfigError("--max-request-bytes must be at least 1024")
+        if self.max_tokens_cap < 1:
+            raise ConfigError("--max-tokens-cap must be at least 1")
         if self.log_format not in ("text", "json"):
             raise ConfigError("--log-format must be text or json")
         if bool(self.tls_cert) != bool(self.tls_key):

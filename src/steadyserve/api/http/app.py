@@ -228,14 +228,24 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
+        """OpenAI-compatible text completion, streamed (`stream: true`, server-sent events) or whole.
+
+        With `echo: true`, `logprobs: N` and `max_tokens: 0` it scores a prompt: the logprob of every prompt
+        token given the ones before it. Refused with 429 and `Retry-After` when the server is at capacity.
+        """
         return await run(request, "completion")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
+        """OpenAI-compatible chat completion: the messages are rendered with the model's chat template.
+
+        Streamed (`stream: true`, server-sent events) or whole; 429 with `Retry-After` at capacity.
+        """
         return await run(request, "chat")
 
     @app.get("/v1/models")
     async def models() -> dict:
+        """The served model: id, context length, fingerprint, and the platform that computes its bits."""
         return {"object": "list", "data": [{
             "id": state.model_name, "object": "model", "created": int(state.started_at), "owned_by": "steadyserve",
             "max_model_len": state.loaded.max_model_len, "system_fingerprint": str(state.fingerprint),
@@ -244,10 +254,13 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/healthz")
     async def healthz() -> dict:
+        """Liveness: 200 while the process serves HTTP (no API key needed)."""
         return {"status": "alive"}
 
     @app.get("/readyz")
     async def readyz() -> Response:
+        """Readiness: 200 with the fingerprint when requests are admitted; 503 with a reason (draining, engine
+        dead, self-test failed) and `Retry-After` otherwise. Load balancers route on it (no API key needed)."""
         if state.ready:
             return JSONResponse({"status": "ready", "system_fingerprint": str(state.fingerprint)})
         why = "draining" if state.draining else "engine dead" if not state.engine.alive else "self-test failed"
@@ -256,12 +269,20 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        """Prometheus metrics in the text format (see the metrics reference); the API key is needed only with
+        --metrics-auth."""
         if state.metrics is None:
             return PlainTextResponse("metrics disabled\n", status_code=404)
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.websocket("/v1/stream")
     async def ws(websocket: WebSocket) -> None:
+        """Streaming over a WebSocket: send a completion or chat request body as one JSON text message.
+
+        The server answers with one JSON message per batch of tokens and ends with exactly one message
+        holding `finish_reason`, or one holding `error`; then it closes the socket. A browser, which cannot
+        set headers, passes the API key as the subprotocol `bearer.<key>`.
+        """
         await websocket_stream(websocket, state, run_prepare=prepare_ws)
 
     async def prepare_ws(body: Any) -> tuple[str, list[int], Any, Formatter | None]:

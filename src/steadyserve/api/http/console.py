@@ -217,10 +217,13 @@ def mount_console(app: FastAPI, state: Any) -> None:
 
     @app.get("/v1/console/stats")
     async def console_stats() -> JSONResponse:
+        """The web console's dashboard data: identity, self-test, throughput, queue, KV cache, latencies,
+        refusals and recent requests, as one JSON object (polled by the dashboard)."""
         return JSONResponse(stats.build(), headers={"Cache-Control": "no-store"})
 
     @app.post("/v1/console/tokens")
     async def console_tokens(request: Request) -> Response:
+        """The text of each token id, for the console's playground: `{"ids": [...]}` gives `{"tokens": [...]}`."""
         try:
             body = await request.json()
             ids = body["ids"]

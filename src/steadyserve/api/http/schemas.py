@@ -19,28 +19,40 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed tak
 
 
 class StreamOptions(BaseModel):
+    """Options of a streamed response."""
     model_config = ConfigDict(extra="ignore")
-    include_usage: StrictBool = False
+    include_usage: StrictBool = Field(default=False, description="send a last chunk with the usage totals")
 
 
 class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    model: str | None = None
-    max_tokens: StrictInt | None = Field(default=None, ge=0)
-    temperature: Number = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: Number = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: StrictInt = Field(default=0, ge=0)  # extension
-    seed: StrictInt | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
-    stop: str | list[str] | None = None
-    stream: StrictBool = False
-    stream_options: StreamOptions | None = None
-    n: StrictInt = Field(default=1, ge=1, le=1)  # one choice per request
-    ignore_eos: StrictBool = False  # extension, for benchmarks
+    model: str | None = Field(default=None, description="the served model's id (GET /v1/models); any other is a 404, "
+                              "leaving it out means the served model")
+    max_tokens: StrictInt | None = Field(default=None, ge=0, description="most tokens to generate; default 16 for "
+                                         "completions, 512 for chat, never more than the context leaves; at most "
+                                         "--max-tokens-cap")
+    temperature: Number = Field(default=1.0, ge=0.0, le=2.0, description="sampling temperature; 0 is greedy")
+    top_p: Number = Field(default=1.0, gt=0.0, le=1.0, description="nucleus sampling: keep the most likely tokens "
+                          "whose probabilities sum to top_p")
+    top_k: StrictInt = Field(default=0, ge=0, description="keep only the k most likely tokens; 0 keeps all",
+                             json_schema_extra={"x-extension": True})
+    seed: StrictInt | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX, description="seeds this request's own "
+                                   "sampler: equal seeds give equal tokens, whatever else is batched with it")
+    stop: str | list[str] | None = Field(default=None, description="up to 4 strings that end the completion; the "
+                                         "text stops before the stop string")
+    stream: StrictBool = Field(default=False, description="send server-sent events as tokens are generated")
+    stream_options: StreamOptions | None = Field(default=None, description="options of a streamed response")
+    n: StrictInt = Field(default=1, ge=1, le=1, description="choices per request: only 1 is supported")
+    ignore_eos: StrictBool = Field(default=False, description="keep generating past end-of-sequence tokens (for "
+                                   "benchmarks)", json_schema_extra={"x-extension": True})
     # Accepted only at their no-op values: anything else would change the result, and we do not implement it.
-    frequency_penalty: Number | None = None
-    presence_penalty: Number | None = None
-    logit_bias: dict[str, Any] | None = None
+    frequency_penalty: Number | None = Field(default=None, description="not supported: only 0 (or absent) is "
+                                             "accepted, anything else is a 400")
+    presence_penalty: Number | None = Field(default=None, description="not supported: only 0 (or absent) is "
+                                            "accepted, anything else is a 400")
+    logit_bias: dict[str, Any] | None = Field(default=None, description="not supported: only {} (or absent) is "
+                                              "accepted, anything else is a 400")
 
     def check_unsupported(self) -> None:
         for name in ("frequency_penalty", "presence_penalty"):
@@ -59,11 +71,14 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[StrictInt]
-    echo: StrictBool = False
-    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    best_of: StrictInt | None = Field(default=None, ge=1, le=1)
-    suffix: None = None
+    """Body of POST /v1/completions."""
+    prompt: str | list[StrictInt] = Field(description="the prompt: a string, or a list of token ids")
+    echo: StrictBool = Field(default=False, description="prepend the prompt to the completion; with logprobs, the "
+                             "prompt's tokens get logprobs too (max_tokens 0 scores a prompt without generating)")
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS, description="return the chosen "
+                                       "tokens' logprobs and this many most likely alternatives per position")
+    best_of: StrictInt | None = Field(default=None, ge=1, le=1, description="only 1 is supported")
+    suffix: None = Field(default=None, description="not supported: must be absent or null")
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -83,26 +98,31 @@ class CompletionRequest(_Common):
 class TextPart(BaseModel):
     """A content part, as the SDK sends `content=[{"type": "text", "text": ...}]`; text only."""
     model_config = ConfigDict(extra="ignore")
-    type: Literal["text"]
-    text: str
+    type: Literal["text"] = Field(description="only text parts are supported")
+    text: str = Field(description="the text")
 
 
 class ChatMessage(BaseModel):
+    """One message of a conversation."""
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[TextPart]
+    role: Literal["system", "user", "assistant", "developer"] = Field(description="who speaks")
+    content: str | list[TextPart] = Field(description="a string, or a list of text parts that are joined")
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
 class ChatCompletionRequest(_Common):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    max_completion_tokens: StrictInt | None = Field(default=None, ge=0)
-    tools: None = None
-    response_format: dict[str, Any] | None = None
+    """Body of POST /v1/chat/completions."""
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] = Field(
+        description="the conversation, rendered with the model's chat template")
+    logprobs: StrictBool = Field(default=False, description="return the logprob of each generated token")
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS, description="with logprobs: this "
+                                           "many most likely alternatives per position")
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=0, description="the newer name of max_tokens; "
+                                                    "wins when both are given")
+    tools: None = Field(default=None, description="not supported: must be absent or null")
+    response_format: dict[str, Any] | None = Field(default=None, description='only {"type": "text"} is supported')
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> "ChatCompletionRequest":
