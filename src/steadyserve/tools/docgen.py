@@ -20,6 +20,7 @@ rpc, message field, metric or alert is added without it:
 from __future__ import annotations
 
 import ast
+import json
 import re
 import tempfile
 from pathlib import Path
@@ -208,7 +209,7 @@ def _schema_table(name: str, schemas: dict[str, Any], missing: list[str], seen: 
             missing.append(f"{name}.{fname}: no description")
         if prop.get("x-extension"):
             desc = f"**extension**. {desc}"
-        default = "required" if fname in required else f"`{prop['default']!r}`" if "default" in prop else ""
+        default = "required" if fname in required else f"`{json.dumps(prop['default'])}`" if "default" in prop else ""
         lines.append(f"| `{fname}` | {_cell(_type_of(prop))} | {_cell(default)} | {_cell(_limits(prop))} | {_cell(desc)} |")
         for ref in re.findall(r"#/components/schemas/(\w+)", str(prop)):
             nested.append(ref)

@@ -279,9 +279,10 @@ def create_app(state: ServerState) -> FastAPI:
     async def ws(websocket: WebSocket) -> None:
         """Streaming over a WebSocket: send a completion or chat request body as one JSON text message.
 
-        The server answers with one JSON message per batch of tokens and ends with exactly one message
-        holding `finish_reason`, or one holding `error`; then it closes the socket. A browser, which cannot
-        set headers, passes the API key as the subprotocol `bearer.<key>`.
+        The server answers with one `{"type": "delta", "text", "token_ids", ...}` message per batch of
+        tokens and ends with exactly one `{"type": "final", "finish_reason", "usage", ...}` or one
+        `{"type": "error", "error": {...}}`; then it closes the socket. A browser, which cannot set
+        headers, passes the API key as the subprotocol `bearer.<key>`.
         """
         await websocket_stream(websocket, state, run_prepare=prepare_ws)
 
