@@ -112,19 +112,21 @@ def expect_plain_drift(claim: str, diffs: dict[str, float]) -> None:
         f"to catch here (the 'broken' variant still shows it catches an injected one). Widen the search.")
 
 
-def probe_vs_batches(engine, batches: list[int], seed: int = 7, name: str = "invariant") -> dict[str, float]:
-    """The probe alone, then inside batches of other requests at random positions and arrival steps."""
+def probe_vs_batches(engine, batches: list[int], seed: int = 7, name: str = "invariant",
+                     **probe_kw) -> dict[str, float]:
+    """The probe alone, then inside batches of other requests at random positions and arrival steps.
+    `probe_kw`: more SamplingParams of the probe (logits processors)."""
     vocab = engine.loaded.args.vocab_size
     rng = random.Random(seed)
     prompt = [rng.randrange(vocab) for _ in range(37)]  # crosses a 32-token KV block
-    alone = run_requests(engine, [greedy("probe", prompt, 10)])["probe"]
+    alone = run_requests(engine, [greedy("probe", prompt, 10, **probe_kw)])["probe"]
     assert len(alone.token_ids) == 10 and len(alone.prompt_logprob_values) == 36
     diffs = {}
     for k in batches:
         other = others(rng, vocab, k)
         pos = rng.randrange(k + 1)  # a random batch position ...
         arrive = rng.choice([0, 1, 2, 3])  # ... arriving at once or while the others decode (mixed steps)
-        probe = greedy("probe", prompt, 10)
+        probe = greedy("probe", prompt, 10, **probe_kw)
         if arrive == 0:
             done = run_requests(engine, other[:pos] + [probe] + other[pos:])
         else:
@@ -142,6 +144,19 @@ def probe_vs_batches(engine, batches: list[int], seed: int = 7, name: str = "inv
 def test_probe_alone_vs_inside_batches(mode):
     name, engine = mode
     expect(name, probe_vs_batches(engine, BATCHES, name=name))
+
+
+# Each logits processor works on the request's own row and tokens only; with it on, the probe still gets the
+# same tokens and logprobs alone and in any batch (and the broken engine is still caught).
+PROCESSORS = {"logit_bias": {"logit_bias": {5: 3.0, 17: -100.0, 200: 1.5}}, "presence": {"presence_penalty": 1.5},
+              "frequency": {"frequency_penalty": 0.7}, "repetition": {"repetition_penalty": 1.3},
+              "min_tokens": {"min_tokens": 6, "stop_token_ids": [3, 9]}}
+
+
+@pytest.mark.parametrize("processor", sorted(PROCESSORS))
+def test_logits_processors_keep_the_probe_invariant(mode, processor):
+    name, engine = mode
+    expect(name, probe_vs_batches(engine, [7, 33], name=name, **PROCESSORS[processor]))
 
 
 def test_plain_probe_alone_vs_batches_drifts_found_by_search(plain):

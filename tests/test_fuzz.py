@@ -83,7 +83,8 @@ def test_schemathesis_every_http_operation_no_5xx(fz):
 
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
           "seed", "stop", "stream", "stream_options", "n", "logprobs", "top_logprobs", "echo", "best_of",
-          "suffix", "frequency_penalty", "presence_penalty", "logit_bias", "ignore_eos", "response_format",
+          "suffix", "frequency_penalty", "presence_penalty", "logit_bias", "repetition_penalty", "min_tokens",
+          "ignore_eos", "response_format",
           "tools", "role", "content", "type", "text", "include_usage"]
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(min_value=-2**70, max_value=2**70)

@@ -145,6 +145,26 @@ def test_sdk_scoring_echo_logprobs_matches_generation(oai):
     assert len(blp.tokens) == len(prompt_ids) + 1
 
 
+def test_sdk_logits_processors_take_effect(oai):
+    """logit_bias, presence/frequency penalties (OpenAI's) and repetition_penalty (extension, via extra_body)
+    each change a greedy completion; the reported logprobs stay the model's own."""
+    def tokens(**kw) -> list[str]:
+        r = oai.completions.create(model="tiny", prompt="the fox and the dog", max_tokens=8, temperature=0,
+                                   logprobs=0, **kw)
+        return r.choices[0].logprobs.tokens
+
+    base = tokens()
+    assert len(set(base)) < len(base), base  # the tiny model repeats itself: penalties have work to do
+    forced = tokens(logit_bias={"42": 100})
+    assert len(set(forced)) == 1 and forced != base
+    assert oai.completions.create(model="tiny", prompt="x", max_tokens=1, temperature=0,
+                                  logit_bias={"42": 100}).choices[0].text == forced[0]
+    for kw in ({"presence_penalty": 2.0}, {"frequency_penalty": 2.0}, {"extra_body": {"repetition_penalty": 3.0}}):
+        penalized = tokens(**kw)
+        assert penalized != base, kw
+        assert len(set(penalized)) >= len(set(base)), kw  # no more repetitive than without
+
+
 def test_sdk_chat_roundtrip_stream_equals_whole(oai, fingerprint):
     kw = dict(model="tiny", messages=MESSAGES, max_tokens=20, temperature=0.8, seed=5)
     whole = oai.chat.completions.create(**kw)
@@ -347,7 +367,11 @@ BAD_INPUTS = [
     ("prompt-id-out-of-vocab", C, {"prompt": [1, 10 ** 6]}, 400, "prompt"),
     ("prompt-empty-string", C, {"prompt": ""}, 400, "empty"),
     ("prompt-empty-list", C, {"prompt": []}, 400, "empty"),
-    ("prompt-batch-of-strings", C, {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("prompt-batch-mixed", C, {"prompt": ["a", [1, 2]]}, 400, "prompt"),
+    ("prompt-batch-empty-string", C, {"prompt": ["a", ""]}, 400, "prompt[1] must not be empty"),
+    ("prompt-batch-empty-ids", C, {"prompt": [[1, 2], []]}, 400, "prompt[1] must not be empty"),
+    ("prompt-batch-item-too-long", C, {"prompt": [[1, 2], LONG_IDS]}, 400, "prompt[1] has"),
+    ("prompt-batch-nested-deeper", C, {"prompt": [[[1]]]}, 400, "prompt"),
     ("prompt-too-long", C, {"prompt": LONG_IDS}, 400, "512"),
     ("prompt-text-too-long", C, {"prompt": "fox " * 400}, 400, "512"),
     ("prompt-plus-max-tokens-too-long", C, {"prompt": LONG_IDS[:500], "max_tokens": 100}, 400, "512"),
@@ -379,9 +403,15 @@ BAD_INPUTS = [
     ("n-2", C, {"prompt": "hi", "n": 2}, 400, "n"),
     ("best-of-2", C, {"prompt": "hi", "best_of": 2}, 400, "best_of"),
     ("suffix", C, {"prompt": "hi", "suffix": "x"}, 400, "suffix"),
-    ("frequency-penalty", C, {"prompt": "hi", "frequency_penalty": 0.5}, 400, "frequency_penalty"),
-    ("presence-penalty", C, {"prompt": "hi", "presence_penalty": 1}, 400, "presence_penalty"),
-    ("logit-bias", C, {"prompt": "hi", "logit_bias": {"5": 100}}, 400, "logit_bias"),
+    ("frequency-penalty-over-2", C, {"prompt": "hi", "frequency_penalty": 2.5}, 400, "frequency_penalty"),
+    ("presence-penalty-under-minus-2", C, {"prompt": "hi", "presence_penalty": -3}, 400, "presence_penalty"),
+    ("logit-bias-over-100", C, {"prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ("logit-bias-key-not-an-id", C, {"prompt": "hi", "logit_bias": {"fox": 1}}, 400, "logit_bias"),
+    ("logit-bias-id-out-of-vocab", C, {"prompt": "hi", "logit_bias": {"1000000": 1}}, 400, "logit_bias"),
+    ("logit-bias-value-string", C, {"prompt": "hi", "logit_bias": {"5": "1"}}, 400, "logit_bias"),
+    ("repetition-penalty-zero", C, {"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("min-tokens-over-max-tokens", C, {"prompt": "hi", "max_tokens": 2, "min_tokens": 3}, 400, "min_tokens"),
+    ("min-tokens-negative", C, {"prompt": "hi", "min_tokens": -1}, 400, "min_tokens"),
     ("echo-not-bool", C, {"prompt": "hi", "echo": 1}, 400, "echo"),
     ("unknown-model", C, {"prompt": "hi", "model": "gpt-9"}, 404, "gpt-9"),
     ("model-wrong-type", C, {"prompt": "hi", "model": 7}, 400, "model"),

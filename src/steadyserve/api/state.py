@@ -50,11 +50,23 @@ class ServerState:
 
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, transport: str):
         """Admit a request (or raise AdmissionError); returns the engine's RequestStream."""
+        return self.submit_all([(request_id, prompt_ids, params)], transport)[0]
+
+    def submit_all(self, items: list[tuple[str, list[int], SamplingParams]], transport: str) -> list:
+        """Admit all of (request id, prompt ids, params), one client call, or none (AdmissionError);
+        returns their RequestStreams in order."""
         if self.draining:
             raise AdmissionError("draining", "server is draining (shutting down); retry on another replica",
                                  retry_after=5.0)
-        request = Request(request_id, prompt_ids, params, transport)
-        stream = self.engine.submit(request)
+        requests = [Request(rid, ids, params, transport) for rid, ids, params in items]
+        streams = self.engine.submit_all(requests)
+        for request, stream in zip(requests, streams):
+            self._observe(request, stream)
+        return streams
+
+    def _observe(self, request: Request, stream: Any) -> None:
+        """Count the admission; log the request and record it for the console when it finishes."""
+        request_id, transport = request.request_id, request.transport
         metrics = self.metrics
         if metrics is not None:
             metrics.on_admitted(transport)
@@ -79,4 +91,3 @@ class ServerState:
                 self.recent.append({**fields, "finished_at": time.time()})
 
         stream.on_output = on_output
-        return stream

@@ -125,22 +125,33 @@ class AsyncEngine:
     # ---- front-end API ---------------------------------------------------
     def submit(self, request: Request) -> RequestStream:
         """Admit a request or raise AdmissionError at once. Call from an event loop."""
+        return self.submit_all([request])[0]
+
+    def submit_all(self, requests: list[Request]) -> list[RequestStream]:
+        """Admit all of `requests` (one client call: batched prompts) or none: AdmissionError at once."""
         if self.dead is not None:
             raise AdmissionError("dead", f"the engine is not running: {self.dead}")
-        self.engine.check(request)
+        for request in requests:
+            self.engine.check(request)
+        ids = [r.request_id for r in requests]
         with self._count_lock:
-            if self._num_in_flight >= self.capacity:
+            if self._num_in_flight + len(requests) > self.capacity:
+                asked = f", {len(requests)} asked for at once" if len(requests) > 1 else ""
                 raise AdmissionError("overloaded", f"server at capacity ({self._num_in_flight} requests in "
-                                     "flight); retry later", retry_after=self.retry_after())
-            if request.request_id in self._streams:
-                raise AdmissionError("invalid", f"request id {request.request_id!r} is already in flight",
+                                     f"flight{asked}); retry later", retry_after=self.retry_after())
+            taken = next((i for i in ids if i in self._streams), None)
+            if taken is not None or len(set(ids)) < len(ids):
+                raise AdmissionError("invalid", f"request id {taken or ids[0]!r} is already in flight",
                                      "request_id")
-            self._num_in_flight += 1
-        q: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._streams[request.request_id] = _Stream(asyncio.get_running_loop(), q)
-        self._inbox.put(("add", request))
+            self._num_in_flight += len(requests)
+        streams = []
+        for request in requests:
+            q: asyncio.Queue[RequestOutput] = asyncio.Queue()
+            self._streams[request.request_id] = _Stream(asyncio.get_running_loop(), q)
+            self._inbox.put(("add", request))
+            streams.append(RequestStream(self, request.request_id, q))
         self._wake.set()
-        return RequestStream(self, request.request_id, q)
+        return streams
 
     def abort(self, request_id: str) -> None:
         """Abort a request; its slot is freed at the start of the next step."""

@@ -21,7 +21,7 @@ from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache import allocate_kv_cache
 from .model_runner import ModelRunner, SeqResult
-from .sampler import make_generator, sample, token_logprob
+from .sampler import NumericalError, make_generator, process_row, sample, token_logprob
 from .scheduler import ScheduledSeq, Scheduler
 from .sequence import InvalidRequest, Request, RequestOutput, Sequence, TokenLogprob
 
@@ -103,6 +103,10 @@ class LLMEngine:
         vocab = self.loaded.args.vocab_size
         if any(not 0 <= t < vocab for t in request.prompt_token_ids):
             raise AdmissionError("invalid", f"prompt token ids must be in 0..{vocab - 1}", "prompt")
+        bad_bias = next((t for t in p.logit_bias if not 0 <= t < vocab), None)
+        if bad_bias is not None:
+            raise AdmissionError("invalid", f"logit_bias: {bad_bias} is not a token id of this model "
+                                 f"(0..{vocab - 1})", "logit_bias")
         total = n + p.max_tokens
         if total > self.max_model_len:
             raise AdmissionError("too_long", f"prompt ({n} tokens) + max_tokens ({p.max_tokens}) = {total} "
@@ -178,7 +182,15 @@ class LLMEngine:
                 return self._output(seq, [], "", [], prompt_lps, num_batch_seqs=num_batch_seqs)
             if seq.params.max_tokens == 0:  # scoring only
                 return self._finish(seq, [], "", [], prompt_lps, "length", num_batch_seqs)
-            tok = sample(result.sample_row, seq.params, st.generator, result.sample_argmax, result.sample_has_nan)
+            if seq.params.processes_row:  # logits processors: their own row; the reported logprobs stay the model's
+                if result.sample_has_nan:
+                    raise NumericalError("the model produced NaN log-probabilities")
+                end_ids = set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else self.eos_token_ids)
+                row = process_row(result.sample_row, seq.params, seq.token_ids, seq.num_prompt_tokens, end_ids)
+                tok = sample(row, seq.params, st.generator, has_nan=False)
+            else:
+                tok = sample(result.sample_row, seq.params, st.generator, result.sample_argmax,
+                             result.sample_has_nan)
             seq.token_ids.append(tok)
             if seq.first_token_time is None:
                 seq.first_token_time = now

@@ -50,6 +50,38 @@ def sample(row: torch.Tensor, params: SamplingParams, generator: torch.Generator
     return int(torch.multinomial(probs, 1, generator=generator).item())
 
 
+def process_row(row: torch.Tensor, params: SamplingParams, token_ids: list[int], num_prompt_tokens: int,
+                end_ids: set[int]) -> torch.Tensor:
+    """The row a sequence samples from after its logits processors: a new (V,) tensor, `row` untouched.
+
+    row: (V,) float32 log-probabilities; token_ids: the sequence's prompt then generated tokens; end_ids:
+    the ids that would end it (EOS, stop_token_ids). Each processor reads only this row and this sequence's
+    own tokens, so the result is as batch-invariant as the row. In order:
+      * repetition_penalty p (over prompt and generated tokens): logprob * p. Log-probabilities are <= 0, so
+        this is the rule Hugging Face and vLLM apply to a negative logit; p > 1 makes repeats less likely.
+      * frequency_penalty f and presence_penalty r (over generated tokens, OpenAI's definition):
+        logprob - f * count - r * (count > 0).
+      * logit_bias: logprob + bias. A log-probability is the logit minus the row's log-sum-exp, so adding to
+        either changes the sampled distribution the same way.
+      * min_tokens: end_ids get -inf until min_tokens tokens have been generated.
+    """
+    out = row.clone()
+    generated = token_ids[num_prompt_tokens:]
+    if params.repetition_penalty != 1:
+        seen = torch.tensor(sorted(set(token_ids)), dtype=torch.int64)
+        out[seen] = out[seen] * params.repetition_penalty
+    if generated and (params.frequency_penalty or params.presence_penalty):
+        ids, counts = torch.tensor(generated, dtype=torch.int64).unique(return_counts=True)
+        counts = counts.to(out.dtype)
+        out[ids] = out[ids] - (params.frequency_penalty * counts + params.presence_penalty)
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), dtype=torch.int64)
+        out[ids] = out[ids] + torch.tensor(list(params.logit_bias.values()), dtype=out.dtype)
+    if len(generated) < params.min_tokens and end_ids:
+        out[torch.tensor(sorted(end_ids), dtype=torch.int64)] = float("-inf")
+    return out
+
+
 def token_logprob(row: torch.Tensor, token_id: int, num_top: int | None) -> TokenLogprob:
     top: list[tuple[int, float]] = []
     if num_top:

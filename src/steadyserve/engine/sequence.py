@@ -35,6 +35,13 @@ class SamplingParams:
     ignore_eos: bool = False  # keep generating past EOS (benchmarks)
     logprobs: int | None = None  # None = no logprobs; k = chosen token's + top k alternatives
     prompt_logprobs: int | None = None  # None = none; k = each prompt token's + top k
+    # Logits processors (sampler.process_row), applied to this request's own row before sampling; the
+    # logprobs reported stay the model's own. OpenAI's ranges.
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its log-probability
+    presence_penalty: float = 0.0  # subtracted once from every token already generated, [-2, 2]
+    frequency_penalty: float = 0.0  # subtracted per occurrence of every token already generated, [-2, 2]
+    repetition_penalty: float = 1.0  # multiplies the (negative) log-probability of prompt and generated tokens
+    min_tokens: int = 0  # end-of-sequence and stop token ids are masked until this many tokens are generated
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
@@ -53,12 +60,31 @@ class SamplingParams:
                 raise InvalidRequest(name, f"{name} must be in 0..{MAX_LOGPROBS}")
         if any(not s for s in self.stop):
             raise InvalidRequest("stop", "stop strings must not be empty")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and -2 <= v <= 2):
+                raise InvalidRequest(name, f"{name} must be in -2..2")
+        if not (math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= 10):
+            raise InvalidRequest("repetition_penalty", "repetition_penalty must be in (0, 10]; 1 turns it off")
+        if len(self.logit_bias) > 300:
+            raise InvalidRequest("logit_bias", "logit_bias: at most 300 tokens")
+        for tid, bias in self.logit_bias.items():
+            if not (math.isfinite(bias) and -100 <= bias <= 100):
+                raise InvalidRequest("logit_bias", f"logit_bias[{tid}]: the bias must be in -100..100")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequest("min_tokens", "min_tokens must be in 0..max_tokens")
         if self.max_tokens == 0 and self.prompt_logprobs is None:
             raise InvalidRequest("max_tokens", "max_tokens=0 only makes sense with prompt logprobs (scoring)")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def processes_row(self) -> bool:
+        """Whether any logits processor changes the row before sampling."""
+        return bool(self.logit_bias) or self.presence_penalty != 0 or self.frequency_penalty != 0 \
+            or self.repetition_penalty != 1 or self.min_tokens > 0
 
 
 @dataclass

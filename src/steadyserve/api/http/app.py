@@ -7,12 +7,14 @@ the event loop only moves bytes.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import re
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request, WebSocket
@@ -21,14 +23,14 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ...engine.engine import AdmissionError
-from ...engine.sequence import InvalidRequest
+from ...engine.sequence import InvalidRequest, SamplingParams
 from ...platform_info import platform_info, row_tiles_of
 from ..protocol import encode_prompt, render_chat
 from ..state import ServerState
 from .console import mount_console
 from .errors import admission_response, error_response
-from .openai_format import Accumulated, Formatter
-from .schemas import ChatCompletionRequest, CompletionRequest
+from .openai_format import Accumulated, Formatter, full_body
+from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .sse import SSEResponse
 from .ws import websocket_stream
 
@@ -86,14 +88,32 @@ def find_surrogate(value: Any, path: str = "") -> str | None:
 
 
 def submit_unique(state: ServerState, request_id: str, prompt_ids: list[int], params: Any, transport: str):
-    """state.submit under the client's x-request-id; if that id is already in flight (a client or
-    proxy reusing ids), the engine gets a suffixed id while the client still sees its own."""
+    """One request through submit_unique_all; returns its RequestStream."""
+    return submit_unique_all(state, [request_id], [prompt_ids], [params], transport)[0]
+
+
+def submit_unique_all(state: ServerState, request_ids: list[str], prompts: list[list[int]], params: list[Any],
+                      transport: str) -> list:
+    """state.submit_all under the client's x-request-id; if an id is already in flight (a client or proxy
+    reusing ids), the engine gets suffixed ids while the client still sees its own."""
     try:
-        return state.submit(request_id, prompt_ids, params, transport)
+        return state.submit_all(list(zip(request_ids, prompts, params)), transport)
     except AdmissionError as e:
         if e.reason != "invalid" or e.param != "request_id":
             raise
-    return state.submit(f"{request_id}.{uuid.uuid4().hex[:8]}", prompt_ids, params, transport)
+    tag = uuid.uuid4().hex[:8]
+    return state.submit_all([(f"{rid}.{tag}", ids, p) for rid, ids, p in zip(request_ids, prompts, params)],
+                            transport)
+
+
+@dataclass
+class Prepared:
+    """A validated completion or chat body: one engine request per prompt (batched prompts give several)."""
+
+    req: Any  # the validated CompletionRequest or ChatCompletionRequest
+    prompts: list[list[int]]  # each prompt's token ids, in the body's order (the choices' indices)
+    params: list[SamplingParams]  # each prompt's sampling parameters (a default max_tokens depends on its length)
+    echo_texts: list[str | None]  # each prompt's text for echo, None where it came as token ids
 
 
 def validation_message(e: ValidationError) -> tuple[str, str | None]:
@@ -136,8 +156,8 @@ def create_app(state: ServerState) -> FastAPI:
             state.metrics.rejected.labels(e.reason).inc()
         return admission_response(e)
 
-    def prepare(body: Any, kind: str) -> tuple[Any, list[int], Any]:
-        """Validate a request body: (request, prompt ids, sampling params). Raises BadRequest or AdmissionError."""
+    def prepare(body: Any, kind: str) -> Prepared:
+        """Validate a request body into one engine request per prompt. Raises BadRequest or AdmissionError."""
         model_cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
         bad = find_surrogate(body)
         if bad is not None:
@@ -157,74 +177,98 @@ def create_app(state: ServerState) -> FastAPI:
                 if len(prompt_ids) >= context:
                     raise InvalidRequest("messages", f"messages render to {len(prompt_ids)} tokens; the context "
                                          f"length is {context} tokens, prompt and completion together")
+                prompts, texts = [prompt_ids], [""]  # type: list[list[int]], list[str | None]
             else:
-                prompt_ids = encode_prompt(tok, req.prompt, context)  # type: ignore[union-attr]
-            if req.requested_max_tokens is None:
-                # No max_tokens given: the default, but never more than the context leaves.
-                params.max_tokens = max(1, min(params.max_tokens, context - len(prompt_ids)))
+                items = req.prompt_list()  # type: ignore[union-attr]
+                if len(items) > state.engine.capacity:
+                    raise InvalidRequest("prompt", f"prompt: at most {state.engine.capacity} prompts per request "
+                                         "(--max-num-seqs + --max-queue), all admitted at once")
+                prompts = [encode_prompt(tok, item, context, "prompt" if len(items) == 1 else f"prompt[{i}]")
+                           for i, item in enumerate(items)]
+                texts = [item if isinstance(item, str) else None for item in items]  # token ids: decoded for echo
+            per_prompt = []
+            for ids in prompts:
+                p = dataclasses.replace(params, stop=list(params.stop))
+                if req.requested_max_tokens is None:
+                    # No max_tokens given: the default, but never more than the context leaves.
+                    p.max_tokens = max(1, min(p.max_tokens, context - len(ids)))
+                per_prompt.append(p)
         except ValidationError as e:
             msg, param = validation_message(e)
             raise BadRequest(400, msg, param, "invalid_value") from None
         except (InvalidRequest, ValueError, TypeError) as e:
             raise BadRequest(400, str(e), getattr(e, "param", None), "invalid_value") from None
-        return req, prompt_ids, params
+        return Prepared(req, prompts, per_prompt, texts)
 
     # Tokenizing and chat-template rendering take time proportional to the body (seconds for a
     # megabyte): they run on one helper thread (the tokenizer releases the GIL), never on the loop.
     # One thread: HF tokenizers are not meant to be used from several threads at once.
     tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="steadyserve-tokenize")
 
-    async def prepare_off_loop(body: Any, kind: str) -> tuple[Any, list[int], Any]:
+    async def prepare_off_loop(body: Any, kind: str) -> Prepared:
         return await asyncio.get_running_loop().run_in_executor(tokenize_pool, prepare, body, kind)
 
     async def run(request: Request, kind: str) -> Response:
         body = await read_json(request, cfg.max_request_bytes)
         try:
-            req, prompt_ids, params = await prepare_off_loop(body, kind)
+            prep = await prepare_off_loop(body, kind)
         except AdmissionError as e:
             return refuse(e)
         tok = state.loaded.tokenizer
         request_id = request.scope["state"]["request_id"]
+        n = len(prep.prompts)
+        engine_ids = [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
         try:
-            stream = submit_unique(state, request_id, prompt_ids, params, "http")
+            streams = submit_unique_all(state, engine_ids, prep.prompts, prep.params, "http")
         except AdmissionError as e:
             return refuse(e)
-        echo = kind == "completion" and req.echo  # type: ignore[union-attr]
-        fmt = Formatter(kind, request_id, state.model_name, str(state.fingerprint), tok,
-                        echo_prompt_ids=prompt_ids if echo else None,
-                        echo_text=(req.prompt if isinstance(req.prompt, str) else tok.decode(prompt_ids))  # type: ignore[union-attr]
-                        if echo else "")
-        want_lp = params.logprobs is not None
-        handle = state.streams.open_stream(request_id, stream, "http")
+        req = prep.req
+        echo = kind == "completion" and req.echo
+        # Echo: a text prompt as sent; token ids decoded (only now: the engine has checked they are valid ids).
+        fmts = [Formatter(kind, request_id, state.model_name, str(state.fingerprint), tok,
+                          echo_prompt_ids=ids if echo else None,
+                          echo_text=(text if text is not None else tok.decode(ids)) if echo else "", index=i)
+                for i, (ids, text) in enumerate(zip(prep.prompts, prep.echo_texts))]
+        want_lp = prep.params[0].logprobs is not None
+        handles = [state.streams.open_stream(rid, st, "http") for rid, st in zip(engine_ids, streams)]
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return SSEResponse(handle, fmt, want_lp, include_usage, cfg.stall_timeout)
-        return await collect(request, handle, fmt, want_lp)
+            return SSEResponse(handles, fmts, want_lp, include_usage, cfg.stall_timeout)
+        return await collect(request, handles, fmts, want_lp)
 
-    async def collect(request: Request, handle, fmt: Formatter, want_lp: bool) -> Response:
+    async def collect(request: Request, handles: list, fmts: list[Formatter], want_lp: bool) -> Response:
+        """Every choice's outputs, then one body; the first choice that failed decides the error instead."""
         async def watch() -> None:
             while (await request.receive())["type"] != "http.disconnect":
                 pass
-            handle.cut("client_disconnect")
+            for h in handles:
+                h.cut("client_disconnect")
 
-        watcher = asyncio.create_task(watch())
-        acc = Accumulated()
-        last = None
-        try:
+        async def drain(handle, acc: Accumulated):
+            last = None
             async for out in handle.stream:
                 acc.add(out)
                 last = out
+            return last
+
+        watcher = asyncio.create_task(watch())
+        accs = [Accumulated() for _ in handles]
+        try:
+            lasts = await asyncio.gather(*(drain(h, a) for h, a in zip(handles, accs)))
         finally:
             watcher.cancel()
-            state.streams.close(handle)
-        problem = handle.error_for(last) if last is not None else ("engine_error", "no output")
-        if problem is not None:
-            code, message = problem
-            # 499 (client closed request, as nginx logs it): the client is gone and no server fault occurred.
-            status = {"request_error": 400, "drain_timeout": 503, "client_disconnect": 499}.get(code, 500)
-            return error_response(status, message, "server_error" if status >= 500 else "invalid_request_error",
-                                  None, code)
-        return JSONResponse(fmt.full(acc, want_lp))
+            for h in handles:
+                h.stream.abort()
+                state.streams.close(h)
+        for handle, last in zip(handles, lasts):
+            problem = handle.error_for(last) if last is not None else ("engine_error", "no output")
+            if problem is not None:
+                code, message = problem
+                # 499 (client closed request, as nginx logs it): the client is gone and no server fault occurred.
+                status = {"request_error": 400, "drain_timeout": 503, "client_disconnect": 499}.get(code, 500)
+                return error_response(status, message, "server_error" if status >= 500 else "invalid_request_error",
+                                      None, code)
+        return JSONResponse(full_body(fmts, accs, want_lp))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -242,6 +286,52 @@ def create_app(state: ServerState) -> FastAPI:
         Streamed (`stream: true`, server-sent events) or whole; 429 with `Retry-After` at capacity.
         """
         return await run(request, "chat")
+
+    def tokenize(body: Any) -> dict[str, Any]:
+        try:
+            req = TokenizeRequest.model_validate(body)
+            check_model(req.model)
+            tok = state.loaded.tokenizer
+            if req.messages is not None:
+                ids = render_chat(tok, req.message_dicts())
+            else:
+                ids = list(tok(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"])
+        except ValidationError as e:
+            msg, param = validation_message(e)
+            raise BadRequest(400, msg, param, "invalid_value") from None
+        except InvalidRequest as e:
+            raise BadRequest(400, str(e), e.param, "invalid_value") from None
+        return {"count": len(ids), "max_model_len": state.loaded.max_model_len, "tokens": ids}
+
+    def detokenize(body: Any) -> dict[str, Any]:
+        try:
+            req = DetokenizeRequest.model_validate(body)
+            check_model(req.model)
+        except ValidationError as e:
+            msg, param = validation_message(e)
+            raise BadRequest(400, msg, param, "invalid_value") from None
+        vocab = state.loaded.args.vocab_size
+        bad = next((i for i, t in enumerate(req.tokens) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise BadRequest(400, f"tokens[{bad}]: {req.tokens[bad]} is not a token id of this model (0..{vocab - 1})",
+                             f"tokens[{bad}]", "invalid_value")
+        return {"prompt": state.loaded.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request) -> Response:
+        """The token ids the completion endpoints would see: `{"prompt": text}` as /v1/completions encodes it,
+        or `{"messages": [...]}` rendered with the chat template as /v1/chat/completions does. Answers
+        `{"count", "max_model_len", "tokens"}` (vLLM's shape)."""
+        body = await read_json(request, cfg.max_request_bytes)
+        out = await asyncio.get_running_loop().run_in_executor(tokenize_pool, tokenize, body)
+        return JSONResponse(out)
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> Response:
+        """Token ids back to text: `{"tokens": [...]}` gives `{"prompt": text}` (vLLM's shape)."""
+        body = await read_json(request, cfg.max_request_bytes)
+        out = await asyncio.get_running_loop().run_in_executor(tokenize_pool, detokenize, body)
+        return JSONResponse(out)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -290,10 +380,13 @@ def create_app(state: ServerState) -> FastAPI:
         """Validate a WS request body; returns (kind, prompt_ids, params). Raises BadRequest."""
         kind = "chat" if isinstance(body, dict) and "messages" in body else "completion"
         try:
-            _, ids, params = await prepare_off_loop(body, kind)
+            prep = await prepare_off_loop(body, kind)
         except AdmissionError as e:
             raise BadRequest(400, str(e), e.param, e.reason) from None
-        return kind, ids, params, None
+        if len(prep.prompts) != 1:
+            raise BadRequest(400, "prompt: the WebSocket streams one prompt per request; send a string or one "
+                             "list of token ids", "prompt", "invalid_value")
+        return kind, prep.prompts[0], prep.params[0], None
 
     mount_console(app, state)  # the web console: /, /playground, /static/*, /v1/console/*
     app.openapi = lambda: openapi_schema(app)  # type: ignore[method-assign]
@@ -309,7 +402,8 @@ def openapi_schema(app: FastAPI) -> dict[str, Any]:
 
     spec = get_openapi(title=app.title, version=app.version, routes=app.routes)
     schemas = spec.setdefault("components", {}).setdefault("schemas", {})
-    for path, model in (("/v1/completions", CompletionRequest), ("/v1/chat/completions", ChatCompletionRequest)):
+    for path, model in (("/v1/completions", CompletionRequest), ("/v1/chat/completions", ChatCompletionRequest),
+                        ("/tokenize", TokenizeRequest), ("/detokenize", DetokenizeRequest)):
         js = model.model_json_schema(ref_template="#/components/schemas/{model}")
         schemas.update(js.pop("$defs", {}))
         schemas[model.__name__] = js
@@ -338,7 +432,7 @@ class Envelope:
         path = scope.get("path", "")
         if not key or path in self.OPEN_PATHS or (path == "/metrics" and self.state.config.server.metrics_public):
             return True
-        if not (path.startswith("/v1/") or path == "/metrics"):
+        if not (path.startswith("/v1/") or path in ("/metrics", "/tokenize", "/detokenize")):
             return True  # the console's static files carry no data; its API calls need the key
         headers = dict(scope.get("headers") or [])
         auth = headers.get(b"authorization", b"").decode("latin-1")

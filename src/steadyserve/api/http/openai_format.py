@@ -134,12 +134,23 @@ class Accumulated:
                 "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens}}
 
 
+def sum_usage(accs: list[Accumulated]) -> Accumulated:
+    """The token counts of several choices (batched prompts) added up, as an Accumulated for its usage()."""
+    total = Accumulated()
+    for a in accs:
+        total.num_prompt_tokens += a.num_prompt_tokens
+        total.num_generated_tokens += a.num_generated_tokens
+        total.num_cached_tokens += a.num_cached_tokens
+    return total
+
+
 class Formatter:
-    """Builds response bodies for one request of one endpoint kind."""
+    """Builds response bodies for one choice (one engine request) of one endpoint kind."""
 
     def __init__(self, kind: str, request_id: str, model: str, fingerprint: str, tokenizer: Any,
-                 echo_prompt_ids: list[int] | None = None, echo_text: str = "") -> None:
+                 echo_prompt_ids: list[int] | None = None, echo_text: str = "", index: int = 0) -> None:
         self.kind = kind  # "completion" | "chat"
+        self.index = index  # the choice's index: its prompt's position in a batched request
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + request_id
         self.model = model
         self.fingerprint = fingerprint
@@ -202,10 +213,10 @@ class Formatter:
         body = self._envelope(chunk=False)
         lp = self._logprobs(acc.logprobs, acc.token_ids, want_logprobs, acc.prompt_logprobs)
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": acc.text}, "logprobs": lp,
+            choice = {"index": self.index, "message": {"role": "assistant", "content": acc.text}, "logprobs": lp,
                       "finish_reason": acc.finish_reason}
         else:
-            choice = {"index": 0, "text": self.echo_text + acc.text, "logprobs": lp,
+            choice = {"index": self.index, "text": self.echo_text + acc.text, "logprobs": lp,
                       "finish_reason": acc.finish_reason}
         body["choices"] = [choice]
         body["usage"] = acc.usage()
@@ -229,12 +240,12 @@ class Formatter:
             if not self._sent_role:
                 delta["role"] = "assistant"
                 self._sent_role = True
-            choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
+            choice = {"index": self.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
         else:
             if self.echo_text and not self._sent_echo:
                 text = self.echo_text + text
                 self._sent_echo = True
-            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
+            choice = {"index": self.index, "text": text, "logprobs": lp, "finish_reason": finish}
         body["choices"] = [choice]
         return body
 
@@ -243,3 +254,17 @@ class Formatter:
         body["choices"] = []
         body["usage"] = acc.usage()
         return body
+
+
+def full_body(fmts: list[Formatter], accs: list[Accumulated], want_logprobs: bool) -> dict[str, Any]:
+    """One response body for the choices of one HTTP request (one per prompt), in index order, usage summed."""
+    bodies = [f.full(a, want_logprobs) for f, a in zip(fmts, accs)]
+    if len(bodies) == 1:
+        return bodies[0]
+    body = bodies[0]
+    body["choices"] = [b["choices"][0] for b in sorted(bodies, key=lambda b: b["choices"][0]["index"])]
+    body["usage"] = sum_usage(accs).usage()
+    waits = [a.queue_wait for a in accs if a.queue_wait is not None]
+    body["steadyserve"] = {"max_batch_seqs": max(a.max_batch_seqs for a in accs),
+                           "queue_wait_s": round(max(waits), 6) if waits else None}
+    return body

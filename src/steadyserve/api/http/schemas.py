@@ -2,7 +2,7 @@
 
 Unknown fields are ignored, as OpenAI clients send fields we have no use for
 (`user`, `metadata`); fields that would change the result and that we do not
-implement (`n > 1`, `best_of`, tools) are refused by name.
+implement (`n > 1`, `best_of`, tools, structured output) are refused by name.
 """
 
 from __future__ import annotations
@@ -46,20 +46,31 @@ class _Common(BaseModel):
     n: StrictInt = Field(default=1, ge=1, le=1, description="choices per request: only 1 is supported")
     ignore_eos: StrictBool = Field(default=False, description="keep generating past end-of-sequence tokens (for "
                                    "benchmarks)", json_schema_extra={"x-extension": True})
-    # Accepted only at their no-op values: anything else would change the result, and we do not implement it.
-    frequency_penalty: Number | None = Field(default=None, description="not supported: only 0 (or absent) is "
-                                             "accepted, anything else is a 400")
-    presence_penalty: Number | None = Field(default=None, description="not supported: only 0 (or absent) is "
-                                            "accepted, anything else is a 400")
-    logit_bias: dict[str, Any] | None = Field(default=None, description="not supported: only {} (or absent) is "
-                                              "accepted, anything else is a 400")
+    # Logits processors: applied to this request's own row before sampling (batch invariance holds); the
+    # logprobs reported stay the model's own (as vLLM reports them by default).
+    frequency_penalty: Number | None = Field(default=None, ge=-2.0, le=2.0, description="subtracted from a "
+                                             "token's log-probability once per time it was generated so far")
+    presence_penalty: Number | None = Field(default=None, ge=-2.0, le=2.0, description="subtracted from the "
+                                            "log-probability of every token generated so far")
+    logit_bias: dict[str, Number] | None = Field(default=None, description="token id (as a string) -> bias in "
+                                                 "-100..100 added to its log-probability before sampling; "
+                                                 "-100 bans a token, 100 all but forces it")
+    repetition_penalty: Number = Field(default=1.0, gt=0.0, le=10.0, description="multiplies the (negative) "
+                                       "log-probability of every prompt and generated token: > 1 discourages "
+                                       "repeats, 1 turns it off", json_schema_extra={"x-extension": True})
+    min_tokens: StrictInt = Field(default=0, ge=0, description="end-of-sequence and stop tokens cannot be "
+                                  "generated before this many tokens", json_schema_extra={"x-extension": True})
 
-    def check_unsupported(self) -> None:
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(self, name) not in (None, 0):
-                raise InvalidRequest(name, f"{name} is not supported; send 0 or leave it out")
-        if self.logit_bias:
-            raise InvalidRequest("logit_bias", "logit_bias is not supported; leave it out or send {}")
+    def processors(self) -> dict[str, Any]:
+        """The logits processors' SamplingParams fields."""
+        bias: dict[int, float] = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not key.lstrip("-").isdigit():
+                raise InvalidRequest("logit_bias", f"logit_bias: keys are token ids, not {key!r}")
+            bias[int(key)] = float(value)
+        return {"logit_bias": bias, "presence_penalty": self.presence_penalty or 0.0,
+                "frequency_penalty": self.frequency_penalty or 0.0, "repetition_penalty": self.repetition_penalty,
+                "min_tokens": self.min_tokens}
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -72,7 +83,9 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     """Body of POST /v1/completions."""
-    prompt: str | list[StrictInt] = Field(description="the prompt: a string, or a list of token ids")
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]] = Field(
+        description="the prompt: a string, a list of token ids, or a batch of either (a list of strings or of "
+                    "token-id lists): one choice per prompt, in order, admitted all at once or refused")
     echo: StrictBool = Field(default=False, description="prepend the prompt to the completion; with logprobs, the "
                              "prompt's tokens get logprobs too (max_tokens 0 scores a prompt without generating)")
     logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS, description="return the chosen "
@@ -84,14 +97,22 @@ class CompletionRequest(_Common):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def prompt_list(self) -> list[str | list[int]]:
+        """The prompts, one per choice: a string or a token-id list alone is a batch of one."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]  # type: ignore[list-item]
+        if not p:
+            raise InvalidRequest("prompt", "prompt must not be empty")
+        return list(p)  # type: ignore[arg-type]
+
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        self.check_unsupported()
         return SamplingParams(
             max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
             stop=self.stop_list(), ignore_eos=self.ignore_eos, logprobs=self.logprobs,
             prompt_logprobs=self.logprobs if self.echo and self.logprobs is not None else
-            (0 if self.echo and self.max_tokens == 0 else None),
+            (0 if self.echo and self.max_tokens == 0 else None), **self.processors(),
         )
 
 
@@ -131,7 +152,6 @@ class ChatCompletionRequest(_Common):
         return self
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        self.check_unsupported()
         if self.response_format and self.response_format.get("type") != "text":
             raise InvalidRequest("response_format", "response_format: only {\"type\": \"text\"} is supported")
         mt = self.requested_max_tokens
@@ -142,7 +162,7 @@ class ChatCompletionRequest(_Common):
             max_tokens=mt if mt is not None else default_max_tokens,
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
             stop=self.stop_list(), ignore_eos=self.ignore_eos,
-            logprobs=(self.top_logprobs or 0) if self.logprobs else None,
+            logprobs=(self.top_logprobs or 0) if self.logprobs else None, **self.processors(),
         )
 
     @property
@@ -151,3 +171,32 @@ class ChatCompletionRequest(_Common):
 
     def message_dicts(self) -> list[dict[str, Any]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+class TokenizeRequest(BaseModel):
+    """Body of POST /tokenize: a text prompt or chat messages, as the completion endpoints would see them."""
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = Field(default=None, description="the served model's id; leaving it out means the served model")
+    prompt: str | None = Field(default=None, description="a text prompt, tokenized as /v1/completions does")
+    messages: list[ChatMessage] | None = Field(default=None, description="chat messages, rendered with the model's "
+                                                "chat template as /v1/chat/completions does (ready for the "
+                                                "assistant's turn)")
+    add_special_tokens: StrictBool = Field(default=True, description="with prompt: add the model's special tokens "
+                                           "(BOS), as /v1/completions does")
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send exactly one of prompt and messages")
+        return self
+
+    def message_dicts(self) -> list[dict[str, Any]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages or []]
+
+
+class DetokenizeRequest(BaseModel):
+    """Body of POST /detokenize."""
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = Field(default=None, description="the served model's id; leaving it out means the served model")
+    tokens: list[StrictInt] = Field(description="token ids of this model, decoded to text as the completion "
+                                    "endpoints decode generated tokens")
