@@ -135,6 +135,10 @@ def test_websocket_takes_one_prompt_and_says_so(srv) -> None:
         ws.send(json.dumps({"prompt": ["a", "b"], "max_tokens": 2}))
         msg = json.loads(ws.recv(timeout=30))
     assert msg["type"] == "error" and "one prompt" in msg["error"]["message"] and msg["error"]["param"] == "prompt"
+    with connect(srv.http_url.replace("http", "ws") + "/v1/stream") as ws:
+        ws.send(json.dumps({"prompt": "a", "n": 2, "max_tokens": 2}))
+        msg = json.loads(ws.recv(timeout=30))
+    assert msg["type"] == "error" and msg["error"]["param"] == "n"
 
 
 # ---- /tokenize and /detokenize --------------------------------------------------------------------------------
@@ -179,3 +183,51 @@ def test_tokenize_needs_the_api_key_when_the_server_has_one(tiny_model: str) -> 
             assert httpx.post(s.http_url + path, json=body).status_code == 401
             ok = httpx.post(s.http_url + path, json=body, headers={"Authorization": "Bearer sekret"})
             assert ok.status_code == 200
+
+
+# ---- n > 1 -----------------------------------------------------------------------------------------------------
+
+def test_n_choices_are_seeded_seed_plus_j_and_equal_single_requests_bitwise(http) -> None:
+    body = {"max_tokens": 6, "temperature": 1.0, "seed": 41, "logprobs": 2}
+    many = complete(http, prompt=PROMPTS[:2], n=3, **body)
+    assert [c["index"] for c in many["choices"]] == list(range(6))
+    singles = {}
+    for i, p in enumerate(PROMPTS[:2]):
+        for j in range(3):
+            one = complete(http, prompt=p, **{**body, "seed": 41 + j})
+            singles[i * 3 + j] = one
+            got, want = many["choices"][i * 3 + j], one["choices"][0]
+            assert got["text"] == want["text"]
+            assert got["logprobs"]["token_logprobs"] == want["logprobs"]["token_logprobs"]
+    texts = [c["text"] for c in many["choices"][:3]]
+    assert len(set(texts)) > 1, texts  # different seeds, different samples
+    # A prompt counts once, however many choices it has; generated tokens all count.
+    assert many["usage"]["prompt_tokens"] == singles[0]["usage"]["prompt_tokens"] + singles[3]["usage"]["prompt_tokens"]
+    assert many["usage"]["completion_tokens"] == sum(s["usage"]["completion_tokens"] for s in singles.values())
+
+
+def test_n_in_chat_through_the_sdk_and_streamed(srv, http) -> None:
+    client = openai.OpenAI(base_url=srv.http_url + "/v1", api_key="unused", max_retries=0)
+    msgs = [{"role": "user", "content": "Name a colour."}]
+    r = client.chat.completions.create(model="", messages=msgs, n=2, max_tokens=5, seed=7, temperature=0.9)
+    assert [c.index for c in r.choices] == [0, 1]
+    alone = client.chat.completions.create(model="", messages=msgs, max_tokens=5, seed=8, temperature=0.9)
+    assert r.choices[1].message.content == alone.choices[0].message.content
+    with http.stream("POST", "/v1/completions", json={"prompt": "The fox", "n": 2, "max_tokens": 4, "seed": 3,
+                                                      "stream": True}) as s:
+        chunks, done = parse_stream(s.read())
+    assert done and {ch["index"] for c in chunks for ch in c["choices"]} == {0, 1}
+
+
+def test_n_times_prompts_beyond_what_the_server_admits_is_refused_by_name(http, srv) -> None:
+    r = http.post("/v1/completions", json={"prompt": ["a", "b", "c"], "n": 128, "max_tokens": 1})  # 384 > 320
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+
+
+def test_n_samples_share_the_prompts_computation(http, srv) -> None:
+    """Choices 1..n-1 wait for choice 0's prompt blocks and take them from the prefix cache."""
+    prompt = tokenize(http, "the quick brown fox jumps over the lazy dog " * 12)[:100]  # 3 full 32-token blocks
+    before = srv.metric("steadyserve_prefix_cache_hit_tokens_total")
+    r = complete(http, prompt=prompt, n=4, max_tokens=2, seed=5, temperature=1.0)
+    assert len(r["choices"]) == 4
+    assert srv.metric("steadyserve_prefix_cache_hit_tokens_total") - before >= 3 * 96

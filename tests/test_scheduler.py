@@ -248,3 +248,32 @@ def test_random_workloads_finish_with_invariants(seed, num_blocks, block_size, m
         if s.request_id not in aborted:
             assert s.num_generated_tokens == s.params.max_tokens
     assert bm.num_free_blocks == num_blocks
+
+
+def test_a_twin_waits_for_the_prefix_blocks_in_prefill_and_takes_them_from_the_cache():
+    """n samples of one prompt: the first computes the prompt; the others wait at the head of the queue until its
+    blocks are published, then are admitted with them as cache hits (only the rest is computed twice)."""
+    sched = Scheduler(BlockManager(100, 4), max_num_seqs=8, max_num_batched_tokens=64)
+    twins = [make_seq(i, 14) for i in range(3)]  # 3 full blocks and 2 tokens
+    other = Sequence(9, Request("other", [50 + t for t in range(14)], SamplingParams(max_tokens=4)))
+    for s in twins + [other]:
+        sched.add(s)
+    out = sched.schedule()
+    assert [(i.seq.request_id, i.num_new_tokens) for i in out.scheduled] == [("r0", 14)]
+    assert [s.request_id for s in sched.waiting] == ["r1", "r2", "other"]  # FCFS: nothing jumps the queue
+    advance(sched, out)
+    out = sched.schedule()
+    new = {i.seq.request_id: i.num_new_tokens for i in out.scheduled}
+    assert new == {"r0": 1, "r1": 2, "r2": 2, "other": 14}  # 12 prompt tokens each from the cache
+    assert twins[1].num_cached_tokens == twins[2].num_cached_tokens == 12
+
+
+def test_without_prefix_caching_or_with_prompt_logprobs_twins_do_not_wait():
+    for caching, logprobs in ((False, None), (True, 0)):
+        sched = Scheduler(BlockManager(100, 4, prefix_caching=caching), max_num_seqs=8, max_num_batched_tokens=64)
+        seqs = [Sequence(i, Request(f"r{i}", list(range(14)), SamplingParams(max_tokens=4, prompt_logprobs=logprobs)))
+                for i in range(2)]
+        for s in seqs:
+            sched.add(s)
+        out = sched.schedule()
+        assert [i.num_new_tokens for i in out.scheduled] == [14, 14], (caching, logprobs)

@@ -99,6 +99,25 @@ class Scheduler:
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
 
+    def _twin_in_prefill(self, seq: Sequence, num_hits: int) -> bool:
+        """Whether a running sequence is still computing prompt blocks that `seq` could take from the prefix cache
+        once they are done (n samples of one prompt, or requests sharing a system prompt that arrive together).
+
+        Then `seq` waits a step or a few at the head of the queue, and is admitted with those blocks as cache
+        hits instead of recomputing them: the bits are the same either way (equal prefixes give equal K/V).
+        """
+        bm = self.block_manager
+        if not bm.prefix_caching or seq.num_computed_tokens or not seq.prompt_logprobs_done:
+            return False
+        bs = bm.block_size
+        limit = (seq.num_tokens - 1) // bs  # blocks match_prefix could ever return for it
+        if num_hits >= limit:
+            return False
+        end = (num_hits + 1) * bs  # through the first block it would compute itself
+        prefix = seq.token_ids[:end]
+        return any(other.num_computed_tokens < end <= other.num_tokens and other.token_ids[:end] == prefix
+                   for other in self.running)
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
@@ -127,6 +146,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
             hits = self.block_manager.match_prefix(seq)
+            if self._twin_in_prefill(seq, len(hits)):
+                break  # wait for the twin's blocks rather than compute them twice
             n = min(seq.num_tokens - len(hits) * self.block_manager.block_size, budget)
             if not self.block_manager.can_admit(seq, hits, n):
                 break

@@ -108,12 +108,22 @@ def submit_unique_all(state: ServerState, request_ids: list[str], prompts: list[
 
 @dataclass
 class Prepared:
-    """A validated completion or chat body: one engine request per prompt (batched prompts give several)."""
+    """A validated completion or chat body: one engine request per choice, n choices per prompt, in the order of
+    the choices' indices (prompt i's choice j is index i * n + j, as OpenAI numbers them)."""
 
     req: Any  # the validated CompletionRequest or ChatCompletionRequest
-    prompts: list[list[int]]  # each prompt's token ids, in the body's order (the choices' indices)
-    params: list[SamplingParams]  # each prompt's sampling parameters (a default max_tokens depends on its length)
-    echo_texts: list[str | None]  # each prompt's text for echo, None where it came as token ids
+    prompts: list[list[int]]  # each choice's prompt token ids
+    params: list[SamplingParams]  # each choice's sampling parameters (own seed; max_tokens default per prompt)
+    echo_texts: list[str | None]  # each choice's prompt text for echo, None where it came as token ids
+    n: int = 1  # choices per prompt
+
+
+def derived_seed(seed: int | None, j: int) -> int | None:
+    """The seed of a prompt's choice j: seed + j, wrapped into the range torch.Generator takes."""
+    if seed is None or j == 0:
+        return seed
+    s = seed + j
+    return s - 2**64 if s > 2**64 - 1 else s
 
 
 def validation_message(e: ValidationError) -> tuple[str, str | None]:
@@ -186,19 +196,26 @@ def create_app(state: ServerState) -> FastAPI:
                 prompts = [encode_prompt(tok, item, context, "prompt" if len(items) == 1 else f"prompt[{i}]")
                            for i, item in enumerate(items)]
                 texts = [item if isinstance(item, str) else None for item in items]  # token ids: decoded for echo
-            per_prompt = []
-            for ids in prompts:
-                p = dataclasses.replace(params, stop=list(params.stop))
-                if req.requested_max_tokens is None:
-                    # No max_tokens given: the default, but never more than the context leaves.
-                    p.max_tokens = max(1, min(p.max_tokens, context - len(ids)))
-                per_prompt.append(p)
+            if len(prompts) * req.n > state.engine.capacity:
+                raise InvalidRequest("n", f"n: {len(prompts)} prompt(s) x n={req.n} choices is more than the "
+                                     f"{state.engine.capacity} requests this server admits at once")
+            choices, choice_params, choice_texts = [], [], []
+            for ids, text in zip(prompts, texts):
+                for j in range(req.n):  # choice j of a prompt samples with seed + j: choice 0 is the n=1 request
+                    p = dataclasses.replace(params, stop=list(params.stop), logit_bias=dict(params.logit_bias),
+                                            seed=derived_seed(params.seed, j))
+                    if req.requested_max_tokens is None:
+                        # No max_tokens given: the default, but never more than the context leaves.
+                        p.max_tokens = max(1, min(p.max_tokens, context - len(ids)))
+                    choices.append(ids)
+                    choice_params.append(p)
+                    choice_texts.append(text)
         except ValidationError as e:
             msg, param = validation_message(e)
             raise BadRequest(400, msg, param, "invalid_value") from None
         except (InvalidRequest, ValueError, TypeError) as e:
             raise BadRequest(400, str(e), getattr(e, "param", None), "invalid_value") from None
-        return Prepared(req, prompts, per_prompt, texts)
+        return Prepared(req, choices, choice_params, choice_texts, req.n)
 
     # Tokenizing and chat-template rendering take time proportional to the body (seconds for a
     # megabyte): they run on one helper thread (the tokenizer releases the GIL), never on the loop.
@@ -216,8 +233,8 @@ def create_app(state: ServerState) -> FastAPI:
             return refuse(e)
         tok = state.loaded.tokenizer
         request_id = request.scope["state"]["request_id"]
-        n = len(prep.prompts)
-        engine_ids = [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
+        num_choices = len(prep.prompts)
+        engine_ids = [request_id] if num_choices == 1 else [f"{request_id}-{i}" for i in range(num_choices)]
         try:
             streams = submit_unique_all(state, engine_ids, prep.prompts, prep.params, "http")
         except AdmissionError as e:
@@ -233,10 +250,10 @@ def create_app(state: ServerState) -> FastAPI:
         handles = [state.streams.open_stream(rid, st, "http") for rid, st in zip(engine_ids, streams)]
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return SSEResponse(handles, fmts, want_lp, include_usage, cfg.stall_timeout)
-        return await collect(request, handles, fmts, want_lp)
+            return SSEResponse(handles, fmts, want_lp, include_usage, cfg.stall_timeout, n=prep.n)
+        return await collect(request, handles, fmts, want_lp, prep.n)
 
-    async def collect(request: Request, handles: list, fmts: list[Formatter], want_lp: bool) -> Response:
+    async def collect(request: Request, handles: list, fmts: list[Formatter], want_lp: bool, n: int) -> Response:
         """Every choice's outputs, then one body; the first choice that failed decides the error instead."""
         async def watch() -> None:
             while (await request.receive())["type"] != "http.disconnect":
@@ -268,7 +285,7 @@ def create_app(state: ServerState) -> FastAPI:
                 status = {"request_error": 400, "drain_timeout": 503, "client_disconnect": 499}.get(code, 500)
                 return error_response(status, message, "server_error" if status >= 500 else "invalid_request_error",
                                       None, code)
-        return JSONResponse(full_body(fmts, accs, want_lp))
+        return JSONResponse(full_body(fmts, accs, want_lp, n))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -383,6 +400,9 @@ def create_app(state: ServerState) -> FastAPI:
             prep = await prepare_off_loop(body, kind)
         except AdmissionError as e:
             raise BadRequest(400, str(e), e.param, e.reason) from None
+        if prep.n != 1:
+            raise BadRequest(400, "n: the WebSocket streams one choice per request; send n 1 (or leave it out)",
+                             "n", "invalid_value")
         if len(prep.prompts) != 1:
             raise BadRequest(400, "prompt: the WebSocket streams one prompt per request; send a string or one "
                              "list of token ids", "prompt", "invalid_value")

@@ -134,13 +134,15 @@ class Accumulated:
                 "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens}}
 
 
-def sum_usage(accs: list[Accumulated]) -> Accumulated:
-    """The token counts of several choices (batched prompts) added up, as an Accumulated for its usage()."""
+def sum_usage(accs: list[Accumulated], n: int = 1) -> Accumulated:
+    """The token counts of one request's choices added up, as an Accumulated for its usage(). The choices come
+    n per prompt (`n` samples each): a prompt counts once, as OpenAI and vLLM count it, generated tokens all."""
     total = Accumulated()
-    for a in accs:
-        total.num_prompt_tokens += a.num_prompt_tokens
+    for i, a in enumerate(accs):
+        if i % n == 0:
+            total.num_prompt_tokens += a.num_prompt_tokens
+            total.num_cached_tokens += a.num_cached_tokens
         total.num_generated_tokens += a.num_generated_tokens
-        total.num_cached_tokens += a.num_cached_tokens
     return total
 
 
@@ -256,14 +258,14 @@ class Formatter:
         return body
 
 
-def full_body(fmts: list[Formatter], accs: list[Accumulated], want_logprobs: bool) -> dict[str, Any]:
-    """One response body for the choices of one HTTP request (one per prompt), in index order, usage summed."""
+def full_body(fmts: list[Formatter], accs: list[Accumulated], want_logprobs: bool, n: int = 1) -> dict[str, Any]:
+    """One response body for the choices of one HTTP request (n per prompt), in index order, usage summed."""
     bodies = [f.full(a, want_logprobs) for f, a in zip(fmts, accs)]
     if len(bodies) == 1:
         return bodies[0]
     body = bodies[0]
     body["choices"] = [b["choices"][0] for b in sorted(bodies, key=lambda b: b["choices"][0]["index"])]
-    body["usage"] = sum_usage(accs).usage()
+    body["usage"] = sum_usage(accs, n).usage()
     waits = [a.queue_wait for a in accs if a.queue_wait is not None]
     body["steadyserve"] = {"max_batch_seqs": max(a.max_batch_seqs for a in accs),
                            "queue_wait_s": round(max(waits), 6) if waits else None}

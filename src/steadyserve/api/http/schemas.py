@@ -2,7 +2,7 @@
 
 Unknown fields are ignored, as OpenAI clients send fields we have no use for
 (`user`, `metadata`); fields that would change the result and that we do not
-implement (`n > 1`, `best_of`, tools, structured output) are refused by name.
+implement (`best_of` > 1, tools, structured output) are refused by name.
 """
 
 from __future__ import annotations
@@ -43,7 +43,9 @@ class _Common(BaseModel):
                                          "text stops before the stop string")
     stream: StrictBool = Field(default=False, description="send server-sent events as tokens are generated")
     stream_options: StreamOptions | None = Field(default=None, description="options of a streamed response")
-    n: StrictInt = Field(default=1, ge=1, le=1, description="choices per request: only 1 is supported")
+    n: StrictInt = Field(default=1, ge=1, le=128, description="choices per prompt, each its own sample; with "
+                         "seed, choice j samples with seed + j, so choice 0 is the n=1 request and every choice "
+                         "is reproducible")
     ignore_eos: StrictBool = Field(default=False, description="keep generating past end-of-sequence tokens (for "
                                    "benchmarks)", json_schema_extra={"x-extension": True})
     # Logits processors: applied to this request's own row before sampling (batch invariance holds); the
@@ -90,7 +92,8 @@ class CompletionRequest(_Common):
                              "prompt's tokens get logprobs too (max_tokens 0 scores a prompt without generating)")
     logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS, description="return the chosen "
                                        "tokens' logprobs and this many most likely alternatives per position")
-    best_of: StrictInt | None = Field(default=None, ge=1, le=1, description="only 1 is supported")
+    best_of: StrictInt | None = Field(default=None, ge=1, le=1, description="only 1 (or absent) is supported: "
+                                      "use n and rank the choices yourself")
     suffix: None = Field(default=None, description="not supported: must be absent or null")
 
     @property

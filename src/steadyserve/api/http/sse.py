@@ -57,7 +57,7 @@ async def watch_disconnect(receive: Receive, handle: StreamHandle) -> None:
 
 
 class SSEResponse(Response):
-    """One SSE stream carrying one or more choices (batched prompts): each choice is an engine request with its
+    """One SSE stream carrying one or more choices (batched prompts, n > 1): each choice is an engine request with its
     own handle and Formatter (whose chunks carry the choice's index). The stream ends once every choice has
     ended, with `data: [DONE]`; a choice that fails ends the whole stream with its error event (the other
     choices' requests are aborted), so an HTTP request never half-succeeds silently."""
@@ -65,7 +65,8 @@ class SSEResponse(Response):
     media_type = "text/event-stream"
 
     def __init__(self, handle: StreamHandle | list[StreamHandle], fmt: Formatter | list[Formatter],
-                 want_logprobs: bool, include_usage: bool, stall_timeout: float, on_close: Any = None) -> None:
+                 want_logprobs: bool, include_usage: bool, stall_timeout: float, on_close: Any = None,
+                 n: int = 1) -> None:
         self.status_code = 200
         self.background = None
         # Not Response.__init__: it would add content-length: 0 to a body that is a stream.
@@ -77,6 +78,7 @@ class SSEResponse(Response):
         self.include_usage = include_usage
         self.stall_timeout = stall_timeout
         self.on_close = on_close
+        self.n = n  # choices per prompt: usage counts each prompt once
 
     async def _merged(self) -> AsyncIterator[tuple[int, list]]:
         """(choice index, batch) as the choices' engine requests produce them; one reader task per choice."""
@@ -165,7 +167,7 @@ class SSEResponse(Response):
                     num_open -= 1
                     if num_open == 0:
                         if self.include_usage:
-                            await emit(sse_event(fmt.usage_chunk(sum_usage(accs))))
+                            await emit(sse_event(fmt.usage_chunk(sum_usage(accs, self.n))))
                         await emit(DONE)
             if not disconnected.is_set():
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
