@@ -23,6 +23,7 @@ from steadyserve.engine.engine import LLMEngine
 from steadyserve.engine.offline import Completed, run_requests
 from steadyserve.engine.selftest import run_selftest
 from steadyserve.engine.sequence import Request, SamplingParams
+from steadyserve.engine.structured import json_schema_grammar
 from steadyserve.models.loader import load_model
 from steadyserve.platform_info import platform_info
 from steadyserve.testing.drift import install_batch_drift
@@ -150,7 +151,8 @@ def test_probe_alone_vs_inside_batches(mode):
 # same tokens and logprobs alone and in any batch (and the broken engine is still caught).
 PROCESSORS = {"logit_bias": {"logit_bias": {5: 3.0, 17: -100.0, 200: 1.5}}, "presence": {"presence_penalty": 1.5},
               "frequency": {"frequency_penalty": 0.7}, "repetition": {"repetition_penalty": 1.3},
-              "min_tokens": {"min_tokens": 6, "stop_token_ids": [3, 9]}}
+              "min_tokens": {"min_tokens": 6, "stop_token_ids": [3, 9]},
+              "grammar": {"grammar": json_schema_grammar({"type": "array", "items": {"type": "integer"}})}}
 
 
 @pytest.mark.parametrize("processor", sorted(PROCESSORS))

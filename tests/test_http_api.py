@@ -435,8 +435,14 @@ BAD_INPUTS = [
     ("chat-temperature-negative", CH, {"messages": MSG, "temperature": -1}, 400, "temperature"),
     ("chat-n-0", CH, {"messages": MSG, "n": 0}, 400, "n"),
     ("chat-tools", CH, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
-    ("chat-response-format-json", CH, {"messages": MSG, "response_format": {"type": "json_object"}}, 400,
+    ("chat-response-format-unknown-type", CH, {"messages": MSG, "response_format": {"type": "yaml"}}, 400,
      "response_format"),
+    ("chat-response-format-bad-schema", CH, {"messages": MSG, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wat"}}}}, 400, "response_format"),
+    ("chat-response-format-schema-not-object", CH, {"messages": MSG, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}}, 400, "response_format"),
+    ("chat-response-format-with-ignore-eos", CH, {"messages": MSG, "ignore_eos": True, "response_format": {
+        "type": "json_object"}}, 400, "ignore_eos"),
     ("chat-unknown-model", CH, {"messages": MSG, "model": "nope"}, 404, "nope"),
     ("body-too-large", C, {"prompt": "x" * (MAX_REQUEST_BYTES + 10)}, 413, "max-request-bytes"),
 ]

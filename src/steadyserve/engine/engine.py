@@ -24,6 +24,7 @@ from .model_runner import ModelRunner, SeqResult
 from .sampler import NumericalError, make_generator, process_row, sample, token_logprob
 from .scheduler import ScheduledSeq, Scheduler
 from .sequence import InvalidRequest, Request, RequestOutput, Sequence, TokenLogprob
+from .structured import Grammars
 
 
 class AdmissionError(Exception):
@@ -58,8 +59,9 @@ class StepStats:
 class _SeqState:
     """Per-request sampling and text state, owned by the engine thread."""
 
-    def __init__(self, seq: Sequence, tokenizer, device: torch.device) -> None:
+    def __init__(self, seq: Sequence, tokenizer, device: torch.device, grammars: Grammars) -> None:
         self.generator = make_generator(seq.params.seed, device)
+        self.matcher = grammars.matcher(seq.params.grammar) if seq.params.grammar is not None else None
         self.detok = IncrementalDetokenizer(tokenizer, seq.params.stop)
         self.prompt_logprobs: list[TokenLogprob] = []  # for prompt tokens 1.. in order
         self.first_output = True
@@ -74,6 +76,7 @@ class LLMEngine:
         self.loaded = loaded
         self.cfg = cfg
         self.tokenizer = loaded.tokenizer
+        self.grammars = Grammars(loaded.tokenizer, loaded.args.vocab_size)  # structured output
         self.max_model_len = loaded.max_model_len
         if loaded.model.kernel_id == NATIVE_KERNEL_ID and cfg.block_size % 16:
             raise ConfigError("--block-size must be a multiple of 16 for the native attention kernel "
@@ -103,6 +106,10 @@ class LLMEngine:
         vocab = self.loaded.args.vocab_size
         if any(not 0 <= t < vocab for t in request.prompt_token_ids):
             raise AdmissionError("invalid", f"prompt token ids must be in 0..{vocab - 1}", "prompt")
+        if p.grammar is not None:
+            why = self.grammars.error(p.grammar)
+            if why:
+                raise AdmissionError("invalid", f"response_format: {why}", "response_format")
         bad_bias = next((t for t in p.logit_bias if not 0 <= t < vocab), None)
         if bad_bias is not None:
             raise AdmissionError("invalid", f"logit_bias: {bad_bias} is not a token id of this model "
@@ -119,7 +126,7 @@ class LLMEngine:
     def add_request(self, request: Request) -> Sequence:
         self.check(request)
         seq = Sequence(next(self._seq_ids), request)
-        seq.state = _SeqState(seq, self.tokenizer, torch.device("cpu"))
+        seq.state = _SeqState(seq, self.tokenizer, torch.device("cpu"), self.grammars)
         self.scheduler.add(seq)
         return seq
 
@@ -187,7 +194,11 @@ class LLMEngine:
                     raise NumericalError("the model produced NaN log-probabilities")
                 end_ids = set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else self.eos_token_ids)
                 row = process_row(result.sample_row, seq.params, seq.token_ids, seq.num_prompt_tokens, end_ids)
+                if st.matcher is not None:
+                    st.matcher.mask_(row)  # only what the grammar allows next
                 tok = sample(row, seq.params, st.generator, has_nan=False)
+                if st.matcher is not None:
+                    st.matcher.advance(tok)
             else:
                 tok = sample(result.sample_row, seq.params, st.generator, result.sample_argmax,
                              result.sample_has_nan)

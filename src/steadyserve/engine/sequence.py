@@ -42,6 +42,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted per occurrence of every token already generated, [-2, 2]
     repetition_penalty: float = 1.0  # multiplies the (negative) log-probability of prompt and generated tokens
     min_tokens: int = 0  # end-of-sequence and stop token ids are masked until this many tokens are generated
+    grammar: str | None = None  # llguidance grammar (structured output, engine/structured.py) sampling must follow
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
@@ -84,7 +85,7 @@ class SamplingParams:
     def processes_row(self) -> bool:
         """Whether any logits processor changes the row before sampling."""
         return bool(self.logit_bias) or self.presence_penalty != 0 or self.frequency_penalty != 0 \
-            or self.repetition_penalty != 1 or self.min_tokens > 0
+            or self.repetition_penalty != 1 or self.min_tokens > 0 or self.grammar is not None
 
 
 @dataclass

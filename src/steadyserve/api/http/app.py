@@ -196,6 +196,10 @@ def create_app(state: ServerState) -> FastAPI:
                 prompts = [encode_prompt(tok, item, context, "prompt" if len(items) == 1 else f"prompt[{i}]")
                            for i, item in enumerate(items)]
                 texts = [item if isinstance(item, str) else None for item in items]  # token ids: decoded for echo
+            if params.grammar is not None:  # compiled here, off the event loop; admission then finds it known
+                why = state.engine.engine.grammars.error(params.grammar)
+                if why:
+                    raise InvalidRequest("response_format", f"response_format: {why}")
             if len(prompts) * req.n > state.engine.capacity:
                 raise InvalidRequest("n", f"n: {len(prompts)} prompt(s) x n={req.n} choices is more than the "
                                      f"{state.engine.capacity} requests this server admits at once")

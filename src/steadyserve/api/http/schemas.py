@@ -18,6 +18,27 @@ Number = Annotated[float, Strict()]
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
 
 
+def grammar_for(response_format: dict[str, Any] | None) -> str | None:
+    """The llguidance grammar for OpenAI's response_format, None for plain text. Raises InvalidRequest."""
+    if not response_format or response_format.get("type") == "text":
+        return None
+    kind = response_format.get("type")
+    if kind == "json_object":
+        schema: Any = {"type": "object"}
+    elif kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise InvalidRequest("response_format", 'response_format: json_schema needs {"json_schema": '
+                                 '{"name": ..., "schema": {...}}}')
+        schema = spec.get("schema", {})
+    else:
+        raise InvalidRequest("response_format", f"response_format: type must be text, json_object or json_schema, "
+                             f"not {kind!r}")
+    from ...engine.structured import json_schema_grammar
+
+    return json_schema_grammar(schema)
+
+
 class StreamOptions(BaseModel):
     """Options of a streamed response."""
     model_config = ConfigDict(extra="ignore")
@@ -95,6 +116,9 @@ class CompletionRequest(_Common):
     best_of: StrictInt | None = Field(default=None, ge=1, le=1, description="only 1 (or absent) is supported: "
                                       "use n and rank the choices yourself")
     suffix: None = Field(default=None, description="not supported: must be absent or null")
+    response_format: dict[str, Any] | None = Field(default=None, description="structured output, as in chat "
+                                                   "completions: json_object or json_schema",
+                                                   json_schema_extra={"x-extension": True})
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -110,12 +134,16 @@ class CompletionRequest(_Common):
         return list(p)  # type: ignore[arg-type]
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        grammar = grammar_for(self.response_format)
+        if grammar is not None and self.ignore_eos:
+            raise InvalidRequest("ignore_eos", "ignore_eos cannot be combined with response_format: a finished "
+                                 "structure ends with end-of-sequence")
         return SamplingParams(
             max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
             stop=self.stop_list(), ignore_eos=self.ignore_eos, logprobs=self.logprobs,
             prompt_logprobs=self.logprobs if self.echo and self.logprobs is not None else
-            (0 if self.echo and self.max_tokens == 0 else None), **self.processors(),
+            (0 if self.echo and self.max_tokens == 0 else None), grammar=grammar, **self.processors(),
         )
 
 
@@ -146,7 +174,10 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: StrictInt | None = Field(default=None, ge=0, description="the newer name of max_tokens; "
                                                     "wins when both are given")
     tools: None = Field(default=None, description="not supported: must be absent or null")
-    response_format: dict[str, Any] | None = Field(default=None, description='only {"type": "text"} is supported')
+    response_format: dict[str, Any] | None = Field(default=None, description='structured output: {"type": '
+                                                   '"json_object"}, or {"type": "json_schema", "json_schema": '
+                                                   '{"name": ..., "schema": {...}}}: sampling follows the schema '
+                                                   '(constrained decoding); {"type": "text"} is the default')
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> "ChatCompletionRequest":
@@ -155,8 +186,10 @@ class ChatCompletionRequest(_Common):
         return self
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        if self.response_format and self.response_format.get("type") != "text":
-            raise InvalidRequest("response_format", "response_format: only {\"type\": \"text\"} is supported")
+        grammar = grammar_for(self.response_format)
+        if grammar is not None and self.ignore_eos:
+            raise InvalidRequest("ignore_eos", "ignore_eos cannot be combined with response_format: a finished "
+                                 "structure ends with end-of-sequence")
         mt = self.requested_max_tokens
         if mt == 0:
             name = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
@@ -165,7 +198,7 @@ class ChatCompletionRequest(_Common):
             max_tokens=mt if mt is not None else default_max_tokens,
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
             stop=self.stop_list(), ignore_eos=self.ignore_eos,
-            logprobs=(self.top_logprobs or 0) if self.logprobs else None, **self.processors(),
+            logprobs=(self.top_logprobs or 0) if self.logprobs else None, grammar=grammar, **self.processors(),
         )
 
     @property
