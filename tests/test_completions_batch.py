@@ -231,3 +231,15 @@ def test_n_samples_share_the_prompts_computation(http, srv) -> None:
     r = complete(http, prompt=prompt, n=4, max_tokens=2, seed=5, temperature=1.0)
     assert len(r["choices"]) == 4
     assert srv.metric("steadyserve_prefix_cache_hit_tokens_total") - before >= 3 * 96
+
+
+def test_best_of_returns_the_n_samples_with_the_best_mean_logprob(http) -> None:
+    body = {"prompt": "The fox", "max_tokens": 5, "temperature": 1.0, "seed": 11}
+    samples = [complete(http, **{**body, "seed": 11 + j, "logprobs": 0})["choices"][0] for j in range(4)]
+    means = [sum(s["logprobs"]["token_logprobs"]) / len(s["logprobs"]["token_logprobs"]) for s in samples]
+    best = complete(http, **body, best_of=4, n=2)
+    order = sorted(range(4), key=lambda j: -means[j])[:2]
+    assert [c["text"] for c in best["choices"]] == [samples[j]["text"] for j in order]
+    assert [c["index"] for c in best["choices"]] == [0, 1]
+    assert all(c["logprobs"] is None for c in best["choices"])  # not asked for: ranking used them internally
+    assert best["usage"]["completion_tokens"] == sum(len(s["logprobs"]["tokens"]) for s in samples)

@@ -29,8 +29,8 @@ from ..protocol import encode_prompt, render_chat
 from ..state import ServerState
 from .console import mount_console
 from .errors import admission_response, error_response
-from .openai_format import Accumulated, Formatter, full_body
-from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from .openai_format import Accumulated, Formatter, full_body, mean_logprob, sum_usage
+from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, refuse_unsupported
 from .sse import SSEResponse
 from .ws import websocket_stream
 
@@ -115,7 +115,8 @@ class Prepared:
     prompts: list[list[int]]  # each choice's prompt token ids
     params: list[SamplingParams]  # each choice's sampling parameters (own seed; max_tokens default per prompt)
     echo_texts: list[str | None]  # each choice's prompt text for echo, None where it came as token ids
-    n: int = 1  # choices per prompt
+    n: int = 1  # choices generated per prompt (best_of, else n)
+    keep: int = 1  # choices returned per prompt (n): the best `keep` of every `n` by mean token logprob
 
 
 def derived_seed(seed: int | None, j: int) -> int | None:
@@ -174,6 +175,7 @@ def create_app(state: ServerState) -> FastAPI:
             raise BadRequest(400, f"{bad}: contains an unpaired UTF-16 surrogate escape; not valid Unicode", bad,
                              "invalid_unicode")
         try:
+            refuse_unsupported(body)
             req = model_cls.model_validate(body)
             check_model(req.model)
             params = req.sampling_params(min(cfg.max_tokens_cap, 16 if kind == "completion" else 512))
@@ -200,12 +202,16 @@ def create_app(state: ServerState) -> FastAPI:
                 why = state.engine.engine.grammars.error(params.grammar)
                 if why:
                     raise InvalidRequest("response_format", f"response_format: {why}")
-            if len(prompts) * req.n > state.engine.capacity:
-                raise InvalidRequest("n", f"n: {len(prompts)} prompt(s) x n={req.n} choices is more than the "
+            k = req.num_samples  # choices generated per prompt: n, or best_of
+            if len(prompts) * k > state.engine.capacity:
+                name = "best_of" if k > req.n else "n"
+                raise InvalidRequest(name, f"{name}: {len(prompts)} prompt(s) x {k} choices is more than the "
                                      f"{state.engine.capacity} requests this server admits at once")
+            if k > req.n and params.logprobs is None:
+                params.logprobs = 0  # ranking needs each sampled token's logprob; the response leaves them out
             choices, choice_params, choice_texts = [], [], []
             for ids, text in zip(prompts, texts):
-                for j in range(req.n):  # choice j of a prompt samples with seed + j: choice 0 is the n=1 request
+                for j in range(k):  # choice j of a prompt samples with seed + j: choice 0 is the n=1 request
                     p = dataclasses.replace(params, stop=list(params.stop), logit_bias=dict(params.logit_bias),
                                             seed=derived_seed(params.seed, j))
                     if req.requested_max_tokens is None:
@@ -219,7 +225,7 @@ def create_app(state: ServerState) -> FastAPI:
             raise BadRequest(400, msg, param, "invalid_value") from None
         except (InvalidRequest, ValueError, TypeError) as e:
             raise BadRequest(400, str(e), getattr(e, "param", None), "invalid_value") from None
-        return Prepared(req, choices, choice_params, choice_texts, req.n)
+        return Prepared(req, choices, choice_params, choice_texts, k, req.n)
 
     # Tokenizing and chat-template rendering take time proportional to the body (seconds for a
     # megabyte): they run on one helper thread (the tokenizer releases the GIL), never on the loop.
@@ -250,14 +256,16 @@ def create_app(state: ServerState) -> FastAPI:
                           echo_prompt_ids=ids if echo else None,
                           echo_text=(text if text is not None else tok.decode(ids)) if echo else "", index=i)
                 for i, (ids, text) in enumerate(zip(prep.prompts, prep.echo_texts))]
-        want_lp = prep.params[0].logprobs is not None
+        # Asked for by the client (best_of asks the engine for them anyway, to rank its samples).
+        want_lp = req.logprobs is not None if kind == "completion" else bool(req.logprobs)
         handles = [state.streams.open_stream(rid, st, "http") for rid, st in zip(engine_ids, streams)]
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return SSEResponse(handles, fmts, want_lp, include_usage, cfg.stall_timeout, n=prep.n)
-        return await collect(request, handles, fmts, want_lp, prep.n)
+        return await collect(request, handles, fmts, want_lp, prep.n, prep.keep)
 
-    async def collect(request: Request, handles: list, fmts: list[Formatter], want_lp: bool, n: int) -> Response:
+    async def collect(request: Request, handles: list, fmts: list[Formatter], want_lp: bool, n: int,
+                      keep: int) -> Response:
         """Every choice's outputs, then one body; the first choice that failed decides the error instead."""
         async def watch() -> None:
             while (await request.receive())["type"] != "http.disconnect":
@@ -289,7 +297,19 @@ def create_app(state: ServerState) -> FastAPI:
                 status = {"request_error": 400, "drain_timeout": 503, "client_disconnect": 499}.get(code, 500)
                 return error_response(status, message, "server_error" if status >= 500 else "invalid_request_error",
                                       None, code)
-        return JSONResponse(full_body(fmts, accs, want_lp, n))
+        if keep == n:
+            return JSONResponse(full_body(fmts, accs, want_lp, n))
+        # best_of: of each prompt's n samples, the `keep` with the highest mean log-probability per token.
+        chosen_fmts, chosen_accs = [], []
+        for start in range(0, len(accs), n):
+            group = sorted(range(start, start + n), key=lambda i: -mean_logprob(accs[i]))[:keep]
+            for rank, i in enumerate(group):
+                fmts[i].index = start // n * keep + rank
+                chosen_fmts.append(fmts[i])
+                chosen_accs.append(accs[i])
+        body = full_body(chosen_fmts, chosen_accs, want_lp, keep)
+        body["usage"] = sum_usage(accs, n).usage()  # every sample was generated
+        return JSONResponse(body)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

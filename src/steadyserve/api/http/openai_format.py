@@ -258,6 +258,11 @@ class Formatter:
         return body
 
 
+def mean_logprob(acc: Accumulated) -> float:
+    """A choice's mean log-probability per generated token (best_of's ranking); -inf for none."""
+    return sum(lp.logprob for lp in acc.logprobs) / len(acc.logprobs) if acc.logprobs else float("-inf")
+
+
 def full_body(fmts: list[Formatter], accs: list[Accumulated], want_logprobs: bool, n: int = 1) -> dict[str, Any]:
     """One response body for the choices of one HTTP request (n per prompt), in index order, usage summed."""
     bodies = [f.full(a, want_logprobs) for f, a in zip(fmts, accs)]

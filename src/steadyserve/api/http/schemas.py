@@ -2,7 +2,7 @@
 
 Unknown fields are ignored, as OpenAI clients send fields we have no use for
 (`user`, `metadata`); fields that would change the result and that we do not
-implement (`best_of` > 1, tools, structured output) are refused by name.
+implement (tools, audio, predicted outputs) are refused by name (UNSUPPORTED_FIELDS).
 """
 
 from __future__ import annotations
@@ -16,6 +16,29 @@ from ...engine.sequence import MAX_LOGPROBS, InvalidRequest, SamplingParams
 # A JSON number (ints too), never a numeric string or a bool. NaN/Infinity fail the range checks.
 Number = Annotated[float, Strict()]
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
+
+
+# OpenAI request fields that would change the result and that steadyserve does not implement: refused by name,
+# never ignored. Fields that cannot change the result (`user`, `metadata`, `store`, `service_tier`) are ignored
+# like any other unknown field.
+UNSUPPORTED_FIELDS = {
+    "tool_choice": "tool calling is not supported", "functions": "function calling is not supported",
+    "function_call": "function calling is not supported", "audio": "audio output is not supported",
+    "prediction": "predicted outputs are not supported", "reasoning_effort": "this model has no reasoning effort",
+    "web_search_options": "web search is not supported",
+}
+
+
+def refuse_unsupported(body: Any) -> None:
+    """Raise InvalidRequest naming the first unsupported OpenAI field the body sets."""
+    if not isinstance(body, dict):
+        return
+    for name, why in UNSUPPORTED_FIELDS.items():
+        if body.get(name) is not None:
+            raise InvalidRequest(name, f"{name}: {why}; leave it out")
+    modalities = body.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise InvalidRequest("modalities", 'modalities: only ["text"] is supported')
 
 
 def grammar_for(response_format: dict[str, Any] | None) -> str | None:
@@ -113,8 +136,22 @@ class CompletionRequest(_Common):
                              "prompt's tokens get logprobs too (max_tokens 0 scores a prompt without generating)")
     logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS, description="return the chosen "
                                        "tokens' logprobs and this many most likely alternatives per position")
-    best_of: StrictInt | None = Field(default=None, ge=1, le=1, description="only 1 (or absent) is supported: "
-                                      "use n and rank the choices yourself")
+    best_of: StrictInt | None = Field(default=None, ge=1, le=128, description="sample this many choices per prompt "
+                                      "(seeds seed + j, as n) and return the n with the highest mean log-probability "
+                                      "per token; usage counts all of them. Not with stream.")
+
+    @model_validator(mode="after")
+    def _best_of_covers_n(self) -> "CompletionRequest":
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError("best_of must be at least n")
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise ValueError("best_of cannot be used with stream: the best choices are known only at the end")
+        return self
+
+    @property
+    def num_samples(self) -> int:
+        """Choices generated per prompt: best_of, else n."""
+        return self.best_of or self.n
     suffix: None = Field(default=None, description="not supported: must be absent or null")
     response_format: dict[str, Any] | None = Field(default=None, description="structured output, as in chat "
                                                    "completions: json_object or json_schema",
@@ -204,6 +241,11 @@ class ChatCompletionRequest(_Common):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_samples(self) -> int:
+        """Choices generated per prompt."""
+        return self.n
 
     def message_dicts(self) -> list[dict[str, Any]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]

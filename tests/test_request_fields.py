@@ -1,0 +1,224 @@
+"""Every field of the completion and chat request schemas, one row each: set to a non-default value, it must
+change what it promises to change (or, for what is not supported, be refused with a 400 that names it).
+Nothing is accepted and ignored. A field added to a schema without a row here fails the first test.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import httpx
+import pytest
+
+from http_util import parse_stream
+from steadyserve.api.http.schemas import ChatCompletionRequest, CompletionRequest
+from steadyserve.testing.server import ServerProcess
+
+C, CH = "/v1/completions", "/v1/chat/completions"
+BASE = {C: {"prompt": "The fox and the dog", "max_tokens": 6, "temperature": 0},
+        CH: {"messages": [{"role": "user", "content": "Name a fox."}], "max_tokens": 6, "temperature": 0}}
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_model: str):
+    with ServerProcess(tiny_model, "--grpc-port", "-1", "--served-model-name", "tiny") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def http(srv) -> httpx.Client:
+    with httpx.Client(base_url=srv.http_url, timeout=60) as c:
+        yield c
+
+
+def post(http: httpx.Client, path: str, **fields) -> dict:
+    r = http.post(path, json={**BASE[path], **fields})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def refused(http: httpx.Client, path: str, name: str, value) -> None:
+    r = http.post(path, json={**BASE[path], name: value})
+    assert r.status_code == 400 and (r.json()["error"]["param"] == name or name in r.json()["error"]["message"]), r.text
+
+
+def text(body: dict) -> str:
+    ch = body["choices"][0]
+    return ch["text"] if "text" in ch else ch["message"]["content"]
+
+
+def token_id(http: httpx.Client, s: str) -> int:
+    ids = http.post("/tokenize", json={"prompt": s, "add_special_tokens": False}).json()["tokens"]
+    assert len(ids) == 1, ids
+    return ids[0]
+
+
+def eos_id(http: httpx.Client) -> int:
+    return token_id(http, "<|im_end|>")  # the tiny test model's end-of-sequence token
+
+
+# ---- one check per field, shared by both endpoints where the field means the same --------------------------------
+
+def check_model(http, path):
+    assert post(http, path, model="tiny")["model"] == "tiny"
+    assert http.post(path, json={**BASE[path], "model": "other"}).status_code == 404
+
+
+def check_max_tokens(http, path):
+    assert post(http, path, max_tokens=2, ignore_eos=True)["usage"]["completion_tokens"] == 2
+
+
+def check_temperature(http, path):
+    greedy = text(post(http, path))
+    assert any(text(post(http, path, temperature=2.0, seed=s)) != greedy for s in range(4))
+
+
+def check_top_p(http, path):  # a tiny nucleus keeps only the likeliest token: sampling becomes greedy
+    assert text(post(http, path, temperature=2.0, seed=1, top_p=1e-6)) == text(post(http, path))
+
+
+def check_top_k(http, path):
+    assert text(post(http, path, temperature=2.0, seed=1, top_k=1)) == text(post(http, path))
+
+
+def check_seed(http, path):
+    a, b = (text(post(http, path, temperature=1.5, seed=7)) for _ in range(2))
+    assert a == b and any(text(post(http, path, temperature=1.5, seed=s)) != a for s in (8, 9, 10))
+
+
+def check_stop(http, path):
+    full = text(post(http, path, ignore_eos=True))
+    stop = full[2:4]
+    cut = post(http, path, ignore_eos=True, stop=[stop])
+    assert text(cut) == full[:full.index(stop)] and cut["choices"][0]["finish_reason"] == "stop"
+
+
+def check_stream(http, path):
+    with http.stream("POST", path, json={**BASE[path], "stream": True}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        chunks, done = parse_stream(r.read())
+    assert done and chunks
+
+
+def check_stream_options(http, path):
+    with http.stream("POST", path, json={**BASE[path], "stream": True, "stream_options": {"include_usage": True}}) as r:
+        chunks, _ = parse_stream(r.read())
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0
+
+
+def check_n(http, path):
+    assert len(post(http, path, n=3, temperature=1.0, seed=1)["choices"]) == 3
+
+
+def check_ignore_eos(http, path):
+    bias = {str(eos_id(http)): 100}
+    assert post(http, path, logit_bias=bias)["usage"]["completion_tokens"] <= 1  # EOS forced: stops at once
+    assert post(http, path, logit_bias=bias, ignore_eos=True)["usage"]["completion_tokens"] == 6
+
+
+def check_frequency_penalty(http, path):
+    assert text(post(http, path, frequency_penalty=2.0)) != text(post(http, path))
+
+
+def check_presence_penalty(http, path):
+    assert text(post(http, path, presence_penalty=2.0)) != text(post(http, path))
+
+
+def check_logit_bias(http, path):
+    forced = 42  # a token id of the tiny model, not the one greedy decoding picks first
+    assert not text(post(http, path)).startswith(http.post("/detokenize", json={"tokens": [forced]}).json()["prompt"])
+    body = post(http, path, logit_bias={str(forced): 100}, max_tokens=3, ignore_eos=True)
+    assert text(body) == http.post("/detokenize", json={"tokens": [forced] * 3}).json()["prompt"]
+
+
+def check_repetition_penalty(http, path):
+    assert text(post(http, path, repetition_penalty=5.0)) != text(post(http, path))
+
+
+def check_min_tokens(http, path):
+    bias = {str(eos_id(http)): 100}
+    assert post(http, path, logit_bias=bias, min_tokens=4)["usage"]["completion_tokens"] >= 4
+
+
+def check_response_format(http, path):
+    import json
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": {"type": "object", "required": ["a"],
+                                                                          "properties": {"a": {"type": "boolean"}},
+                                                                          "additionalProperties": False}}}
+    assert json.loads(text(post(http, path, response_format=fmt, max_tokens=20)))["a"] in (True, False)
+
+
+def check_prompt(http, path):
+    assert text(post(http, path, prompt="Something else")) != text(post(http, path)) or \
+        post(http, path, prompt="Something else")["usage"]["prompt_tokens"] != post(http, path)["usage"]["prompt_tokens"]
+
+
+def check_echo(http, path):
+    assert text(post(http, path, echo=True)) == BASE[C]["prompt"] + text(post(http, path))
+
+
+def check_completion_logprobs(http, path):
+    lp = post(http, path, logprobs=2)["choices"][0]["logprobs"]
+    assert len(lp["token_logprobs"]) == 6 and all(len(t) == 2 for t in lp["top_logprobs"])
+
+
+def check_best_of(http, path):
+    body = post(http, path, best_of=3, temperature=1.0, seed=2)
+    assert len(body["choices"]) == 1 and body["usage"]["completion_tokens"] > post(
+        http, path, temperature=1.0, seed=2)["usage"]["completion_tokens"]
+
+
+def check_suffix(http, path):
+    refused(http, path, "suffix", "tail")
+
+
+def check_messages(http, path):
+    other = post(http, path, messages=[{"role": "user", "content": "Something else entirely."}])
+    assert other["usage"]["prompt_tokens"] != post(http, path)["usage"]["prompt_tokens"]
+
+
+def check_chat_logprobs(http, path):
+    content = post(http, path, logprobs=True)["choices"][0]["logprobs"]["content"]
+    assert len(content) == 6 and all("logprob" in c for c in content)
+
+
+def check_top_logprobs(http, path):
+    content = post(http, path, logprobs=True, top_logprobs=3)["choices"][0]["logprobs"]["content"]
+    assert all(len(c["top_logprobs"]) == 3 for c in content)
+
+
+def check_max_completion_tokens(http, path):
+    assert post(http, path, max_completion_tokens=2, max_tokens=5, ignore_eos=True)["usage"]["completion_tokens"] == 2
+
+
+def check_tools(http, path):
+    refused(http, path, "tools", [{"type": "function", "function": {"name": "f"}}])
+
+
+CHECKS: dict[tuple[str, str], Callable] = {
+    **{(p, f): fn for p in (C, CH) for f, fn in (
+        ("model", check_model), ("max_tokens", check_max_tokens), ("temperature", check_temperature),
+        ("top_p", check_top_p), ("top_k", check_top_k), ("seed", check_seed), ("stop", check_stop),
+        ("stream", check_stream), ("stream_options", check_stream_options), ("n", check_n),
+        ("ignore_eos", check_ignore_eos), ("frequency_penalty", check_frequency_penalty),
+        ("presence_penalty", check_presence_penalty), ("logit_bias", check_logit_bias),
+        ("repetition_penalty", check_repetition_penalty), ("min_tokens", check_min_tokens),
+        ("response_format", check_response_format))},
+    (C, "prompt"): check_prompt, (C, "echo"): check_echo, (C, "logprobs"): check_completion_logprobs,
+    (C, "best_of"): check_best_of, (C, "suffix"): check_suffix,
+    (CH, "messages"): check_messages, (CH, "logprobs"): check_chat_logprobs, (CH, "top_logprobs"): check_top_logprobs,
+    (CH, "max_completion_tokens"): check_max_completion_tokens, (CH, "tools"): check_tools,
+}
+
+
+def test_every_schema_field_has_a_row() -> None:
+    fields = {(C, f) for f in CompletionRequest.model_fields} | {(CH, f) for f in ChatCompletionRequest.model_fields}
+    assert fields - set(CHECKS) == set(), "fields without a row: give each a check in CHECKS"
+    assert set(CHECKS) - fields == set(), "rows for fields the schemas no longer have"
+
+
+@pytest.mark.parametrize("path,field", sorted(CHECKS), ids=[f"{'chat' if p == CH else 'completions'}-{f}"
+                                                            for p, f in sorted(CHECKS)])
+def test_field_does_what_it_says(http, path, field) -> None:
+    CHECKS[(path, field)](http, path)
