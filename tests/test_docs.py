@@ -30,7 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 GUIDES = ["quickstart.md", "concepts.md", "operations.md", "deploy.md", "benchmarks.md", "troubleshooting.md",
           "runbooks.md"]
-ALLOWED_UNRUN = ("make ", "docker ", "kubectl ", ".venv/bin/python benchmarks/", ".venv/bin/pip ")
+# Commands that start servers, take minutes, need Docker or Kubernetes, or fetch tasks from a hub.
+ALLOWED_UNRUN = ("make ", "docker ", "kubectl ", ".venv/bin/python benchmarks/", ".venv/bin/pip ", "lm_eval ")
 QUIET = {"NO_MKDOCS_2_WARNING": "1", "DISABLE_MKDOCS_2_WARNING": "true"}  # banners about MkDocs 2, as in Makefile
 FENCE = re.compile(r"^```(\w+)[^\n]*\n(.*?)^```", re.S | re.M)
 
