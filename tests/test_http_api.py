@@ -165,6 +165,18 @@ def test_sdk_logits_processors_take_effect(oai):
         assert len(set(penalized)) >= len(set(base)), kw  # no more repetitive than without
 
 
+def test_sdk_n_best_of_min_tokens_and_batched_prompts(oai):
+    many = oai.completions.create(model="tiny", prompt="the fox", n=3, max_tokens=4, seed=3, temperature=1.0)
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    best = oai.completions.create(model="tiny", prompt="the fox", n=2, best_of=4, max_tokens=4, seed=3,
+                                  temperature=1.0)
+    assert [c.index for c in best.choices] == [0, 1] and best.usage.completion_tokens > many.usage.completion_tokens
+    assert oai.completions.create(model="tiny", prompt="the fox", max_tokens=6, temperature=0,
+                                  extra_body={"min_tokens": 5}).usage.completion_tokens >= 5
+    batch = oai.completions.create(model="tiny", prompt=["the fox", "a dog"], max_tokens=2, temperature=0)
+    assert [c.index for c in batch.choices] == [0, 1]
+
+
 def test_sdk_chat_roundtrip_stream_equals_whole(oai, fingerprint):
     kw = dict(model="tiny", messages=MESSAGES, max_tokens=20, temperature=0.8, seed=5)
     whole = oai.chat.completions.create(**kw)

@@ -35,7 +35,7 @@ def parse_size(text: str | int, flag: str) -> int:
 @dataclass
 class ModelConfig:
     path: str = ""  # --model: HF directory or .gguf file; empty means the default model
-    device: str = "cpu"  # --device: cpu | cuda | auto; asking for a missing device is an error
+    device: str = "cpu"  # --device: cpu | cuda | cuda:N | auto; asking for a missing device is an error
     dtype: str = "auto"  # --dtype: float32 | bfloat16 | float16 | auto (float32 on CPU)
     cache_dir: str = ""  # --cache-dir: converted-weight cache; default ~/.cache/steadyserve
     name: str = ""  # --served-model-name: the id clients send; default derives from the path
