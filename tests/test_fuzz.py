@@ -21,7 +21,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
 from http_util import five_xx, status_counts
-from steadyserve.api.http.app import validation_message
+from steadyserve.api.http.inputs import validation_message
 from steadyserve.api.http.schemas import ChatCompletionRequest, CompletionRequest
 from steadyserve.engine.sequence import InvalidRequest
 from steadyserve.client import Client

@@ -69,7 +69,7 @@ def runs(models_dir: Path, tmp_path_factory) -> dict:
 
     out: dict = {"model": str(model)}
     with ServerProcess(str(model), "--grpc-port", "-1", "--served-model-name", "tiny") as s:
-        api = f"model=tiny,num_concurrent=1,max_retries=1,max_length=514"
+        api = "model=tiny,num_concurrent=1,max_retries=1,max_length=514"
         out["ours"] = evaluate("local-completions", f"base_url={s.http_url}/v1/completions,tokenizer={model},"
                                f"tokenizer_backend=huggingface,tokenized_requests=True,{api}",
                                ["ss_choice", "ss_rolling"], batch_size=8)  # 8 prompts per request

@@ -158,7 +158,7 @@ def test_grpc_api_key_metadata(plain):
 def test_key_comparison_is_constant_time(monkeypatch):
     """Both front ends compare the key with hmac.compare_digest (constant-time), never with ==."""
     from steadyserve.api.grpc import interceptor as gi
-    from steadyserve.api.http import app as http_app
+    from steadyserve.api.http import envelope as http_app
 
     calls = []
     real = hmac.compare_digest

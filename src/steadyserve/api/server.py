@@ -33,7 +33,8 @@ from ..metrics import Metrics, sample_loop_lag
 from ..models.loader import Fingerprint, LoadedModel, load_model
 from ..numerics import resolve as resolve_numerics
 from ..testing.drift import TEST_DRIFT_ENV, install_batch_drift
-from .http.app import Envelope, create_app
+from .http.app import create_app
+from .http.envelope import Envelope
 from .state import ServerState
 from .streams import StreamRegistry
 

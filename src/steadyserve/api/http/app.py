@@ -8,13 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
-import json
-import re
-import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request, WebSocket
@@ -23,117 +17,17 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ...engine.engine import AdmissionError
-from ...engine.sequence import InvalidRequest, SamplingParams
+from ...engine.sequence import InvalidRequest
 from ...platform_info import platform_info, row_tiles_of
 from ..protocol import encode_prompt, render_chat
 from ..state import ServerState
 from .console import mount_console
 from .errors import admission_response, error_response
+from .inputs import BadRequest, Prepared, derived_seed, find_surrogate, read_json, submit_unique_all, validation_message
 from .openai_format import Accumulated, Formatter, full_body, mean_logprob, sum_usage
 from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, refuse_unsupported
 from .sse import SSEResponse
 from .ws import websocket_stream
-
-
-class BadRequest(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.param, self.code = status, param, code
-
-
-async def read_json(request: Request, limit: int) -> Any:
-    """The body as JSON, refusing oversize bodies, invalid UTF-8 and malformed JSON by name."""
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise BadRequest(413, f"request body exceeds {limit} bytes (--max-request-bytes)", None,
-                             "request_too_large")
-        chunks.append(chunk)
-    raw = b"".join(chunks)
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise BadRequest(400, f"request body is not valid UTF-8 (byte {e.start})", None, "invalid_utf8") from None
-    try:
-        body = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise BadRequest(400, f"request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}",
-                         None, "invalid_json") from None
-    if not isinstance(body, dict):
-        raise BadRequest(400, "request body must be a JSON object", None, "invalid_json")
-    return body
-
-
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def find_surrogate(value: Any, path: str = "") -> str | None:
-    """The path of the first string holding an unpaired UTF-16 surrogate (JSON's "\\ud800"), else None."""
-    if isinstance(value, str):
-        return path or "body" if _SURROGATE.search(value) else None
-    if isinstance(value, dict):
-        items = value.items()
-    elif isinstance(value, list):
-        items = enumerate(value)  # type: ignore[assignment]
-    else:
-        return None
-    for k, v in items:
-        if isinstance(k, str) and _SURROGATE.search(k):
-            return f"{path}.{k}".lstrip(".") if path else "body"
-        found = find_surrogate(v, f"{path}[{k}]" if isinstance(k, int) else f"{path}.{k}".lstrip("."))
-        if found:
-            return found
-    return None
-
-
-def submit_unique(state: ServerState, request_id: str, prompt_ids: list[int], params: Any, transport: str):
-    """One request through submit_unique_all; returns its RequestStream."""
-    return submit_unique_all(state, [request_id], [prompt_ids], [params], transport)[0]
-
-
-def submit_unique_all(state: ServerState, request_ids: list[str], prompts: list[list[int]], params: list[Any],
-                      transport: str) -> list:
-    """state.submit_all under the client's x-request-id; if an id is already in flight (a client or proxy
-    reusing ids), the engine gets suffixed ids while the client still sees its own."""
-    try:
-        return state.submit_all(list(zip(request_ids, prompts, params)), transport)
-    except AdmissionError as e:
-        if e.reason != "invalid" or e.param != "request_id":
-            raise
-    tag = uuid.uuid4().hex[:8]
-    return state.submit_all([(f"{rid}.{tag}", ids, p) for rid, ids, p in zip(request_ids, prompts, params)],
-                            transport)
-
-
-@dataclass
-class Prepared:
-    """A validated completion or chat body: one engine request per choice, n choices per prompt, in the order of
-    the choices' indices (prompt i's choice j is index i * n + j, as OpenAI numbers them)."""
-
-    req: Any  # the validated CompletionRequest or ChatCompletionRequest
-    prompts: list[list[int]]  # each choice's prompt token ids
-    params: list[SamplingParams]  # each choice's sampling parameters (own seed; max_tokens default per prompt)
-    echo_texts: list[str | None]  # each choice's prompt text for echo, None where it came as token ids
-    n: int = 1  # choices generated per prompt (best_of, else n)
-    keep: int = 1  # choices returned per prompt (n): the best `keep` of every `n` by mean token logprob
-
-
-def derived_seed(seed: int | None, j: int) -> int | None:
-    """The seed of a prompt's choice j: seed + j, wrapped into the range torch.Generator takes."""
-    if seed is None or j == 0:
-        return seed
-    s = seed + j
-    return s - 2**64 if s > 2**64 - 1 else s
-
-
-def validation_message(e: ValidationError) -> tuple[str, str | None]:
-    err = e.errors()[0]
-    loc = ".".join(str(p) for p in err.get("loc", ()) if p not in ("body",))
-    msg = err.get("msg", "invalid value")
-    if err.get("type") == "missing":
-        msg = "field required"
-    return (f"{loc}: {msg}" if loc else msg), (loc or None)
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -455,93 +349,3 @@ def openapi_schema(app: FastAPI) -> dict[str, Any]:
             "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
     app.openapi_schema = spec
     return spec
-
-
-class Envelope:
-    """Outermost ASGI layer: request ids, fingerprint headers, auth, body-size precheck, metrics.
-
-    It also keeps the connection's transport (uvicorn's) in scope["state"], so
-    streams can measure their send backlog and abort a stalled connection.
-    """
-
-    OPEN_PATHS = ("/healthz", "/readyz")
-
-    def __init__(self, app: Any, state: ServerState) -> None:
-        self.app = app
-        self.state = state
-        self.fingerprint = str(state.fingerprint).encode()
-
-    def _authorized(self, scope: dict) -> bool:
-        key = self.state.config.server.api_key
-        path = scope.get("path", "")
-        if not key or path in self.OPEN_PATHS or (path == "/metrics" and self.state.config.server.metrics_public):
-            return True
-        if not (path.startswith("/v1/") or path in ("/metrics", "/tokenize", "/detokenize")):
-            return True  # the console's static files carry no data; its API calls need the key
-        headers = dict(scope.get("headers") or [])
-        auth = headers.get(b"authorization", b"").decode("latin-1")
-        token = auth[7:] if auth.lower().startswith("bearer ") else ""
-        if not token and scope["type"] == "websocket":  # browsers cannot set headers on WebSockets
-            for proto in headers.get(b"sec-websocket-protocol", b"").decode("latin-1").split(","):
-                proto = proto.strip()
-                if proto.startswith("bearer."):
-                    token = proto[7:]
-        return hmac.compare_digest(token.encode(), key.encode())
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] not in ("http", "websocket"):
-            return await self.app(scope, receive, send)
-        headers = dict(scope.get("headers") or [])
-        rid = headers.get(b"x-request-id", b"").decode("latin-1")
-        if not rid or len(rid) > 128 or not rid.isprintable():
-            rid = self.state.new_request_id()
-        st = scope.setdefault("state", {})
-        st["request_id"] = rid
-        st["transport"] = getattr(getattr(send, "__self__", None), "transport", None)
-        extra = [(b"x-request-id", rid.encode("latin-1")), (b"x-steadyserve-fingerprint", self.fingerprint)]
-        if scope["type"] == "websocket":
-            if not self._authorized(scope):
-                await receive()
-                await send({"type": "websocket.close", "code": 1008, "reason": "missing or invalid API key"})
-                return
-
-            offered = [p.strip() for p in headers.get(b"sec-websocket-protocol", b"").decode("latin-1").split(",")]
-            bearer = next((p for p in offered if p.startswith("bearer.")), None)
-
-            async def ws_send(message: dict) -> None:  # the handshake response carries the headers too
-                if message["type"] == "websocket.accept":
-                    message = {**message, "headers": list(message.get("headers") or []) + extra}
-                    if bearer and not message.get("subprotocol"):  # a browser fails a handshake that drops it
-                        message["subprotocol"] = bearer
-                await send(message)
-
-            return await self.app(scope, receive, ws_send)
-        t0 = time.perf_counter()
-        status = [500]
-
-        async def send_wrapper(message: dict) -> None:
-            if message["type"] == "http.response.start":
-                status[0] = message["status"]
-                message = {**message, "headers": list(message.get("headers", [])) + extra}
-            await send(message)
-
-        try:
-            if not self._authorized(scope):
-                if self.state.metrics is not None:
-                    self.state.metrics.rejected.labels("unauthenticated").inc()
-                resp = error_response(401, "missing or invalid API key (Authorization: Bearer ...)",
-                                      "authentication_error", None, "invalid_api_key")
-                return await resp(scope, receive, send_wrapper)
-            length = headers.get(b"content-length")
-            limit = self.state.config.server.max_request_bytes
-            if length is not None and length.isdigit() and int(length) > limit:
-                resp = error_response(413, f"request body exceeds {limit} bytes (--max-request-bytes)",
-                                      "invalid_request_error", None, "request_too_large")
-                return await resp(scope, receive, send_wrapper)
-            await self.app(scope, receive, send_wrapper)
-        finally:
-            m = self.state.metrics
-            if m is not None:
-                route = getattr(scope.get("route"), "path", None) or "unmatched"
-                m.http_requests.labels(scope.get("method", ""), route, str(status[0])).inc()
-                m.http_seconds.labels(scope.get("method", ""), route).observe(time.perf_counter() - t0)

@@ -18,6 +18,7 @@ from starlette.websockets import WebSocketDisconnect
 
 from ...engine.engine import AdmissionError
 from .errors import ADMISSION_STATUS, error_body
+from .inputs import BadRequest, submit_unique
 from .openai_format import Accumulated
 from .sse import StreamStalled, guarded_send
 
@@ -38,8 +39,6 @@ def _lp_json(lps) -> list[dict[str, Any]]:
 
 
 async def websocket_stream(ws: WebSocket, state, run_prepare: Callable) -> None:
-    from .app import BadRequest, submit_unique
-
     await ws.accept()
     cfg = state.config.server
     try:

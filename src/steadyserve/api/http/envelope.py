@@ -1,0 +1,100 @@
+"""The outermost ASGI layer of the HTTP server (see Envelope)."""
+
+from __future__ import annotations
+
+import hmac
+import time
+from typing import Any
+
+from ..state import ServerState
+from .errors import error_response
+
+
+class Envelope:
+    """Outermost ASGI layer: request ids, fingerprint headers, auth, body-size precheck, metrics.
+
+    It also keeps the connection's transport (uvicorn's) in scope["state"], so
+    streams can measure their send backlog and abort a stalled connection.
+    """
+
+    OPEN_PATHS = ("/healthz", "/readyz")
+
+    def __init__(self, app: Any, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+        self.fingerprint = str(state.fingerprint).encode()
+
+    def _authorized(self, scope: dict) -> bool:
+        key = self.state.config.server.api_key
+        path = scope.get("path", "")
+        if not key or path in self.OPEN_PATHS or (path == "/metrics" and self.state.config.server.metrics_public):
+            return True
+        if not (path.startswith("/v1/") or path in ("/metrics", "/tokenize", "/detokenize")):
+            return True  # the console's static files carry no data; its API calls need the key
+        headers = dict(scope.get("headers") or [])
+        auth = headers.get(b"authorization", b"").decode("latin-1")
+        token = auth[7:] if auth.lower().startswith("bearer ") else ""
+        if not token and scope["type"] == "websocket":  # browsers cannot set headers on WebSockets
+            for proto in headers.get(b"sec-websocket-protocol", b"").decode("latin-1").split(","):
+                proto = proto.strip()
+                if proto.startswith("bearer."):
+                    token = proto[7:]
+        return hmac.compare_digest(token.encode(), key.encode())
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        rid = headers.get(b"x-request-id", b"").decode("latin-1")
+        if not rid or len(rid) > 128 or not rid.isprintable():
+            rid = self.state.new_request_id()
+        st = scope.setdefault("state", {})
+        st["request_id"] = rid
+        st["transport"] = getattr(getattr(send, "__self__", None), "transport", None)
+        extra = [(b"x-request-id", rid.encode("latin-1")), (b"x-steadyserve-fingerprint", self.fingerprint)]
+        if scope["type"] == "websocket":
+            if not self._authorized(scope):
+                await receive()
+                await send({"type": "websocket.close", "code": 1008, "reason": "missing or invalid API key"})
+                return
+
+            offered = [p.strip() for p in headers.get(b"sec-websocket-protocol", b"").decode("latin-1").split(",")]
+            bearer = next((p for p in offered if p.startswith("bearer.")), None)
+
+            async def ws_send(message: dict) -> None:  # the handshake response carries the headers too
+                if message["type"] == "websocket.accept":
+                    message = {**message, "headers": list(message.get("headers") or []) + extra}
+                    if bearer and not message.get("subprotocol"):  # a browser fails a handshake that drops it
+                        message["subprotocol"] = bearer
+                await send(message)
+
+            return await self.app(scope, receive, ws_send)
+        t0 = time.perf_counter()
+        status = [500]
+
+        async def send_wrapper(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+                message = {**message, "headers": list(message.get("headers", [])) + extra}
+            await send(message)
+
+        try:
+            if not self._authorized(scope):
+                if self.state.metrics is not None:
+                    self.state.metrics.rejected.labels("unauthenticated").inc()
+                resp = error_response(401, "missing or invalid API key (Authorization: Bearer ...)",
+                                      "authentication_error", None, "invalid_api_key")
+                return await resp(scope, receive, send_wrapper)
+            length = headers.get(b"content-length")
+            limit = self.state.config.server.max_request_bytes
+            if length is not None and length.isdigit() and int(length) > limit:
+                resp = error_response(413, f"request body exceeds {limit} bytes (--max-request-bytes)",
+                                      "invalid_request_error", None, "request_too_large")
+                return await resp(scope, receive, send_wrapper)
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            m = self.state.metrics
+            if m is not None:
+                route = getattr(scope.get("route"), "path", None) or "unmatched"
+                m.http_requests.labels(scope.get("method", ""), route, str(status[0])).inc()
+                m.http_seconds.labels(scope.get("method", ""), route).observe(time.perf_counter() - t0)
