@@ -34,6 +34,7 @@ SECOND_MODEL_THREAD = ("the engine loop runs on another thread than the one that
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[RequestOutput]
+    request: "RequestStream"  # its on_output runs as each output is delivered, read or not
 
 
 class RequestStream:
@@ -44,7 +45,9 @@ class RequestStream:
         self.request_id = request_id
         self._queue = q
         self.finished = False
-        self.on_output: Callable[[RequestOutput], None] | None = None  # e.g. latency metrics
+        # Called on the event loop as each output arrives from the engine, whether or not anyone reads the
+        # stream: bookkeeping (metrics, the request log line) must not depend on a reader.
+        self.on_output: Callable[[RequestOutput], None] | None = None
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._iter()
@@ -61,9 +64,6 @@ class RequestStream:
                 batch = [await self._queue.get()]
                 while not batch[-1].finished and not self._queue.empty():
                     batch.append(self._queue.get_nowait())
-                for out in batch:
-                    if self.on_output is not None:
-                        self.on_output(out)
                 self.finished = batch[-1].finished
                 yield batch
         finally:
@@ -147,9 +147,10 @@ class AsyncEngine:
         streams = []
         for request in requests:
             q: asyncio.Queue[RequestOutput] = asyncio.Queue()
-            self._streams[request.request_id] = _Stream(asyncio.get_running_loop(), q)
+            stream = RequestStream(self, request.request_id, q)
+            self._streams[request.request_id] = _Stream(asyncio.get_running_loop(), q, stream)
             self._inbox.put(("add", request))
-            streams.append(RequestStream(self, request.request_id, q))
+            streams.append(stream)
         self._wake.set()
         return streams
 
@@ -221,7 +222,7 @@ class AsyncEngine:
                 fn(sched.num_running, sched.num_waiting, self.engine.block_manager.usage)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if out.finished:
@@ -232,7 +233,7 @@ class AsyncEngine:
                 for fn in self.finish_observers:
                     fn(out)
             if stream is not None:
-                by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+                by_loop.setdefault(stream.loop, []).append((stream, out))
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_put_all, items)
@@ -245,6 +246,13 @@ class AsyncEngine:
         self._deliver(outs)
 
 
-def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
-    for q, out in items:
-        q.put_nowait(out)
+def _put_all(items: list[tuple[_Stream, RequestOutput]]) -> None:
+    """On the stream's loop: bookkeeping first (it runs even if nobody ever reads), then the reader's queue."""
+    for stream, out in items:
+        observer = stream.request.on_output
+        if observer is not None:
+            try:
+                observer(out)
+            except Exception:  # a bookkeeping bug must not lose the output
+                log.exception("output observer failed")
+        stream.queue.put_nowait(out)

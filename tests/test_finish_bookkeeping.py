@@ -1,0 +1,73 @@
+"""Finish bookkeeping does not depend on a reader: every admitted request gets exactly one "request done" log
+line and one `steadyserve_requests_finished_total` count, however its transport ended (a client that hangs up
+before reading a byte, a gRPC call cancelled mid-stream), because both are written as the engine's outputs are
+delivered, not as a transport consumes them.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import grpc
+import pytest
+
+from http_util import wait_for
+from steadyserve.client import Client
+from steadyserve.testing.server import ServerProcess
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_model: str):
+    with ServerProcess(tiny_model, "--log-format", "json") as s:
+        yield s
+
+
+def finished_total(srv) -> float:
+    return sum(srv.metric("steadyserve_requests_finished_total", finish_reason=r)
+               for r in ("stop", "length", "abort", "error"))
+
+
+def done_lines(srv, prefix: str) -> list[dict]:
+    lines = []
+    for line in srv.logs().splitlines():
+        if '"request done"' in line:
+            rec = json.loads(line)
+            if rec.get("request_id", "").startswith(prefix):
+                lines.append(rec)
+    return lines
+
+
+def test_clients_that_hang_up_unread_are_each_recorded_once(srv) -> None:
+    before = finished_total(srv)
+    n = 20
+    for i in range(n):
+        body = json.dumps({"prompt": "the fox", "max_tokens": 50, "ignore_eos": True, "stream": True}).encode()
+        s = socket.create_connection(("127.0.0.1", srv.http_port))
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                  + f"x-request-id: hangup-{i}\r\ncontent-length: {len(body)}\r\n\r\n".encode() + body)
+        time.sleep(0.05 if i % 2 else 0.0)  # some hang up before the first token, some after
+        s.close()  # not one byte read
+    wait_for(lambda: finished_total(srv) >= before + n, 60, what="every request finished")
+    time.sleep(0.5)
+    assert finished_total(srv) == before + n
+    lines = done_lines(srv, "hangup-")
+    assert sorted(r["request_id"] for r in lines) == sorted(f"hangup-{i}" for i in range(n))  # one line each
+
+
+def test_cancelled_grpc_streams_are_each_recorded_once(srv) -> None:
+    before = finished_total(srv)
+    n = 8
+    with Client(srv.grpc_addr) as c:
+        for i in range(n):
+            call = c.generate("the fox", max_tokens=60, temperature=0, ignore_eos=True, request_id=f"cancel-{i}")
+            next(iter(call))  # the first batch arrives, then the client cancels
+            call.cancel()
+            with pytest.raises(grpc.RpcError):
+                for _ in call:
+                    pass
+    wait_for(lambda: finished_total(srv) >= before + n, 60, what="every request finished")
+    time.sleep(0.5)
+    assert finished_total(srv) == before + n
+    assert sorted(r["request_id"] for r in done_lines(srv, "cancel-")) == sorted(f"cancel-{i}" for i in range(n))
