@@ -68,3 +68,24 @@ def rope_tables(args: ModelArgs, max_len: int) -> tuple[torch.Tensor, torch.Tens
     freqs = pos[:, None] * inv_freq[None, :]  # (L, D/2)
     emb = torch.cat([freqs, freqs], dim=-1)  # (L, D)
     return emb.cos() * scaling, emb.sin() * scaling
+
+
+def common_args(cfg: Any, arch: str, **overrides: Any) -> ModelArgs:
+    """The fields every Llama-family config spells the same way."""
+    heads = cfg.num_attention_heads
+    fields: dict[str, Any] = dict(
+        architecture=arch,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_layers=cfg.num_hidden_layers,
+        num_heads=heads,
+        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+        rms_norm_eps=cfg.rms_norm_eps,
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        hf_config=cfg,
+    )
+    fields.update(overrides)
+    return ModelArgs(**fields)

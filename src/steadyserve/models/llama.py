@@ -4,11 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .args import ModelArgs
-from .registry import common_args, register
+from .args import ModelArgs, common_args
 
 
-@register("LlamaForCausalLM")
 def llama_args(cfg: Any) -> ModelArgs:
     bias = bool(getattr(cfg, "attention_bias", False))
     return common_args(cfg, "LlamaForCausalLM", qkv_bias=bias, o_bias=bias,

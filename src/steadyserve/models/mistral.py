@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .args import ModelArgs
-from .registry import common_args, register
+from .args import ModelArgs, common_args
 
 
-@register("MistralForCausalLM")
 def mistral_args(cfg: Any) -> ModelArgs:
     return common_args(cfg, "MistralForCausalLM", sliding_window=int(getattr(cfg, "sliding_window", None) or 0))

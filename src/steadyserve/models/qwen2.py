@@ -4,11 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .args import ModelArgs
-from .registry import common_args, register
+from .args import ModelArgs, common_args
 
 
-@register("Qwen2ForCausalLM")
 def qwen2_args(cfg: Any) -> ModelArgs:
     window = int(getattr(cfg, "sliding_window", None) or 0) if getattr(cfg, "use_sliding_window", False) else 0
     return common_args(cfg, "Qwen2ForCausalLM", qkv_bias=True, sliding_window=window)
