@@ -149,6 +149,6 @@ def sw_plain(smolwidth_model: str):
 @pytest.fixture(scope="session")
 def sw_drift(smolwidth_model: str):
     """TEST-ONLY broken invariant: claims -bi, but logprobs depend on the step (steadyserve.testing.drift)."""
-    with ServerProcess(smolwidth_model, "--max-num-seqs", "32", env={"STEADYSERVE_TEST_DRIFT": "1"}) as s:
+    with ServerProcess(smolwidth_model, "--max-num-seqs", "32", test_drift=True) as s:
         assert "TEST-ONLY batch drift is ON" in s.logs()
         yield s

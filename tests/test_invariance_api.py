@@ -5,7 +5,7 @@
 * alone == batched: a probe (Score and greedy Generate) gives the same bits alone and while other streams run.
 
 Each claim runs against three servers: the invariant one must be bitwise equal; a TEST-ONLY broken one
-(STEADYSERVE_TEST_DRIFT=1: claims -bi, drifts by the step's token count) must be caught, on any machine; the
+(steadyserve.testing.serve --test-drift: claims -bi, drifts by the step's token count) must be caught, on any machine; the
 --no-batch-invariant one promises nothing, so the test searches for a case where it differs on this machine
 and fails, naming the platform, if it finds none.
 """

@@ -444,12 +444,12 @@ def test_sigterm_drains_50_streams_over_http_ws_grpc(long_model):
         assert code == 0 and exited < drain_timeout
 
 
-# ---- 5. engine faults (test-only hook: STEADYSERVE_TEST_FAULTS=1) -------------------------------------------
+# ---- 5. engine faults (test-only hook: steadyserve.testing.serve --test-faults) ----------------------------------------
 
 @pytest.mark.slow
 def test_failing_request_fails_alone_and_dead_engine_exits_nonzero(tiny_model):
     with ServerProcess(tiny_model, "--max-num-seqs", "16", "--kv-cache-memory", KV, threads=1,
-                       env={"STEADYSERVE_TEST_FAULTS": "1"}) as srv:
+                       test_faults=True) as srv:
         assert "TEST-ONLY fault injection is ON" in srv.logs()
         ws_url = f"ws://127.0.0.1:{srv.http_port}/v1/stream"
         url = srv.http_url + "/v1/completions"

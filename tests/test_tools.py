@@ -1,7 +1,7 @@
 """`steadyserve validate` and `steadyserve bench` against real servers (issue 7).
 
 validate must pass on a batch-invariant server and must fail on a server whose invariance is broken on
-purpose (STEADYSERVE_TEST_DRIFT=1: it claims -bi and drifts by the step's token count); against a
+purpose (steadyserve.testing.serve --test-drift: it claims -bi and drifts by the step's token count); against a
 --no-batch-invariant server it reports whatever this machine's plain kernels do (printed, plus the nbi
 fingerprint it must see). bench must count streams, and count a stream that was cut without a finish
 reason: a proxy that cuts every other stream cleanly shows that, over SSE, WebSocket and gRPC.

@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import os
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
 from .config import Config, ConfigError, EngineConfig, ModelConfig, ServerConfig, parse_size
 
@@ -87,14 +87,15 @@ def config_from_args(a: argparse.Namespace) -> Config:
     return cfg
 
 
-def cmd_serve(a: argparse.Namespace) -> int:
+def cmd_serve(a: argparse.Namespace, hooks: Any = None) -> int:
+    """Serve; `hooks` (api.server.EngineHooks) only from the test suite's entry point, steadyserve.testing.serve."""
     from .api.server import Server
     from .logs import setup_logging
     from .models.loader import LoadError
 
     cfg = config_from_args(a)
     setup_logging(cfg.server.log_format)
-    server = Server(cfg)
+    server = Server(cfg, hooks)
     try:
         server.startup()
     except LoadError as e:

@@ -19,8 +19,9 @@ import signal
 import socket
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import uvicorn
 
@@ -32,7 +33,6 @@ from ..engine.selftest import SelfTestResult, run_selftest
 from ..metrics import Metrics, sample_loop_lag
 from ..models.loader import Fingerprint, LoadedModel, load_model
 from ..numerics import resolve as resolve_numerics
-from ..testing.drift import TEST_DRIFT_ENV, install_batch_drift
 from .http.app import create_app
 from .http.envelope import Envelope
 from .state import ServerState
@@ -51,7 +51,16 @@ class _Uvicorn(uvicorn.Server):
         yield
 
 
-def _load_and_check(config: Config) -> tuple[LoadedModel, LLMEngine, SelfTestResult]:
+@dataclass
+class EngineHooks:
+    """Functions run on the engine while the server starts, on the model thread. Production passes none; the
+    test suite's entry point (steadyserve.testing.serve) installs its fault and drift hooks through them."""
+
+    after_engine: list[Callable[[LLMEngine], None]] = field(default_factory=list)  # before the self-test
+    after_selftest: list[Callable[[LLMEngine], None]] = field(default_factory=list)  # after it
+
+
+def _load_and_check(config: Config, hooks: EngineHooks) -> tuple[LoadedModel, LLMEngine, SelfTestResult]:
     """Load the model, size the KV cache, run the self-test (on the model thread)."""
     mc, ec = config.model, config.engine
     loaded = load_model(mc.path, mc.device, mc.dtype, batch_invariant=ec.batch_invariant, row_tile=ec.row_tile,
@@ -62,8 +71,8 @@ def _load_and_check(config: Config) -> tuple[LoadedModel, LLMEngine, SelfTestRes
         "device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch."),
         "load_s": round(loaded.load_seconds, 2), "cached": loaded.from_cache, "context": loaded.max_model_len}})
     engine = LLMEngine(loaded, ec)
-    if os.environ.get(TEST_FAULTS_ENV) == "1":
-        install_test_faults(engine)
+    for hook in hooks.after_engine:
+        hook(engine)
     log.info("kv cache allocated", extra={"fields": {
         "budget_bytes": ec.kv_cache_memory, "blocks": engine.kv.num_blocks, "block_size": ec.block_size,
         "token_capacity": engine.kv.num_blocks * ec.block_size, "max_num_seqs": ec.max_num_seqs,
@@ -75,20 +84,19 @@ def _load_and_check(config: Config) -> tuple[LoadedModel, LLMEngine, SelfTestRes
     else:
         log.warning("batch invariance is OFF (--no-batch-invariant): logprobs depend on batch composition",
                     extra={"fields": {"selftest": selftest.detail}})
-    if os.environ.get(TEST_DRIFT_ENV) == "1":  # after the self-test: the server claims invariance it lacks
-        log.warning("TEST-ONLY batch drift is ON (%s=1): logprobs depend on the step's token count, "
-                    "while the fingerprint still says -bi", TEST_DRIFT_ENV)
-        install_batch_drift(engine)
+    for hook in hooks.after_selftest:
+        hook(engine)
     return loaded, engine, selftest
 
 
-def build_state(config: Config) -> ServerState:
+def build_state(config: Config, hooks: EngineHooks | None = None) -> ServerState:
     """Load the model and self-test it on the model thread that will run the engine (see model_thread.py)."""
+    hooks = hooks or EngineHooks()
     ec = config.engine
     numerics = resolve_numerics(ec.numerics)  # refuses a process that cannot compute on the asked path
     model_thread = ModelThread()
     try:
-        loaded, engine, selftest = model_thread.call(lambda: _load_and_check(config))
+        loaded, engine, selftest = model_thread.call(lambda: _load_and_check(config, hooks))
     except BaseException:
         model_thread.close()
         raise
@@ -105,36 +113,6 @@ def build_state(config: Config) -> ServerState:
                         streams=StreamRegistry(metrics))
     metrics.backlog_sources[0] = state.streams.backlog_bytes
     return state
-
-
-# ---- TEST-ONLY fault injection (off unless STEADYSERVE_TEST_FAULTS=1; never set it in production) ----------
-TEST_FAULTS_ENV = "STEADYSERVE_TEST_FAULTS"
-FAIL_REQUEST_MARKER = "<<fail-request>>"  # that request fails alone, after its second generated token
-KILL_ENGINE_MARKER = "<<kill-engine>>"  # the engine loop itself dies at that request's first step
-
-
-class EngineKilledForTest(BaseException):
-    """TEST-ONLY: a BaseException, so the per-request handler (which catches Exception) lets it kill the loop."""
-
-
-def install_test_faults(engine: LLMEngine) -> None:
-    """TEST-ONLY: install LLMEngine.fault_hook reacting to marker strings in a request's prompt."""
-    log.warning("TEST-ONLY fault injection is ON (%s=1): prompts containing %s fail, %s kills the engine",
-                TEST_FAULTS_ENV, FAIL_REQUEST_MARKER, KILL_ENGINE_MARKER)
-    tok = engine.tokenizer
-
-    def hook(seq: Any) -> None:
-        kind = getattr(seq, "_test_fault", None)
-        if kind is None:
-            text = tok.decode(seq.request.prompt_token_ids)
-            kind = "kill" if KILL_ENGINE_MARKER in text else "fail" if FAIL_REQUEST_MARKER in text else ""
-            seq._test_fault = kind
-        if kind == "kill":
-            raise EngineKilledForTest("test fault: engine loop killed")
-        if kind == "fail" and seq.num_generated_tokens >= 2:
-            raise RuntimeError("test fault: request failed")
-
-    engine.fault_hook = hook
 
 
 # Kernel send buffer of each HTTP connection (accepted sockets inherit it from the listener; Linux
@@ -161,8 +139,9 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 class Server:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, hooks: EngineHooks | None = None) -> None:
         self.config = config
+        self.hooks = hooks  # start-up hooks on the engine: none in production (see EngineHooks)
         self.state: ServerState | None = None
         self.exit_code = EXIT_OK
         self._stop = asyncio.Event()
@@ -170,7 +149,7 @@ class Server:
         self.grpc: Any = None
 
     def startup(self) -> ServerState:
-        self.state = build_state(self.config)
+        self.state = build_state(self.config, self.hooks)
         if self.config.engine.batch_invariant and self.state.selftest and not self.state.selftest.passed:
             self.exit_code = EXIT_SELFTEST_FAILED
         return self.state

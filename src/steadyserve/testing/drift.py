@@ -6,17 +6,14 @@ batched), and on how the sequence was computed (prefill vs decode, scored vs gen
 what batch invariance rules out. A uniform shift of a row keeps its argmax and its softmax, so greedy and
 seeded tokens stay the same and only the reported logprobs drift: the checks must catch it by the bits.
 
-The server installs it after its self-test when STEADYSERVE_TEST_DRIFT=1, so it still claims to be
-batch-invariant (fingerprint ...-bi) while it is not. Never set that outside tests.
+Servers started through steadyserve.testing.serve --test-drift install it after their self-test, so they
+still claim to be batch-invariant (fingerprint ...-bi) while they are not.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 from typing import Any, Callable
-
-TEST_DRIFT_ENV = "STEADYSERVE_TEST_DRIFT"
-
 
 def install_batch_drift(engine: Any, scale: float = 2.0 ** -10) -> Callable[[], None]:
     """Wrap engine.runner.execute; returns a function that restores it."""

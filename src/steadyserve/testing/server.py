@@ -22,11 +22,14 @@ from pathlib import Path
 
 class ServerProcess:
     def __init__(self, model: str, *args: str, env: dict[str, str] | None = None, startup_timeout: float = 180.0,
-                 threads: int = 2) -> None:
+                 threads: int = 2, test_faults: bool = False, test_drift: bool = False) -> None:
+        """`test_faults` / `test_drift`: start through steadyserve.testing.serve with those TEST-ONLY hooks."""
         self._dir = tempfile.mkdtemp(prefix="steadyserve-test-")
         self.ready_file = Path(self._dir) / "ready.json"
         self.log_path = Path(self._dir) / "server.log"
-        argv = [sys.executable, "-m", "steadyserve.cli", "serve", "--model", model, "--http-port", "0",
+        hooks = ["--test-faults"] * test_faults + ["--test-drift"] * test_drift
+        entry = ["steadyserve.testing.serve", *hooks] if hooks else ["steadyserve.cli", "serve"]
+        argv = [sys.executable, "-m", *entry, "--model", model, "--http-port", "0",
                 "--grpc-port", "0", "--ready-file", str(self.ready_file), "--threads", str(threads), *args]
         self.argv = argv
         self._log = open(self.log_path, "wb")

@@ -1,0 +1,41 @@
+"""TEST-ONLY entry point: `steadyserve serve` with the test suite's start-up hooks.
+
+    python -m steadyserve.testing.serve [--test-faults] [--test-drift] SERVE-FLAGS...
+
+--test-faults: engine faults on marker prompts (testing/faults.py). --test-drift: batch drift installed after
+the self-test, so the server claims invariance it lacks (testing/drift.py). The production server reads no
+switch for either; only this module, which tests start, installs them.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from ..api.server import EngineHooks
+from ..cli import build_parser, cmd_serve
+from .drift import install_batch_drift
+from .faults import install_test_faults
+
+log = logging.getLogger("steadyserve.testing")
+
+
+def main(argv: list[str]) -> int:
+    hooks = EngineHooks()
+    if "--test-faults" in argv:
+        argv = [a for a in argv if a != "--test-faults"]
+        hooks.after_engine.append(install_test_faults)
+    if "--test-drift" in argv:
+        argv = [a for a in argv if a != "--test-drift"]
+
+        def drift(engine) -> None:
+            log.warning("TEST-ONLY batch drift is ON: logprobs depend on the step's token count, while the "
+                        "fingerprint still says -bi")
+            install_batch_drift(engine)
+
+        hooks.after_selftest.append(drift)
+    return cmd_serve(build_parser().parse_args(["serve", *argv]), hooks)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
