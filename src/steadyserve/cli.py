@@ -106,7 +106,7 @@ def cmd_serve(a: argparse.Namespace, hooks: Any = None) -> int:
 
 def cmd_info(a: argparse.Namespace) -> int:
     """Load the model, run the self-test, print what a server would stamp on its responses."""
-    from .api.server import build_state
+    from .api.startup import build_state
     from .logs import setup_logging
     from .models.loader import LoadError
 

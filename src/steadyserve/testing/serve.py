@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from ..api.server import EngineHooks
+from ..api.startup import EngineHooks
 from ..cli import build_parser, cmd_serve
 from .drift import install_batch_drift
 from .faults import install_test_faults

@@ -1,0 +1,93 @@
+"""Process wiring: load the model, size the KV cache, self-test, and assemble what the front ends share.
+
+`build_state` runs on the model thread that will then run the engine (see engine/model_thread.py), and
+returns the ServerState the HTTP and gRPC servers are built on; api/server.py serves it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..config import Config
+from ..engine.async_engine import AsyncEngine
+from ..engine.engine import LLMEngine
+from ..engine.model_thread import ModelThread
+from ..engine.selftest import SelfTestResult, run_selftest
+from ..metrics import Metrics
+from ..models.loader import Fingerprint, LoadedModel, load_model
+from ..numerics import resolve as resolve_numerics
+from .state import ServerState
+from .streams import StreamRegistry
+
+log = logging.getLogger("steadyserve.server")
+
+
+@dataclass
+class EngineHooks:
+    """Functions run on the engine while the server starts, on the model thread. Production passes none; the
+    test suite's entry point (steadyserve.testing.serve) installs its fault and drift hooks through them."""
+
+    after_engine: list[Callable[[LLMEngine], None]] = field(default_factory=list)  # before the self-test
+    after_selftest: list[Callable[[LLMEngine], None]] = field(default_factory=list)  # after it
+
+
+def _load_and_check(config: Config, hooks: EngineHooks) -> tuple[LoadedModel, LLMEngine, SelfTestResult]:
+    """Load the model, size the KV cache, run the self-test (on the model thread)."""
+    mc, ec = config.model, config.engine
+    loaded = load_model(mc.path, mc.device, mc.dtype, batch_invariant=ec.batch_invariant, row_tile=ec.row_tile,
+                        max_model_len=ec.max_model_len, name=mc.name, cache_dir=mc.cache_dir,
+                        attention=ec.attention, block_size=ec.block_size)
+    log.info("model loaded", extra={"fields": {
+        "model": loaded.name, "architecture": loaded.args.architecture, "params": loaded.args.num_params,
+        "device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch."),
+        "load_s": round(loaded.load_seconds, 2), "cached": loaded.from_cache, "context": loaded.max_model_len}})
+    engine = LLMEngine(loaded, ec)
+    for hook in hooks.after_engine:
+        hook(engine)
+    log.info("kv cache allocated", extra={"fields": {
+        "budget_bytes": ec.kv_cache_memory, "blocks": engine.kv.num_blocks, "block_size": ec.block_size,
+        "token_capacity": engine.kv.num_blocks * ec.block_size, "max_num_seqs": ec.max_num_seqs,
+        "max_queue": ec.max_queue, "threads": ec.num_threads}})
+    selftest = run_selftest(engine)
+    if ec.batch_invariant:
+        (log.info if selftest.passed else log.error)("batch-invariance self-test", extra={"fields": {
+            "passed": selftest.passed, "detail": selftest.detail}})
+    else:
+        log.warning("batch invariance is OFF (--no-batch-invariant): logprobs depend on batch composition",
+                    extra={"fields": {"selftest": selftest.detail}})
+    for hook in hooks.after_selftest:
+        hook(engine)
+    return loaded, engine, selftest
+
+
+def build_state(config: Config, hooks: EngineHooks | None = None) -> ServerState:
+    """Load the model and self-test it on the model thread that will run the engine (see model_thread.py)."""
+    hooks = hooks or EngineHooks()
+    ec = config.engine
+    numerics = resolve_numerics(ec.numerics)  # refuses a process that cannot compute on the asked path
+    model_thread = ModelThread()
+    try:
+        loaded, engine, selftest = model_thread.call(lambda: _load_and_check(config, hooks))
+    except BaseException:
+        model_thread.close()
+        raise
+    fp = Fingerprint(loaded.weights_hash[:12], str(loaded.dtype).removeprefix("torch."), str(loaded.device),
+                     ec.batch_invariant and selftest.passed, loaded.model.kernel_id, numerics.numerics_id)
+    log.info("model fingerprint", extra={"fields": {"fingerprint": str(fp)}})
+    async_engine = AsyncEngine(engine, ec.max_queue, model_thread)
+    metrics = Metrics(loaded.name, str(fp), fp.device, fp.dtype, fp.batch_invariant)
+    async_engine.step_observers.append(metrics.on_step)
+    async_engine.state_observers.append(metrics.on_state)
+    metrics.device_mismatch.set(0 if _device_matches(config.model.device, fp.device) else 1)
+    state = ServerState(config=config, loaded=loaded, engine=async_engine, fingerprint=fp,
+                        selftest=selftest if ec.batch_invariant else None, metrics=metrics,
+                        streams=StreamRegistry(metrics))
+    metrics.backlog_sources[0] = state.streams.backlog_bytes
+    return state
+
+
+def _device_matches(asked: str, actual: str) -> bool:
+    """`auto` matches anything; `cuda` matches any CUDA device; otherwise exactly."""
+    return asked == "auto" or actual == asked or (asked == "cuda" and actual.startswith("cuda:"))
