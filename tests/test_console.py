@@ -111,7 +111,7 @@ def test_pages_send_strict_csp_and_carry_no_inline_code(keyed):
         assert "unsafe" not in csp and directives["frame-ancestors"] == "'none'"
         assert "ws:" in directives["connect-src"]
         assert r.headers["x-content-type-options"] == "nosniff"
-    static = Path(__file__).resolve().parent.parent / "src/steadyserve/api/http/static"
+    static = Path(__file__).resolve().parent.parent / "src/steadyserve/api/console/static"
     for f in static.iterdir():
         text = f.read_text()
         if f.suffix == ".html":

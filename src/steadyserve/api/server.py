@@ -26,6 +26,7 @@ import uvicorn
 
 from ..config import Config
 from ..metrics import sample_loop_lag
+from .console import mount_console
 from .http.app import create_app
 from .http.envelope import Envelope
 from .startup import EngineHooks, build_state
@@ -95,7 +96,9 @@ class Server:
 
         sock = _bind(sc.host, sc.http_port)
         http_port = sock.getsockname()[1]
-        ucfg = uvicorn.Config(Envelope(create_app(state), state), log_config=None, access_log=False,
+        app = create_app(state)
+        mount_console(app, state)  # the web console: /, /playground, /static/*, /v1/console/*
+        ucfg = uvicorn.Config(Envelope(app, state), log_config=None, access_log=False,
                               lifespan="off", ws_max_size=sc.max_request_bytes, timeout_graceful_shutdown=3,
                               ssl_certfile=sc.tls_cert or None, ssl_keyfile=sc.tls_key or None,
                               timeout_keep_alive=5)

@@ -32,7 +32,7 @@ class ServerState:
     started_at: float = field(default_factory=time.time)
     metrics: Any = None  # steadyserve.metrics.Metrics, when enabled
     streams: StreamRegistry = field(default_factory=StreamRegistry)
-    # The last finished requests, newest last, for the web console's table (api/http/console.py).
+    # The last finished requests, newest last, for the web console's table (api/console/routes.py).
     recent: deque = field(default_factory=lambda: deque(maxlen=200))
 
     @property

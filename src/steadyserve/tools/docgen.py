@@ -123,10 +123,14 @@ def cli_reference() -> str:
 
 def build_http_app() -> Any:
     """The HTTP app, built without a model: enough to read its routes and OpenAPI schema."""
+    from ..api.console import mount_console
     from ..api.http.app import create_app
     from ..config import Config
 
-    return create_app(SimpleNamespace(config=Config(), metrics=None))  # type: ignore[arg-type]
+    state = SimpleNamespace(config=Config(), metrics=None)
+    app = create_app(state)  # type: ignore[arg-type]
+    mount_console(app, state)  # its JSON endpoints are part of the HTTP API too
+    return app
 
 
 def _type_of(prop: dict[str, Any]) -> str:

@@ -21,7 +21,6 @@ from ...engine.sequence import InvalidRequest
 from ...platform_info import platform_info, row_tiles_of
 from ..protocol import encode_prompt, render_chat
 from ..state import ServerState
-from .console import mount_console
 from .errors import admission_response, error_response
 from .inputs import BadRequest, Prepared, derived_seed, find_surrogate, read_json, submit_unique_all, validation_message
 from .openai_format import Accumulated, Formatter, full_body, mean_logprob, sum_usage
@@ -326,7 +325,6 @@ def create_app(state: ServerState) -> FastAPI:
                              "list of token ids", "prompt", "invalid_value")
         return kind, prep.prompts[0], prep.params[0], None
 
-    mount_console(app, state)  # the web console: /, /playground, /static/*, /v1/console/*
     app.openapi = lambda: openapi_schema(app)  # type: ignore[method-assign]
     return app
 
