@@ -71,3 +71,42 @@ def test_cancelled_grpc_streams_are_each_recorded_once(srv) -> None:
     time.sleep(0.5)
     assert finished_total(srv) == before + n
     assert sorted(r["request_id"] for r in done_lines(srv, "cancel-")) == sorted(f"cancel-{i}" for i in range(n))
+
+
+def test_a_thousand_requests_with_disconnects_leave_no_per_request_state(srv) -> None:
+    """1,000 requests, a third hung up unread, a third streamed to the end, a third whole: every one finishes
+    exactly once in the counts, and the metrics' per-request state returns to 0."""
+    import asyncio
+
+    import httpx
+
+    before = finished_total(srv)
+    n = 1000
+    body = {"prompt": "the fox", "max_tokens": 3, "ignore_eos": True}
+
+    async def run() -> None:
+        gate = asyncio.Semaphore(32)  # well inside the server's capacity: nothing is refused
+        async with httpx.AsyncClient(base_url=srv.http_url, timeout=60) as client:
+            async def one(i: int) -> None:
+                async with gate:
+                    if i % 3 == 0:  # hang up unread
+                        raw = json.dumps({**body, "stream": True}).encode()
+                        _, w = await asyncio.open_connection("127.0.0.1", srv.http_port)
+                        w.write(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                                + f"content-length: {len(raw)}\r\n\r\n".encode() + raw)
+                        await w.drain()
+                        w.close()
+                    elif i % 3 == 1:
+                        async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                            await r.aread()
+                    else:
+                        assert (await client.post("/v1/completions", json=body)).status_code == 200
+
+            await asyncio.gather(*(one(i) for i in range(n)))
+
+    asyncio.run(run())
+    wait_for(lambda: finished_total(srv) >= before + n, 120, what="every request finished")
+    wait_for(lambda: srv.metric("steadyserve_requests_tracked") == 0, 30, what="no tracked requests")
+    time.sleep(0.5)
+    assert finished_total(srv) == before + n
+    assert srv.metric("steadyserve_requests_tracked") == 0

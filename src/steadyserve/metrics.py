@@ -109,6 +109,9 @@ class Metrics:
                                      registry=r)
         self.admitted = Counter(p + "requests_admitted_total", "Requests admitted, by transport.", ["transport"],
                                 registry=r)
+        self.tracked = Gauge(p + "requests_tracked", "Requests the metrics hold per-request state for (their last "
+                             "token's time); back to 0 whenever the server is idle, or state leaks.", registry=r)
+        self.tracked.set_function(lambda: len(self._last_token_time))
         r.register(_ProcessCollector(device))
         self.model_info.labels(model, fingerprint, device, dtype, str(batch_invariant).lower()).set(1)
         for reason in FINISH_REASONS:
