@@ -96,8 +96,6 @@ def cli_reference() -> str:
         for a in actions:
             flag = max(a.option_strings, key=len)
             names = " / ".join(f"`{o}`" for o in a.option_strings)
-            if getattr(a, "option_strings", None) and len(a.option_strings) == 2 and a.option_strings[1].startswith("--no-"):
-                names = f"`{a.option_strings[0]}` / `{a.option_strings[1]}`"
             field, meaning = comments.get(flag.replace("--no-", "--"), ("", ""))
             helptext = (a.help or "").replace("%(default)s", str(a.default))
             if not helptext:

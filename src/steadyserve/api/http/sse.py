@@ -99,13 +99,17 @@ class SSEResponse(Response):
         try:
             open_choices = len(readers)
             while open_choices:
-                i, batch = await queue.get()
-                if batch is None:
-                    open_choices -= 1
-                    continue
-                while not queue.empty() and queue._queue[0][0] == i and queue._queue[0][1] is not None:  # type: ignore[attr-defined]
-                    batch = batch + queue.get_nowait()[1]  # a slow reader gets fewer, bigger batches
-                yield i, batch
+                items = [await queue.get()]
+                while not queue.empty():  # everything available at once: a slow reader gets fewer, bigger batches
+                    items.append(queue.get_nowait())
+                merged: dict[int, list] = {}  # choice -> its outputs in order
+                for i, batch in items:
+                    if batch is None:
+                        open_choices -= 1
+                    else:
+                        merged.setdefault(i, []).extend(batch)
+                for i, batch in merged.items():
+                    yield i, batch
         finally:
             for r in readers:
                 r.cancel()
