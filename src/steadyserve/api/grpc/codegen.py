@@ -7,7 +7,10 @@ protoc runs with `-I proto`, so the descriptors keep their canonical name
 (`steadyserve/v1/inference.proto`, what reflection shows). protoc's Python
 plugin then writes absolute imports (`from steadyserve.v1 import ...`) that
 would resolve against our own `steadyserve` package; they are rewritten to
-relative imports, which is the only edit made to protoc's output.
+relative imports. The messages' module name (`steadyserve.v1.inference_pb2`, which
+cannot be imported) becomes the module's real name, so that the messages pickle (Ray
+Serve's gRPC proxy pickles each request to its replica). Those are the only two edits
+made to protoc's output.
 
 This is a development action: it needs grpcio-tools (a test extra); the
 server itself imports only grpcio and protobuf.
@@ -26,6 +29,7 @@ OUT_DIR = ROOT / "src" / "steadyserve" / "api" / "protos"
 PROTO_FILES = ("steadyserve/v1/inference.proto",)
 
 _ABS_IMPORT = re.compile(r"^from steadyserve\.v1 import (\w+) as (\w+)$", re.MULTILINE)
+_MODULE_NAME = re.compile(r"(BuildTopDescriptorsAndMessages\(DESCRIPTOR, )'[\w.]+'")
 # Lines that name the generator's version, not the proto's content: the staleness check ignores
 # them so a patch-level grpcio-tools difference between machines is not reported as stale stubs.
 _VERSION_LINES = re.compile(r"^(# Protobuf Python Version:.*|GRPC_GENERATED_VERSION = .*|"
@@ -56,7 +60,8 @@ def generate(out_dir: Path) -> list[Path]:
         stem = Path(proto).stem
         for name in (f"{stem}_pb2.py", f"{stem}_pb2.pyi", f"{stem}_pb2_grpc.py"):
             path = pkg_dir / name
-            path.write_text(_ABS_IMPORT.sub(r"from . import \1 as \2", path.read_text()))
+            text = _ABS_IMPORT.sub(r"from . import \1 as \2", path.read_text())
+            path.write_text(_MODULE_NAME.sub(r"\1__name__", text))
             written.append(path)
     return written
 

@@ -1,0 +1,89 @@
+"""build_app: the Ray Serve application (an Ingress in front of EngineReplica deployments).
+
+`serve run` / `serve deploy` name it as `import_path: steadyserve.ray:build_app`; its `args` are
+RayAppArgs. The engine's settings are `steadyserve serve`'s own flags (`serve_args`), parsed by the
+CLI's own parser and validated by the one config tree before anything deploys; Ray's options of the
+two deployments pass through as Ray Serve's LLM deployments take theirs (`deployment_config`).
+
+Defaults that keep the project's guarantees behind Ray's router:
+- max_ongoing_requests = --max-num-seqs + --max-queue: Ray never sends a replica more than its
+  engine admits, so a replica's own 429 only happens when clients bypass Ray;
+- max_queued_requests = --max-queue: beyond that, Ray's router refuses (429 / RESOURCE_EXHAUSTED)
+  instead of queueing without bound;
+- graceful_shutdown_timeout_s = --drain-timeout: a replica scaled down finishes its streams first;
+- autoscaling, when asked for, targets --max-num-seqs ongoing requests per replica.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+from ray import serve
+from ray.serve import Application
+
+from ..cli import build_parser, config_from_args
+from ..config import Config
+from .child import refuse_owned_flags
+from .ingress import Ingress
+from .replica import EngineReplica
+
+_INGRESS_DEFAULTS: dict[str, Any] = {
+    "num_replicas": 1,
+    # The ingress only forwards; Ray's bound that matters is the engine deployment's.
+    "max_ongoing_requests": 4096,
+    "ray_actor_options": {"num_cpus": 0.1},
+}
+
+
+class RayAppArgs(BaseModel):
+    """The `args:` of a Serve config's application (deploy/ray/serve.yaml)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    serve_args: list[str] = Field(default_factory=list, description="flags of `steadyserve serve`, as on the "
+                                  "command line (--model, --kv-cache-memory, --max-queue, ...); --host and the "
+                                  "ports are each replica's own")
+    deployment_config: dict[str, Any] = Field(default_factory=dict, description="Ray Serve options of the engine "
+                                              "deployment (num_replicas or autoscaling_config, "
+                                              "max_ongoing_requests, max_queued_requests, ray_actor_options, ...)")
+    ingress_config: dict[str, Any] = Field(default_factory=dict, description="Ray Serve options of the ingress")
+
+
+def parse_serve_args(serve_args: list[str]) -> Config:
+    """The config tree of `steadyserve serve <serve_args>`; raises ValueError naming the flag."""
+    refuse_owned_flags(serve_args)
+    try:
+        return config_from_args(build_parser().parse_args(["serve", *serve_args]))
+    except SystemExit:  # argparse printed the problem to stderr
+        raise ValueError(f"serve_args: not valid `steadyserve serve` flags: {serve_args}") from None
+
+
+def engine_options(cfg: Config, given: dict[str, Any]) -> dict[str, Any]:
+    """Ray options of the engine deployment: the defaults above, overridden by `given`."""
+    ec, sc = cfg.engine, cfg.server
+    options: dict[str, Any] = {
+        "max_ongoing_requests": ec.max_num_seqs + ec.max_queue,
+        "max_queued_requests": max(ec.max_queue, 1),
+        "graceful_shutdown_timeout_s": sc.drain_timeout + 5,
+        "graceful_shutdown_wait_loop_s": 0.5,
+        "health_check_period_s": 2.0,
+        "health_check_timeout_s": 10.0,
+        "ray_actor_options": {"num_cpus": ec.threads or 1},
+    }
+    options.update(given)
+    auto = options.get("autoscaling_config")
+    if isinstance(auto, dict):
+        options["autoscaling_config"] = {"target_ongoing_requests": ec.max_num_seqs, **auto}
+        options.pop("num_replicas", None)
+    return options
+
+
+def build_app(args: dict[str, Any]) -> Application:
+    """Ray Serve's application builder (`import_path: steadyserve.ray:build_app`)."""
+    a = RayAppArgs.model_validate(args or {})
+    cfg = parse_serve_args(a.serve_args)
+    engine = serve.deployment(EngineReplica, name="EngineReplica").options(
+        **engine_options(cfg, a.deployment_config))
+    ingress = serve.deployment(Ingress, name="Ingress").options(**{**_INGRESS_DEFAULTS, **a.ingress_config})
+    return ingress.bind(engine.bind(a.serve_args, cfg.server.drain_timeout), cfg.server.max_request_bytes)

@@ -1,0 +1,236 @@
+"""The Ingress deployment: Ray Serve's HTTP and gRPC proxies reach steadyserve through it.
+
+It runs no model code: every request goes through Ray's router (a DeploymentHandle) to an
+EngineReplica and comes back as it was produced there. What it adds is what a proxy in front of
+several replicas must say itself, in the server's own error shapes:
+
+- overload: Ray's router refuses a request beyond max_queued_requests (BackPressureError), answered
+  429 + Retry-After / RESOURCE_EXHAUSTED + retry-after-ms, never queued without bound;
+- a replica lost before answering (killed, crashed): one retry on another replica, else 503 / UNAVAILABLE;
+- a replica lost mid-stream: the stream ends with an explicit error event (SSE), error frame and close
+  1011 (WebSocket) or UNAVAILABLE (gRPC), code `replica_lost`; never a silently short stream.
+"""
+
+# No `from __future__ import annotations` here: FastAPI reads the route handlers' annotations at run time
+# (Request, WebSocket), and Ray's class-based ingress wraps them where string annotations do not resolve.
+
+import json
+import logging
+from typing import Any, AsyncIterator
+
+import grpc
+from fastapi import FastAPI, Request, WebSocket
+from fastapi.responses import Response, StreamingResponse
+from ray import serve
+from ray.serve.exceptions import BackPressureError
+from starlette.websockets import WebSocketDisconnect
+
+from ..api.grpc import ERROR_CODE_KEY, PUSHBACK_KEY, RETRY_AFTER_KEY
+
+log = logging.getLogger("steadyserve.ray")
+
+RETRY_AFTER_S = 1  # what a refused client is told to wait: Ray's queue turns over within a request's time
+_LOST = "the replica serving this request stopped before it finished ({why}); retry the request"
+_RAY_METADATA = {"application", "multiplexed_model_id", "request_id", "user-agent", "content-type", "te"}
+
+app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
+
+
+def _error_json(message: str, type_: str, code: str) -> bytes:
+    return json.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}}).encode()
+
+
+def _overloaded(e: Exception) -> Response:
+    return Response(_error_json(f"all replicas are busy and Ray's queue is full ({e}); retry later", "overloaded",
+                                "overloaded"), status_code=429, media_type="application/json",
+                    headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def _lost(why: str) -> Response:
+    return Response(_error_json(_LOST.format(why=why), "unavailable", "replica_lost"), status_code=503,
+                    media_type="application/json", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+async def _first(stream: Any) -> Any:
+    """The first item of a handle's response stream; BackPressureError and replica loss propagate."""
+    return await stream.__anext__()
+
+
+class _Raw:
+    """A response message already serialized by the replica's server: Ray's replica calls
+    SerializeToString() on what a gRPC method returns, so the bytes pass through untouched."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def SerializeToString(self) -> bytes:  # noqa: N802 (protobuf's name)
+        return self.data
+
+
+def _metadata(grpc_context: Any) -> list[tuple[str, str]]:
+    """The client's metadata, less what Ray's proxy and gRPC itself set."""
+    return [(k, v) for k, v in grpc_context.invocation_metadata()
+            if k not in _RAY_METADATA and not k.startswith((":", "grpc-")) and isinstance(v, str)]
+
+
+def _set_status(grpc_context: Any, status: dict[str, Any]) -> None:
+    grpc_context.set_trailing_metadata(status["trailers"])
+    code = next(c for c in grpc.StatusCode if c.value[0] == status["code"])
+    if code != grpc.StatusCode.OK:
+        grpc_context.set_code(code)
+        grpc_context.set_details(status["details"])
+
+
+def _grpc_refusal(grpc_context: Any, e: Exception) -> None:
+    if isinstance(e, BackPressureError):
+        ms = str(RETRY_AFTER_S * 1000)
+        grpc_context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
+        grpc_context.set_details(f"all replicas are busy and Ray's queue is full ({e}); retry later")
+        grpc_context.set_trailing_metadata([(ERROR_CODE_KEY, "overloaded"), (RETRY_AFTER_KEY, ms), (PUSHBACK_KEY, ms)])
+    else:
+        grpc_context.set_code(grpc.StatusCode.UNAVAILABLE)
+        grpc_context.set_details(_LOST.format(why=type(e).__name__))
+        grpc_context.set_trailing_metadata([(ERROR_CODE_KEY, "replica_lost")])
+
+
+# serve.ingress copies the class when it is decorated: everything its methods use is defined above it.
+@serve.ingress(app)
+class Ingress:
+    def __init__(self, engine: Any, max_request_bytes: int) -> None:
+        self.engine = engine.options(stream=True)  # DeploymentHandle to EngineReplica, streaming calls
+        self.max_request_bytes = max_request_bytes
+
+    async def _open(self, method: str, *args: Any) -> tuple[Any, Any]:
+        """Start a streaming call and take its first item. A replica lost before it produced anything is
+        retried once (nothing reached the client yet); Ray's router picks another replica."""
+        for attempt in (1, 2):
+            stream = getattr(self.engine, method).remote(*args)
+            try:
+                return stream, await _first(stream)
+            except BackPressureError:
+                raise
+            except Exception as e:  # RayActorError, ActorDiedError, ActorUnavailableError, ...
+                if attempt == 2:
+                    raise
+                log.warning("replica lost before answering; retrying once", extra={"fields": {"error": repr(e)}})
+        raise AssertionError("unreachable")
+
+    @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"])
+    async def forward(self, path: str, request: Request) -> Response:
+        body = b""
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > self.max_request_bytes:
+                return Response(_error_json(f"request body exceeds {self.max_request_bytes} bytes "
+                                            "(--max-request-bytes)", "invalid_request_error", "request_too_large"),
+                                status_code=413, media_type="application/json")
+        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers.raw]
+        try:
+            stream, head = await self._open("http_request", request.method, "/" + path, request.url.query,
+                                            headers, body)
+        except BackPressureError as e:
+            return _overloaded(e)
+        except Exception as e:
+            return _lost(type(e).__name__)
+        status, out = head["status"], head["headers"]
+        media = next((v for k, v in out if k.lower() == "content-type"), "")
+        if media.startswith("text/event-stream"):
+            return StreamingResponse(self._events(stream), status_code=status, headers=dict(out))
+        try:  # a whole JSON body is small: collect it, so a replica lost halfway still gets a clean 503
+            content = b"".join([chunk async for chunk in stream])
+        except Exception as e:
+            return _lost(type(e).__name__)
+        return Response(content, status_code=status, headers=dict(out))
+
+    async def _events(self, stream: Any) -> AsyncIterator[bytes]:
+        finished = False
+        try:
+            async for chunk in stream:
+                yield chunk
+            finished = True
+        except Exception as e:
+            finished = True
+            log.warning("replica lost mid-stream; ending the stream with an error event",
+                        extra={"fields": {"error": repr(e)}})
+            yield b"data: " + _error_json(_LOST.format(why=type(e).__name__), "server_error", "replica_lost") \
+                + b"\n\n" + b"data: [DONE]\n\n"
+        finally:
+            if not finished:  # the client went away: stop the request on the replica
+                stream.cancel()
+
+    @app.websocket("/{path:path}")
+    async def forward_ws(self, path: str, ws: WebSocket) -> None:
+        protocols = [p.strip() for p in ws.headers.get("sec-websocket-protocol", "").split(",") if p.strip()]
+        await ws.accept(subprotocol=protocols[0] if protocols else None)
+        try:
+            first = await ws.receive()
+        except WebSocketDisconnect:
+            return
+        if first["type"] == "websocket.disconnect":
+            return
+        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in ws.headers.raw]
+        try:
+            stream, item = await self._open("websocket_session", "/" + path, ws.url.query, headers,
+                                            {"text": first.get("text"), "bytes": first.get("bytes")})
+        except BackPressureError as e:
+            return await self._ws_fail(ws, 1013, f"all replicas are busy and Ray's queue is full ({e}); retry "
+                                       "later", "overloaded", "overloaded")
+        except Exception as e:
+            return await self._ws_fail(ws, 1011, _LOST.format(why=type(e).__name__), "unavailable", "replica_lost")
+        try:
+            while "close" not in item:
+                await (ws.send_text(item["text"]) if "text" in item else ws.send_bytes(item["bytes"]))
+                item = await stream.__anext__()
+            await ws.close(item["close"], item["reason"])
+        except (WebSocketDisconnect, RuntimeError, OSError):
+            stream.cancel()  # the client went away
+        except StopAsyncIteration:
+            await ws.close(1000)
+        except Exception as e:
+            await self._ws_fail(ws, 1011, _LOST.format(why=type(e).__name__), "server_error", "replica_lost")
+
+    @staticmethod
+    async def _ws_fail(ws: WebSocket, close: int, message: str, type_: str, code: str) -> None:
+        try:
+            await ws.send_text(json.dumps({"type": "error", **json.loads(_error_json(message, type_, code))}))
+            await ws.close(close)
+        except (WebSocketDisconnect, RuntimeError, OSError):
+            pass
+
+    # gRPC: Ray Serve's gRPC proxy calls the method named as the RPC, with the parsed request.
+
+    async def Score(self, request: Any, grpc_context: Any) -> Any:
+        return await self._unary("Score", request, grpc_context)
+
+    async def GetModelInfo(self, request: Any, grpc_context: Any) -> Any:
+        return await self._unary("GetModelInfo", request, grpc_context)
+
+    async def Tokenize(self, request: Any, grpc_context: Any) -> Any:
+        return await self._unary("Tokenize", request, grpc_context)
+
+    async def Generate(self, request: Any, grpc_context: Any) -> AsyncIterator[Any]:
+        try:
+            stream, item = await self._open("grpc_call", "Generate", request.SerializeToString(),
+                                            _metadata(grpc_context), True)
+        except Exception as e:
+            _grpc_refusal(grpc_context, e)
+            return
+        try:
+            while isinstance(item, bytes):
+                yield _Raw(item)
+                item = await stream.__anext__()
+        except Exception as e:
+            _grpc_refusal(grpc_context, e)
+            return
+        _set_status(grpc_context, item)
+
+    async def _unary(self, method: str, request: Any, grpc_context: Any) -> Any:
+        try:
+            stream, item = await self._open("grpc_call", method, request.SerializeToString(),
+                                            _metadata(grpc_context), False)
+            status = item if isinstance(item, dict) else await stream.__anext__()
+        except Exception as e:
+            _grpc_refusal(grpc_context, e)
+            return _Raw(b"")
+        _set_status(grpc_context, status)
+        return _Raw(item if isinstance(item, bytes) else b"")
