@@ -26,6 +26,7 @@ from ray.serve.exceptions import BackPressureError
 from starlette.websockets import WebSocketDisconnect
 
 from ..api.grpc import ERROR_CODE_KEY, PUSHBACK_KEY, RETRY_AFTER_KEY
+from ..api.protos.steadyserve.v1.inference_pb2 import GenerateResponse
 
 log = logging.getLogger("steadyserve.ray")
 
@@ -54,6 +55,10 @@ def _lost(why: str) -> Response:
 async def _first(stream: Any) -> Any:
     """The first item of a handle's response stream; BackPressureError and replica loss propagate."""
     return await stream.__anext__()
+
+
+class CallEnded(Exception):
+    """Ends a streamed gRPC call with the code already set on its context (Ray's proxy reads it)."""
 
 
 class _Raw:
@@ -209,20 +214,32 @@ class Ingress:
         return await self._unary("Tokenize", request, grpc_context)
 
     async def Generate(self, request: Any, grpc_context: Any) -> AsyncIterator[Any]:
+        # Ray's proxy copies grpc_context onto the call only as a message goes out, and turns a raised
+        # exception into the code set here (without trailers). So the stream's `final` message is held
+        # back until the server's status has arrived: status and trailers (the fingerprint) ride on it.
+        held, stream, done = None, None, False
         try:
             stream, item = await self._open("grpc_call", "Generate", request.SerializeToString(),
                                             _metadata(grpc_context), True)
-        except Exception as e:
-            _grpc_refusal(grpc_context, e)
-            return
-        try:
             while isinstance(item, bytes):
-                yield _Raw(item)
+                if GenerateResponse.FromString(item).HasField("final"):
+                    held = item
+                else:
+                    yield _Raw(item)
                 item = await stream.__anext__()
+            done = True
         except Exception as e:
+            done = True
             _grpc_refusal(grpc_context, e)
-            return
+            raise CallEnded(grpc_context.details()) from None
+        finally:
+            if stream is not None and not done:  # the client cancelled: stop the request on the replica
+                stream.cancel()
         _set_status(grpc_context, item)
+        if held is not None:
+            yield _Raw(held)
+        elif item["code"] != grpc.StatusCode.OK.value[0]:
+            raise CallEnded(item["details"])
 
     async def _unary(self, method: str, request: Any, grpc_context: Any) -> Any:
         try:
