@@ -109,19 +109,13 @@ class RayCluster:
             time.sleep(1)
         raise RuntimeError(f"application {name} not RUNNING (status {status}); logs in {self.dir}/session_latest/logs")
 
-    def replica_pids(self, deployment: str = "EngineReplica") -> list[int]:
-        """The worker processes of the deployment's live replicas (Ray titles them ray::ServeReplica:...)."""
-        pids = []
-        for proc in Path("/proc").iterdir():
-            if not proc.name.isdigit():
-                continue
-            try:
-                cmdline = (proc / "cmdline").read_bytes().decode("utf-8", "replace")
-            except OSError:
-                continue
-            if cmdline.startswith(f"ray::ServeReplica:") and f":{deployment}" in cmdline.split("\0")[0]:
-                pids.append(int(proc.name))
-        return sorted(pids)
+    def replica_pids(self, app: str = "steadyserve", deployment: str = "EngineReplica") -> list[int]:
+        """The worker processes of the deployment's RUNNING replicas, as Serve's controller reports them."""
+        try:
+            replicas = self.applications()[app]["deployments"][deployment]["replicas"]
+        except (OSError, KeyError):
+            return []
+        return sorted(r["pid"] for r in replicas if r.get("state") == "RUNNING")
 
     def stop(self) -> None:
         """`serve shutdown` (replicas drain), then `ray stop`; removes the temporary directory."""

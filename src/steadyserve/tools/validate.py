@@ -38,6 +38,7 @@ class Probe:
     max_batch_seqs: int = 0  # the most sequences this probe shared a step with (HTTP only)
     error: str = ""
     retries: int = 0
+    replica: str = ""  # the x-steadyserve-replica header behind a Ray Serve proxy (HTTP only), else ""
 
 
 def f32(values: list[float]) -> bytes:
@@ -57,7 +58,7 @@ class Runner:
         self.api_key = api_key
         self.num_overloaded = 0
 
-    async def _post(self, body: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    async def _post(self, body: dict[str, Any]) -> tuple[dict[str, Any], int, str]:
         retries = 0
         while True:
             r = await self.client.post(self.http + "/v1/completions", json=body, headers=self.headers)  # type: ignore[operator]
@@ -68,7 +69,7 @@ class Runner:
                 continue
             if r.status_code != 200:
                 raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
-            return r.json(), retries
+            return r.json(), retries, r.headers.get("x-steadyserve-replica", "")
 
     async def http_probe(self, kind: str) -> Probe:
         p = Probe("http", kind)
@@ -78,7 +79,7 @@ class Runner:
         else:
             body.update(max_tokens=self.max_tokens, ignore_eos=True)
         try:
-            data, p.retries = await self._post(body)
+            data, p.retries, p.replica = await self._post(body)
             ch = data["choices"][0]
             p.values = [v for v in ch["logprobs"]["token_logprobs"] if v is not None]
             p.text = ch["text"] if kind == "generate" else ""
@@ -169,6 +170,7 @@ def summarize(probes: list[Probe], seconds: float, num_background: int, num_over
             per_fp[fp] = {
                 "probes": len(group),
                 "by_transport": dict(Counter(p.transport for p in group)),
+                "by_replica": dict(Counter(p.replica for p in group if p.replica)),
                 "distinct_vectors": len(distinct),
                 "distinct_texts": len({p.text for p in group}),
                 "max_abs_drift": _drift([p.values for p in group]),
@@ -247,6 +249,8 @@ def print_summary(rep: dict[str, Any]) -> None:
             print(f"    [{verdict}] fingerprint {fp}: {g['probes']} probes {g['by_transport']}, "
                   f"{g['distinct_vectors']} distinct logprob vector(s) of {g['vector_length']} values, "
                   f"max |drift| {g['max_abs_drift']:.3g}, {g['distinct_texts']} distinct text(s)")
+            if g["by_replica"]:
+                print(f"      HTTP probes per replica (x-steadyserve-replica): {g['by_replica']}")
         if len(k["fingerprints"]) > 1:
             print(f"    note: {len(k['fingerprints'])} fingerprints seen (different replicas/models), compared separately")
     for e in rep["error_examples"]:

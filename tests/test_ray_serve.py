@@ -1,0 +1,320 @@
+"""steadyserve on Ray Serve, on a real local Ray cluster (`ray start --head` on 127.0.0.1, `serve deploy`).
+
+Not Ray's local testing mode: a Ray head, Ray's HTTP and gRPC proxies, an Ingress replica and two
+EngineReplica replicas, each owning a `steadyserve serve` child with the tiny model, exactly as
+`make ray-demo` runs it (scripts/ray_demo.py). Through Ray's proxies: validate finds one vector per
+probe kind across both replicas; the fingerprint header and trailer survive; WebSocket works; 64 SSE
+streams lose a replica to SIGKILL and none ends silently; 5x overload gets only 429 /
+RESOURCE_EXHAUSTED with flat RSS; a downscaled replica finishes its streams; autoscaling adds a
+replica under load. Tests that change the cluster put it back (two replicas), so any order works.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+from websockets.sync.client import connect
+
+from steadyserve.api.protos.steadyserve.v1 import inference_pb2, inference_pb2_grpc
+from steadyserve.tools.sse_client import sse_post
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("ray_demo", ROOT / "scripts" / "ray_demo.py")
+ray_demo = importlib.util.module_from_spec(_spec)
+assert _spec.loader is not None
+_spec.loader.exec_module(ray_demo)
+
+pytestmark = pytest.mark.slow
+# Each replica: 16 running + 16 queued in its engine, so Ray sends it at most 32 (max_ongoing_requests), and
+# Ray's router queues at most 16 more (max_queued_requests): 2 replicas admit 80 requests at once.
+SERVE_ARGS = ["--threads", "1", "--max-num-seqs", "16", "--max-queue", "16", "--drain-timeout", "60"]
+CAPACITY = 2 * 32 + 16
+
+
+class Deployed:
+    def __init__(self, cluster, model: str) -> None:
+        self.cluster = cluster
+        self.model = model
+        self.http_url = f"http://127.0.0.1:{cluster.http_port}"
+        self.grpc_addr = f"127.0.0.1:{cluster.grpc_port}"
+
+    def config(self, replicas: int | None = 2, **deployment_config) -> dict:
+        return ray_demo.render_config(self.cluster.http_port, self.cluster.grpc_port,
+                                      ["--model", self.model, *SERVE_ARGS], replicas, deployment_config)
+
+    def deploy(self, replicas: int | None = 2, **deployment_config) -> None:
+        self.cluster.deploy(self.config(replicas, **deployment_config))
+
+    def num_replicas(self) -> int:
+        """Running EngineReplica replicas, as Serve's controller reports them."""
+        return len(self.cluster.replica_pids())
+
+    def target_replicas(self) -> int:
+        """How many replicas Serve's controller (its autoscaler, or the config) wants."""
+        return self.cluster.applications()["steadyserve"]["deployments"]["EngineReplica"]["target_num_replicas"]
+
+    def wait_replicas(self, n: int, timeout: float = 180) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.num_replicas() == n and all(children_of(p) for p in self.cluster.replica_pids()):
+                return
+            time.sleep(0.5)
+        raise AssertionError(f"expected {n} running replicas, have {self.num_replicas()} "
+                             f"(pids {self.cluster.replica_pids()})")
+
+
+@pytest.fixture(scope="module")
+def ray_app(tiny_model: str):
+    cluster = ray_demo.RayCluster()
+    try:
+        d = Deployed(cluster, tiny_model)
+        d.deploy(2)
+        d.wait_replicas(2)
+        yield d
+    finally:
+        cluster.stop()
+
+
+def run_validate(d: Deployed, n: int = 120) -> dict:
+    r = subprocess.run([sys.executable, "-m", "steadyserve.cli", "validate", "--http", d.http_url, "--grpc",
+                        d.grpc_addr, "-n", str(n), "-c", "16", "--json"], capture_output=True, text=True, timeout=300)
+    try:
+        return {"rc": r.returncode, **json.loads(r.stdout)}
+    except json.JSONDecodeError:
+        raise AssertionError(f"rc={r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}") from None
+
+
+def children_of(pid: int) -> list[int]:
+    """`steadyserve serve` processes whose parent is `pid`."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmd = (proc / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid and b"steadyserve\0serve" in cmd:
+            found.append(int(proc.name))
+    return found
+
+
+def rss_mib(pids: list[int]) -> float:
+    total = 0
+    for pid in pids:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                total += int(line.split()[1])
+    return total / 1024
+
+
+def test_validate_through_ray_proxies_over_both_replicas(ray_app: Deployed) -> None:
+    rep = run_validate(ray_app)
+    assert rep["rc"] == 0 and rep["passed"], rep
+    replicas: Counter = Counter()
+    for kind, k in rep["kinds"].items():
+        assert len(k["fingerprints"]) == 1, kind  # both replicas: same weights, dtype, numerics, invariance
+        (g,) = k["fingerprints"].values()
+        assert g["distinct_vectors"] == 1, (kind, g)
+        assert set(g["by_transport"]) == {"http", "grpc"}, g
+        replicas.update(g["by_replica"])
+    print(f"validate through Ray's proxies: HTTP probes per replica {dict(replicas)}")
+    assert len(replicas) == 2, f"the probes did not reach both replicas: {dict(replicas)}"
+
+
+def test_fingerprint_header_and_trailer_survive_the_proxies(ray_app: Deployed) -> None:
+    models = httpx.get(ray_app.http_url + "/v1/models", timeout=30)
+    fp = models.json()["data"][0]["system_fingerprint"]
+    r = httpx.post(ray_app.http_url + "/v1/completions", json={"prompt": "hello", "max_tokens": 3},
+                   headers={"x-request-id": "ray-req-1"}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-steadyserve-fingerprint"] == fp == r.json()["system_fingerprint"]
+    assert r.headers.get_list("x-request-id") == ["ray-req-1"]  # one id, the client's own
+    assert r.headers["x-steadyserve-replica"]
+    with grpc.insecure_channel(ray_app.grpc_addr) as ch:
+        stub = inference_pb2_grpc.InferenceStub(ch)
+        _, call = stub.Score.with_call(inference_pb2.ScoreRequest(text="hello world"), timeout=60)
+        assert dict(call.trailing_metadata())["steadyserve-fingerprint"] == fp
+        stream = stub.Generate(inference_pb2.GenerateRequest(text="hello", params={"max_tokens": 4}), timeout=60)
+        messages = list(stream)
+        assert messages[-1].final.fingerprint == fp
+        trailers = dict(stream.trailing_metadata())
+        assert trailers["steadyserve-fingerprint"] == fp and trailers["x-steadyserve-replica"]
+        # Refusals keep their code through Ray's proxy.
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Score(inference_pb2.ScoreRequest(text=""), timeout=60)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value
+
+
+def test_websocket_through_ray_proxy(ray_app: Deployed) -> None:
+    url = ray_app.http_url.replace("http://", "ws://") + "/v1/stream"
+    msgs = []
+    with connect(url, open_timeout=30) as ws:
+        ws.send(json.dumps({"prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0}))
+        try:
+            while True:
+                msgs.append(json.loads(ws.recv(timeout=60)))
+        except Exception:
+            pass
+        code = ws.close_code
+    assert code == 1000, (code, msgs[-1:])
+    assert msgs[-1]["type"] == "final" and msgs[-1]["finish_reason"] == "length", msgs[-1]
+    assert sum(len(m["token_ids"]) for m in msgs[:-1]) == 12
+
+
+async def _streams(url: str, n: int, max_tokens: int) -> list:
+    """n streams, started 8 every 50 ms: a burst of all n at once would exceed Ray's queue bound (requests
+    waiting for a replica to be picked count against max_queued_requests) and be refused with 429."""
+    body = {"prompt": "the quick brown fox", "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
+            "stream": True}
+    tasks = []
+    for i in range(n):
+        tasks.append(asyncio.create_task(sse_post(url + "/v1/completions", body, timeout=240)))
+        if i % 8 == 7:
+            await asyncio.sleep(0.05)
+    return await asyncio.gather(*tasks)
+
+
+def test_64_sse_streams_survive_a_killed_replica(ray_app: Deployed) -> None:
+    """SIGKILL one replica's worker mid-stream: every stream finishes or ends with an explicit error event."""
+    victim = ray_app.cluster.replica_pids()[0]
+    victim_children = children_of(victim)
+    assert len(victim_children) == 1, victim_children
+
+    async def run() -> list:
+        task = asyncio.create_task(_streams(ray_app.http_url, 64, 256))
+        await asyncio.sleep(3.0)  # the streams are under way (each takes several seconds through Ray)
+        os.kill(victim, signal.SIGKILL)
+        return await task
+
+    results = asyncio.run(run())
+    statuses = Counter(r.status for r in results)
+    truncated = [r for r in results if r.truncated or r.exception]
+    lost = [r for r in results if r.error and r.error.get("code") == "replica_lost"]
+    finished = [r for r in results if r.finish_reason == "length" and r.num_tokens > 0]
+    print(f"64 streams, replica {victim} killed: statuses {dict(statuses)}, finished {len(finished)}, "
+          f"ended with replica_lost {len(lost)}, truncated {len(truncated)}")
+    assert statuses == {200: 64}, statuses
+    assert not truncated, [(r.exception, r.events[-1:]) for r in truncated[:3]]
+    assert all(r.done for r in results)  # data: [DONE] on every stream
+    assert lost, "no stream was on the killed replica: the kill came too late to test anything"
+    assert len(lost) + len(finished) == 64
+    # The killed replica's engine does not outlive it (parent-death signal), and Ray replaces the replica.
+    deadline = time.monotonic() + 60
+    while any(Path(f"/proc/{p}").exists() for p in victim_children) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(Path(f"/proc/{p}").exists() for p in victim_children), "orphaned steadyserve serve"
+    ray_app.wait_replicas(2)
+    assert victim not in ray_app.cluster.replica_pids()
+
+
+def test_overload_gets_only_429_and_resource_exhausted(ray_app: Deployed) -> None:
+    """5x what the deployment admits, at once: each request is served or refused with a retry hint."""
+    pids = ray_app.cluster.replica_pids()
+    pids += [c for p in pids for c in children_of(p)]
+    before = rss_mib(pids)
+
+    async def http_flood() -> list:
+        async with httpx.AsyncClient(timeout=240, limits=httpx.Limits(max_connections=None)) as client:
+            async def one():
+                return await client.post(ray_app.http_url + "/v1/completions",
+                                         json={"prompt": "overload", "max_tokens": 48, "ignore_eos": True})
+            return await asyncio.gather(*(one() for _ in range(5 * CAPACITY)), return_exceptions=True)
+
+    results = asyncio.run(http_flood())
+    errors = [r for r in results if isinstance(r, Exception)]
+    assert not errors, errors[:3]
+    statuses = Counter(r.status_code for r in results)
+    refused = [r for r in results if r.status_code == 429]
+    print(f"HTTP 5x overload ({5 * CAPACITY} requests): {dict(statuses)}")
+    assert set(statuses) <= {200, 429}, statuses
+    assert refused, "nothing was refused: Ray queued without bound"
+    assert all(r.headers.get("retry-after") and r.json()["error"]["code"] == "overloaded" for r in refused)
+
+    async def grpc_flood() -> Counter:
+        codes: Counter = Counter()
+        async with grpc.aio.insecure_channel(ray_app.grpc_addr) as ch:
+            stub = inference_pb2_grpc.InferenceStub(ch)
+
+            async def one() -> None:
+                req = inference_pb2.GenerateRequest(text="overload", params={"max_tokens": 48, "ignore_eos": True})
+                try:
+                    async for _ in stub.Generate(req, timeout=240):
+                        pass
+                    codes["OK"] += 1
+                except grpc.aio.AioRpcError as e:
+                    codes[e.code().name] += 1
+
+            await asyncio.gather(*(one() for _ in range(5 * CAPACITY)))
+        return codes
+
+    codes = asyncio.run(grpc_flood())
+    print(f"gRPC 5x overload: {dict(codes)}")
+    assert set(codes) <= {"OK", "RESOURCE_EXHAUSTED"} and codes["RESOURCE_EXHAUSTED"] > 0, codes
+    after = rss_mib(pids)
+    print(f"replicas' RSS (workers and engines): {before:.0f} -> {after:.0f} MiB")
+    # Margin: allocator and Ray object-store client noise is tens of MiB; a queue growing with the 800
+    # requests (each holding its prompt, buffers and stream state) would show far more.
+    assert after - before < 150, (before, after)
+
+
+def test_downscaled_replica_finishes_its_streams(ray_app: Deployed) -> None:
+    """2 -> 1 replica while 24 streams run: Ray stops routing to the leaving replica, waits for its streams
+    (graceful_shutdown_timeout_s = --drain-timeout + 5), then its engine drains and exits."""
+    async def run() -> list:
+        task = asyncio.create_task(_streams(ray_app.http_url, 24, 256))
+        await asyncio.sleep(2.0)
+        await asyncio.to_thread(ray_app.deploy, 1)
+        return await task
+
+    try:
+        results = asyncio.run(run())
+        ray_app.wait_replicas(1)
+        reasons = Counter(r.finish_reason or (r.error or {}).get("code") for r in results)
+        print(f"downscale 2 -> 1 under 24 streams: {dict(reasons)}")
+        assert reasons == {"length": 24}, reasons
+    finally:
+        ray_app.deploy(2)
+        ray_app.wait_replicas(2)
+
+
+def test_autoscaling_adds_a_replica_under_load(ray_app: Deployed) -> None:
+    """min 1, max 2 replicas, 4 ongoing requests per replica as the target: 32 streams make the autoscaler
+    ask for the second replica (Ray's metrics reach it within about 10 s), which then starts and serves."""
+    try:
+        ray_app.deploy(None, autoscaling_config={"min_replicas": 1, "max_replicas": 2, "initial_replicas": 1,
+                                                 "target_ongoing_requests": 4, "upscale_delay_s": 1,
+                                                 "downscale_delay_s": 600, "look_back_period_s": 2})
+        ray_app.wait_replicas(1)
+        assert ray_app.target_replicas() == 1
+        wanted = []
+
+        async def run() -> list:
+            task = asyncio.create_task(_streams(ray_app.http_url, 32, 480))
+            while not task.done():
+                wanted.append(await asyncio.to_thread(ray_app.target_replicas))
+                await asyncio.sleep(0.5)
+            return await task
+
+        results = asyncio.run(run())
+        print(f"autoscaling under 32 streams: replicas wanted {wanted}")
+        assert all(r.finish_reason == "length" for r in results)
+        assert max(wanted) == 2, wanted
+        ray_app.wait_replicas(2)  # within max_replicas, and it comes up serving
+        assert ray_app.target_replicas() == 2
+    finally:
+        ray_app.deploy(2)
+        ray_app.wait_replicas(2)
