@@ -3,8 +3,8 @@
 
     python scripts/ray_demo.py [--replicas 2] [--model PATH] [-- serve flags...]
 
-Starts a Ray head (`ray start --head`, dashboard on loopback), deploys deploy/ray/serve.yaml with
-`serve deploy` (its ports, replica count and serve flags replaced by the arguments), waits until
+Starts a Ray head (`ray start --head`, dashboard on loopback), deploys deploy/ray/serve.yaml as
+`serve deploy` does (its ports, replica count and serve flags replaced by the arguments), waits until
 the application runs, prints the URLs and waits for Ctrl-C / SIGTERM; then `serve shutdown`
 (replicas drain) and `ray stop`.
 """
@@ -76,18 +76,22 @@ class RayCluster:
         self.address = f"127.0.0.1:{self.gcs_port}"
 
     def deploy(self, config: dict[str, Any], timeout: float = 300.0) -> None:
-        """`serve deploy` the config and wait until its application is RUNNING."""
-        path = Path(self.dir) / "serve.yaml"
-        path.write_text(yaml.safe_dump(config))
+        """Deploy the config as `serve deploy` does (PUT to the dashboard's Serve API), then wait until its
+        application is RUNNING. The config is also written to the cluster's directory, for `serve deploy`."""
+        (Path(self.dir) / "serve.yaml").write_text(yaml.safe_dump(config))
         deadline = time.monotonic() + timeout
+        request = urllib.request.Request(f"{self.dashboard}/api/serve/applications/", method="PUT",
+                                         data=json.dumps(config).encode(),
+                                         headers={"Content-Type": "application/json"})
         while True:  # the dashboard's Serve API comes up a little after `ray start` returns
-            r = subprocess.run([str(BIN / "serve"), "deploy", str(path), "-a", self.dashboard], env=ENV,
-                               capture_output=True, text=True, timeout=120)
-            if r.returncode == 0:
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"serve deploy failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
-            time.sleep(2)
+            try:
+                with urllib.request.urlopen(request, timeout=60):
+                    break
+            except OSError as e:
+                if time.monotonic() > deadline:
+                    body = e.read().decode(errors="replace") if hasattr(e, "read") else ""
+                    raise RuntimeError(f"deploying to {self.dashboard} failed: {e} {body[-3000:]}") from None
+                time.sleep(1)
         self.wait_running(config["applications"][0]["name"], deadline)
 
     def applications(self) -> dict[str, Any]:
@@ -117,11 +121,18 @@ class RayCluster:
             return []
         return sorted(r["pid"] for r in replicas if r.get("state") == "RUNNING")
 
-    def stop(self) -> None:
-        """`serve shutdown` (replicas drain), then `ray stop`; removes the temporary directory."""
+    def stop(self, drain_timeout: float = 120.0) -> None:
+        """Delete the applications as `serve shutdown` does (replicas drain their streams first), then
+        `ray stop`; removes the temporary directory."""
         if getattr(self, "address", None):
-            subprocess.run([str(BIN / "serve"), "shutdown", "-y", "-a", self.dashboard], env=ENV,
-                           capture_output=True, timeout=120)
+            request = urllib.request.Request(f"{self.dashboard}/api/serve/applications/", method="DELETE")
+            try:
+                urllib.request.urlopen(request, timeout=60).close()
+                deadline = time.monotonic() + drain_timeout
+                while self.applications() and time.monotonic() < deadline:
+                    time.sleep(0.5)
+            except OSError:
+                pass  # the cluster is already gone or broken: ray stop below ends what is left
         subprocess.run([str(BIN / "ray"), "stop", "--force"], env=ENV, capture_output=True, timeout=120)
         shutil.rmtree(self.dir, ignore_errors=True)
 
