@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml requirements-model.txt 2>/dev/null | sha1sum | cut -c1-12)
 ARGS ?=
 
-.PHONY: install browser nginx serve test test-fast soak proto bench cluster-demo docs docs-serve clean
+.PHONY: install browser nginx serve test test-fast soak proto bench cluster-demo ray-demo docs docs-serve clean
 
 $(STAMP): pyproject.toml requirements-model.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -63,6 +63,12 @@ soak: install
 REPLICAS ?= 2
 cluster-demo: install
 	$(PY) scripts/cluster_demo.py --replicas $(REPLICAS) $(ARGS)
+
+# steadyserve on Ray Serve: a local Ray cluster on 127.0.0.1 (ray start --head), deploy/ray/serve.yaml deployed
+# with $(REPLICAS) engine replicas, the URLs printed; Ctrl-C drains the replicas and stops the cluster.
+# ARGS are more `steadyserve serve` flags, e.g. ARGS="--model /path/to/model".
+ray-demo: install
+	$(PY) scripts/ray_demo.py --replicas $(REPLICAS) -- $(ARGS)
 
 # The documentation site (MkDocs + Material): reference pages are generated from the code at build time, and
 # --strict turns a broken link or an undocumented flag, route, metric or alert into an error. `make test`

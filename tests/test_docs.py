@@ -7,7 +7,7 @@
 * Every ```sh and ```python block of the quickstart and the guides runs against a live server (the tiny
   model on ephemeral ports; `localhost:8000` and `localhost:50051` are rewritten to it) and must exit 0.
   ```console blocks are transcripts of commands the suite cannot run here (they start servers, take
-  minutes, or need Docker or Kubernetes); each of their commands must be on ALLOWED_UNRUN.
+  minutes, or need Docker, Kubernetes or a Ray cluster); each of their commands must be on ALLOWED_UNRUN.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ DOCS = ROOT / "docs"
 GUIDES = ["quickstart.md", "concepts.md", "operations.md", "deploy.md", "benchmarks.md", "troubleshooting.md",
           "runbooks.md"]
 # Commands that start servers, take minutes, need Docker or Kubernetes, or fetch tasks from a hub.
-ALLOWED_UNRUN = ("make ", "docker ", "kubectl ", ".venv/bin/python benchmarks/", ".venv/bin/pip ", "lm_eval ")
+ALLOWED_UNRUN = ("make ", "docker ", "kubectl ", "serve ", "ray ", ".venv/bin/python benchmarks/", ".venv/bin/pip ", "lm_eval ")
 QUIET = {"NO_MKDOCS_2_WARNING": "1", "DISABLE_MKDOCS_2_WARNING": "true"}  # banners about MkDocs 2, as in Makefile
 FENCE = re.compile(r"^```(\w+)[^\n]*\n(.*?)^```", re.S | re.M)
 
@@ -221,6 +221,20 @@ def test_errors_page_lists_every_code_the_server_sends() -> None:
     page = (DOCS / "reference" / "errors.md").read_text()
     codes = http_error_codes()
     assert {"invalid_json", "overloaded", "stall", "model_not_found"} <= codes  # the scan finds them
+    assert not [c for c in codes if f"| `{c}` |" not in page], "codes missing from docs/reference/errors.md"
+
+
+def test_errors_page_lists_the_ray_ingress_codes() -> None:
+    """The codes the Ray Serve ingress puts in its own error bodies (`_error_json(message, type, code)`)."""
+    page = (DOCS / "reference" / "errors.md").read_text()
+    tree = ast.parse((ROOT / "src/steadyserve/ray/ingress.py").read_text())
+    codes = {node.args[2].value for node in ast.walk(tree) if isinstance(node, ast.Call)
+             and getattr(node.func, "id", None) == "_error_json" and len(node.args) > 2
+             and isinstance(node.args[2], ast.Constant)}
+    codes |= {node.args[4].value for node in ast.walk(tree) if isinstance(node, ast.Call)
+              and getattr(node.func, "attr", None) == "_ws_fail" and len(node.args) > 4
+              and isinstance(node.args[4], ast.Constant)}
+    assert {"overloaded", "replica_lost", "request_too_large"} <= codes  # the scan finds them
     assert not [c for c in codes if f"| `{c}` |" not in page], "codes missing from docs/reference/errors.md"
 
 

@@ -147,7 +147,10 @@ class Ingress:
             return _lost(type(e).__name__)
         return Response(content, status_code=status, headers=dict(out))
 
-    async def _events(self, stream: Any) -> AsyncIterator[bytes]:
+    @staticmethod
+    async def _events(stream: Any) -> AsyncIterator[bytes]:
+        """The body of a server-sent-events response, relayed whole-event by whole-event; a replica lost
+        mid-stream ends it with an error event and [DONE]."""
         finished = False
         try:
             async for chunk in stream:

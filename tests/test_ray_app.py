@@ -1,0 +1,86 @@
+"""The Ray Serve application's pieces that need no cluster (tests/test_ray_serve.py runs one).
+
+build_app's arguments (the one config tree: `steadyserve serve` flags, validated before deploying),
+the Ray options derived from them, the gRPC messages pickling (Ray's gRPC proxy pickles each request
+to its replica), and the ingress ending a stream whose replica is lost with an explicit error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import pickle
+
+import pytest
+
+from steadyserve.api.protos.steadyserve.v1 import inference_pb2
+from steadyserve.ray.app import RayAppArgs, build_app, engine_options, parse_serve_args
+from steadyserve.ray.ingress import Ingress
+
+
+def test_serve_args_are_the_cli_flags() -> None:
+    cfg = parse_serve_args(["--max-num-seqs", "8", "--max-queue", "4", "--drain-timeout", "30"])
+    assert (cfg.engine.max_num_seqs, cfg.engine.max_queue, cfg.server.drain_timeout) == (8, 4, 30.0)
+    with pytest.raises(ValueError, match="--http-port"):
+        parse_serve_args(["--http-port", "8000"])
+    with pytest.raises(ValueError, match="--ready-file"):
+        parse_serve_args(["--ready-file=/tmp/x"])
+    with pytest.raises(ValueError, match="--max-queue"):  # argparse's refusal, named
+        parse_serve_args(["--max-queue", "many"])
+    with pytest.raises(ValueError, match="max-num-batched-tokens"):  # the config tree's own validation
+        parse_serve_args(["--max-num-seqs", "64", "--max-num-batched-tokens", "8"])
+    with pytest.raises(ValueError):  # unknown keys in the application's args are refused, not ignored
+        RayAppArgs.model_validate({"serve_arg": []})
+    with pytest.raises(ValueError, match="--grpc-port"):
+        build_app({"serve_args": ["--grpc-port", "1"]})
+
+
+def test_ray_options_follow_the_flags() -> None:
+    cfg = parse_serve_args(["--max-num-seqs", "8", "--max-queue", "4", "--drain-timeout", "30", "--threads", "2"])
+    o = engine_options(cfg, {})
+    assert o["max_ongoing_requests"] == 12  # what the engine admits: running + queued
+    assert o["max_queued_requests"] == 4
+    assert o["graceful_shutdown_timeout_s"] == 35.0
+    assert o["ray_actor_options"] == {"num_cpus": 2}
+    o = engine_options(cfg, {"num_replicas": 3, "autoscaling_config": {"min_replicas": 1, "max_replicas": 4},
+                             "max_queued_requests": 100})
+    assert "num_replicas" not in o and o["max_queued_requests"] == 100
+    assert o["autoscaling_config"] == {"target_ongoing_requests": 8, "min_replicas": 1, "max_replicas": 4}
+
+
+def test_grpc_messages_pickle_by_their_module() -> None:
+    """Ray's gRPC proxy pickles the parsed request; protoc names the messages' module
+    `steadyserve.v1.inference_pb2`, which cannot be imported, unless codegen gives the real one."""
+    msg = inference_pb2.GenerateRequest(text="hello", params={"max_tokens": 3})
+    assert inference_pb2.GenerateRequest.__module__ == inference_pb2.__name__
+    assert pickle.loads(pickle.dumps(msg)) == msg
+
+
+class _LostMidStream:
+    """A handle's response stream whose replica dies after two events."""
+
+    def __init__(self) -> None:
+        self.items = [b"data: {\"choices\": [{\"text\": \"a\"}]}\n\n", b"data: {\"choices\": [{\"text\": \"b\"}]}\n\n"]
+        self.cancelled = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self.items:
+            return self.items.pop(0)
+        raise RuntimeError("ActorDiedError: the replica died")
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def test_a_stream_whose_replica_is_lost_ends_with_an_error_event() -> None:
+    async def collect() -> bytes:
+        return b"".join([chunk async for chunk in Ingress._events(_LostMidStream())])
+
+    body = asyncio.run(collect())
+    events = [e for e in body.split(b"\n\n") if e]
+    assert len(events) == 4 and events[-1] == b"data: [DONE]"
+    error = json.loads(events[2][len(b"data: "):])["error"]
+    assert error["code"] == "replica_lost" and "retry" in error["message"]
