@@ -278,17 +278,28 @@ def test_a_downscaled_replica_drains_and_autoscaling_adds_one_under_load(ray_app
     autoscaler ask for the second replica (Ray's metrics reach it within about 10 s), which starts and serves.
     It ends with two replicas, as the module's other tests expect."""
     try:
-        async def downscale() -> list:
+        async def downscale() -> tuple[list, Counter]:
+            """24 streams, then the downscale, while new requests keep arriving (one every 50 ms): Ray must
+            stop routing to the leaving replica before it drains, so every new request is served too."""
             task = asyncio.create_task(_streams(ray_app.http_url, 24, 256))
             await asyncio.sleep(2.0)
-            await asyncio.to_thread(ray_app.deploy, 1)
-            return await task
+            deploy = asyncio.create_task(asyncio.to_thread(ray_app.deploy, 1))
+            statuses: Counter = Counter()
+            async with httpx.AsyncClient(timeout=120) as client:
+                while not task.done() or not deploy.done():
+                    r = await client.post(ray_app.http_url + "/v1/completions",
+                                          json={"prompt": "during the downscale", "max_tokens": 4})
+                    statuses[r.status_code] += 1
+                    await asyncio.sleep(0.05)
+            await deploy
+            return await task, statuses
 
-        results = asyncio.run(downscale())
+        results, statuses = asyncio.run(downscale())
         ray_app.wait_replicas(1)
         reasons = Counter(r.finish_reason or (r.error or {}).get("code") or r.exception for r in results)
-        print(f"downscale 2 -> 1 under 24 streams: {dict(reasons)}")
+        print(f"downscale 2 -> 1 under 24 streams: {dict(reasons)}; requests sent meanwhile: {dict(statuses)}")
         assert reasons == {"length": 24}, reasons
+        assert set(statuses) == {200}, statuses
 
         ray_app.deploy(None, autoscaling_config={"min_replicas": 1, "max_replicas": 2, "initial_replicas": 1,
                                                  "target_ongoing_requests": 4, "upscale_delay_s": 1,
