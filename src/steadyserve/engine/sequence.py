@@ -60,13 +60,14 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             check_range(name, getattr(self, name), -MAX_PENALTY, MAX_PENALTY)
         if not (math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY):
-            raise InvalidRequest("repetition_penalty", f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}]; "
-                                 "1 turns it off")
+            raise InvalidRequest("repetition_penalty",
+                                 f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}]; 1 turns it off")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise InvalidRequest("logit_bias", f"logit_bias: at most {MAX_LOGIT_BIAS} tokens")
         for tid, bias in self.logit_bias.items():
             if not (math.isfinite(bias) and -MAX_BIAS <= bias <= MAX_BIAS):
-                raise InvalidRequest("logit_bias", f"logit_bias[{tid}]: the bias must be in -{MAX_BIAS:g}..{MAX_BIAS:g}")
+                raise InvalidRequest("logit_bias",
+                                     f"logit_bias[{tid}]: the bias must be in -{MAX_BIAS:g}..{MAX_BIAS:g}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidRequest("min_tokens", "min_tokens must be in 0..max_tokens")
         if self.max_tokens == 0 and self.prompt_logprobs is None:

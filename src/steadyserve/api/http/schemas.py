@@ -107,15 +107,15 @@ class _Common(BaseModel):
                                    "benchmarks)", json_schema_extra={"x-extension": True})
     # Logits processors: applied to this request's own row before sampling (batch invariance holds); the
     # logprobs reported stay the model's own (as vLLM reports them by default).
-    frequency_penalty: Number | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY, description="subtracted from a "
-                                             "token's log-probability once per time it was generated so far")
-    presence_penalty: Number | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY, description="subtracted from the "
-                                            "log-probability of every token generated so far")
+    frequency_penalty: Number | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY, description="subtracted "
+                                             "from a token's log-probability once per time it was generated so far")
+    presence_penalty: Number | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY, description="subtracted "
+                                            "from the log-probability of every token generated so far")
     logit_bias: dict[str, Number] | None = Field(default=None, description="token id (as a string) -> bias in "
                                                  "-100..100 added to its log-probability before sampling; "
                                                  "-100 bans a token, 100 all but forces it")
-    repetition_penalty: Number = Field(default=1.0, gt=0.0, le=MAX_REPETITION_PENALTY, description="multiplies the (negative) "
-                                       "log-probability of every prompt and generated token: > 1 discourages "
+    repetition_penalty: Number = Field(default=1.0, gt=0.0, le=MAX_REPETITION_PENALTY, description="multiplies "
+                                       "the (negative) log-probability of every prompt and generated token: > 1 discourages "
                                        "repeats, 1 turns it off", json_schema_extra={"x-extension": True})
     min_tokens: StrictInt = Field(default=0, ge=0, description="end-of-sequence and stop tokens cannot be "
                                   "generated before this many tokens", json_schema_extra={"x-extension": True})
