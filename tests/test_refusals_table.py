@@ -38,9 +38,14 @@ class Row:
     headers: dict[str, str] = field(default_factory=dict)  # HTTP and WebSocket headers
 
 
+def token_ids(n: int) -> list[int]:
+    """n valid token ids of the tiny model (its vocabulary is smaller than its context)."""
+    return [5 + i % 200 for i in range(n)]
+
+
 def rows(vocab_size: int, context: int, filling_chat: list[dict[str, str]]) -> list[Row]:
-    long_ids = list(range(5, 5 + context + 10))
-    near_full = list(range(5, 5 + context - 10))  # room for 10 tokens, not MAX_TOKENS_CAP
+    long_ids = token_ids(context + 10)
+    near_full = token_ids(context - 10)  # room for 10 tokens, not MAX_TOKENS_CAP
     return [
         Row("temperature-3", {"prompt": "hi", "temperature": 3}, generate_request("hi", temperature=3.0),
             "invalid_value", "temperature", "params.temperature"),
@@ -149,12 +154,12 @@ def grpc_refusal(client: Client, row: Row) -> grpc.RpcError:
     return e.value
 
 
-def http_message_of(details: str, grpc_field: str, param: str) -> str:
-    """A gRPC message with the field named as HTTP names it: the same text, by the shared message's rule
-    (Refused.message_for): the field's name leads, or prefixes the message with ': '."""
-    assert details.startswith(grpc_field), (details, grpc_field)
-    rest = details[len(grpc_field):]
-    return rest[2:] if rest.startswith(": ") and not rest[2:].startswith(param) else param + rest
+def grpc_details(http_message: str, param: str, grpc_field: str) -> str:
+    """The gRPC status message that says what `http_message` says: the field named as the proto names it, where
+    the HTTP message names it first, else as a `field: ` prefix (the rule of Refused.message_for)."""
+    if http_message.startswith(param):
+        return grpc_field + http_message[len(param):]
+    return f"{grpc_field}: {http_message}"
 
 
 @pytest.mark.parametrize("name", ROW_NAMES)
@@ -172,14 +177,14 @@ def test_every_transport_refuses_alike(srv, grpc_client, table, name):
     trailers = dict(e.trailing_metadata())
     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, (e.code(), e.details())
     assert (trailers[ERROR_CODE_KEY], trailers[ERROR_FIELD_KEY]) == (row.reason, row.grpc_field), trailers
-    assert http_message_of(e.details(), row.grpc_field, row.param) == err["message"], (e.details(), err)
+    assert e.details() == grpc_details(err["message"], row.param, row.grpc_field), (e.details(), err)
 
 
 def test_a_score_may_fill_the_context(srv, grpc_client):
     """Scoring generates nothing: a prompt of exactly the context length is accepted on both transports, one
     token more is refused on both with the same reason."""
     context = grpc_client.model_info().context_length
-    ids = list(range(5, 5 + context))
+    ids = token_ids(context)
     assert len(grpc_client.score(token_ids=ids).tokens) == context
     body = {"prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 0}
     r = httpx.post(srv.http_url + "/v1/completions", json=body, timeout=60)
@@ -188,7 +193,7 @@ def test_a_score_may_fill_the_context(srv, grpc_client):
     assert r.status_code == 400 and r.json()["error"]["code"] == "too_long"
     e = grpc_refusal(grpc_client, Row("", {}, pb.ScoreRequest(tokens=pb.TokenIds(ids=ids + [5])), "", "", ""))
     assert dict(e.trailing_metadata())[ERROR_CODE_KEY] == "too_long"
-    assert http_message_of(e.details(), "tokens.ids", "prompt") == r.json()["error"]["message"]
+    assert e.details() == grpc_details(r.json()["error"]["message"], "prompt", "tokens.ids")
 
 
 def test_refusals_are_counted_and_disturb_nothing(srv, grpc_client):

@@ -214,8 +214,8 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Common):
     """Body of POST /v1/chat/completions."""
-    messages: Annotated[list[ChatMessage], Field(min_length=1)] = Field(
-        description="the conversation, rendered with the model's chat template")
+    messages: list[ChatMessage] = Field(description="the conversation, rendered with the model's chat template",
+                                        json_schema_extra={"minItems": 1})  # checked by requests.build
     logprobs: StrictBool = Field(default=False, description="return the logprob of each generated token")
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS, description="with logprobs: this "
                                            "many most likely alternatives per position")
