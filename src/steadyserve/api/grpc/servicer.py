@@ -1,6 +1,8 @@
 """steadyserve.v1.Inference: Score, Generate, GetModelInfo and Tokenize on the shared engine.
 
-Handlers parse, admit and format; model code runs on the engine thread. Each
+Handlers turn a message into a RequestSpec (inputs.py), validate it with the
+HTTP API's builder (requests.build), admit it, and encode its events
+(api/events.py) as messages; model code runs on the engine thread. Each
 RPC that reaches the engine is one engine request whose stream is registered
 with the shared StreamRegistry, so drain and engine death end gRPC streams
 exactly as they end HTTP ones. A request is aborted in the engine (its slot

@@ -1,7 +1,8 @@
 """The HTTP application: OpenAI-compatible routes, health, metrics, WebSocket streaming.
 
-Handlers only parse, admit and format. Model code runs on the engine thread;
-the event loop only moves bytes.
+Handlers only parse (inputs.py -> requests.build, shared with gRPC), admit and
+encode the request's events (api/events.py). Model code runs on the engine
+thread; the event loop only moves bytes.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Server-sent-event responses that end honestly and never let a slow client stall others.
 
 The engine writes into the request's queue and never waits; this response
-encodes the request's events (api/events.py) as SSE. A client that accepts nothing for `stall_timeout` seconds is
-cut (counted, its engine request aborted, its connection aborted). A client
+encodes the request's events (api/events.py) as SSE. A client that accepts
+nothing for `stall_timeout` seconds is cut (counted, its engine request
+aborted, its connection aborted). A client
 that disconnects is noticed by a watcher on `receive` and its request aborted
 at once, not when the next token happens to be written.
 """
