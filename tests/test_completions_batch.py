@@ -120,11 +120,11 @@ def test_a_batch_is_admitted_whole_or_refused_whole(tiny_model: str) -> None:
 
 
 def test_an_invalid_prompt_refuses_the_whole_batch(http, srv) -> None:
-    """One prompt's token id is outside the vocabulary: the engine's check refuses the batch before any of it
-    is admitted."""
+    """One prompt's token id is outside the vocabulary: the request builder refuses the batch before any of it
+    is admitted, naming the id as gRPC always did (`tokens.ids[1]`): prompt 1, token 1."""
     before = srv.metric("steadyserve_requests_admitted_total", transport="http")
     r = http.post("/v1/completions", json={"prompt": [[1, 2, 3], [1, 10 ** 6]], "max_tokens": 2})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt[1][1]"
     assert srv.metric("steadyserve_requests_admitted_total", transport="http") == before
 
 

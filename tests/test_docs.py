@@ -196,18 +196,20 @@ def test_every_alert_links_to_a_complete_runbook_section(tmp_path) -> None:
 
 
 def http_error_codes() -> set[str]:
-    """Every `code` the HTTP layer can put in an error body, read from the source, plus the engine's refusal and
-    stream-ending reasons that reach clients as codes."""
+    """Every `code` the server can put in an error body, read from the source (error responses and every
+    Refused(reason, ...)), plus the engine's refusal and stream-ending reasons that reach clients as codes."""
     from steadyserve.api.grpc.servicer import END_STATUS
     from steadyserve.api.http.errors import ADMISSION_STATUS
 
     codes = set(ADMISSION_STATUS) | set(END_STATUS)
-    for f in (ROOT / "src/steadyserve/api/http").glob("*.py"):
+    # Refusals (steadyserve.limits.Refused) are raised by the shared request code too, not only by api/http.
+    sources = [*(ROOT / "src/steadyserve/api").rglob("*.py"), ROOT / "src/steadyserve/limits.py"]
+    for f in sources:
         for node in ast.walk(ast.parse(f.read_text())):
             if not isinstance(node, ast.Call):
                 continue
             name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
-            pos = {"error_response": 4, "BadRequest": 3, "error_body": 3}.get(name or "")
+            pos = {"error_response": 4, "Refused": 0, "error_body": 3}.get(name or "")
             if pos is None:
                 continue
             values = ([node.args[pos]] if len(node.args) > pos else []) + [k.value for k in node.keywords

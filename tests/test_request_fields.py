@@ -5,10 +5,12 @@ Nothing is accepted and ignored. A field added to a schema without a row here fa
 
 from __future__ import annotations
 
+import json
 from typing import Callable
 
 import httpx
 import pytest
+from websockets.sync.client import connect
 
 from http_util import parse_stream
 from steadyserve.api.http.schemas import ChatCompletionRequest, CompletionRequest
@@ -91,6 +93,14 @@ def check_stop(http, path):
     stop = full[2:4]
     cut = post(http, path, ignore_eos=True, stop=[stop])
     assert text(cut) == full[:full.index(stop)] and cut["choices"][0]["finish_reason"] == "stop"
+
+
+def check_stop_token_ids(http, path):  # as gRPC's stop_token_ids: the first generated token's id stops it at once
+    with connect(str(http.base_url).replace("http://", "ws://").rstrip("/") + "/v1/stream", open_timeout=30) as ws:
+        ws.send(json.dumps({**BASE[path], "ignore_eos": True}))
+        first = json.loads(ws.recv(timeout=60))["token_ids"][0]  # the same greedy request's first token
+    cut = post(http, path, ignore_eos=True, stop_token_ids=[first])
+    assert cut["usage"]["completion_tokens"] == 1 and cut["choices"][0]["finish_reason"] == "stop"
 
 
 def check_stream(http, path):
@@ -200,6 +210,7 @@ CHECKS: dict[tuple[str, str], Callable] = {
     **{(p, f): fn for p in (C, CH) for f, fn in (
         ("model", check_model), ("max_tokens", check_max_tokens), ("temperature", check_temperature),
         ("top_p", check_top_p), ("top_k", check_top_k), ("seed", check_seed), ("stop", check_stop),
+        ("stop_token_ids", check_stop_token_ids),
         ("stream", check_stream), ("stream_options", check_stream_options), ("n", check_n),
         ("ignore_eos", check_ignore_eos), ("frequency_penalty", check_frequency_penalty),
         ("presence_penalty", check_presence_penalty), ("logit_bias", check_logit_bias),

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily
 
 from .engine.engine import StepStats
+from .limits import REJECT_REASONS
 from .engine.sequence import RequestOutput
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -22,7 +23,6 @@ FAST_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
-REJECT_REASONS = ("overloaded", "too_long", "invalid", "draining", "dead", "unauthenticated")
 ABORT_REASONS = ("client_disconnect", "stall", "deadline", "drain_timeout", "engine_error")
 
 

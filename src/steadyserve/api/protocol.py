@@ -1,18 +1,19 @@
-"""Transport-neutral request handling: prompts to token ids, chat templates, limits.
+"""Transport-neutral tokenizer work: prompts to token ids, chat templates, token texts.
 
-HTTP and gRPC both build engine requests here, so a field means the same thing
-on both and an invalid value gets the same message.
+Called by the request builder (requests.py) for every transport, so a prompt
+means the same thing on all of them and a bad one gets the same message.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ..engine.sequence import InvalidRequest
+from ..limits import InvalidRequest
 
 
-def encode_prompt(tokenizer: Any, prompt: str | list[int], max_prompt_tokens: int, param: str = "prompt") -> list[int]:
-    """A string is tokenized (with the model's BOS policy); a list is taken as token ids."""
+def encode_prompt(tokenizer: Any, prompt: str | list[int], param: str = "prompt") -> list[int]:
+    """A string is tokenized (with the model's BOS policy); a list is taken as token ids (range-checked by the
+    caller, requests.check_token_ids, as is the length)."""
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidRequest(param, f"{param} must not be empty")
@@ -23,8 +24,6 @@ def encode_prompt(tokenizer: Any, prompt: str | list[int], max_prompt_tokens: in
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             raise InvalidRequest(param, f"{param} must be a string or a list of token ids")
         ids = list(prompt)
-    if len(ids) > max_prompt_tokens:
-        raise InvalidRequest(param, f"{param} has {len(ids)} tokens; the limit is {max_prompt_tokens}")
     return ids
 
 

@@ -7,18 +7,25 @@ import logging
 import time
 import uuid
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from ..config import Config
 from ..engine.async_engine import AsyncEngine
-from ..engine.engine import AdmissionError
 from ..engine.selftest import SelfTestResult
 from ..engine.sequence import Request, RequestOutput, SamplingParams
+from ..limits import Refused
 from ..models.loader import Fingerprint, LoadedModel
 from .streams import StreamRegistry
 
 reqlog = logging.getLogger("steadyserve.request")
+T = TypeVar("T")
+
+
+def _tokenizer_pool() -> ThreadPoolExecutor:
+    # One thread: HF tokenizers are not meant to be used from several threads at once.
+    return ThreadPoolExecutor(1, thread_name_prefix="steadyserve-tokenize")
 
 
 @dataclass
@@ -34,6 +41,9 @@ class ServerState:
     streams: StreamRegistry = field(default_factory=StreamRegistry)
     # The last finished requests, newest last, for the web console's table (api/console/routes.py).
     recent: deque = field(default_factory=lambda: deque(maxlen=200))
+    # Tokenizing and chat-template rendering take time proportional to the input (seconds for a megabyte):
+    # every transport runs them here (the tokenizer releases the GIL), never on the event loop.
+    tokenizer_pool: ThreadPoolExecutor = field(default_factory=_tokenizer_pool)
 
     @property
     def model_name(self) -> str:
@@ -48,16 +58,26 @@ class ServerState:
     def new_request_id(self, given: str | None = None) -> str:
         return given if given else f"req-{uuid.uuid4().hex[:20]}"
 
+    async def run_tokenizer(self, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) on the one tokenizer thread, awaited from the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)
+
+    def refuse_if_closed(self) -> None:
+        """Raise Refused while the server takes no new work: draining (shutting down) or its engine dead."""
+        if self.draining:
+            raise Refused("draining", "server is draining (shutting down); retry on another replica", retry_after=5.0)
+        if self.engine.dead is not None or not self.engine.alive:
+            why = f": {self.engine.dead}" if self.engine.dead else ""
+            raise Refused("dead", f"the engine is not running{why}")
+
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, transport: str):
-        """Admit a request (or raise AdmissionError); returns the engine's RequestStream."""
+        """Admit a request (or raise Refused); returns the engine's RequestStream."""
         return self.submit_all([(request_id, prompt_ids, params)], transport)[0]
 
     def submit_all(self, items: list[tuple[str, list[int], SamplingParams]], transport: str) -> list:
-        """Admit all of (request id, prompt ids, params), one client call, or none (AdmissionError);
+        """Admit all of (request id, prompt ids, params), one client call, or none (Refused);
         returns their RequestStreams in order."""
-        if self.draining:
-            raise AdmissionError("draining", "server is draining (shutting down); retry on another replica",
-                                 retry_after=5.0)
+        self.refuse_if_closed()  # again: the server may have begun draining while the request was tokenized
         requests = [Request(rid, ids, params, transport) for rid, ids, params in items]
         streams = self.engine.submit_all(requests)
         for request, stream in zip(requests, streams):

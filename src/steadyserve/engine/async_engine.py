@@ -206,7 +206,7 @@ class AsyncEngine:
             if kind == "add":
                 req = item  # type: ignore[assignment]
                 try:
-                    self.engine.add_request(req)  # type: ignore[arg-type]
+                    self.engine.add_checked(req)  # type: ignore[arg-type]  # submit_all ran check
                 except Exception as e:  # a bad request fails alone; it must never stop the loop
                     outputs.append(RequestOutput(req.request_id, [], "", [], finished=True,  # type: ignore[attr-defined]
                                                  finish_reason="error", error=str(e)))

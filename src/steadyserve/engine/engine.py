@@ -23,22 +23,13 @@ from .kv_cache import allocate_kv_cache
 from .model_runner import ModelRunner, SeqResult
 from .sampler import NumericalError, make_generator, process_row, sample, token_logprob
 from .scheduler import ScheduledSeq, Scheduler
-from .sequence import InvalidRequest, Request, RequestOutput, Sequence, TokenLogprob
+from ..limits import InvalidRequest, Refused
+from .sequence import Request, RequestOutput, Sequence, TokenLogprob
 from .structured import Grammars
 
-
-class AdmissionError(Exception):
-    """A request is refused before it enters the engine.
-
-    reason: overloaded | too_long | invalid | draining | dead (the metrics' labels).
-    """
-
-    def __init__(self, reason: str, message: str, param: str | None = None,
-                 retry_after: float | None = None) -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.param = param
-        self.retry_after = retry_after  # seconds, for overloaded/draining
+# The engine's refusals are the one refusal type (steadyserve.limits.Refused); the old name stays an alias
+# for the engine's callers (offline use, tests). Its reasons: overloaded | too_long | invalid | dead.
+AdmissionError = Refused
 
 
 @dataclass
@@ -94,11 +85,14 @@ class LLMEngine:
 
     # ---- admission -------------------------------------------------------
     def check(self, request: Request) -> None:
-        """Refuse at once what can never run. Raises AdmissionError."""
+        """Refuse at once what can never run. Raises Refused (AdmissionError).
+
+        The server runs it once per request, on the event loop at submit (AsyncEngine.submit_all); offline
+        callers get it from add_request."""
         p = request.params
         try:
             p.validate()
-        except InvalidRequest as e:
+        except InvalidRequest as e:  # the engine's own reason for a field out of range
             raise AdmissionError("invalid", str(e), e.param) from None
         n = len(request.prompt_token_ids)
         if n == 0:
@@ -114,6 +108,10 @@ class LLMEngine:
         if bad_bias is not None:
             raise AdmissionError("invalid", f"logit_bias: {bad_bias} is not a token id of this model "
                                  f"(0..{vocab - 1})", "logit_bias")
+        bad_stop = next((t for t in p.stop_token_ids if not 0 <= t < vocab), None)
+        if bad_stop is not None:
+            raise AdmissionError("invalid", f"stop_token_ids: {bad_stop} is not a token id of this model "
+                                 f"(0..{vocab - 1})", "stop_token_ids")
         total = n + p.max_tokens
         if total > self.max_model_len:
             raise AdmissionError("too_long", f"prompt ({n} tokens) + max_tokens ({p.max_tokens}) = {total} "
@@ -124,7 +122,12 @@ class LLMEngine:
                                  f"exceeds the KV cache of {cap} tokens", "max_tokens")
 
     def add_request(self, request: Request) -> Sequence:
+        """Check and queue a request (offline use). Raises AdmissionError."""
         self.check(request)
+        return self.add_checked(request)
+
+    def add_checked(self, request: Request) -> Sequence:
+        """Queue a request that `check` has already passed (AsyncEngine checks at submit, on the loop)."""
         seq = Sequence(next(self._seq_ids), request)
         seq.state = _SeqState(seq, self.tokenizer, torch.device("cpu"), self.grammars)
         self.scheduler.add(seq)

@@ -12,15 +12,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-MAX_LOGPROBS = 20
+from ..limits import (MAX_BIAS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_STOP_STRINGS,
+                      MAX_TEMPERATURE, SEED_MAX, SEED_MIN, InvalidRequest, check_range)
 
-
-class InvalidRequest(ValueError):
-    """A request parameter is out of range. `param` names the field."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
+__all__ = ["MAX_LOGPROBS", "InvalidRequest"]  # re-exported: their home is steadyserve.limits
 
 
 @dataclass
@@ -47,9 +42,8 @@ class SamplingParams:
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
             raise InvalidRequest("max_tokens", "max_tokens must be an integer >= 0")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise InvalidRequest("temperature", "temperature must be >= 0")
-        if self.seed is not None and not -(2 ** 63) <= self.seed < 2 ** 64:
+        check_range("temperature", self.temperature, 0.0, MAX_TEMPERATURE)  # also refuses NaN
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
             raise InvalidRequest("seed", "seed must be in -2**63 .. 2**64-1")
         if not 0 < self.top_p <= 1:
             raise InvalidRequest("top_p", "top_p must be in (0, 1]")
@@ -57,21 +51,23 @@ class SamplingParams:
             raise InvalidRequest("top_k", "top_k must be >= 0 (0 disables it)")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            if v is not None and not 0 <= v <= MAX_LOGPROBS:
-                raise InvalidRequest(name, f"{name} must be in 0..{MAX_LOGPROBS}")
+            if v is not None:
+                check_range(name, v, 0, MAX_LOGPROBS)
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequest("stop", f"stop: at most {MAX_STOP_STRINGS} stop strings")
         if any(not s for s in self.stop):
             raise InvalidRequest("stop", "stop strings must not be empty")
         for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            if not (math.isfinite(v) and -2 <= v <= 2):
-                raise InvalidRequest(name, f"{name} must be in -2..2")
-        if not (math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= 10):
-            raise InvalidRequest("repetition_penalty", "repetition_penalty must be in (0, 10]; 1 turns it off")
-        if len(self.logit_bias) > 300:
-            raise InvalidRequest("logit_bias", "logit_bias: at most 300 tokens")
+            check_range(name, getattr(self, name), -MAX_PENALTY, MAX_PENALTY)
+        if not (math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY):
+            raise InvalidRequest("repetition_penalty",
+                                 f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}]; 1 turns it off")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequest("logit_bias", f"logit_bias: at most {MAX_LOGIT_BIAS} tokens")
         for tid, bias in self.logit_bias.items():
-            if not (math.isfinite(bias) and -100 <= bias <= 100):
-                raise InvalidRequest("logit_bias", f"logit_bias[{tid}]: the bias must be in -100..100")
+            if not (math.isfinite(bias) and -MAX_BIAS <= bias <= MAX_BIAS):
+                raise InvalidRequest("logit_bias",
+                                     f"logit_bias[{tid}]: the bias must be in -{MAX_BIAS:g}..{MAX_BIAS:g}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidRequest("min_tokens", "min_tokens must be in 0..max_tokens")
         if self.max_tokens == 0 and self.prompt_logprobs is None:

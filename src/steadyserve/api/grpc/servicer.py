@@ -1,6 +1,8 @@
 """steadyserve.v1.Inference: Score, Generate, GetModelInfo and Tokenize on the shared engine.
 
-Handlers parse, admit and format; model code runs on the engine thread. Each
+Handlers turn a message into a RequestSpec (inputs.py), validate it with the
+HTTP API's builder (requests.build), admit it, and encode its events
+(api/events.py) as messages; model code runs on the engine thread. Each
 RPC that reaches the engine is one engine request whose stream is registered
 with the shared StreamRegistry, so drain and engine death end gRPC streams
 exactly as they end HTTP ones. A request is aborted in the engine (its slot
@@ -10,23 +12,23 @@ or when the client reads nothing for --stall-timeout.
 
 from __future__ import annotations
 
-import asyncio
 import math
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NoReturn
+from typing import Any, Callable, NoReturn
 
 import grpc
 
-from ...engine.engine import AdmissionError
-from ...engine.sequence import MAX_LOGPROBS, SamplingParams, TokenLogprob
+from ...engine.sequence import TokenLogprob
+from ...limits import MAX_LOGPROBS, RETRY_REASONS, Refused
 from ...platform_info import platform_info, row_tiles_of
+from ..events import RequestEvents, StreamStalled
 from ..protocol import token_text
+from ..requests import RequestSpec, ValidatedRequest, admit, build, prompt_ids
 from ..state import ServerState
-from ..streams import StreamHandle
+from ..streams import END_MESSAGES, StreamHandle
 from ..protos.steadyserve.v1 import inference_pb2 as pb
 from ..protos.steadyserve.v1 import inference_pb2_grpc as pb_grpc
 from . import ERROR_CODE_KEY, ERROR_FIELD_KEY, FINGERPRINT_KEY, PUSHBACK_KEY, REQUEST_ID_KEY, RETRY_AFTER_KEY
-from .inputs import BadInput, admission_field, check_common, generate_params, prompt_ids, score_params
+from .inputs import field_name, generate_spec, score_spec, tokenize_spec
 
 Code = grpc.StatusCode
 
@@ -76,80 +78,50 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self.state = state
         self.fingerprint = str(state.fingerprint)
         self._token_text: dict[int, str] = {}  # decoded once per token id: Score is called at high rates
-        # Tokenizing a 1 MB prompt or rendering a chat template takes seconds of CPU: never on the loop,
-        # which moves every stream's bytes. One thread: HF tokenizers are not meant for concurrent use.
-        self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="steadyserve-grpc-tokenize")
-
-    async def _prompt_ids(self, request: Any) -> tuple[list[int], str]:
-        which = request.WhichOneof("input")
-        if which == "chat" or (which == "text" and len(request.text) > INLINE_TOKENIZE_CHARS):
-            return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, prompt_ids, self.state,
-                                                                    request)
-        return prompt_ids(self.state, request)  # short text, token ids: microseconds, not worth a thread hop
 
     # ---- shared steps ----------------------------------------------------
-    async def _open(self, context: grpc.aio.ServicerContext, model: str = "", request_id: str = "") -> tuple[_Call, str]:
-        """Refuse new work while draining or dead; validate the common fields; returns (call, request id)."""
-        call = _Call(context, self.fingerprint)
-        st = self.state
-        if st.draining:  # the same refusal state.submit gives, for every rpc, not only those reaching the engine
-            await self._refuse(call, AdmissionError("draining", "server is draining (shutting down); retry on "
-                                                    "another replica", retry_after=5.0), "input")
-        if not st.engine.alive:
-            await self._refuse(call, AdmissionError("dead", "the engine is not running"), "input")
+    async def _validate(self, call: _Call, msg: Any, spec_of: Callable[[Any], RequestSpec]) -> ValidatedRequest:
+        """requests.build on the message (on the tokenizer thread unless it is short), or abort the RPC."""
         try:
-            rid = check_common(st, model, request_id)
-        except BadInput as e:
-            await self._invalid(call, e)
-        call.set(REQUEST_ID_KEY, rid)
-        return call, rid
+            spec = spec_of(msg)
+            which = msg.WhichOneof("input")
+            if which == "chat" or (which == "text" and len(msg.text) > INLINE_TOKENIZE_CHARS):
+                req = await self.state.run_tokenizer(build, self.state, spec)
+            else:  # short text, token ids: microseconds, not worth a thread hop
+                req = build(self.state, spec)
+        except Refused as e:
+            await self._refuse(call, e, msg)
+        call.set(REQUEST_ID_KEY, req.request_id)
+        return req
 
-    def _count_rejected(self, reason: str) -> None:
-        if self.state.metrics is not None:
-            self.state.metrics.rejected.labels(reason).inc()
-
-    async def _invalid(self, call: _Call, e: BadInput) -> NoReturn:
-        self._count_rejected("invalid")
-        await call.abort(Code.INVALID_ARGUMENT, str(e), {ERROR_FIELD_KEY: e.field, ERROR_CODE_KEY: "invalid"})
-
-    async def _submit(self, call: _Call, rid: str, ids: list[int], params: SamplingParams, input_field: str,
-                      scoring: bool = False) -> StreamHandle:
+    async def _admit(self, call: _Call, req: ValidatedRequest) -> list[StreamHandle]:
         """Admit into the engine or abort the RPC at once with the refusal's status."""
         try:
-            stream = self.state.submit(rid, ids, params, "grpc")
-        except AdmissionError as e:
-            await self._refuse(call, e, input_field, scoring)
-        return self.state.streams.open_stream(rid, stream, "grpc")
+            return admit(self.state, req)
+        except Refused as e:
+            await self._refuse(call, e, req.body)
 
-    async def _refuse(self, call: _Call, e: AdmissionError, input_field: str, scoring: bool = False) -> NoReturn:
-        """An admission refusal as a status: RESOURCE_EXHAUSTED, UNAVAILABLE or INVALID_ARGUMENT."""
-        self._count_rejected(e.reason)
-        if e.reason in ("overloaded", "draining", "dead"):
+    async def _refuse(self, call: _Call, e: Refused, msg: Any = None) -> NoReturn:
+        """A refusal as a status: RESOURCE_EXHAUSTED (overloaded), UNAVAILABLE (draining, dead) or
+        INVALID_ARGUMENT naming the proto field, with the HTTP API's message."""
+        if self.state.metrics is not None:
+            self.state.metrics.rejected.labels(e.metric_reason).inc()
+        if e.reason in RETRY_REASONS:
             ms = str(max(1, math.ceil((e.retry_after or 1.0) * 1000)))
             trailers = {ERROR_CODE_KEY: e.reason, RETRY_AFTER_KEY: ms}
             if e.reason == "overloaded":  # a retry policy waits this long; draining: retry elsewhere now
                 trailers[PUSHBACK_KEY] = ms
             code = Code.RESOURCE_EXHAUSTED if e.reason == "overloaded" else Code.UNAVAILABLE
             await call.abort(code, str(e), trailers)
-        field = admission_field(e.param, input_field, scoring)
-        await call.abort(Code.INVALID_ARGUMENT, f"{field}: {e}", {ERROR_FIELD_KEY: field, ERROR_CODE_KEY: e.reason})
+        field = field_name(e.param, msg, scoring=isinstance(msg, pb.ScoreRequest)) if msg is not None else "input"
+        await call.abort(Code.INVALID_ARGUMENT, e.message_for(field), {ERROR_FIELD_KEY: field,
+                                                                       ERROR_CODE_KEY: e.reason})
 
-    def _arm_deadline(self, context: grpc.aio.ServicerContext, handle: StreamHandle) -> asyncio.TimerHandle | None:
-        """Abort the engine request when the deadline passes, whether or not gRPC cancels this handler."""
+    def _events(self, context: grpc.aio.ServicerContext, handles: list[StreamHandle]) -> RequestEvents:
+        """The request's events; the deadline, and leaving early (cancel, gone client), abort it in the engine."""
         remaining = context.time_remaining()
-        if remaining is None or remaining > 1e8:  # no deadline (gRPC reports a huge number for "infinite")
-            return None
-        return asyncio.get_running_loop().call_later(max(0.0, remaining), handle.cut, "deadline")
-
-    def _close(self, context: grpc.aio.ServicerContext, handle: StreamHandle, timer: asyncio.TimerHandle | None
-               ) -> None:
-        """End of an RPC's engine request, however the RPC ended: cancelled, failed or done."""
-        if timer is not None:
-            timer.cancel()
-        if not handle.stream.finished:  # left before the engine finished: deadline, cancel, gone client
-            handle.cut(self._cut_reason(context))  # counted once, by reason; the engine frees the slot next step
-        handle.backlog_bytes = 0
-        self.state.streams.close(handle)
+        deadline = None if remaining is None or remaining > 1e8 else remaining  # gRPC's "infinite" is huge
+        return RequestEvents(handles, deadline_s=deadline, unfinished_reason=lambda: self._cut_reason(context))
 
     def _cut_reason(self, context: grpc.aio.ServicerContext) -> str:
         if deadline_passed(context):
@@ -172,88 +144,75 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     # ---- rpcs --------------------------------------------------------------
     async def Score(self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
-        call, rid = await self._open(context, request.model, request.request_id)
-        try:
-            ids, field = await self._prompt_ids(request)
-            params = score_params(request)
-        except BadInput as e:
-            await self._invalid(call, e)
-        handle = await self._submit(call, rid, ids, params, field, scoring=True)
-        timer = self._arm_deadline(context, handle)
-        last = None
-        prompt_lps: list[TokenLogprob | None] | None = None
-        try:
-            async for out in handle.stream:
-                if out.prompt_logprobs is not None:
-                    prompt_lps = out.prompt_logprobs
-                last = out
-        finally:
-            self._close(context, handle, timer)
-        problem = handle.error_for(last) if last is not None else ("engine_error", "no output from the engine")
+        call = _Call(context, self.fingerprint)
+        req = await self._validate(call, request, score_spec)
+        handles = await self._admit(call, req)
+        async with self._events(context, handles) as events:
+            async for _ in events:
+                pass
+        problem = events.error
+        prompt_lps = events.accs[0].prompt_logprobs
         if problem is None and prompt_lps is None:
             problem = ("engine_error", "the engine finished without prompt logprobs")
         if problem is not None:
             await self._end_with_problem(call, problem)
+        ids = req.prompts[0]
         tokens = [pb.TokenLogprob(token_id=ids[0], text=self._text(ids[0]))]
         tokens += [self._logprob(lp) for lp in prompt_lps[1:]]  # type: ignore[index, union-attr, arg-type]
-        return pb.ScoreResponse(request_id=rid, tokens=tokens, fingerprint=self.fingerprint,
+        return pb.ScoreResponse(request_id=req.request_id, tokens=tokens, fingerprint=self.fingerprint,
                                 model=self.state.model_name, usage=pb.Usage(prompt_tokens=len(ids)))
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
-        call, rid = await self._open(context, request.model, request.request_id)
-        try:
-            ids, field = await self._prompt_ids(request)
-            params = generate_params(self.state, request)
-        except BadInput as e:
-            await self._invalid(call, e)
-        handle = await self._submit(call, rid, ids, params, field)
-        timer = self._arm_deadline(context, handle)
-        want_lp = params.logprobs is not None
-        try:
-            async for batch in handle.batches():
-                last = batch[-1]
-                problem = handle.error_for(last) if last.finished else None
-                if problem is not None and problem[0] == "client_disconnect":
-                    return
-                token_ids = [t for o in batch for t in o.new_token_ids]
-                text = "".join(o.text_delta for o in batch)
-                if token_ids or text:
-                    lps = [self._logprob(lp) for o in batch for lp in o.logprobs] if want_lp else []
-                    await self._write(context, handle, pb.GenerateResponse(
-                        batch=pb.TokenBatch(token_ids=token_ids, text=text, logprobs=lps)))
-                if problem is not None:
-                    await self._end_with_problem(call, problem)
-                if last.finished:
-                    await self._write(context, handle, pb.GenerateResponse(final=pb.GenerateFinal(
-                        finish_reason=FINISH.get(last.finish_reason or "", pb.FINISH_REASON_UNSPECIFIED),
-                        usage=pb.Usage(prompt_tokens=last.num_prompt_tokens,
-                                       completion_tokens=last.num_generated_tokens,
-                                       cached_prompt_tokens=last.num_cached_tokens),
-                        request_id=rid, fingerprint=self.fingerprint, model=self.state.model_name)))
-        except _ClientGone:
-            return  # nobody to tell; `finally` counts why the stream ended
-        except _Stalled:
-            await self._end_with_problem(call, ("stall", "the client accepted no data for the stall timeout; "
-                                                         "stream aborted"))
-        finally:
-            self._close(context, handle, timer)
+        call = _Call(context, self.fingerprint)
+        req = await self._validate(call, request, generate_spec)
+        handles = await self._admit(call, req)
+        want_lp = req.params[0].logprobs is not None
+        events = self._events(context, handles)
 
-    async def _write(self, context: grpc.aio.ServicerContext, handle: StreamHandle, msg: Any) -> None:
-        """Send one stream message; cut the stream if the client takes nothing for --stall-timeout."""
-        handle.backlog_bytes = msg.ByteSize()
+        async def write(msg: pb.GenerateResponse) -> None:
+            """Send one stream message; the stream is cut if the client takes nothing for --stall-timeout."""
+            handles[0].backlog_bytes = msg.ByteSize()
+            try:
+                await events.send(context.write(msg), self.state.config.server.stall_timeout)
+            except StreamStalled:
+                raise
+            except Exception:
+                if context.cancelled():  # gRPC fails writes to a call the client cancelled (ExecuteBatchError)
+                    raise _ClientGone() from None
+                raise
+            handles[0].backlog_bytes = 0
+
         try:
-            await asyncio.wait_for(context.write(msg), self.state.config.server.stall_timeout)
-        except asyncio.TimeoutError:
-            handle.cut("stall")
-            raise _Stalled() from None
-        except Exception:
-            if context.cancelled():  # gRPC fails writes to a call the client cancelled (ExecuteBatchError)
-                raise _ClientGone() from None
-            raise
-        handle.backlog_bytes = 0
+            async with events:
+                async for ev in events:
+                    if ev.error is not None and ev.error[0] == "client_disconnect":
+                        return
+                    token_ids, text = ev.token_ids, ev.text
+                    if token_ids or text:
+                        lps = [self._logprob(lp) for o in ev.outputs for lp in o.logprobs] if want_lp else []
+                        await write(pb.GenerateResponse(batch=pb.TokenBatch(token_ids=token_ids, text=text,
+                                                                            logprobs=lps)))
+                    if ev.error is not None:
+                        await self._end_with_problem(call, ev.error)
+                    if ev.finished:
+                        last = ev.last
+                        await write(pb.GenerateResponse(final=pb.GenerateFinal(
+                            finish_reason=FINISH.get(last.finish_reason or "", pb.FINISH_REASON_UNSPECIFIED),
+                            usage=pb.Usage(prompt_tokens=last.num_prompt_tokens,
+                                           completion_tokens=last.num_generated_tokens,
+                                           cached_prompt_tokens=last.num_cached_tokens),
+                            request_id=req.request_id, fingerprint=self.fingerprint, model=self.state.model_name)))
+        except _ClientGone:
+            return  # nobody to tell; leaving `events` counts why the stream ended
+        except StreamStalled:
+            await self._end_with_problem(call, ("stall", END_MESSAGES["stall"]))
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
-        await self._open(context)
+        call = _Call(context, self.fingerprint)
+        try:
+            self.state.refuse_if_closed()
+        except Refused as e:
+            await self._refuse(call, e)
         st, fp = self.state, self.state.fingerprint
         return pb.ModelInfo(model=st.model_name, context_length=st.loaded.max_model_len, fingerprint=self.fingerprint,
                             device=fp.device, dtype=fp.dtype, batch_invariant=fp.batch_invariant,
@@ -262,17 +221,14 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                             weights_hash=fp.weights, platform=_platform_pb(st.loaded))
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
-        call, _ = await self._open(context)
+        call = _Call(context, self.fingerprint)
         try:
-            ids, _field = await self._prompt_ids(request)
-        except BadInput as e:
-            await self._invalid(call, e)
+            self.state.refuse_if_closed()
+            ids = (await self.state.run_tokenizer(prompt_ids, self.state, tokenize_spec(request)))[0][0]
+        except Refused as e:
+            await self._refuse(call, e, request)
         return pb.TokenizeResponse(token_ids=ids, tokens=[self._text(t) for t in ids],
                                    context_length=self.state.loaded.max_model_len)
-
-
-class _Stalled(Exception):
-    pass
 
 
 class _ClientGone(Exception):

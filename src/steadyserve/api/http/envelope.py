@@ -6,6 +6,7 @@ import hmac
 import time
 from typing import Any
 
+from ...limits import valid_request_id
 from ..state import ServerState
 from .errors import error_response
 
@@ -46,9 +47,11 @@ class Envelope:
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
         rid = headers.get(b"x-request-id", b"").decode("latin-1")
-        if not rid or len(rid) > 128 or not rid.isprintable():
-            rid = self.state.new_request_id()
         st = scope.setdefault("state", {})
+        if rid and not valid_request_id(rid):
+            st["refused_request_id"] = rid  # the inference routes refuse it, as gRPC does (requests.build)
+        if not rid or not valid_request_id(rid):
+            rid = self.state.new_request_id()  # what the response headers carry, on every route
         st["request_id"] = rid
         st["transport"] = getattr(getattr(send, "__self__", None), "transport", None)
         extra = [(b"x-request-id", rid.encode("latin-1")), (b"x-steadyserve-fingerprint", self.fingerprint)]

@@ -1,4 +1,4 @@
-"""OpenAI-style error bodies and the status code of each refusal."""
+"""OpenAI-style error bodies, and the HTTP status of each refusal (steadyserve.limits.Refused)."""
 
 from __future__ import annotations
 
@@ -6,16 +6,20 @@ import math
 
 from fastapi.responses import JSONResponse
 
-from ...engine.engine import AdmissionError
+from ...limits import RETRY_REASONS, Refused
 
-# AdmissionError.reason -> (HTTP status, OpenAI error type)
-ADMISSION_STATUS = {
+# Refused.reason -> (HTTP status, OpenAI error type); every other reason is a 400 invalid_request_error.
+REFUSAL_STATUS = {
     "overloaded": (429, "overloaded"),
-    "too_long": (400, "invalid_request_error"),
-    "invalid": (400, "invalid_request_error"),
     "draining": (503, "unavailable"),
     "dead": (503, "unavailable"),
+    "model_not_found": (404, "invalid_request_error"),
+    "request_too_large": (413, "invalid_request_error"),
+    "too_long": (400, "invalid_request_error"),
+    "invalid": (400, "invalid_request_error"),
+    "invalid_value": (400, "invalid_request_error"),
 }
+ADMISSION_STATUS = REFUSAL_STATUS  # the name tests/test_docs.py reads the codes from
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
@@ -28,9 +32,13 @@ def error_response(status: int, message: str, type_: str, param: str | None = No
     return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
 
 
-def admission_response(e: AdmissionError) -> JSONResponse:
-    status, type_ = ADMISSION_STATUS.get(e.reason, (400, "invalid_request_error"))
-    retry = e.retry_after if status in (429, 503) else None
-    if status in (429, 503) and retry is None:
-        retry = 1.0
+def refusal_status(e: Refused) -> tuple[int, str, float | None]:
+    """(HTTP status, OpenAI error type, Retry-After seconds or None) of a refusal."""
+    status, type_ = REFUSAL_STATUS.get(e.reason, (400, "invalid_request_error"))
+    retry = (e.retry_after if e.retry_after is not None else 1.0) if e.reason in RETRY_REASONS else None
+    return status, type_, retry
+
+
+def refusal_response(e: Refused) -> JSONResponse:
+    status, type_, retry = refusal_status(e)
     return error_response(status, str(e), type_, e.param, e.reason, retry)

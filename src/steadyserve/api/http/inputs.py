@@ -1,5 +1,5 @@
-"""HTTP request input, validated once: bodies read within limits, pydantic errors named by field, the choices
-of a completion or chat request (`Prepared`) and their all-or-nothing admission.
+"""HTTP request input: bodies read within limits, pydantic errors named by field, and a completion or chat
+body as the transport-neutral RequestSpec that requests.build validates for every transport.
 
 Shared by the HTTP routes (app.py) and the WebSocket (ws.py).
 """
@@ -8,22 +8,17 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
-from ...engine.engine import AdmissionError
-from ...engine.sequence import SamplingParams
+from ...limits import DEFAULT_MAX_TOKENS, Refused
+from ..requests import RequestSpec, ValidatedRequest, build
 from ..state import ServerState
+from .schemas import ChatCompletionRequest, CompletionRequest, refuse_unsupported
 
-
-class BadRequest(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.param, self.code = status, param, code
+M = TypeVar("M", bound=BaseModel)
 
 
 async def read_json(request: Request, limit: int) -> Any:
@@ -32,21 +27,20 @@ async def read_json(request: Request, limit: int) -> Any:
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise BadRequest(413, f"request body exceeds {limit} bytes (--max-request-bytes)", None,
-                             "request_too_large")
+            raise Refused("request_too_large", f"request body exceeds {limit} bytes (--max-request-bytes)")
         chunks.append(chunk)
     raw = b"".join(chunks)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise BadRequest(400, f"request body is not valid UTF-8 (byte {e.start})", None, "invalid_utf8") from None
+        raise Refused("invalid_utf8", f"request body is not valid UTF-8 (byte {e.start})") from None
     try:
         body = json.loads(text)
     except json.JSONDecodeError as e:
-        raise BadRequest(400, f"request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}",
-                         None, "invalid_json") from None
+        raise Refused("invalid_json", f"request body is not valid JSON: {e.msg} at line {e.lineno} column "
+                      f"{e.colno}") from None
     if not isinstance(body, dict):
-        raise BadRequest(400, "request body must be a JSON object", None, "invalid_json")
+        raise Refused("invalid_json", "request body must be a JSON object")
     return body
 
 
@@ -72,44 +66,53 @@ def find_surrogate(value: Any, path: str = "") -> str | None:
     return None
 
 
-def submit_unique(state: ServerState, request_id: str, prompt_ids: list[int], params: Any, transport: str):
-    """One request through submit_unique_all; returns its RequestStream."""
-    return submit_unique_all(state, [request_id], [prompt_ids], [params], transport)[0]
+def parse_body(body: Any, kind: str) -> CompletionRequest | ChatCompletionRequest:
+    """A completion or chat body through its pydantic model. Raises Refused naming the field."""
+    bad = find_surrogate(body)
+    if bad is not None:
+        raise Refused("invalid_unicode", f"{bad}: contains an unpaired UTF-16 surrogate escape; not valid Unicode",
+                      bad)
+    refuse_unsupported(body)
+    return validated(ChatCompletionRequest if kind == "chat" else CompletionRequest, body)
 
 
-def submit_unique_all(state: ServerState, request_ids: list[str], prompts: list[list[int]], params: list[Any],
-                      transport: str) -> list:
-    """state.submit_all under the client's x-request-id; if an id is already in flight (a client or proxy
-    reusing ids), the engine gets suffixed ids while the client still sees its own."""
+def request_spec(body: Any, kind: str, transport: str, request_id: str) -> RequestSpec:
+    """An HTTP or WebSocket body as the transport-neutral RequestSpec. Raises Refused."""
+    req = parse_body(body, kind)
     try:
-        return state.submit_all(list(zip(request_ids, prompts, params)), transport)
-    except AdmissionError as e:
-        if e.reason != "invalid" or e.param != "request_id":
-            raise
-    tag = uuid.uuid4().hex[:8]
-    return state.submit_all([(f"{rid}.{tag}", ids, p) for rid, ids, p in zip(request_ids, prompts, params)],
-                            transport)
+        params = req.sampling_params(DEFAULT_MAX_TOKENS[kind])  # max_tokens: requests.build decides
+    except Refused:
+        raise
+    except (ValueError, TypeError) as e:  # a response_format schema the grammar compiler refuses
+        raise Refused("invalid_value", str(e), getattr(e, "param", None)) from None
+    chat = isinstance(req, ChatCompletionRequest)
+    return RequestSpec(
+        kind=kind, transport=transport, request_id=request_id, model=req.model, params=params,
+        prompts=[] if chat else req.prompt_list(), messages=req.message_dicts() if chat else None,
+        requested_max_tokens=req.requested_max_tokens,
+        max_tokens_param="max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None
+        else "max_tokens", num_samples=req.num_samples, n=req.n, stream=req.stream, body=req)
 
 
-@dataclass
-class Prepared:
-    """A validated completion or chat body: one engine request per choice, n choices per prompt, in the order of
-    the choices' indices (prompt i's choice j is index i * n + j, as OpenAI numbers them)."""
-
-    req: Any  # the validated CompletionRequest or ChatCompletionRequest
-    prompts: list[list[int]]  # each choice's prompt token ids
-    params: list[SamplingParams]  # each choice's sampling parameters (own seed; max_tokens default per prompt)
-    echo_texts: list[str | None]  # each choice's prompt text for echo, None where it came as token ids
-    n: int = 1  # choices generated per prompt (best_of, else n)
-    keep: int = 1  # choices returned per prompt (n): the best `keep` of every `n` by mean token logprob
+def client_request_id(scope: dict) -> str:
+    """The request id the client sent (x-request-id), even one the envelope replaced for being invalid, so that
+    requests.build refuses it; else the envelope's."""
+    st = scope.get("state", {})
+    return st.get("refused_request_id") or st["request_id"]
 
 
-def derived_seed(seed: int | None, j: int) -> int | None:
-    """The seed of a prompt's choice j: seed + j, wrapped into the range torch.Generator takes."""
-    if seed is None or j == 0:
-        return seed
-    s = seed + j
-    return s - 2**64 if s > 2**64 - 1 else s
+def validated(model: type[M], body: Any) -> M:
+    """`body` through a pydantic model; a failure is refused naming the field."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        msg, param = validation_message(e)
+        raise Refused("invalid_value", msg, param) from None
+
+
+def build_from_body(state: ServerState, body: Any, kind: str, transport: str, request_id: str) -> ValidatedRequest:
+    """Parse and validate in one call, for the tokenizer thread. Raises Refused."""
+    return build(state, request_spec(body, kind, transport, request_id))
 
 
 def validation_message(e: ValidationError) -> tuple[str, str | None]:

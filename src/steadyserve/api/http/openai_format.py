@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import re
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from ...engine.sequence import RequestOutput, TokenLogprob
+from ..events import Accumulated, sum_usage
 from ..protocol import token_text as _token_text_uncached
+from ..requests import ValidatedRequest
 
 _TOKEN_TEXT: dict[int, dict[int, str]] = {}  # id(tokenizer) -> token id -> text; at most the vocabulary
 
@@ -95,55 +96,6 @@ def _token_bytes(tokenizer: Any, token_id: int) -> bytes:
     except Exception:
         pass
     return token_text(tokenizer, token_id).encode("utf-8")
-
-
-@dataclass
-class Accumulated:
-    """A request's outputs so far, merged."""
-
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    prompt_logprobs: list[TokenLogprob | None] | None = None
-    finish_reason: str | None = None
-    error: str | None = None
-    num_prompt_tokens: int = 0
-    num_generated_tokens: int = 0
-    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache
-    max_batch_seqs: int = 0  # largest step this request shared (for `steadyserve validate`)
-    queue_wait: float | None = None
-
-    def add(self, out: RequestOutput) -> None:
-        self.max_batch_seqs = max(self.max_batch_seqs, out.num_batch_seqs)
-        if out.queue_wait is not None:
-            self.queue_wait = out.queue_wait
-        self.text += out.text_delta
-        self.token_ids += out.new_token_ids
-        self.logprobs += out.logprobs
-        if out.prompt_logprobs is not None:
-            self.prompt_logprobs = out.prompt_logprobs
-        if out.finished:
-            self.finish_reason, self.error = out.finish_reason, out.error
-        self.num_prompt_tokens = out.num_prompt_tokens
-        self.num_generated_tokens = out.num_generated_tokens
-        self.num_cached_tokens = out.num_cached_tokens
-
-    def usage(self) -> dict[str, Any]:
-        return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": self.num_generated_tokens,
-                "total_tokens": self.num_prompt_tokens + self.num_generated_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens}}
-
-
-def sum_usage(accs: list[Accumulated], n: int = 1) -> Accumulated:
-    """The token counts of one request's choices added up, as an Accumulated for its usage(). The choices come
-    n per prompt (`n` samples each): a prompt counts once, as OpenAI and vLLM count it, generated tokens all."""
-    total = Accumulated()
-    for i, a in enumerate(accs):
-        if i % n == 0:
-            total.num_prompt_tokens += a.num_prompt_tokens
-            total.num_cached_tokens += a.num_cached_tokens
-        total.num_generated_tokens += a.num_generated_tokens
-    return total
 
 
 class Formatter:
@@ -275,3 +227,13 @@ def full_body(fmts: list[Formatter], accs: list[Accumulated], want_logprobs: boo
     body["steadyserve"] = {"max_batch_seqs": max(a.max_batch_seqs for a in accs),
                            "queue_wait_s": round(max(waits), 6) if waits else None}
     return body
+
+
+def formatters(req: ValidatedRequest, model: str, fingerprint: str, tokenizer: Any) -> list[Formatter]:
+    """One Formatter per choice of a validated completion or chat request."""
+    echo = req.kind == "completion" and req.body.echo
+    # Echo: a text prompt as sent; token ids decoded (the builder has checked they are ids of this model).
+    return [Formatter(req.kind, req.request_id, model, fingerprint, tokenizer,
+                      echo_prompt_ids=ids if echo else None,
+                      echo_text=(text if text is not None else tokenizer.decode(ids)) if echo else "", index=i)
+            for i, (ids, text) in enumerate(zip(req.prompts, req.echo_texts))]

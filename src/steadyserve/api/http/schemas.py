@@ -11,11 +11,20 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, model_validator
 
-from ...engine.sequence import MAX_LOGPROBS, InvalidRequest, SamplingParams
+from ...engine.sequence import SamplingParams
+from ...limits import (MAX_CHOICES, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_STOP_STRINGS,
+                       MAX_TEMPERATURE, SEED_MAX, SEED_MIN, InvalidRequest)
 
 # A JSON number (ints too), never a numeric string or a bool. NaN/Infinity fail the range checks.
 Number = Annotated[float, Strict()]
-SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
+
+
+def shared_range(minimum: float | None = None, maximum: float | None = None, exclusive_minimum: float | None = None,
+                 **extra: object) -> dict:
+    """A range the OpenAPI spec shows but pydantic does not enforce: SamplingParams.validate checks it (with
+    the limits of steadyserve.limits), so HTTP and gRPC refuse it with the same message."""
+    bounds = {"minimum": minimum, "maximum": maximum, "exclusiveMinimum": exclusive_minimum}
+    return {**{k: v for k, v in bounds.items() if v is not None}, **extra}
 
 
 # OpenAI request fields that would change the result and that steadyserve does not implement: refused by name,
@@ -76,33 +85,37 @@ class _Common(BaseModel):
     max_tokens: StrictInt | None = Field(default=None, ge=0, description="most tokens to generate; default 16 for "
                                          "completions, 512 for chat, never more than the context leaves; at most "
                                          "--max-tokens-cap")
-    temperature: Number = Field(default=1.0, ge=0.0, le=2.0, description="sampling temperature; 0 is greedy")
-    top_p: Number = Field(default=1.0, gt=0.0, le=1.0, description="nucleus sampling: keep the most likely tokens "
-                          "whose probabilities sum to top_p")
+    temperature: Number = Field(default=1.0, description="sampling temperature; 0 is greedy",
+                                json_schema_extra=shared_range(0.0, MAX_TEMPERATURE))
+    top_p: Number = Field(default=1.0, description="nucleus sampling: keep the most likely tokens "
+                          "whose probabilities sum to top_p", json_schema_extra=shared_range(None, 1.0, 0.0))
     top_k: StrictInt = Field(default=0, ge=0, description="keep only the k most likely tokens; 0 keeps all",
                              json_schema_extra={"x-extension": True})
     seed: StrictInt | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX, description="seeds this request's own "
                                    "sampler: equal seeds give equal tokens, whatever else is batched with it")
-    stop: str | list[str] | None = Field(default=None, description="up to 4 strings that end the completion; the "
-                                         "text stops before the stop string")
+    stop: str | list[str] | None = Field(default=None, description=f"up to {MAX_STOP_STRINGS} strings that end the "
+                                         "completion; the text stops before the stop string")
+    stop_token_ids: list[StrictInt] | None = Field(default=None, description="token ids that also end the "
+                                                   "completion (besides end-of-sequence), as gRPC's stop_token_ids",
+                                                   json_schema_extra={"x-extension": True})
     stream: StrictBool = Field(default=False, description="send server-sent events as tokens are generated")
     stream_options: StreamOptions | None = Field(default=None, description="options of a streamed response")
-    n: StrictInt = Field(default=1, ge=1, le=128, description="choices per prompt, each its own sample; with "
+    n: StrictInt = Field(default=1, ge=1, le=MAX_CHOICES, description="choices per prompt, each its own sample; with "
                          "seed, choice j samples with seed + j, so choice 0 is the n=1 request and every choice "
                          "is reproducible")
     ignore_eos: StrictBool = Field(default=False, description="keep generating past end-of-sequence tokens (for "
                                    "benchmarks)", json_schema_extra={"x-extension": True})
     # Logits processors: applied to this request's own row before sampling (batch invariance holds); the
     # logprobs reported stay the model's own (as vLLM reports them by default).
-    frequency_penalty: Number | None = Field(default=None, ge=-2.0, le=2.0, description="subtracted from a "
-                                             "token's log-probability once per time it was generated so far")
-    presence_penalty: Number | None = Field(default=None, ge=-2.0, le=2.0, description="subtracted from the "
-                                            "log-probability of every token generated so far")
+    frequency_penalty: Number | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY, description="subtracted "
+                                             "from a token's log-probability once per time it was generated so far")
+    presence_penalty: Number | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY, description="subtracted "
+                                            "from the log-probability of every token generated so far")
     logit_bias: dict[str, Number] | None = Field(default=None, description="token id (as a string) -> bias in "
                                                  "-100..100 added to its log-probability before sampling; "
                                                  "-100 bans a token, 100 all but forces it")
-    repetition_penalty: Number = Field(default=1.0, gt=0.0, le=10.0, description="multiplies the (negative) "
-                                       "log-probability of every prompt and generated token: > 1 discourages "
+    repetition_penalty: Number = Field(default=1.0, gt=0.0, le=MAX_REPETITION_PENALTY, description="multiplies "
+                                       "the (negative) log-probability of every prompt and generated token: > 1 discourages "
                                        "repeats, 1 turns it off", json_schema_extra={"x-extension": True})
     min_tokens: StrictInt = Field(default=0, ge=0, description="end-of-sequence and stop tokens cannot be "
                                   "generated before this many tokens", json_schema_extra={"x-extension": True})
@@ -116,15 +129,12 @@ class _Common(BaseModel):
             bias[int(key)] = float(value)
         return {"logit_bias": bias, "presence_penalty": self.presence_penalty or 0.0,
                 "frequency_penalty": self.frequency_penalty or 0.0, "repetition_penalty": self.repetition_penalty,
-                "min_tokens": self.min_tokens}
+                "min_tokens": self.min_tokens, "stop_token_ids": list(self.stop_token_ids or [])}
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
             return []
-        stops = [self.stop] if isinstance(self.stop, str) else self.stop
-        if len(stops) > 4:
-            raise InvalidRequest("stop", "stop: at most 4 stop strings")
-        return stops
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)  # counted by SamplingParams.validate
 
 
 class CompletionRequest(_Common):
@@ -134,9 +144,10 @@ class CompletionRequest(_Common):
                     "token-id lists): one choice per prompt, in order, admitted all at once or refused")
     echo: StrictBool = Field(default=False, description="prepend the prompt to the completion; with logprobs, the "
                              "prompt's tokens get logprobs too (max_tokens 0 scores a prompt without generating)")
-    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS, description="return the chosen "
-                                       "tokens' logprobs and this many most likely alternatives per position")
-    best_of: StrictInt | None = Field(default=None, ge=1, le=128, description="sample this many choices per prompt "
+    logprobs: StrictInt | None = Field(default=None, description="return the chosen tokens' logprobs and this many "
+                                       "most likely alternatives per position",
+                                       json_schema_extra=shared_range(0, MAX_LOGPROBS))
+    best_of: StrictInt | None = Field(default=None, ge=1, le=MAX_CHOICES, description="sample this many choices per prompt "
                                       "(seeds seed + j, as n) and return the n with the highest mean log-probability "
                                       "per token; usage counts all of them. Not with stream.")
 
@@ -203,8 +214,8 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Common):
     """Body of POST /v1/chat/completions."""
-    messages: Annotated[list[ChatMessage], Field(min_length=1)] = Field(
-        description="the conversation, rendered with the model's chat template")
+    messages: list[ChatMessage] = Field(description="the conversation, rendered with the model's chat template",
+                                        json_schema_extra={"minItems": 1})  # checked by requests.build
     logprobs: StrictBool = Field(default=False, description="return the logprob of each generated token")
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS, description="with logprobs: this "
                                            "many most likely alternatives per position")
@@ -228,9 +239,6 @@ class ChatCompletionRequest(_Common):
             raise InvalidRequest("ignore_eos", "ignore_eos cannot be combined with response_format: a finished "
                                  "structure ends with end-of-sequence")
         mt = self.requested_max_tokens
-        if mt == 0:
-            name = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
-            raise InvalidRequest(name, f"{name} must be at least 1 for chat completions")
         return SamplingParams(
             max_tokens=mt if mt is not None else default_max_tokens,
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,

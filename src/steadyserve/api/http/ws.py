@@ -9,18 +9,19 @@ Protocol (`WS /v1/stream`):
 
 from __future__ import annotations
 
-import asyncio
 import json
-from typing import Any, Callable
+from typing import Any, Awaitable
 
 from fastapi import WebSocket
 from starlette.websockets import WebSocketDisconnect
 
-from ...engine.engine import AdmissionError
-from .errors import ADMISSION_STATUS, error_body
-from .inputs import BadRequest, submit_unique
-from .openai_format import Accumulated
-from .sse import StreamStalled, guarded_send
+from ...limits import RETRY_REASONS, InvalidRequest, Refused
+from ..events import RequestEvents, StreamStalled
+from ..requests import ValidatedRequest, admit
+from ..state import ServerState
+from .errors import error_body, refusal_status
+from .inputs import build_from_body, client_request_id
+from .sse import guarded_send
 
 CLOSE_OK, CLOSE_BAD_REQUEST, CLOSE_SERVER_ERROR, CLOSE_TRY_LATER = 1000, 1008, 1011, 1013
 
@@ -38,7 +39,25 @@ def _lp_json(lps) -> list[dict[str, Any]]:
     return [{"token_id": lp.token_id, "logprob": lp.logprob, "top": [[t, v] for t, v in lp.top]} for lp in lps]
 
 
-async def websocket_stream(ws: WebSocket, state, run_prepare: Callable) -> None:
+def _refusal(ws: WebSocket, e: Refused) -> Awaitable[None]:
+    """A refused request: its error message (with the HTTP status it would have), then 1013 (retry later) or
+    1008 (bad request)."""
+    status, type_, _ = refusal_status(e)
+    code = CLOSE_TRY_LATER if e.reason in RETRY_REASONS else CLOSE_BAD_REQUEST
+    return _fail(ws, code, str(e), type_, e.param, e.reason, status=status, retry_after=e.retry_after)
+
+
+def _single_choice(req: ValidatedRequest) -> ValidatedRequest:
+    """The WebSocket streams one choice of one prompt. Raises InvalidRequest."""
+    if req.num_samples != 1:
+        raise InvalidRequest("n", "n: the WebSocket streams one choice per request; send n 1 (or leave it out)")
+    if len(req.prompts) != 1:
+        raise InvalidRequest("prompt", "prompt: the WebSocket streams one prompt per request; send a string or one "
+                             "list of token ids")
+    return req
+
+
+async def websocket_stream(ws: WebSocket, state: ServerState) -> None:
     await ws.accept()
     cfg = state.config.server
     try:
@@ -57,78 +76,63 @@ async def websocket_stream(ws: WebSocket, state, run_prepare: Callable) -> None:
     except ValueError:
         return await _fail(ws, CLOSE_BAD_REQUEST, "the request frame is not a JSON object", "invalid_request_error",
                            None, "invalid_json")
+    kind = "chat" if "messages" in body else "completion"
     try:
-        kind, ids, params, _ = await run_prepare(body)
-    except BadRequest as e:
-        return await _fail(ws, CLOSE_BAD_REQUEST, str(e), "invalid_request_error", e.param, e.code)
-    request_id = ws.scope["state"]["request_id"]
-    try:
-        stream = submit_unique(state, request_id, ids, params, "ws")
-    except AdmissionError as e:
+        req = _single_choice(await state.run_tokenizer(build_from_body, state, body, kind, "ws",
+                                                       client_request_id(ws.scope)))
+        handles = admit(state, req)
+    except Refused as e:
         if state.metrics is not None:
-            state.metrics.rejected.labels(e.reason).inc()
-        status, type_ = ADMISSION_STATUS.get(e.reason, (400, "invalid_request_error"))
-        code = CLOSE_TRY_LATER if status in (429, 503) else CLOSE_BAD_REQUEST
-        return await _fail(ws, code, str(e), type_, e.param, e.reason, status=status, retry_after=e.retry_after)
-    handle = state.streams.open_stream(request_id, stream, "ws")
+            state.metrics.rejected.labels(e.metric_reason).inc()
+        return await _refusal(ws, e)
     transport = ws.scope.get("state", {}).get("transport")
     fp = str(state.fingerprint)
+    want_lp = req.params[0].logprobs is not None
 
     async def watch() -> None:
         """A second request, a binary frame or a disconnect: each ends the stream cleanly."""
-        while True:
-            msg = await ws.receive()
-            if msg["type"] == "websocket.disconnect":
-                handle.cut("client_disconnect")
-                return
-            handle.cut("client_disconnect")
+        gone = (await ws.receive())["type"] == "websocket.disconnect"
+        events.cut("client_disconnect")
+        if not gone:
             await _fail(ws, CLOSE_BAD_REQUEST, "one request per WebSocket connection", "invalid_request_error",
                         None, "second_request")
-            return
 
-    watcher = asyncio.create_task(watch())
+    events = RequestEvents(handles, disconnected=watch())
 
     async def emit(obj: dict) -> None:
         text = json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
-        await guarded_send(ws.send_text(text), len(text), handle, transport, cfg.stall_timeout)
+        await guarded_send(events, ws.send_text(text), len(text), transport, cfg.stall_timeout)
 
-    acc = Accumulated()
     try:
-        async for batch in handle.batches():
-            for out in batch:
-                acc.add(out)
-            last = batch[-1]
-            if handle.end_reason == "client_disconnect":
-                break
-            # Tokens first, even in a batch that ends in a failure: the client sees what was produced.
-            toks = [t for o in batch for t in o.new_token_ids]
-            text = "".join(o.text_delta for o in batch)
-            if toks or text:
-                delta: dict[str, Any] = {"type": "delta", "text": text, "token_ids": toks, "system_fingerprint": fp}
-                if params.logprobs is not None:
-                    delta["logprobs"] = _lp_json([lp for o in batch for lp in o.logprobs])
-                await emit(delta)
-            problem = handle.error_for(last) if last.finished else None
-            if problem is not None:
-                code, msg = problem
-                await _fail(ws, CLOSE_BAD_REQUEST if code == "request_error" else CLOSE_SERVER_ERROR, msg,
-                            "server_error", None, code)
-                break
-            if last.finished:
-                final: dict[str, Any] = {"type": "final", "finish_reason": last.finish_reason, "usage": acc.usage(),
-                                         "system_fingerprint": fp, "request_id": request_id}
-                if acc.prompt_logprobs is not None:
-                    final["prompt_logprobs"] = [None if lp is None else _lp_json([lp])[0]
-                                                for lp in acc.prompt_logprobs]
-                await emit(final)
-                await ws.close(CLOSE_OK)
+        async with events:
+            async for ev in events:
+                if events.client_gone:
+                    break
+                # Tokens first, even in a batch that ends in a failure: the client sees what was produced.
+                toks, text = ev.token_ids, ev.text
+                if toks or text:
+                    delta: dict[str, Any] = {"type": "delta", "text": text, "token_ids": toks,
+                                             "system_fingerprint": fp}
+                    if want_lp:
+                        delta["logprobs"] = _lp_json([lp for o in ev.outputs for lp in o.logprobs])
+                    await emit(delta)
+                if ev.error is not None:
+                    code, msg = ev.error
+                    await _fail(ws, CLOSE_BAD_REQUEST if code == "request_error" else CLOSE_SERVER_ERROR, msg,
+                                "server_error", None, code)
+                    break
+                if ev.finished:
+                    acc = events.accs[0]
+                    final: dict[str, Any] = {"type": "final", "finish_reason": ev.last.finish_reason,
+                                             "usage": acc.usage(), "system_fingerprint": fp,
+                                             "request_id": req.request_id}
+                    if acc.prompt_logprobs is not None:
+                        final["prompt_logprobs"] = [None if lp is None else _lp_json([lp])[0]
+                                                    for lp in acc.prompt_logprobs]
+                    await emit(final)
+                    await ws.close(CLOSE_OK)
     except StreamStalled:
         if transport is not None:
             transport.abort()
     except (WebSocketDisconnect, OSError, RuntimeError):
-        handle.cut("client_disconnect")
-    finally:
-        watcher.cancel()
-        handle.stream.abort()
-        state.streams.close(handle)
-        handle.backlog_bytes = 0
+        events.cut("client_disconnect")

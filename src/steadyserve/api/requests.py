@@ -1,0 +1,203 @@
+"""One validated request, built in one place from any transport's input.
+
+A transport parses its input (HTTP and WebSocket: a pydantic body; gRPC: a
+proto message) into a `RequestSpec`, the request as sent, and calls `build`:
+every check that does not need the engine's admission runs here, in the same
+order and with the same messages for every transport, and the result is a
+`ValidatedRequest`: one engine request per choice. `admit` then submits it
+(LLMEngine.check runs there, once per engine request) and opens its streams.
+
+Refusals are `Refused` (steadyserve.limits) with the field named as the HTTP
+API names it; gRPC renames the field (`params.temperature`), nothing else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from ..engine.sequence import SamplingParams
+from ..limits import DEFAULT_MAX_TOKENS, InvalidRequest, Refused, check_request_id
+from .protocol import encode_prompt, render_chat
+from .state import ServerState
+from .streams import StreamHandle
+
+
+@dataclass
+class RequestSpec:
+    """A request as a transport parsed it, before any check: the same fields whichever transport it came by."""
+
+    kind: str  # completion | chat | score: the default max_tokens, and whether the prompt may fill the context
+    transport: str  # http | ws | grpc: for logs, metrics and the streams' bookkeeping
+    request_id: str  # the client's request id; "" when it sent none (a new one is made)
+    model: str | None  # the model the client named; None or "" means the served one
+    params: SamplingParams  # the sampling fields as sent; max_tokens comes from requested_max_tokens
+    prompts: list[str | list[int]] = dataclasses.field(default_factory=list)  # completion/score: text or ids each
+    messages: list[dict[str, Any]] | None = None  # chat: the conversation, rendered with the chat template
+    requested_max_tokens: int | None = None  # max_tokens as sent; None takes DEFAULT_MAX_TOKENS
+    max_tokens_param: str = "max_tokens"  # the field max_tokens came in (chat: max_completion_tokens)
+    num_samples: int = 1  # choices generated per prompt (best_of, else n)
+    n: int = 1  # choices returned per prompt: the best n of num_samples by mean token logprob
+    stream: bool = False  # the client asked for a stream of events rather than one response
+    body: Any = None  # the parsed input (pydantic model or proto message): the encoder's options
+
+
+@dataclass
+class ValidatedRequest:
+    """A request that passed every check short of admission: one engine request per choice, in the order of the
+    choices' indices (prompt i's choice j is index i * num_samples + j, as OpenAI numbers them)."""
+
+    request_id: str  # the id responses carry: the client's, or a new one
+    kind: str  # completion | chat | score
+    transport: str  # http | ws | grpc
+    prompts: list[list[int]]  # each choice's prompt token ids
+    params: list[SamplingParams]  # each choice's sampling parameters (own seed; max_tokens default per prompt)
+    echo_texts: list[str | None]  # each choice's prompt text for echo; None where it came as token ids
+    num_samples: int = 1  # choices generated per prompt (best_of, else n)
+    n: int = 1  # choices returned per prompt
+    stream: bool = False  # the client asked for a stream
+    body: Any = None  # the parsed input, for the encoder's options (echo, logprobs, stream_options)
+
+    @property
+    def engine_ids(self) -> list[str]:
+        """The engine request id of each choice: the request id itself when there is one choice."""
+        if len(self.prompts) == 1:
+            return [self.request_id]
+        return [f"{self.request_id}-{i}" for i in range(len(self.prompts))]
+
+
+def check_model(state: ServerState, name: str | None) -> None:
+    """`name` must be the served model's (or absent). HTTP answers 404, gRPC INVALID_ARGUMENT."""
+    if name not in (None, "", state.model_name):
+        raise Refused("model_not_found", f"model {name!r} does not exist; this server serves "
+                      f"{state.model_name!r}", "model")
+
+
+def check_context(num_tokens: int, param: str, context: int, scoring: bool, verb: str = "has") -> None:
+    """A prompt that fills the whole context leaves no room to generate: only a score (max_tokens 0) may."""
+    limit = context if scoring else context - 1
+    if num_tokens > limit:
+        room = "" if scoring else ", prompt and completion together"
+        raise Refused("too_long", f"{param} {verb} {num_tokens} tokens; the context length is {context} tokens{room}",
+                      param)
+
+
+def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
+    """Token ids a client sent must be ids of this model; the message points at the first that is not."""
+    bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(f"{param}[{bad}]", f"{param}[{bad}]: token id {ids[bad]} is out of range "
+                             f"0..{vocab_size - 1}")
+
+
+def prompt_ids(state: ServerState, spec: RequestSpec) -> tuple[list[list[int]], list[str | None]]:
+    """Each prompt's token ids (chat: the rendered conversation) and its text for echo, context-checked."""
+    tok, context = state.loaded.tokenizer, state.loaded.max_model_len
+    scoring = spec.kind == "score" or spec.requested_max_tokens == 0
+    if spec.messages is not None:
+        ids = render_chat(tok, spec.messages)
+        check_context(len(ids), "messages", context, scoring, verb="render to")
+        return [ids], [""]
+    if not spec.prompts:
+        raise InvalidRequest("prompt", "prompt must not be empty")
+    prompts: list[list[int]] = []
+    for i, item in enumerate(spec.prompts):
+        param = "prompt" if len(spec.prompts) == 1 else f"prompt[{i}]"
+        ids = encode_prompt(tok, item, param)
+        if not isinstance(item, str):
+            check_token_ids(ids, state.loaded.args.vocab_size, param)
+        check_context(len(ids), param, context, scoring)
+        prompts.append(ids)
+    return prompts, [item if isinstance(item, str) else None for item in spec.prompts]
+
+
+def resolve_max_tokens(state: ServerState, spec: RequestSpec) -> int:
+    """max_tokens as sent, range-checked against --max-tokens-cap; else the kind's default (under the cap)."""
+    cap = state.config.server.max_tokens_cap
+    name, asked = spec.max_tokens_param, spec.requested_max_tokens
+    if asked is None:
+        return min(cap, DEFAULT_MAX_TOKENS.get(spec.kind, DEFAULT_MAX_TOKENS["completion"]))
+    if asked < 0:
+        raise InvalidRequest(name, f"{name} must be an integer >= 0")
+    if asked == 0 and spec.kind == "chat":
+        raise InvalidRequest(name, f"{name} must be at least 1 for chat completions")
+    if asked > cap:
+        raise InvalidRequest(name, f"{name} must be at most {cap} (--max-tokens-cap)")
+    return asked
+
+
+def build(state: ServerState, spec: RequestSpec) -> ValidatedRequest:
+    """Every check a request passes before admission, for every transport. Raises Refused.
+
+    Runs on the tokenizer thread (ServerState.run_tokenizer) for long inputs: it tokenizes and compiles grammars.
+    """
+    state.refuse_if_closed()
+    check_model(state, spec.model)
+    if spec.request_id:
+        check_request_id(spec.request_id)
+    params = spec.params
+    params.max_tokens = resolve_max_tokens(state, spec)
+    try:
+        params.validate()
+    except InvalidRequest as e:  # name max_tokens as the client sent it
+        if e.param == "max_tokens" and spec.max_tokens_param != "max_tokens":
+            raise InvalidRequest(spec.max_tokens_param, str(e).replace("max_tokens", spec.max_tokens_param)) from None
+        raise
+    capacity = state.engine.capacity
+    if len(spec.prompts) > capacity:
+        raise InvalidRequest("prompt", f"prompt: at most {capacity} prompts per request "
+                             "(--max-num-seqs + --max-queue), all admitted at once")
+    prompts, texts = prompt_ids(state, spec)
+    if params.grammar is not None:  # compiled here, off the event loop; admission then finds it known
+        why = state.engine.engine.grammars.error(params.grammar)
+        if why:
+            raise InvalidRequest("response_format", f"response_format: {why}")
+    k = spec.num_samples
+    if len(prompts) * k > capacity:
+        name = "best_of" if k > spec.n else "n"
+        raise InvalidRequest(name, f"{name}: {len(prompts)} prompt(s) x {k} choices is more than the "
+                             f"{capacity} requests this server admits at once")
+    if k > spec.n and params.logprobs is None:
+        params.logprobs = 0  # ranking needs each sampled token's logprob; the response leaves them out
+    context = state.loaded.max_model_len
+    choices, choice_params, choice_texts = [], [], []
+    for ids, text in zip(prompts, texts):
+        for j in range(k):  # choice j of a prompt samples with seed + j: choice 0 is the n=1 request
+            p = dataclasses.replace(params, stop=list(params.stop), logit_bias=dict(params.logit_bias),
+                                    seed=derived_seed(params.seed, j))
+            if spec.requested_max_tokens is None:
+                # No max_tokens given: the default, but never more than the context leaves.
+                p.max_tokens = max(1, min(p.max_tokens, context - len(ids)))
+            choices.append(ids)
+            choice_params.append(p)
+            choice_texts.append(text)
+    return ValidatedRequest(state.new_request_id(spec.request_id or None), spec.kind, spec.transport, choices,
+                            choice_params, choice_texts, k, spec.n, spec.stream, spec.body)
+
+
+def derived_seed(seed: int | None, j: int) -> int | None:
+    """The seed of a prompt's choice j: seed + j, wrapped into the range torch.Generator takes."""
+    if seed is None or j == 0:
+        return seed
+    s = seed + j
+    return s - 2**64 if s > 2**64 - 1 else s
+
+
+def admit(state: ServerState, req: ValidatedRequest) -> list[StreamHandle]:
+    """Submit every choice at once, or none (Refused); returns their open stream handles, in choice order.
+
+    A request id already in flight (a client or proxy reusing ids) gets suffixed engine ids, while the client
+    still sees its own."""
+    ids = req.engine_ids
+    items = list(zip(ids, req.prompts, req.params))
+    try:
+        streams = state.submit_all(items, req.transport)
+    except Refused as e:
+        if e.reason != "invalid" or e.param != "request_id":
+            raise
+        tag = uuid.uuid4().hex[:8]
+        ids = [f"{rid}.{tag}" for rid in ids]
+        streams = state.submit_all([(rid, p, sp) for rid, (_, p, sp) in zip(ids, items)], req.transport)
+    return [state.streams.open_stream(rid, st, req.transport) for rid, st in zip(ids, streams)]

@@ -1,0 +1,99 @@
+"""What a request may ask for, and the one error type for what it may not.
+
+Every transport (HTTP, WebSocket, gRPC) and the engine itself check requests
+against the limits defined here, and refuse with `Refused`: the refusal's
+`reason` is the code clients see and (folded into `REJECT_REASONS`) the
+metrics label; each transport only maps it to its own status. This module
+imports nothing from the package, so the engine and the front ends both can.
+"""
+
+from __future__ import annotations
+
+# ---- sampling limits (OpenAI's ranges where OpenAI has one) -------------------------------------------------
+MAX_LOGPROBS = 20  # alternatives per position, for logprobs and prompt logprobs
+MAX_TEMPERATURE = 2.0  # as OpenAI
+MAX_STOP_STRINGS = 4  # as OpenAI
+MAX_LOGIT_BIAS = 300  # tokens one request may bias
+MAX_BIAS = 100.0  # |bias| per token: -100 bans it, 100 all but forces it
+MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty|
+MAX_REPETITION_PENALTY = 10.0
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
+
+# ---- request limits -------------------------------------------------------------------------------------------
+MAX_REQUEST_ID_CHARS = 128  # a client's request id (x-request-id, gRPC request_id): printable, at most this long
+MAX_CHOICES = 128  # n and best_of
+# Tokens generated when the request names no max_tokens (never more than --max-tokens-cap or the context leaves).
+DEFAULT_MAX_TOKENS = {"completion": 16, "chat": 512}
+
+# The metrics' labels of steadyserve_requests_rejected_total. A refusal whose reason is not one of them
+# (invalid_value, model_not_found, invalid_json, ...) is counted as "invalid".
+REJECT_REASONS = ("overloaded", "too_long", "invalid", "draining", "dead", "unauthenticated")
+
+# The refusals that say "not now" rather than "not this": a client retries them later or elsewhere.
+RETRY_REASONS = ("overloaded", "draining", "dead")
+
+
+class Refused(ValueError):
+    """A request refused before any work was done: retrying the same request is safe.
+
+    Raised by the request builders of every transport (api/requests.py), by the HTTP body reader and by the
+    engine's admission (LLMEngine.check, AsyncEngine.submit_all). Transports map `reason` to their status.
+    """
+
+    def __init__(self, reason: str, message: str, param: str | None = None,
+                 retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason  # the code clients see (docs/reference/errors.md): invalid_value, too_long, ...
+        self.param = param  # the request field at fault, as the HTTP API names it; None when no one field is
+        self.retry_after = retry_after  # seconds a client should wait before retrying (RETRY_REASONS)
+
+    @property
+    def message(self) -> str:
+        return self.args[0]
+
+    @property
+    def metric_reason(self) -> str:
+        """The steadyserve_requests_rejected_total label."""
+        return self.reason if self.reason in REJECT_REASONS else "invalid"
+
+    def message_for(self, field: str) -> str:
+        """The message with the field named as a transport names it (gRPC: `params.temperature`, `text`).
+
+        A message that starts with the field's HTTP name gets the transport's name there instead; any other gets
+        it as a `field: ` prefix. So both transports' texts agree apart from the field's name.
+        """
+        if self.param and self.message.startswith(self.param):
+            return field + self.message[len(self.param):]
+        return f"{field}: {self.message}"
+
+
+class InvalidRequest(Refused):
+    """A field is out of range or of the wrong type (reason `invalid_value`). `param` names the field.
+
+    Kept as a subclass for the (param, message) call order that the sampling checks use.
+    """
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__("invalid_value", message, param)
+
+
+def valid_request_id(request_id: str) -> bool:
+    """A client-chosen request id: at most MAX_REQUEST_ID_CHARS printable characters."""
+    return len(request_id) <= MAX_REQUEST_ID_CHARS and request_id.isprintable()
+
+
+def check_request_id(request_id: str) -> None:
+    """Raise InvalidRequest unless valid_request_id."""
+    if not valid_request_id(request_id):
+        raise InvalidRequest("request_id", f"request_id must be at most {MAX_REQUEST_ID_CHARS} printable "
+                             "characters")
+
+
+def check_range(name: str, value: float, low: float, high: float) -> None:
+    """`low <= value <= high`, refusing NaN too. Raises InvalidRequest naming `name`."""
+    if not low <= value <= high:
+        raise InvalidRequest(name, f"{name} must be in {_num(low)}..{_num(high)}")
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
