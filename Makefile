@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml requirements-model.txt 2>/dev/null | sha1sum | cut -c1-12)
 ARGS ?=
 
-.PHONY: install browser nginx serve test test-fast soak proto bench cluster-demo ray-demo docs docs-serve clean
+.PHONY: install browser nginx serve test test-fast soak proto bench cluster-demo ray-demo fleet-check docs docs-serve clean
 
 $(STAMP): pyproject.toml requirements-model.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -63,6 +63,12 @@ soak: install
 REPLICAS ?= 2
 cluster-demo: install
 	$(PY) scripts/cluster_demo.py --replicas $(REPLICAS) $(ARGS)
+
+# Same bits on other CPUs (~20 minutes; not part of `make test`): the engine's logprobs natively and under
+# qemu-user emulating an Intel (Haswell, AVX2) and an AMD (EPYC-Rome, AVX2) CPU, portable and host numerics;
+# fails if portable bits differ. ARGS="--golden" also checks the golden file on the emulated Intel (~20 more).
+fleet-check: install
+	$(PY) scripts/fleet_check.py $(ARGS)
 
 # steadyserve on Ray Serve: a local Ray cluster on 127.0.0.1 (ray start --head), deploy/ray/serve.yaml deployed
 # with $(REPLICAS) engine replicas, the URLs printed; Ctrl-C drains the replicas and stops the cluster.

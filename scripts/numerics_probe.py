@@ -1,7 +1,7 @@
-"""Print the bits one engine computes for a fixed request: run by tests/test_numerics_emulated.py, natively
-and under qemu-user emulating other CPUs.
+"""Print the bits one engine computes for a fixed request: run by scripts/fleet_check.py, natively and
+under qemu-user emulating other CPUs.
 
-    python tests/numerics_probe.py MODEL_DIR
+    python scripts/numerics_probe.py MODEL_DIR
 
 Prints one JSON line: the float32 hex of the prompt logprobs and of 6 greedy tokens' logprobs, the greedy
 token ids, the torch dispatch ISA and MKL's own line naming the branch it runs (MKL_VERBOSE's header).
@@ -18,7 +18,8 @@ import sys
 
 
 def main() -> int:
-    os.environ["MKL_VERBOSE"] = "1"  # MKL prints its branch at the first call; captured below from fd 1
+    os.environ["MKL_VERBOSE"] = "1"  # MKL prints its branch at its first call (fleet_check reads that line)
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
     import torch
 
     from steadyserve.config import EngineConfig

@@ -1,0 +1,123 @@
+#!/usr/bin/env python3
+"""Same bits on other CPUs? The engine's logprobs natively and under qemu-user emulating an Intel and an AMD CPU.
+
+    python scripts/fleet_check.py [--golden] [--out benchmarks/results/fleet_check.json]   (make fleet-check)
+
+The machines this project runs on change kind between sessions, and a fleet mixes them. qemu-user
+(Debian's qemu-user) runs this very venv's Python on an emulated CPU whose CPUID names another
+vendor and ISA: `-cpu Haswell` is a GenuineIntel CPU with AVX2 (MKL then takes its Intel AVX2
+branch, which it never takes on AMD), `-cpu EPYC-Rome` an AuthenticAMD CPU with AVX2. qemu's
+emulation computes each instruction's IEEE result exactly, so what differs is which code the
+libraries pick, which is the point. TCG emulates no AVX-512: an AVX-512 Xeon is not covered.
+
+For each CPU and for both numerics paths, scripts/numerics_probe.py runs a fixed score and greedy
+generation through the engine on a 2-layer model of SmolLM2-135M's widths (built here). The
+verdict: every portable vector equal (the `--numerics portable` promise), and how many distinct
+host vectors there are (host numerics make no promise across machine kinds; distinct host vectors
+show that the emulation really changed the kernels). `--golden` also checks the default model's
+golden file (tests/golden/portable_smollm2.json) under the emulated Intel CPU (about 20 minutes).
+Exit status 1 when portable vectors differ or the golden check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+# name -> qemu-user -cpu model (None: this machine, natively)
+CPUS = {"native": None, "intel-haswell-avx2": "Haswell", "amd-epyc-rome-avx2": "EPYC-Rome"}
+PORTABLE = {"STEADYSERVE_NUMERICS": "portable", "MKL_CBWR": "COMPATIBLE,STRICT", "ATEN_CPU_CAPABILITY": "avx2"}
+HOST = {"STEADYSERVE_NUMERICS": "host", "MKL_CBWR": "AUTO,STRICT"}
+
+
+def qemu() -> str:
+    path = shutil.which("qemu-x86_64")
+    if path:
+        return path
+    if os.geteuid() == 0 and shutil.which("apt-get"):
+        subprocess.run("apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq qemu-user",
+                       shell=True, check=False, capture_output=True)
+    path = shutil.which("qemu-x86_64")
+    if not path:
+        sys.exit("fleet_check: qemu-x86_64 not found and cannot be installed (apt-get install qemu-user)")
+    return path
+
+
+def run(cpu: str | None, argv: list[str], env: dict[str, str], timeout: float) -> tuple[str, float]:
+    """Run the venv's Python with argv, natively or under qemu-user -cpu `cpu`; returns (stdout, seconds).
+    The environment already names the numerics path, so no process re-executes itself (a re-exec would
+    leave the emulator)."""
+    prefix = [qemu(), "-cpu", cpu] if cpu else []
+    t0 = time.monotonic()
+    r = subprocess.run([*prefix, sys.executable, *argv], env={**os.environ, **env}, capture_output=True,
+                       text=True, timeout=timeout)
+    if r.returncode not in (0, 1):
+        raise RuntimeError(f"{cpu or 'native'}: exit {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
+    return r.stdout, time.monotonic() - t0
+
+
+def probe(cpu: str | None, mode: str, model: str) -> dict:
+    out, seconds = run(cpu, [str(ROOT / "scripts" / "numerics_probe.py"), model], PORTABLE if mode == "portable"
+                       else HOST, timeout=3600)
+    line = next(x for x in out.splitlines() if x.startswith("PROBE "))
+    banner = next((x for x in out.splitlines() if x.startswith("MKL_VERBOSE oneMKL")), "")
+    return {**json.loads(line[6:]), "mkl_branch": banner.split(" for ", 1)[-1].split(",")[0],
+            "seconds": round(seconds, 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--golden", action="store_true", help="also check the default model's golden file on Intel")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "fleet_check.json"))
+    a = p.parse_args(argv)
+    from steadyserve.platform_info import platform_info
+    from steadyserve.testing import build_tiny_model
+
+    tmp = tempfile.mkdtemp(prefix="fleet-check-")
+    try:
+        model = str(build_tiny_model(Path(tmp) / "smolwidth", arch="llama", size="smolwidth"))
+        runs = []
+        for name, cpu in CPUS.items():
+            for mode in ("portable", "host"):
+                r = {"cpu": name, "qemu_cpu": cpu, "mode": mode, **probe(cpu, mode, model)}
+                print(f"{name:<20} {mode:<8} numerics {r['numerics_id']} torch {r['isa']:<6} MKL branch "
+                      f"{r['mkl_branch']!r}: {len(r['logprobs'])} logprobs, {r['seconds']} s", flush=True)
+                runs.append(r)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    vectors = {mode: {json.dumps([r["tokens"], r["logprobs"]]) for r in runs if r["mode"] == mode}
+               for mode in ("portable", "host")}
+    report = {"machine": {"cpu_model": platform_info().cpu_model, "python": platform.python_version()},
+              "model": "tiny llama, SmolLM2-135M widths, 2 layers (steadyserve.testing, seed 0)",
+              "runs": runs, "distinct_portable_vectors": len(vectors["portable"]),
+              "distinct_host_vectors": len(vectors["host"])}
+    ok = len(vectors["portable"]) == 1
+    print(f"portable: {len(vectors['portable'])} distinct vector(s) over {len(CPUS)} CPUs "
+          f"({'same bits' if ok else 'DIFFERENT BITS'}); host: {len(vectors['host'])} distinct")
+    if a.golden:
+        out, seconds = run(CPUS["intel-haswell-avx2"], ["-m", "steadyserve.tools.golden", "--check",
+                                                        str(ROOT / "tests" / "golden" / "portable_smollm2.json")],
+                           PORTABLE, timeout=7200)
+        verdict = next((x for x in out.splitlines() if x.startswith(("golden", "GOLDEN"))), out[-500:])
+        report["golden_on_intel_haswell"] = {"result": verdict, "seconds": round(seconds, 1)}
+        ok = ok and verdict.startswith("golden vectors bitwise equal")
+        print(f"golden file under intel-haswell-avx2 ({seconds:.0f} s): {verdict}")
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {a.out}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
