@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..limits import InvalidRequest
+from ..limits import CHAT_ROLES, InvalidRequest
 
 
 def encode_prompt(tokenizer: Any, prompt: str | list[int], param: str = "prompt") -> list[int]:
@@ -32,8 +32,8 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
     if not messages:
         raise InvalidRequest("messages", "messages must not be empty")
     for i, m in enumerate(messages):
-        if m.get("role") not in ("system", "user", "assistant", "developer", "tool"):
-            raise InvalidRequest(f"messages[{i}].role", f"messages[{i}].role must be system, user or assistant")
+        if m.get("role") not in CHAT_ROLES:
+            raise InvalidRequest(f"messages[{i}].role", f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}")
         if not isinstance(m.get("content"), str):
             raise InvalidRequest(f"messages[{i}].content", f"messages[{i}].content must be a string")
     if not getattr(tokenizer, "chat_template", None):

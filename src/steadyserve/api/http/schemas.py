@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, model_validator
 
 from ...engine.sequence import SamplingParams
-from ...limits import (MAX_CHOICES, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_STOP_STRINGS,
+from ...limits import (CHAT_ROLES, MAX_CHOICES, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_STOP_STRINGS,
                        MAX_TEMPERATURE, SEED_MAX, SEED_MIN, InvalidRequest)
 
 # A JSON number (ints too), never a numeric string or a bool. NaN/Infinity fail the range checks.
@@ -205,7 +205,9 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     """One message of a conversation."""
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "user", "assistant", "developer"] = Field(description="who speaks")
+    # Checked where gRPC's is (api/protocol.render_chat), so both refuse a role with the same message; the
+    # schema still lists the roles.
+    role: str = Field(description="who speaks", json_schema_extra={"enum": list(CHAT_ROLES)})
     content: str | list[TextPart] = Field(description="a string, or a list of text parts that are joined")
 
     def text(self) -> str:
