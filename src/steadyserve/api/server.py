@@ -12,20 +12,19 @@ process exits non-zero within seconds.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import signal
 import socket
 import time
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, Iterator
 
 import uvicorn
 
 from ..config import Config
 from ..metrics import sample_loop_lag
+from ..ready_file import write_ready_file
 from .console import mount_console
 from .http.app import create_app
 from .http.envelope import Envelope
@@ -117,10 +116,7 @@ class Server:
                                               "grpc": f"{sc.host}:{grpc_port}" if grpc_port >= 0 else "off",
                                               "pid": os.getpid()}})
         if sc.ready_file:
-            # Atomically (write, then rename): a poller must never read a half-written file.
-            tmp = Path(sc.ready_file + ".tmp")
-            tmp.write_text(json.dumps({"http_port": http_port, "grpc_port": grpc_port, "pid": os.getpid()}))
-            os.replace(tmp, sc.ready_file)
+            write_ready_file(sc.ready_file, http_port, grpc_port, os.getpid())
         await self._stop.wait()
         if self.exit_code == EXIT_OK:
             await self._drain()

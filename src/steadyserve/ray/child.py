@@ -13,7 +13,6 @@ The child dies with its parent: PR_SET_PDEATHSIG sends it SIGTERM if the replica
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import signal
 import subprocess
@@ -22,6 +21,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from ..ready_file import read_ready_file
 
 # Flags the replica sets itself: the child listens on loopback, on ports it picks, and says which.
 OWNED_FLAGS = ("--host", "--http-port", "--grpc-port", "--ready-file")
@@ -69,7 +70,7 @@ class ChildServer:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
         deadline = time.monotonic() + self.startup_timeout
         while True:
-            info = self._read_ready()
+            info = read_ready_file(self.ready_file)
             if info is not None:
                 break
             if self.proc.poll() is not None:
@@ -83,12 +84,6 @@ class ChildServer:
         self.address = ChildAddress(f"http://127.0.0.1:{info['http_port']}", f"127.0.0.1:{info['grpc_port']}",
                                     int(info["pid"]))
         return self.address
-
-    def _read_ready(self) -> dict | None:
-        try:
-            return json.loads(self.ready_file.read_text())
-        except (OSError, ValueError):
-            return None
 
     @property
     def alive(self) -> bool:

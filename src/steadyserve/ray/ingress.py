@@ -52,11 +52,6 @@ def _lost(why: str) -> Response:
                     media_type="application/json", headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
-async def _first(stream: Any) -> Any:
-    """The first item of a handle's response stream; BackPressureError and replica loss propagate."""
-    return await stream.__anext__()
-
-
 class CallEnded(Exception):
     """Ends a streamed gRPC call with the code already set on its context (Ray's proxy reads it)."""
 
@@ -111,7 +106,7 @@ class Ingress:
         for attempt in (1, 2):
             stream = getattr(self.engine, method).remote(*args)
             try:
-                return stream, await _first(stream)
+                return stream, await stream.__anext__()  # BackPressureError, replica loss
             except BackPressureError:
                 raise
             except Exception as e:  # RayActorError, ActorDiedError, ActorUnavailableError, ...

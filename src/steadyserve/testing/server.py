@@ -7,7 +7,6 @@ signal it, read its logs and its metrics.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -18,6 +17,8 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from ..ready_file import read_ready_file
 
 
 class ServerProcess:
@@ -38,7 +39,7 @@ class ServerProcess:
                                      env={**os.environ, **(env or {})})
         try:
             deadline = time.monotonic() + startup_timeout
-            while not self._read_ready():
+            while not read_ready_file(self.ready_file):
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.logs()}")
                 if time.monotonic() > deadline:
@@ -48,17 +49,10 @@ class ServerProcess:
             self.kill()
             self._cleanup()
             raise
-        info = self._read_ready()
+        info = read_ready_file(self.ready_file)
         self.http_port: int = info["http_port"]
         self.grpc_port: int = info["grpc_port"]
         self.pid: int = info["pid"]
-
-    def _read_ready(self) -> dict | None:
-        """The ready file's contents, or None while it is missing or still being written."""
-        try:
-            return json.loads(self.ready_file.read_text())
-        except (OSError, ValueError):
-            return None
 
     @property
     def http_url(self) -> str:
