@@ -40,9 +40,10 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="most rows per row-wise kernel call (default: %(default)s)")
     g.add_argument("--attention", default=d.attention, choices=["auto", "native", "python"],
                    help="attention kernel: native C++ when built (auto), required (native), or Python")
-    g.add_argument("--numerics", default=d.numerics, choices=["host", "portable"],
-                   help="host: this CPU's fastest verified kernels; portable: the same bits on every AVX2 host "
-                        "(restarts the process with MKL and PyTorch pinned; default: %(default)s)")
+    g.add_argument("--numerics", default=d.numerics, choices=["auto", "portable", "host"],
+                   help="portable: steadyserve's native kernels on the weights as stored, the same bits on every "
+                        "x86-64 host; host: weights dequantized to float32, MKL and PyTorch kernels for this CPU; "
+                        "auto: portable where the native kernels run, else host (default: %(default)s)")
     g.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=d.prefix_caching,
                    help="reuse the cached K/V of shared prompt prefixes, bitwise-safe (default: on)")
 
@@ -153,12 +154,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     a = parser.parse_args(argv)
-    mode = getattr(a, "numerics", None)
-    if mode is not None and argv is None:
-        from .numerics import env_for, started_as
-
-        if not started_as(mode):  # MKL and PyTorch read their dispatch settings once: start afresh with them
-            os.execve(sys.executable, [sys.executable, "-m", "steadyserve", *sys.argv[1:]], env_for(mode))
     try:
         return a.fn(a)
     except ConfigError as e:

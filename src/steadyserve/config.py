@@ -54,7 +54,7 @@ class EngineConfig:
     row_tile: int = 512  # --row-tile: most rows per row-wise kernel call; fewer only in counts verified at start-up
     attention: str = "auto"  # --attention: auto | native (C++ kernel, else refuse to start) | python
     prefix_caching: bool = True  # --prefix-caching / --no-prefix-caching: reuse cached K/V of shared prompt prefixes
-    numerics: str = "host"  # --numerics: host (this CPU's fastest verified kernels) | portable (same bits on any AVX2 host)
+    numerics: str = "auto"  # --numerics: auto (portable where the native kernels run, else host) | portable (same bits on every x86-64 host, native kernels on the stored weights) | host (fp32 weights, MKL and PyTorch for this CPU)
 
     def validate(self) -> None:
         if self.kv_cache_memory <= 0:
@@ -74,8 +74,11 @@ class EngineConfig:
             raise ConfigError("--threads must be 0 (all cores) or positive")
         if self.row_tile < 1:
             raise ConfigError("--row-tile must be at least 1")
-        if self.numerics not in ("host", "portable"):
-            raise ConfigError(f"--numerics must be host or portable, not {self.numerics!r}")
+        if self.numerics not in ("auto", "portable", "host"):
+            raise ConfigError(f"--numerics must be auto, portable or host, not {self.numerics!r}")
+        if self.numerics == "portable" and not self.batch_invariant:
+            raise ConfigError("--no-batch-invariant: portable numerics are batch-invariant by construction; "
+                              "the plain (variant) path is --numerics host --no-batch-invariant")
         if self.attention not in ("auto", "native", "python"):
             raise ConfigError(f"--attention must be auto, native or python, not {self.attention!r}")
 

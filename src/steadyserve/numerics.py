@@ -1,25 +1,27 @@
-"""The numerics path: which ISA-dependent code computes a process's bits, and its id in the fingerprint.
+"""The numerics path: which code computes a process's bits, and its id in the fingerprint.
 
-PyTorch's vectorized CPU kernels and MKL's GEMMs both pick code by CPU, and the code they pick
-changes the bits (an Intel Xeon gave four different log-softmax hashes for one prompt under the
-four combinations of ATEN_CPU_CAPABILITY=avx2 and MKL_CBWR=AVX2,STRICT). So the fingerprint names
-the path, and there are two:
+There are two paths:
 
-* host (the default): PyTorch's fastest kernels for this CPU and MKL in strict reproducibility
-  mode on the branch it picks for this CPU (MKL_CBWR=AUTO,STRICT). Bits repeat on the same kind of
-  machine; the id hashes every fact that picks a kernel (CPU vendor and ISA flags, PyTorch's
-  dispatch, MKL's mode, library versions), so two machine kinds get two ids.
-* portable (`--numerics portable`): PyTorch's AVX2 kernels (ATEN_CPU_CAPABILITY=avx2) and MKL's
-  COMPATIBLE branch in strict mode (MKL_CBWR=COMPATIBLE,STRICT). COMPATIBLE is the branch MKL
-  runs the same way on Intel and AMD; its AVX2 and AVX-512 branches are not honoured on AMD
-  (measured on an AMD EPYC: MKL_CBWR=AVX2,STRICT, AVX512,STRICT and AUTO,STRICT gave the same bits,
-  COMPATIBLE others). The native attention kernel reduces in the same order at every vector width.
-  Any x86-64 host with AVX2 then computes the same bits, so the id names no host fact.
+* portable (the default): every operation that can round differently on another machine runs
+  in steadyserve's own native kernels (kernels/csrc): the matmul family over the weights as the
+  GGUF stores them (qmm.h: 16 fma lanes over K, one fixed lane tree), RMSNorm, SiLU·mul and
+  log-softmax with the same 16-lane sums and an exp/log made of IEEE mul/add only, RoPE, and
+  the paged attention kernel. What is left to PyTorch is exact on any CPU (additions of two
+  tensors, copies, gathers). The reduction order depends on nothing about the host: not the
+  vendor, not AVX2 versus AVX-512 (both builds hold the same 16 lanes), not the thread count
+  (threads split outputs, never a sum), not PyTorch's or MKL's dispatch, which it does not
+  use. So the id names no host fact, and every x86-64 machine computes the same bits.
+  Batch invariance holds by construction: no kernel looks at how many rows it was given.
+* host (`--numerics host`): the weights dequantized to float32, MKL's GEMMs in strict
+  reproducibility mode on the branch MKL picks for this CPU (MKL_CBWR=AUTO,STRICT) and
+  PyTorch's kernels for this CPU, with the row counts verified at start-up (models/layers.py,
+  RowTiler). Bits repeat on the same kind of machine only, so the id hashes every fact that
+  picks a kernel (CPU vendor and flags, PyTorch's dispatch, MKL's mode, library versions).
+  CUDA always runs this path, under its own device in the fingerprint.
 
-Both ids include NUMERICS_VERSION, bumped whenever steadyserve's own arithmetic changes, and the
-PyTorch and MKL versions. MKL and PyTorch read their settings once, before the first GEMM: a
-process gets its path from the environment it starts with (`apply_env`, from steadyserve's
-`__init__`), and `steadyserve serve --numerics portable` re-executes itself with it.
+`auto` (the default setting) is portable where the native kernels are built and the model
+can run on them (CPU, float32 activations), else host, with a warning; the fingerprint says
+which. Both ids include NUMERICS_VERSION, bumped whenever steadyserve's own arithmetic changes.
 """
 
 from __future__ import annotations
@@ -31,12 +33,12 @@ from dataclasses import dataclass
 
 from .config import ConfigError
 
-# 1: fma attention kernel nat1, MKL strict mode; 2: LM head computed in 2048-column GEMMs.
-NUMERICS_VERSION = 2
-MODES = ("host", "portable")
-ENV = "STEADYSERVE_NUMERICS"  # host | portable: the path this process starts with
-PORTABLE_ENV = {"MKL_CBWR": "COMPATIBLE,STRICT", "ATEN_CPU_CAPABILITY": "avx2"}
+# 1: fma attention kernel nat1, MKL strict mode; 2: LM head computed in 2048-column GEMMs;
+# 3: the native matmul family (qmm1) and native row-wise ops for the portable path.
+NUMERICS_VERSION = 3
+MODES = ("auto", "portable", "host")
 HOST_ENV = {"MKL_CBWR": "AUTO,STRICT"}  # defaults only: an operator's own setting wins (and is named)
+PORTABLE_KERNELS = "qmm1+nat1"  # the kernel ids whose reduction orders the portable id stands for
 
 
 class NumericsError(ConfigError):
@@ -44,32 +46,14 @@ class NumericsError(ConfigError):
 
 
 def apply_env() -> None:
-    """Set the libraries' dispatch variables for the path in $STEADYSERVE_NUMERICS (before torch loads)."""
-    wanted = PORTABLE_ENV if os.environ.get(ENV) == "portable" else HOST_ENV
-    for key, value in wanted.items():
+    """MKL's strict mode for the host path, before torch loads (MKL reads it once)."""
+    for key, value in HOST_ENV.items():
         os.environ.setdefault(key, value)
-
-
-def env_for(mode: str) -> dict[str, str]:
-    """The environment a fresh process needs to run `mode`."""
-    env = dict(os.environ)
-    env[ENV] = mode
-    for key, value in PORTABLE_ENV.items():
-        if mode == "portable":
-            env[key] = value
-        elif env.get(key) == value:  # a host process started from a portable one drops the pins
-            del env[key]
-    return env
-
-
-def started_as(mode: str) -> bool:
-    """Whether this process started with the environment `mode` needs."""
-    return (os.environ.get(ENV) == "portable") == (mode == "portable")
 
 
 @dataclass(frozen=True)
 class Numerics:
-    mode: str  # host | portable
+    mode: str  # portable | host
     numerics_id: str  # "p" or "h" and 6 hex digits of the facts' hash: the fingerprint's numerics part
     facts: dict[str, str]  # what the id hashes, for `steadyserve info` and the model-info endpoints
 
@@ -77,44 +61,57 @@ class Numerics:
         return f"{self.mode} ({self.numerics_id}): " + ", ".join(f"{k}={v}" for k, v in self.facts.items())
 
 
-def started_mode() -> str:
-    """The path this process's environment set up at start."""
-    return "portable" if os.environ.get(ENV) == "portable" else "host"
-
-
 def describe(mode: str, isa: str, cpu_model: str, cpu_flags: tuple[str, ...], torch_version: str, mkl_version: str,
              mkl_cbwr: str, mkl_enable_instructions: str) -> Numerics:
-    """The id of `mode` given the process's dispatch facts (no checks: see `resolve`)."""
-    facts = {"version": str(NUMERICS_VERSION), "torch": torch_version, "mkl": mkl_version or "none"}
+    """The id of `mode` (portable | host) given the process's dispatch facts."""
+    facts = {"version": str(NUMERICS_VERSION)}
     if mode == "portable":
-        facts["path"] = "torch-avx2+mkl-compatible-strict"
+        facts["kernels"] = PORTABLE_KERNELS
     else:
-        facts.update({"torch_isa": isa, "cpu": _vendor(cpu_model), "cpu_flags": " ".join(cpu_flags),
-                      "mkl_cbwr": mkl_cbwr or "unset"})
+        facts.update({"torch": torch_version, "mkl": mkl_version or "none", "torch_isa": isa,
+                      "cpu": _vendor(cpu_model), "cpu_flags": " ".join(cpu_flags), "mkl_cbwr": mkl_cbwr or "unset"})
         if mkl_enable_instructions:
             facts["mkl_enable_instructions"] = mkl_enable_instructions
     digest = hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:6]
     return Numerics(mode, ("p" if mode == "portable" else "h") + digest, facts)
 
 
-def resolve(mode: str) -> Numerics:
-    """This process's numerics path, checked against `mode`. Raises NumericsError when it cannot be `mode`."""
-    from .platform_info import platform_info
-
+def choose(mode: str, *, native_available: bool, native_detail: str, device_type: str, dtype: str,
+           batch_invariant: bool = True) -> str:
+    """The concrete path (portable | host) for the setting `mode`. Raises NumericsError when `mode`
+    is portable and the model cannot run on it; `auto` falls back to host instead (the caller warns)."""
     if mode not in MODES:
         raise NumericsError(f"--numerics must be one of {', '.join(MODES)}, not {mode!r}")
-    p = platform_info()
-    if mode != started_mode():
-        raise NumericsError(f"this process started with {started_mode()} numerics and cannot switch to {mode}: "
-                            f"start it with {ENV}={mode} (the steadyserve command does so itself)")
+    if mode == "host":
+        return "host"
+    why = ""
+    if not batch_invariant:
+        why = "portable numerics are batch-invariant by construction; --no-batch-invariant runs the host path"
+    elif device_type != "cpu":
+        why = f"portable numerics run on the CPU; {device_type} runs the host path"
+    elif dtype not in ("float32", "auto"):
+        why = f"portable numerics compute in float32; --dtype {dtype} runs the host path"
+    elif not native_available:
+        why = f"portable numerics need the native kernels: {native_detail}"
+    if not why:
+        return "portable"
     if mode == "portable":
-        if p.mkl_cbwr != PORTABLE_ENV["MKL_CBWR"]:
-            raise NumericsError(f"portable numerics need MKL_CBWR={PORTABLE_ENV['MKL_CBWR']} from process start, "
-                                f"found {p.mkl_cbwr or 'unset'}")
-        if p.isa != "AVX2":
-            raise NumericsError(f"portable numerics need PyTorch's AVX2 kernels; this process dispatches to {p.isa} "
-                                f"(the CPU lacks AVX2, or ATEN_CPU_CAPABILITY was set otherwise at start)")
-    return p.numerics
+        raise NumericsError(f"--numerics portable: {why}")
+    return "host"
+
+
+_active: Numerics | None = None
+
+
+def activate(numerics: Numerics) -> None:
+    """Record the path this process's model computes with (platform reports read it)."""
+    global _active
+    _active = numerics
+
+
+def active() -> Numerics | None:
+    """The path of the loaded model, or None before one is loaded."""
+    return _active
 
 
 def _vendor(cpu_model: str) -> str:

@@ -18,7 +18,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from .numerics import Numerics, describe, started_mode
+from .numerics import Numerics, active, describe
 
 # CPU feature flags that change which kernels PyTorch, oneDNN and MKL pick (from /proc/cpuinfo).
 _FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
@@ -100,14 +100,21 @@ def _static() -> PlatformInfo:
                  torch_version=torch.__version__, mkl_version=_mkl_version(torch),
                  mkl_cbwr=os.environ.get("MKL_CBWR", ""),
                  mkl_enable_instructions=os.environ.get("MKL_ENABLE_INSTRUCTIONS", ""))
-    return PlatformInfo(num_cpus=os.cpu_count() or 1, numerics=describe(started_mode(), **facts), **facts)
+    return PlatformInfo(num_cpus=os.cpu_count() or 1, **facts)
+
+
+def numerics_for(mode: str) -> Numerics:
+    """The id of path `mode` (portable | host) on this process's platform."""
+    p = _static()
+    return describe(mode, isa=p.isa, cpu_model=p.cpu_model, cpu_flags=p.cpu_flags, torch_version=p.torch_version,
+                    mkl_version=p.mkl_version, mkl_cbwr=p.mkl_cbwr, mkl_enable_instructions=p.mkl_enable_instructions)
 
 
 def platform_info(row_tiles: list[int] | tuple[int, ...] | None = None) -> PlatformInfo:
     """This process's platform facts; `row_tiles` is the verified ladder (`loaded.model.tiler.tiles` when the
     tiler is enabled), reported as given. The environment is read once per process, as MKL reads it."""
     base = _static()
-    return dataclasses.replace(base, row_tiles=tuple(row_tiles or ()))
+    return dataclasses.replace(base, row_tiles=tuple(row_tiles or ()), numerics=active())
 
 
 def row_tiles_of(loaded: Any) -> tuple[int, ...]:

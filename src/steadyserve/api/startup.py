@@ -17,7 +17,7 @@ from ..engine.model_thread import ModelThread
 from ..engine.selftest import SelfTestResult, run_selftest
 from ..metrics import Metrics
 from ..models.loader import Fingerprint, LoadedModel, load_model
-from ..numerics import resolve as resolve_numerics
+from ..numerics import activate as activate_numerics
 from .state import ServerState
 from .streams import StreamRegistry
 
@@ -38,8 +38,12 @@ def _load_and_check(config: Config, hooks: EngineHooks) -> tuple[LoadedModel, LL
     mc, ec = config.model, config.engine
     loaded = load_model(mc.path, mc.device, mc.dtype, batch_invariant=ec.batch_invariant, row_tile=ec.row_tile,
                         max_model_len=ec.max_model_len, name=mc.name, cache_dir=mc.cache_dir,
-                        attention=ec.attention, block_size=ec.block_size)
+                        attention=ec.attention, block_size=ec.block_size, numerics=ec.numerics)
+    assert loaded.numerics is not None
+    activate_numerics(loaded.numerics)
     log.info("model loaded", extra={"fields": {
+        "numerics": loaded.numerics.mode, "numerics_id": loaded.numerics.numerics_id,
+        "weights_bytes": loaded.weights_bytes,
         "model": loaded.name, "architecture": loaded.args.architecture, "params": loaded.args.num_params,
         "device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch."),
         "load_s": round(loaded.load_seconds, 2), "cached": loaded.from_cache, "context": loaded.max_model_len}})
@@ -66,7 +70,6 @@ def build_state(config: Config, hooks: EngineHooks | None = None) -> ServerState
     """Load the model and self-test it on the model thread that will run the engine (see model_thread.py)."""
     hooks = hooks or EngineHooks()
     ec = config.engine
-    numerics = resolve_numerics(ec.numerics)  # refuses a process that cannot compute on the asked path
     model_thread = ModelThread()
     try:
         loaded, engine, selftest = model_thread.call(lambda: _load_and_check(config, hooks))
@@ -74,7 +77,8 @@ def build_state(config: Config, hooks: EngineHooks | None = None) -> ServerState
         model_thread.close()
         raise
     fp = Fingerprint(loaded.weights_hash[:12], str(loaded.dtype).removeprefix("torch."), str(loaded.device),
-                     ec.batch_invariant and selftest.passed, loaded.model.kernel_id, numerics.numerics_id)
+                     ec.batch_invariant and selftest.passed, loaded.model.kernel_id,
+                     loaded.numerics.numerics_id if loaded.numerics else "")
     log.info("model fingerprint", extra={"fields": {"fingerprint": str(fp)}})
     async_engine = AsyncEngine(engine, ec.max_queue, model_thread)
     metrics = Metrics(loaded.name, str(fp), fp.device, fp.dtype, fp.batch_invariant)

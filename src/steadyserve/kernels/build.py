@@ -23,11 +23,16 @@ import torch
 
 log = logging.getLogger("steadyserve.kernels")
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "rope.cpp")]
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / name for name in ("paged_attention.cpp", "rope.cpp", "qlinear.cpp", "qmm_scalar.cpp",
+                                    "qmm_avx2.cpp", "qmm_avx512.cpp")]
+HEADERS = [CSRC / name for name in ("qmm.h", "qmm_body.h")]
 CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-fast-math", "-fno-unsafe-math-optimizations"]
 # Bumped whenever a kernel's reduction order changes: it is part of the fingerprint.
 NATIVE_KERNEL_ID = "nat1"  # nat1: fma dot products, 16-lane exp sums (csrc/paged_attention.cpp)
 PYTHON_KERNEL_ID = "py"
+# The matmul family's reduction order (csrc/qmm.h): 16 fma lanes over K, one fixed lane tree.
+QMM_KERNEL_ID = "qmm1"
 
 
 @dataclass(frozen=True)
@@ -45,7 +50,7 @@ _status: KernelStatus | None = None
 def _cache_dir() -> Path:
     root = os.environ.get("STEADYSERVE_CACHE") or os.path.join(Path.home(), ".cache", "steadyserve")
     h = hashlib.sha256()
-    for src in SOURCES:
+    for src in SOURCES + HEADERS:
         h.update(src.read_bytes())
     h.update(" ".join(CFLAGS).encode())
     h.update(torch.__version__.encode())

@@ -1,9 +1,13 @@
 """Load a model from a Hugging Face directory or a GGUF file, and fingerprint it.
 
-GGUF files are dequantized once (through transformers' GGUF reader) into an HF
-directory under the cache, keyed by the file's content hash, so later starts
-read safetensors directly. The forward pass is ours (transformer.py); only
-loading, configs and tokenizers come from transformers.
+On the portable numerics path (the default) a GGUF file's tensors are used as
+stored, memory-mapped (models/gguf.py); only its config and tokenizer are
+written once into an HF directory under the cache, keyed by the file's content
+hash. On the host path (`--numerics host`, asked for explicitly or where the
+native kernels cannot run) the weights are dequantized once to float32 into
+that directory, as safetensors, and the fingerprint's numerics id says so.
+The forward pass is ours (transformer.py); only loading, configs and
+tokenizers come from transformers.
 """
 
 from __future__ import annotations
@@ -21,7 +25,11 @@ from typing import Any
 
 import torch
 
+from .. import numerics as numerics_mod
 from ..kernels import build as kernels
+from ..kernels.quant import UnsupportedFormat
+from ..numerics import Numerics, NumericsError
+from ..platform_info import numerics_for
 from .args import ModelArgs
 from .attention import AttentionFn, attention_invariant, attention_native, attention_plain
 from .layers import RowTiler
@@ -66,7 +74,10 @@ class LoadedModel:
     dtype: torch.dtype
     max_model_len: int
     load_seconds: float
-    from_cache: bool  # a GGUF file whose converted weights were already cached
+    from_cache: bool  # a GGUF file whose converted config/tokenizer (and, host path, weights) were cached
+    numerics: Numerics | None = None  # the path the model computes on, and its fingerprint id
+    weights_bytes: int = 0  # bytes of weights the model holds (stored blocks, or float32 on the host path)
+    keepalive: Any = None  # owns the memory mapping the stored weights are views of (a GGUFReader)
 
 
 def default_model_path() -> str:
@@ -118,10 +129,11 @@ def _sha256_files(paths: list[Path]) -> str:
     return h.hexdigest()
 
 
-def convert_gguf(path: Path, cache_dir: str = "") -> tuple[Path, bool]:
-    """Dequantize a GGUF file into a cached HF directory. Returns (dir, was_cached)."""
+def convert_gguf(path: Path, cache_dir: str = "", with_weights: bool = True) -> tuple[Path, bool]:
+    """A GGUF file's config and tokenizer, and with_weights its tensors dequantized to float32
+    safetensors, in a cached HF directory. Returns (dir, was_cached)."""
     digest = _sha256_files([path])[:16]
-    out = cache_root(cache_dir) / "gguf" / f"{path.stem}-{digest}"
+    out = cache_root(cache_dir) / "gguf" / f"{path.stem}-{digest}{'' if with_weights else '-meta'}"
     if (out / "steadyserve.json").is_file():
         return out, True
     from safetensors.torch import save_file
@@ -134,7 +146,8 @@ def convert_gguf(path: Path, cache_dir: str = "") -> tuple[Path, bool]:
         hf_config = AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
         with torch.device("meta"):  # only for transformers' tensor-name map; no weights
             skeleton = AutoModelForCausalLM.from_config(hf_config)
-        tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
+        tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"] \
+            if with_weights else {}
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except LoadError:
         raise
@@ -146,7 +159,8 @@ def convert_gguf(path: Path, cache_dir: str = "") -> tuple[Path, bool]:
     hf_config.architectures = [type(skeleton).__name__]
     hf_config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    save_file({k: v.float().contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"))
+    if with_weights:
+        save_file({k: v.float().contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"))
     (tmp / "steadyserve.json").write_text(json.dumps({"source": str(path), "source_sha256_16": digest}))
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
@@ -191,21 +205,40 @@ def select_attention(choice: str, device: torch.device, dtype: torch.dtype, batc
     return (attention_invariant if batch_invariant else attention_plain), kernels.PYTHON_KERNEL_ID
 
 
+def choose_numerics(mode: str, dev: torch.device, dtype: str, batch_invariant: bool, attention: str) -> Numerics:
+    """The numerics path for the setting `mode` (numerics.choose), as a fingerprint id. `auto` falls
+    back to host with a warning where the native kernels cannot run."""
+    status = kernels.load() if dev.type == "cpu" else None
+    available = status is not None and status.available and attention != "python"
+    detail = (status.detail if status is not None and not status.available
+              else "--attention python computes attention outside them" if attention == "python" else "")
+    try:
+        chosen = numerics_mod.choose(mode, native_available=available, native_detail=detail, device_type=dev.type,
+                                     dtype=dtype, batch_invariant=batch_invariant)
+    except NumericsError as e:
+        raise LoadError(str(e)) from None
+    if mode == "auto" and chosen == "host" and dev.type == "cpu" and batch_invariant and dtype in ("auto", "float32"):
+        log.warning("numerics: host path (%s)", detail)
+    return numerics_for(chosen)
+
+
 def load_model(path: str, device: str = "cpu", dtype: str = "auto", *, batch_invariant: bool = True,
                row_tile: int = 512, max_model_len: int = 0, name: str = "", cache_dir: str = "",
-               attention: str = "auto", block_size: int = 32) -> LoadedModel:
+               attention: str = "auto", block_size: int = 32, numerics: str = "auto") -> LoadedModel:
     """Load and build the model. Raises LoadError with a one-line message."""
     t0 = time.perf_counter()
     src = Path(path or default_model_path())
     if not src.exists():
         raise LoadError(f"{src}: no such file or directory")
     dev = resolve_device(device)
+    num = choose_numerics(numerics, dev, dtype, batch_invariant, attention)
+    native = num.mode == "portable"
     dt = resolve_dtype(dtype, dev)
     from_cache = False
     if src.is_file():
         if src.suffix != ".gguf":
             raise LoadError(f"{src}: expected a .gguf file or a Hugging Face model directory")
-        model_dir, from_cache = convert_gguf(src, cache_dir)
+        model_dir, from_cache = convert_gguf(src, cache_dir, with_weights=not native)
     else:
         model_dir = src
     if not (model_dir / "config.json").is_file():
@@ -220,7 +253,17 @@ def load_model(path: str, device: str = "cpu", dtype: str = "auto", *, batch_inv
         args = model_args(hf_config)
     except ValueError as e:
         raise LoadError(f"{model_dir / 'config.json'}: {e}") from None
-    weights, files = _read_weights(model_dir)
+    keepalive = None
+    if native and src.is_file():
+        from .gguf import read_tensors
+
+        try:
+            weights, keepalive = read_tensors(src, args.num_heads, args.num_kv_heads)
+        except UnsupportedFormat as e:
+            raise LoadError(f"{src}: {e}") from None
+        files = [src]
+    else:
+        weights, files = _read_weights(model_dir)  # type: ignore[assignment]
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     except Exception as e:
@@ -229,12 +272,17 @@ def load_model(path: str, device: str = "cpu", dtype: str = "auto", *, batch_inv
     limit = args.max_position_embeddings
     max_len = min(max_model_len, limit) if max_model_len else limit
     try:
-        attn, kernel_id = select_attention(attention, dev, dt, batch_invariant, block_size, args.head_dim)
-        model = Transformer(args, weights, dev, dt, RowTiler(row_tile, batch_invariant), max_len, attn, kernel_id)
+        attn, kernel_id = select_attention("native" if native else attention, dev, dt, batch_invariant, block_size,
+                                           args.head_dim)
+        model = Transformer(args, weights, dev, dt, RowTiler(row_tile, batch_invariant and not native), max_len,
+                            attn, kernel_id, native=native)
         weights.clear()  # what the model did not take (e.g. rotary buffers) must not pin the file mapping
+    except UnsupportedFormat as e:
+        raise LoadError(f"{src}: {e}") from None
     except (KeyError, RuntimeError, ValueError) as e:
         raise LoadError(f"{model_dir}: weights do not match config.json ({e})") from None
     return LoadedModel(model=model, args=args, tokenizer=tokenizer,
                        name=name or (src.stem if src.is_file() else src.name),
                        weights_hash=_sha256_files(files), device=dev, dtype=dt, max_model_len=max_len,
-                       load_seconds=time.perf_counter() - t0, from_cache=from_cache)
+                       load_seconds=time.perf_counter() - t0, from_cache=from_cache, numerics=num,
+                       weights_bytes=model.weights_bytes(), keepalive=keepalive)

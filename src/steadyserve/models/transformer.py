@@ -3,7 +3,14 @@
 One class serves every registered architecture; their differences are flags in
 ModelArgs (q/k/v bias, tied embeddings, sliding window). Weights keep the
 Hugging Face names on load and are fused here (q|k|v, gate|up) so that each
-layer makes two GEMM calls per tile instead of five.
+layer makes two projection calls per tile instead of five.
+
+Two numerics paths (numerics.py) share the structure:
+* native (portable): matrices are QMatrix objects over the weights as stored
+  (kernels/quant.py), and norms, SiLU·mul and log-softmax are native too: every
+  row's bits are fixed by construction, so the row tiler is off.
+* host: float32 matrices, F.linear (MKL) and PyTorch's ops, run through the row
+  tiler in verified row counts.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.build import NATIVE_KERNEL_ID
+from ..kernels.quant import QMatrix, QWeight
 from .args import ModelArgs, rope_tables
 from .attention import AttentionFn, write_kv
 from .layers import RowProbe, RowTiler, apply_rope, rms_norm
@@ -40,17 +48,20 @@ class ForwardBatch:
     seq_of: torch.Tensor  # (T,) int64, the token's row in block_tables
 
 
+Matrix = torch.Tensor | QMatrix  # a float tensor (host path) or the stored weights (native path)
+
+
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # (hidden,)
-    wqkv: torch.Tensor  # ((H + 2*Hkv) * D, hidden)
+    wqkv: Matrix  # ((H + 2*Hkv) * D, hidden)
     bqkv: torch.Tensor | None  # ((H + 2*Hkv) * D,)
-    wo: torch.Tensor  # (hidden, H * D)
+    wo: Matrix  # (hidden, H * D)
     bo: torch.Tensor | None
     post_norm: torch.Tensor  # (hidden,)
-    w_gate_up: torch.Tensor  # (2 * inter, hidden)
+    w_gate_up: Matrix  # (2 * inter, hidden)
     b_gate_up: torch.Tensor | None
-    w_down: torch.Tensor  # (hidden, inter)
+    w_down: Matrix  # (hidden, inter)
     b_down: torch.Tensor | None
 
 
@@ -60,9 +71,11 @@ class Transformer:
     The constructor consumes `weights`: every tensor it uses is removed from the dict.
     """
 
-    def __init__(self, args: ModelArgs, weights: dict[str, torch.Tensor], device: torch.device,
-                 dtype: torch.dtype, tiler: RowTiler, max_len: int, attention: AttentionFn, kernel_id: str) -> None:
+    def __init__(self, args: ModelArgs, weights: dict[str, torch.Tensor | QWeight], device: torch.device,
+                 dtype: torch.dtype, tiler: RowTiler, max_len: int, attention: AttentionFn, kernel_id: str,
+                 native: bool = False) -> None:
         self.args = args
+        self.native = native  # the portable path: native kernels on the stored weights (module docstring)
         self.device = device
         self.dtype = dtype
         self.tiler = tiler  # the layers' row-wise functions
@@ -77,10 +90,27 @@ class Transformer:
         # in RSS as long as any view lives. Every weight is taken out of `weights` and copied into
         # memory the model owns, so the mapping is released once loading ends (RSS = one model copy).
         def w(name: str) -> torch.Tensor:
-            return weights.pop(name).to(device=device, dtype=dtype, copy=True).contiguous()
+            t = weights.pop(name)
+            if isinstance(t, QWeight):  # a GGUF matrix on the host path: its exact values, as float
+                t = t.dequantize().view(t.n, t.k)
+            return t.to(device=device, dtype=dtype, copy=True).contiguous()
+
+        def vec(name: str) -> torch.Tensor:  # norms and biases: float32 on the native path
+            t = w(name)
+            return t.float() if native else t
+
+        def q(name: str) -> QWeight:
+            t = weights.pop(name)
+            return t if isinstance(t, QWeight) else QWeight.from_tensor(t, name)
+
+        def mat(names: list[str]) -> Matrix:
+            """The named matrices fused along N: stored parts (native) or one owned tensor (host)."""
+            if native:
+                return QMatrix([q(n) for n in names])
+            return w(names[0]) if len(names) == 1 else torch.cat([w(n) for n in names]).contiguous()
 
         def maybe(name: str) -> torch.Tensor | None:
-            return w(name) if name in weights else None
+            return vec(name) if name in weights else None
 
         def cat(names: list[str]) -> torch.Tensor | None:
             """Fuse the named weights (all or none present) into one owned tensor."""
@@ -89,38 +119,59 @@ class Transformer:
                 return None
             if len(present) != len(names):
                 raise ValueError(f"some but not all of {names} are present")
-            return torch.cat([weights.pop(n) for n in names]).to(device=device, dtype=dtype).contiguous()
+            return torch.cat([vec(n) for n in names]).contiguous()
 
-        self.embed = w("model.embed_tokens.weight")  # (V, hidden)
-        self.lm_head = self.embed if args.tie_word_embeddings or "lm_head.weight" not in weights \
-            else w("lm_head.weight")  # (V, hidden)
-        self.lm_head_parts = self.lm_head.split(HEAD_COLUMNS)  # views: (HEAD_COLUMNS, hidden) each, the last shorter
-        self.final_norm = w("model.norm.weight")
+        tied = args.tie_word_embeddings or "lm_head.weight" not in weights
+        self.embed: Matrix = mat(["model.embed_tokens.weight"])  # (V, hidden)
+        self.lm_head: Matrix = self.embed if tied else mat(["lm_head.weight"])  # (V, hidden)
+        # Host path: views of (HEAD_COLUMNS, hidden) each, the last shorter (see HEAD_COLUMNS).
+        self.lm_head_parts = [] if native else self.lm_head.split(HEAD_COLUMNS)  # type: ignore[union-attr]
+        self.final_norm = vec("model.norm.weight")
         self.layers: list[LayerWeights] = []
         for i in range(args.num_layers):
             p = f"model.layers.{i}."
             a, m = p + "self_attn.", p + "mlp."
             self.layers.append(LayerWeights(
-                input_norm=w(p + "input_layernorm.weight"),
-                wqkv=cat([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]),  # type: ignore[arg-type]
+                input_norm=vec(p + "input_layernorm.weight"),
+                wqkv=mat([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]),
                 bqkv=cat([a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]),
-                wo=w(a + "o_proj.weight"), bo=maybe(a + "o_proj.bias"),
-                post_norm=w(p + "post_attention_layernorm.weight"),
-                w_gate_up=cat([m + "gate_proj.weight", m + "up_proj.weight"]),  # type: ignore[arg-type]
+                wo=mat([a + "o_proj.weight"]), bo=maybe(a + "o_proj.bias"),
+                post_norm=vec(p + "post_attention_layernorm.weight"),
+                w_gate_up=mat([m + "gate_proj.weight", m + "up_proj.weight"]),
                 b_gate_up=cat([m + "gate_proj.bias", m + "up_proj.bias"]),
-                w_down=w(m + "down_proj.weight"), b_down=maybe(m + "down_proj.bias"),
+                w_down=mat([m + "down_proj.weight"]), b_down=maybe(m + "down_proj.bias"),
             ))
         cos, sin = rope_tables(args, max_len)
         self.cos = cos.to(device=device, dtype=dtype)  # (max_len, D)
         self.sin = sin.to(device=device, dtype=dtype)
         self.scale = args.head_dim ** -0.5
 
+    def weights_bytes(self) -> int:
+        """Bytes of the weights this model holds: stored blocks on the native path, float tensors on the host path."""
+        seen: set[int] = set()
+        total = 0
+
+        def add(m: Matrix | torch.Tensor | None) -> None:
+            nonlocal total
+            tensors = [] if m is None else [p.data for p in m.parts] if isinstance(m, QMatrix) else [m]
+            for t in tensors:
+                if t.untyped_storage().data_ptr() not in seen:
+                    seen.add(t.untyped_storage().data_ptr())
+                    total += t.untyped_storage().nbytes()
+
+        for m in (self.embed, self.lm_head, self.final_norm):
+            add(m)
+        for lw in self.layers:
+            for m in vars(lw).values():
+                add(m)
+        return total
+
     def _qkv(self, lw: LayerWeights, x: torch.Tensor, cos: torch.Tensor,
              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Row-wise: norm, fused q|k|v projection, RoPE. x: (T, hidden) -> (T, H, D), (T, Hkv, D), (T, Hkv, D)."""
         a = self.args
         h, hkv, d = a.num_heads, a.num_kv_heads, a.head_dim
-        qkv = F.linear(rms_norm(x, lw.input_norm, a.rms_norm_eps), lw.wqkv, lw.bqkv)  # (T, (H + 2*Hkv) * D)
+        qkv = self._linear(self._norm(x, lw.input_norm), lw.wqkv, lw.bqkv)  # (T, (H + 2*Hkv) * D)
         v = qkv[:, (h + hkv) * d:].view(-1, hkv, d)
         if self.native_rope:  # q and k heads in place, one pass; the same bits as apply_rope
             torch.ops.steadyserve.rope_(qkv, cos, sin, h + hkv)
@@ -130,16 +181,32 @@ class Transformer:
 
     def _out_mlp(self, lw: LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Row-wise: output projection + residual, norm, gated MLP + residual. (T, hidden), (T, H, D) -> (T, hidden)."""
-        eps = self.args.rms_norm_eps
-        x = x + F.linear(attn.reshape(attn.shape[0], -1), lw.wo, lw.bo)
-        gate, up = F.linear(rms_norm(x, lw.post_norm, eps), lw.w_gate_up, lw.b_gate_up).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, lw.w_down, lw.b_down)
+        x = x + self._linear(attn.reshape(attn.shape[0], -1), lw.wo, lw.bo)
+        gate_up = self._linear(self._norm(x, lw.post_norm), lw.w_gate_up, lw.b_gate_up)  # (T, 2 * inter)
+        if self.native:
+            return x + self._linear(torch.ops.steadyserve.qsilu_mul(gate_up, -1), lw.w_down, lw.b_down)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return x + self._linear(F.silu(gate) * up, lw.w_down, lw.b_down)
+
+    def _linear(self, x: torch.Tensor, w: Matrix, b: torch.Tensor | None) -> torch.Tensor:
+        """x · wᵀ + b: the native matmul family on the stored weights, or F.linear."""
+        if isinstance(w, QMatrix):
+            y = w(x)
+            return y.add_(b) if b is not None else y  # an exact elementwise add
+        return F.linear(x, w, b)
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.native:
+            return torch.ops.steadyserve.qrms_norm(x, weight, self.args.rms_norm_eps, -1)
+        return rms_norm(x, weight, self.args.rms_norm_eps)
 
     def _final_norm(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.final_norm, self.args.rms_norm_eps)
+        return self._norm(x, self.final_norm)
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Row-wise: (R, hidden) -> (R, V) float32 log-probabilities."""
+        if isinstance(self.lm_head, QMatrix):
+            return torch.ops.steadyserve.qlog_softmax(self.lm_head(hidden.contiguous()), -1)
         logits = torch.cat([F.linear(hidden, part) for part in self.lm_head_parts], dim=1)  # (R, V)
         return torch.log_softmax(logits.float(), dim=-1)
 
@@ -150,7 +217,10 @@ class Transformer:
         k_cache: (L, NB, Hkv, D, Bs); v_cache: (L, NB, Hkv, Bs, D).
         Returns the final-normed hidden states, (T, hidden).
         """
-        x = F.embedding(batch.input_ids, self.embed)  # (T, hidden)
+        if isinstance(self.embed, QMatrix):
+            x = self.embed.rows(batch.input_ids)  # (T, hidden), dequantized rows
+        else:
+            x = F.embedding(batch.input_ids, self.embed)  # (T, hidden)
         cos, sin = self.cos[batch.positions], self.sin[batch.positions]  # (T, D)
         for i, lw in enumerate(self.layers):
             q, k, v = self.tiler(partial(self._qkv, lw), x, cos, sin)  # (T, H, D), (T, Hkv, D), (T, Hkv, D)

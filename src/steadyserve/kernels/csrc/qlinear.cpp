@@ -1,0 +1,161 @@
+// torch ops over the matmul family (qmm.h): the GGUF block formats multiplied as stored.
+//
+//   qmatmul_(x, w, fmt, y, col0, isa)   y[:, col0 : col0 + N] = x · Wᵀ
+//   qdequant(w, fmt, K, rows, isa)      the fp32 values of the given weight rows (embedding lookups, tests)
+//   qrms_norm(x, weight, eps, isa), qsilu_mul(gate_up, isa), qlog_softmax(x, isa)
+//
+// `isa` picks the build: -1 the best this CPU has (by CPUID), 0 scalar, 1 AVX2, 2 AVX-512;
+// the tests run all three and compare bits. Work is split over threads by output columns
+// (matmul) or rows (the row-wise ops) only, so the thread count never changes a value.
+#include <ATen/Parallel.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "qmm.h"
+
+namespace {
+
+using namespace steady_qmm;
+
+int best_isa() {
+  static const int best = [] {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl"))
+      return 2;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) return 1;
+    return 0;
+  }();
+  return best;
+}
+
+int pick_isa(int64_t isa) {
+  const int best = best_isa();
+  TORCH_CHECK(isa >= -1 && isa <= 2, "isa must be -1 (auto), 0 (scalar), 1 (avx2) or 2 (avx512)");
+  TORCH_CHECK(isa <= best, "this CPU cannot run ISA build ", isa, " (best: ", best, ")");
+  return isa < 0 ? best : int(isa);
+}
+
+int64_t qmm_isa() { return best_isa(); }
+
+// Output columns per task: a multiple of every build's panel width, so a task boundary never
+// splits a panel (it would not change bits, only speed).
+constexpr int64_t kColumnsPerTask = 16;
+
+void qmatmul_(const at::Tensor& x, const at::Tensor& w, int64_t fmt, at::Tensor& y, int64_t col0, int64_t isa) {
+  Layout lay;
+  TORCH_CHECK(layout_of(int32_t(fmt), &lay), "qmatmul_: no kernel for GGML type ", fmt);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1, "qmatmul_: x must be (M, K) float32");
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(), "qmatmul_: w must be contiguous (N, row_bytes) uint8");
+  TORCH_CHECK(y.scalar_type() == at::kFloat && y.dim() == 2 && y.stride(1) == 1, "qmatmul_: y must be (M, >= N) float32");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(K % lay.block == 0 && w.size(1) == K / lay.block * lay.bytes, "qmatmul_: K = ", K, " does not match the weight rows (",
+              w.size(1), " bytes, ", lay.block, " weights per ", lay.bytes, " bytes)");
+  TORCH_CHECK(y.size(0) == M && col0 >= 0 && col0 + N <= y.size(1), "qmatmul_: y is too small");
+  const int use = pick_isa(isa);
+  if (M == 0 || N == 0) return;
+  MatmulArgs base{int32_t(fmt), x.data_ptr<float>(), x.stride(0), M, K, w.data_ptr<uint8_t>(), w.size(1),
+                  y.data_ptr<float>() + col0, y.stride(0), 0, 0, nullptr};
+  const int64_t tasks = (N + kColumnsPerTask - 1) / kColumnsPerTask;
+  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> scratch(M > 1 ? size_t(kScratchRows * K) : 0);
+    MatmulArgs a = base;
+    a.n_begin = t0 * kColumnsPerTask;
+    a.n_end = std::min(N, t1 * kColumnsPerTask);
+    a.scratch = scratch.data();
+    if (use == 2) avx512::matmul(a);
+    else if (use == 1) avx2::matmul(a);
+    else scalar::matmul(a);
+  });
+}
+
+at::Tensor qdequant(const at::Tensor& w, int64_t fmt, int64_t K, const at::Tensor& rows, int64_t isa) {
+  Layout lay;
+  TORCH_CHECK(layout_of(int32_t(fmt), &lay), "qdequant: no kernel for GGML type ", fmt);
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(), "qdequant: w must be contiguous (N, row_bytes) uint8");
+  TORCH_CHECK(K % lay.block == 0 && w.size(1) == K / lay.block * lay.bytes, "qdequant: K does not match the weight rows");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1, "qdequant: rows must be (R,) int64");
+  const at::Tensor r = rows.contiguous();
+  const int64_t R = r.size(0), N = w.size(0);
+  const int64_t* rp = r.data_ptr<int64_t>();
+  for (int64_t i = 0; i < R; ++i) TORCH_CHECK(rp[i] >= 0 && rp[i] < N, "qdequant: row ", rp[i], " out of range [0, ", N, ")");
+  at::Tensor out = at::empty({R, K}, w.options().dtype(at::kFloat));
+  const int use = pick_isa(isa);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, R, 16, [&](int64_t i0, int64_t i1) {
+    if (use == 2) avx512::dequant_rows(int32_t(fmt), wp, w.size(1), K, rp + i0, i1 - i0, op + i0 * K);
+    else if (use == 1) avx2::dequant_rows(int32_t(fmt), wp, w.size(1), K, rp + i0, i1 - i0, op + i0 * K);
+    else scalar::dequant_rows(int32_t(fmt), wp, w.size(1), K, rp + i0, i1 - i0, op + i0 * K);
+  });
+  return out;
+}
+
+at::Tensor qrms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, int64_t isa) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1, "qrms_norm: x must be (T, D) float32");
+  const int64_t T = x.size(0), D = x.size(1);
+  TORCH_CHECK(D % 16 == 0, "qrms_norm: D must be a multiple of 16");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == D, "qrms_norm: weight must be (D,) float32");
+  at::Tensor y = at::empty({T, D}, x.options());
+  const int use = pick_isa(isa);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const float e = float(eps);
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    if (use == 2) avx512::rms_norm(xp, x.stride(0), wp, e, D, yp, t0, t1);
+    else if (use == 1) avx2::rms_norm(xp, x.stride(0), wp, e, D, yp, t0, t1);
+    else scalar::rms_norm(xp, x.stride(0), wp, e, D, yp, t0, t1);
+  });
+  return y;
+}
+
+at::Tensor qsilu_mul(const at::Tensor& gate_up, int64_t isa) {
+  TORCH_CHECK(gate_up.scalar_type() == at::kFloat && gate_up.dim() == 2 && gate_up.is_contiguous(),
+              "qsilu_mul: gate_up must be contiguous (T, 2 * I) float32");
+  const int64_t T = gate_up.size(0), I2 = gate_up.size(1);
+  TORCH_CHECK(I2 % 32 == 0, "qsilu_mul: I must be a multiple of 16");
+  at::Tensor y = at::empty({T, I2 / 2}, gate_up.options());
+  const int use = pick_isa(isa);
+  const float* gp = gate_up.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    if (use == 2) avx512::silu_mul(gp, I2 / 2, yp, t0, t1);
+    else if (use == 1) avx2::silu_mul(gp, I2 / 2, yp, t0, t1);
+    else scalar::silu_mul(gp, I2 / 2, yp, t0, t1);
+  });
+  return y;
+}
+
+at::Tensor qlog_softmax(const at::Tensor& x, int64_t isa) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "qlog_softmax: x must be contiguous (T, V) float32");
+  const int64_t T = x.size(0), V = x.size(1);
+  at::Tensor y = at::empty({T, V}, x.options());
+  const int use = pick_isa(isa);
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    if (use == 2) avx512::log_softmax(xp, V, yp, t0, t1);
+    else if (use == 1) avx2::log_softmax(xp, V, yp, t0, t1);
+    else scalar::log_softmax(xp, V, yp, t0, t1);
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(steadyserve, m) {
+  m.def("qmatmul_(Tensor x, Tensor w, int fmt, Tensor(a!) y, int col0, int isa=-1) -> ()");
+  m.def("qdequant(Tensor w, int fmt, int K, Tensor rows, int isa=-1) -> Tensor");
+  m.def("qrms_norm(Tensor x, Tensor weight, float eps, int isa=-1) -> Tensor");
+  m.def("qsilu_mul(Tensor gate_up, int isa=-1) -> Tensor");
+  m.def("qlog_softmax(Tensor x, int isa=-1) -> Tensor");
+  m.def("qmm_isa() -> int", TORCH_FN(qmm_isa));
+  m.impl("qmatmul_", c10::DispatchKey::CPU, TORCH_FN(qmatmul_));
+  m.impl("qdequant", c10::DispatchKey::CPU, TORCH_FN(qdequant));
+  m.impl("qrms_norm", c10::DispatchKey::CPU, TORCH_FN(qrms_norm));
+  m.impl("qsilu_mul", c10::DispatchKey::CPU, TORCH_FN(qsilu_mul));
+  m.impl("qlog_softmax", c10::DispatchKey::CPU, TORCH_FN(qlog_softmax));
+}

@@ -1,0 +1,381 @@
+// The body of the matmul family, written once over a 16-lane vector type.
+//
+// Included by qmm_scalar.cpp, qmm_avx2.cpp and qmm_avx512.cpp inside their namespace, after
+// each has defined its lane types and operations:
+//   F (16 floats), I (16 int32): fzero fset1 fload fstore ffma fmul fadd fsub fdiv fmax fmin
+//   hsum hmax | iset1 ilanes iload_u8 iload_i8 iload_u16 iand isrl isll isrlv ior isub iadd
+//   i2f f2i ibits2f h2f  — and the tile sizes kSmallM kFusedNR kMR kNR kMB.
+// Every operation is one IEEE operation per lane (ffma: one rounding), so each build computes
+// the same value in every lane; only the tile sizes, which never change a lane's sequence of
+// operations, differ between builds. The reduction order is documented in qmm.h.
+
+// ---- scalar helpers (the same code in every build) ----
+
+// IEEE binary16 -> binary32, exact (every half is a float), as F16C's vcvtph2ps.
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;
+  if (exp == 0) {
+    if (mant == 0) {
+      bits = sign;
+    } else {  // subnormal half: a normal float
+      uint32_t s = 0;
+      while (!(mant & 0x400u)) { mant <<= 1; ++s; }
+      bits = sign | ((113u - s) << 23) | ((mant & 0x3ffu) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (mant << 13) | (mant ? 0x400000u : 0u);  // NaNs come out quiet
+  } else {
+    bits = sign | ((exp + 112u) << 23) | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline float half_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof h);
+  return half_to_float(h);
+}
+
+// Natural log for x >= 1 from IEEE mul/add/sub only (Cephes logf, ~1 ulp): libm's log may
+// differ between machines (glibc picks an FMA variant by CPU), this does not.
+inline float det_log(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  int32_t e = int32_t((bits >> 23) & 0xffu) - 126;
+  bits = (bits & 0x807fffffu) | 0x3f000000u;  // mantissa in [0.5, 1)
+  float m;
+  std::memcpy(&m, &bits, sizeof m);
+  if (m < 0.707106781186547524f) {
+    e -= 1;
+    m = (m + m) - 1.0f;
+  } else {
+    m = m - 1.0f;
+  }
+  const float z = m * m;
+  float y = 7.0376836292E-2f;
+  y = y * m - 1.1514610310E-1f;
+  y = y * m + 1.1676998740E-1f;
+  y = y * m - 1.2420140846E-1f;
+  y = y * m + 1.4249322787E-1f;
+  y = y * m - 1.6668057665E-1f;
+  y = y * m + 2.0000714765E-1f;
+  y = y * m - 2.4999993993E-1f;
+  y = y * m + 3.3333331174E-1f;
+  y = (y * m) * z;
+  const float fe = float(e);
+  y = y + (-2.12194440e-4f * fe);
+  y = y - 0.5f * z;
+  return (m + y) + 0.693359375f * fe;
+}
+
+// exp(x) per lane from IEEE mul/add only (Cephes expf, ~1 ulp), x clamped to [-87, 88].
+inline F fexp(F x) {
+  x = fmin(fmax(x, fset1(-87.0f)), fset1(88.0f));
+  const F n = fsub(fadd(fmul(x, fset1(1.44269504088896341f)), fset1(12582912.0f)), fset1(12582912.0f));
+  const F r = fsub(fsub(x, fmul(n, fset1(0.693359375f))), fmul(n, fset1(-2.12194440e-4f)));
+  F p = fadd(fmul(r, fset1(1.9875691500e-4f)), fset1(1.3981999507e-3f));
+  p = fadd(fmul(p, r), fset1(8.3334519073e-3f));
+  p = fadd(fmul(p, r), fset1(4.1665795894e-2f));
+  p = fadd(fmul(p, r), fset1(1.6666665459e-1f));
+  p = fadd(fmul(p, r), fset1(5.0000001201e-1f));
+  const F y = fadd(fadd(fmul(p, fmul(r, r)), r), fset1(1.0f));
+  return fmul(y, ibits2f(isll(iadd(f2i(n), iset1(127)), 23)));
+}
+
+// ---- dequantization: 32 consecutive weights (chunk c = k / 32) of one row into two vectors ----
+// Each format uses gguf-py's operations in gguf-py's order (gguf/quants.py), so the values
+// equal its dequantizer's bitwise (tests/test_qmm.py checks it on real tensors).
+
+// The 6-bit scale and min of sub-block s (0..7) of a Q4_K / Q5_K block (gguf-py get_scale_min).
+inline void scale_min_k4(const uint8_t* sc, int s, int* scale, int* min) {
+  if (s < 4) {
+    *scale = sc[s] & 63;
+    *min = sc[s + 4] & 63;
+  } else {
+    *scale = (sc[s + 4] & 0xF) | ((sc[s - 4] >> 6) << 4);
+    *min = (sc[s + 4] >> 4) | ((sc[s] >> 6) << 4);
+  }
+}
+
+template <int FMT>
+inline void deq32(const uint8_t* row, int64_t c, F& lo, F& hi) {
+  if constexpr (FMT == F32) {
+    const float* p = reinterpret_cast<const float*>(row) + 32 * c;
+    lo = fload(p);
+    hi = fload(p + 16);
+  } else if constexpr (FMT == F16) {
+    const uint8_t* p = row + 64 * c;
+    lo = h2f(p);
+    hi = h2f(p + 32);
+  } else if constexpr (FMT == BF16) {
+    const uint8_t* p = row + 64 * c;
+    lo = ibits2f(isll(iload_u16(p), 16));
+    hi = ibits2f(isll(iload_u16(p + 32), 16));
+  } else if constexpr (FMT == Q8_0) {  // x * d
+    const uint8_t* b = row + 34 * c;
+    const F d = fset1(half_at(b));
+    lo = fmul(i2f(iload_i8(b + 2)), d);
+    hi = fmul(i2f(iload_i8(b + 18)), d);
+  } else if constexpr (FMT == Q4_0) {  // d * (q - 8)
+    const uint8_t* b = row + 18 * c;
+    const F d = fset1(half_at(b));
+    const I q = iload_u8(b + 2);
+    lo = fmul(d, i2f(isub(iand(q, 15), iset1(8))));
+    hi = fmul(d, i2f(isub(isrl(q, 4), iset1(8))));
+  } else if constexpr (FMT == Q4_1) {  // (d * q) + m
+    const uint8_t* b = row + 20 * c;
+    const F d = fset1(half_at(b)), m = fset1(half_at(b + 2));
+    const I q = iload_u8(b + 4);
+    lo = fadd(fmul(d, i2f(iand(q, 15))), m);
+    hi = fadd(fmul(d, i2f(isrl(q, 4))), m);
+  } else if constexpr (FMT == Q5_0) {  // d * ((q | h << 4) - 16)
+    const uint8_t* b = row + 22 * c;
+    const F d = fset1(half_at(b));
+    uint32_t qh;
+    std::memcpy(&qh, b + 2, sizeof qh);
+    const I q = iload_u8(b + 6);
+    const I h_lo = iand(isrlv(iset1(int32_t(qh)), ilanes()), 1);
+    const I h_hi = iand(isrlv(iset1(int32_t(qh >> 16)), ilanes()), 1);
+    lo = fmul(d, i2f(isub(ior(iand(q, 15), isll(h_lo, 4)), iset1(16))));
+    hi = fmul(d, i2f(isub(ior(isrl(q, 4), isll(h_hi, 4)), iset1(16))));
+  } else if constexpr (FMT == Q4_K || FMT == Q5_K) {  // (d * sc) * q - (dmin * m)
+    const int s = int(c % 8);
+    const uint8_t* b = row + (FMT == Q4_K ? 144 : 176) * (c / 8);
+    int sc, mn;
+    scale_min_k4(b + 4, s, &sc, &mn);
+    const F ds = fset1(half_at(b) * float(sc)), dm = fset1(half_at(b + 2) * float(mn));
+    const uint8_t* qs = b + (FMT == Q4_K ? 16 : 48) + 32 * (s / 2);
+    const int shift = 4 * (s % 2);
+    I q_lo = iand(isrl(iload_u8(qs), shift), 15), q_hi = iand(isrl(iload_u8(qs + 16), shift), 15);
+    if constexpr (FMT == Q5_K) {
+      const uint8_t* qh = b + 16;
+      q_lo = ior(q_lo, isll(iand(isrl(iload_u8(qh), s), 1), 4));
+      q_hi = ior(q_hi, isll(iand(isrl(iload_u8(qh + 16), s), 1), 4));
+    }
+    lo = fsub(fmul(ds, i2f(q_lo)), dm);
+    hi = fsub(fmul(ds, i2f(q_hi)), dm);
+  } else if constexpr (FMT == Q6_K) {  // (d * sc) * ((ql | qh << 4) - 32), a scale per 16 weights
+    const int s = int(c % 8), h = s / 4, j = s % 4;
+    const uint8_t* b = row + 210 * (c / 8);
+    const uint8_t* ql = b + 64 * h + 32 * (j % 2);
+    const uint8_t* qh = b + 128 + 32 * h;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192) + 8 * h + 2 * j;
+    const float d = half_at(b + 208);
+    const int qs = 4 * (j / 2), hs = 2 * j;
+    const I q_lo = isub(ior(iand(isrl(iload_u8(ql), qs), 15), isll(iand(isrl(iload_u8(qh), hs), 3), 4)), iset1(32));
+    const I q_hi =
+        isub(ior(iand(isrl(iload_u8(ql + 16), qs), 15), isll(iand(isrl(iload_u8(qh + 16), hs), 3), 4)), iset1(32));
+    lo = fmul(fset1(d * float(sc[0])), i2f(q_lo));
+    hi = fmul(fset1(d * float(sc[1])), i2f(q_hi));
+  }
+}
+
+// ---- the matmul: small M dequantizes into registers, large M into a panel reused by every row ----
+
+// y[m0 + m, n0 + r] for MM rows and NN weight rows, weights dequantized in registers.
+template <int FMT, int MM, int NN>
+inline void fused_tile(const MatmulArgs& a, int64_t n0) {
+  F acc[MM][NN];
+  for (int m = 0; m < MM; ++m)
+    for (int r = 0; r < NN; ++r) acc[m][r] = fzero();
+  const int64_t chunks = a.K / 32;
+  for (int64_t c = 0; c < chunks; ++c) {
+    F wl[NN], wh[NN];
+    for (int r = 0; r < NN; ++r) deq32<FMT>(a.w + (n0 + r) * a.row_bytes, c, wl[r], wh[r]);
+    for (int m = 0; m < MM; ++m) {
+      const float* xp = a.x + m * a.x_stride + 32 * c;
+      const F xl = fload(xp), xh = fload(xp + 16);
+      for (int r = 0; r < NN; ++r) {  // lane j: k = 32c + j, then 32c + 16 + j
+        acc[m][r] = ffma(xl, wl[r], acc[m][r]);
+        acc[m][r] = ffma(xh, wh[r], acc[m][r]);
+      }
+    }
+  }
+  for (int m = 0; m < MM; ++m)
+    for (int r = 0; r < NN; ++r) a.y[m * a.y_stride + n0 + r] = hsum(acc[m][r]);
+}
+
+template <int FMT, int NN>
+inline void fused_rows(const MatmulArgs& a, int64_t n0) {
+  switch (a.M) {
+    case 1: fused_tile<FMT, 1, NN>(a, n0); break;
+    case 2: if constexpr (kSmallM >= 2) fused_tile<FMT, 2, NN>(a, n0); break;
+    case 3: if constexpr (kSmallM >= 3) fused_tile<FMT, 3, NN>(a, n0); break;
+    case 4: if constexpr (kSmallM >= 4) fused_tile<FMT, 4, NN>(a, n0); break;
+    default: break;
+  }
+}
+
+// y[m, n0 + r] for MM rows of x and NN dequantized rows w (each K floats, row stride K).
+template <int MM, int NN>
+inline void panel_tile(const float* x, int64_t x_stride, const float* w, int64_t K, float* y, int64_t y_stride,
+                       int64_t n0) {
+  F acc[MM][NN];
+  for (int m = 0; m < MM; ++m)
+    for (int r = 0; r < NN; ++r) acc[m][r] = fzero();
+  for (int64_t k = 0; k < K; k += 16) {
+    F wv[NN];
+    for (int r = 0; r < NN; ++r) wv[r] = fload(w + r * K + k);
+    for (int m = 0; m < MM; ++m) {
+      const F xv = fload(x + m * x_stride + k);
+      for (int r = 0; r < NN; ++r) acc[m][r] = ffma(xv, wv[r], acc[m][r]);
+    }
+  }
+  for (int m = 0; m < MM; ++m)
+    for (int r = 0; r < NN; ++r) y[m * y_stride + n0 + r] = hsum(acc[m][r]);
+}
+
+template <int NN, int MM = kMR>
+inline void panel_tail(const MatmulArgs& a, int64_t m0, int64_t rest, const float* w, int64_t n0) {
+  if constexpr (MM > 0) {
+    if (rest == MM) {
+      panel_tile<MM, NN>(a.x + m0 * a.x_stride, a.x_stride, w, a.K, a.y + m0 * a.y_stride, a.y_stride, n0);
+    } else {
+      panel_tail<NN, MM - 1>(a, m0, rest, w, n0);
+    }
+  }
+}
+
+template <int NN>
+inline void panel_rows(const MatmulArgs& a, int64_t m0, int64_t m1, const float* w, int64_t n0) {
+  int64_t m = m0;
+  for (; m + kMR <= m1; m += kMR)
+    panel_tile<kMR, NN>(a.x + m * a.x_stride, a.x_stride, w, a.K, a.y + m * a.y_stride, a.y_stride, n0);
+  if (m < m1) panel_tail<NN>(a, m, m1 - m, w, n0);
+}
+
+template <int FMT>
+inline void dequant_row(const uint8_t* row, int64_t K, float* out) {
+  for (int64_t c = 0; c < K / 32; ++c) {
+    F lo, hi;
+    deq32<FMT>(row, c, lo, hi);
+    fstore(out + 32 * c, lo);
+    fstore(out + 32 * c + 16, hi);
+  }
+}
+
+template <int FMT>
+void matmul_fmt(const MatmulArgs& a) {
+  if (a.M <= kSmallM) {
+    int64_t n = a.n_begin;
+    for (; n + kFusedNR <= a.n_end; n += kFusedNR) fused_rows<FMT, kFusedNR>(a, n);
+    for (; n < a.n_end; ++n) fused_rows<FMT, 1>(a, n);
+    return;
+  }
+  for (int64_t m0 = 0; m0 < a.M; m0 += kMB) {
+    const int64_t m1 = a.M - m0 < kMB ? a.M : m0 + kMB;
+    int64_t n = a.n_begin;
+    while (n < a.n_end) {
+      const int64_t nn = a.n_end - n >= kNR ? kNR : 1;
+      for (int64_t r = 0; r < nn; ++r) dequant_row<FMT>(a.w + (n + r) * a.row_bytes, a.K, a.scratch + r * a.K);
+      if (nn == kNR) {
+        panel_rows<kNR>(a, m0, m1, a.scratch, n);
+      } else {
+        panel_rows<1>(a, m0, m1, a.scratch, n);
+      }
+      n += nn;
+    }
+  }
+}
+
+}  // namespace (the build's private helpers end here: the entry points below have linkage)
+
+void matmul(const MatmulArgs& a) {
+  switch (a.fmt) {
+    case F32: matmul_fmt<F32>(a); break;
+    case F16: matmul_fmt<F16>(a); break;
+    case BF16: matmul_fmt<BF16>(a); break;
+    case Q8_0: matmul_fmt<Q8_0>(a); break;
+    case Q4_0: matmul_fmt<Q4_0>(a); break;
+    case Q4_1: matmul_fmt<Q4_1>(a); break;
+    case Q5_0: matmul_fmt<Q5_0>(a); break;
+    case Q4_K: matmul_fmt<Q4_K>(a); break;
+    case Q5_K: matmul_fmt<Q5_K>(a); break;
+    case Q6_K: matmul_fmt<Q6_K>(a); break;
+    default: break;  // qlinear.cpp refuses unknown formats before calling
+  }
+}
+
+void dequant_rows(int32_t fmt, const uint8_t* w, int64_t row_bytes, int64_t K, const int64_t* rows, int64_t num_rows,
+                  float* out) {
+  for (int64_t i = 0; i < num_rows; ++i) {
+    const uint8_t* row = w + rows[i] * row_bytes;
+    float* o = out + i * K;
+    switch (fmt) {
+      case F32: dequant_row<F32>(row, K, o); break;
+      case F16: dequant_row<F16>(row, K, o); break;
+      case BF16: dequant_row<BF16>(row, K, o); break;
+      case Q8_0: dequant_row<Q8_0>(row, K, o); break;
+      case Q4_0: dequant_row<Q4_0>(row, K, o); break;
+      case Q4_1: dequant_row<Q4_1>(row, K, o); break;
+      case Q5_0: dequant_row<Q5_0>(row, K, o); break;
+      case Q4_K: dequant_row<Q4_K>(row, K, o); break;
+      case Q5_K: dequant_row<Q5_K>(row, K, o); break;
+      case Q6_K: dequant_row<Q6_K>(row, K, o); break;
+      default: break;
+    }
+  }
+}
+
+void rms_norm(const float* x, int64_t x_stride, const float* weight, float eps, int64_t D, float* y, int64_t t0,
+              int64_t t1) {
+  for (int64_t t = t0; t < t1; ++t) {
+    const float* xr = x + t * x_stride;
+    F acc = fzero();
+    for (int64_t k = 0; k < D; k += 16) {
+      const F v = fload(xr + k);
+      acc = ffma(v, v, acc);
+    }
+    const float inv = 1.0f / std::sqrt(hsum(acc) / float(D) + eps);
+    const F vi = fset1(inv);
+    for (int64_t k = 0; k < D; k += 16) fstore(y + t * D + k, fmul(fmul(fload(xr + k), vi), fload(weight + k)));
+  }
+}
+
+void silu_mul(const float* gu, int64_t I_, float* y, int64_t t0, int64_t t1) {
+  const F one = fset1(1.0f);
+  for (int64_t t = t0; t < t1; ++t) {
+    const float* g = gu + t * 2 * I_;
+    const float* u = g + I_;
+    for (int64_t k = 0; k < I_; k += 16) {
+      const F gv = fload(g + k);
+      fstore(y + t * I_ + k, fmul(fdiv(gv, fadd(one, fexp(fsub(fzero(), gv)))), fload(u + k)));
+    }
+  }
+}
+
+void log_softmax(const float* x, int64_t V, float* y, int64_t t0, int64_t t1) {
+  const int64_t full = V - V % 16;
+  for (int64_t t = t0; t < t1; ++t) {
+    const float* xr = x + t * V;
+    float* yr = y + t * V;
+    float mx = -INFINITY;  // the max is exact in any order
+    if (full) {
+      F mv = fload(xr);
+      for (int64_t k = 16; k < full; k += 16) mv = fmax(mv, fload(xr + k));
+      mx = hmax(mv);
+    }
+    for (int64_t k = full; k < V; ++k) mx = xr[k] > mx ? xr[k] : mx;
+    const F M = fset1(mx);
+    F acc = fzero();  // lane j sums exp(x[k] - max) for k % 16 == j, ascending
+    for (int64_t k = 0; k < full; k += 16) acc = fadd(acc, fexp(fsub(fload(xr + k), M)));
+    if (full < V) {  // the tail's lanes; the lanes past V add exactly +0
+      alignas(64) float tail[16];
+      for (int i = 0; i < 16; ++i) tail[i] = full + i < V ? xr[full + i] : mx;
+      fstore(tail, fexp(fsub(fload(tail), M)));
+      for (int i = 0; i < 16; ++i) tail[i] = full + i < V ? tail[i] : 0.0f;
+      acc = fadd(acc, fload(tail));
+    }
+    const F L = fset1(det_log(hsum(acc)));
+    for (int64_t k = 0; k < full; k += 16) fstore(yr + k, fsub(fsub(fload(xr + k), M), L));
+    if (full < V) {
+      alignas(64) float tail[16];
+      for (int i = 0; i < 16; ++i) tail[i] = full + i < V ? xr[full + i] : 0.0f;
+      fstore(tail, fsub(fsub(fload(tail), M), L));
+      for (int64_t k = full; k < V; ++k) yr[k] = tail[k - full];
+    }
+  }
+}

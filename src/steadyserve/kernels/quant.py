@@ -1,0 +1,104 @@
+"""Weights in their stored GGUF block formats, and the native ops that compute with them.
+
+A `QWeight` is one (N, K) weight matrix as the file stores it: N rows of K weights, each row
+a run of fixed-size blocks (csrc/qmm.h lists the formats). A `QMatrix` is the concatenation
+along N of several of them (q|k|v, gate|up), kept as separate parts so that each stays a
+view of the file's memory mapping and parts of different formats can sit side by side
+(Q4_K_M files mix Q4_K and Q6_K in one layer). Every op here runs the native matmul
+family: one reduction order, whatever the rows, threads or ISA (csrc/qmm.h).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# GGML type id -> (name, weights per block, bytes per block): the formats with a kernel.
+FORMATS: dict[int, tuple[str, int, int]] = {
+    0: ("F32", 32, 128), 1: ("F16", 32, 64), 30: ("BF16", 32, 64), 8: ("Q8_0", 32, 34),
+    2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
+    12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210),
+}
+FORMAT_IDS = {name: fmt for fmt, (name, _, _) in FORMATS.items()}
+_TORCH_FORMATS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
+
+
+class UnsupportedFormat(ValueError):
+    """A tensor's stored type has no kernel; str() names the tensor and the type."""
+
+
+@dataclass(frozen=True)
+class QWeight:
+    """One weight matrix in a stored block format."""
+
+    data: torch.Tensor  # (N, row_bytes) uint8: row n holds the K weights of output column n
+    fmt: int  # GGML type id (FORMATS)
+    k: int  # weights per row (the matmul's K)
+    name: str = ""  # the tensor's name, for errors
+
+    @property
+    def n(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def format_name(self) -> str:
+        return FORMATS[self.fmt][0]
+
+    @staticmethod
+    def from_tensor(t: torch.Tensor, name: str = "") -> QWeight:
+        """A float32/float16/bfloat16 (N, K) tensor as a QWeight (the same memory, no copy)."""
+        if t.dtype not in _TORCH_FORMATS:
+            raise UnsupportedFormat(f"{name or 'tensor'}: dtype {t.dtype} has no native kernel")
+        t = t.contiguous()
+        return QWeight(t.view(torch.uint8).view(t.shape[0], -1), _TORCH_FORMATS[t.dtype], t.shape[1], name)
+
+    def check(self) -> None:
+        """Raise UnsupportedFormat unless the kernels can read this matrix."""
+        if self.fmt not in FORMATS:
+            raise UnsupportedFormat(f"{self.name}: GGML type {self.fmt} has no native kernel "
+                                    f"(supported: {', '.join(sorted(FORMAT_IDS))})")
+        _, block, nbytes = FORMATS[self.fmt]
+        if self.k % 32 or self.k % block or self.data.shape[1] != self.k // block * nbytes:
+            raise UnsupportedFormat(f"{self.name}: {self.format_name} rows of {self.k} weights do not fit "
+                                    f"the kernels (K must be a multiple of {max(block, 32)})")
+
+    def permute_rows(self, order: torch.Tensor) -> QWeight:
+        """The rows in another order (whole rows move: no value changes)."""
+        return QWeight(self.data[order].contiguous(), self.fmt, self.k, self.name)
+
+    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """(R, K) float32: the values of `rows` (all rows by default), bitwise gguf-py's."""
+        idx = torch.arange(self.n) if rows is None else rows
+        return torch.ops.steadyserve.qdequant(self.data, self.fmt, self.k, idx, -1)
+
+
+class QMatrix:
+    """y = x · Wᵀ for W the concatenation along N of `parts`; every part read as stored."""
+
+    def __init__(self, parts: list[QWeight]) -> None:
+        if not parts or len({p.k for p in parts}) != 1:
+            raise ValueError("a QMatrix needs parts with one K")
+        for p in parts:
+            p.check()
+        self.parts = parts
+        self.k = parts[0].k
+        self.n = sum(p.n for p in parts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.data.numel() for p in self.parts)
+
+    def __call__(self, x: torch.Tensor, isa: int = -1) -> torch.Tensor:
+        """x: (M, K) float32 -> (M, N) float32."""
+        y = torch.empty(x.shape[0], self.n, dtype=torch.float32)
+        col = 0
+        for p in self.parts:
+            torch.ops.steadyserve.qmatmul_(x, p.data, p.fmt, y, col, isa)
+            col += p.n
+        return y
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """(T,) ids -> (T, K) float32 dequantized rows: an embedding lookup (single-part matrices)."""
+        (part,) = self.parts
+        return part.dequantize(ids)

@@ -1,0 +1,106 @@
+"""A GGUF file's tensors as they are stored: the portable path's weights, with no float32 copy.
+
+gguf-py's reader memory-maps the file; every 2-D tensor becomes a `QWeight` over that mapping
+(its rows of blocks, no conversion), 1-D tensors (norms, biases) become float32 tensors. Names
+are translated to the Hugging Face names the model builder uses. llama.cpp's converter permutes
+the rows of Llama's q and k projections for its RoPE layout; they are permuted back here as
+whole rows, which moves bytes and changes no value (transformers' GGUF loader does the same on
+the dequantized values). The config and tokenizer come from the file's metadata through
+transformers (loader.gguf_metadata_dir).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..kernels.quant import FORMATS, QWeight, UnsupportedFormat
+
+# GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.").
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_SKIPPED = {"rope_freqs"}  # RoPE tables: computed from the config (args.rope_tables)
+_PERMUTED_ARCHS = {"llama"}  # whose converter interleaves q/k rows (llama.cpp's convert_hf_to_gguf)
+
+
+def hf_name(name: str) -> str | None:
+    """The Hugging Face name of GGUF tensor `name`; None for tensors the model does not use."""
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
+    if m:
+        layer, base, kind = m.groups()
+        if base not in _LAYER_NAMES:
+            raise UnsupportedFormat(f"{name}: tensor {base!r} is not part of a supported architecture")
+        return f"model.layers.{layer}.{_LAYER_NAMES[base]}.{kind}"
+    base, _, kind = name.rpartition(".")
+    if base in _SKIPPED:
+        return None
+    if base in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[base]}.{kind}"
+    raise UnsupportedFormat(f"{name}: tensor is not part of a supported architecture")
+
+
+def unpermute_order(n_rows: int, n_head: int) -> torch.Tensor:
+    """Row order undoing llama.cpp's q/k permutation: (n_head, dim, 2) rows back to (n_head, 2, dim)."""
+    dim = n_rows // n_head // 2
+    return torch.arange(n_rows).view(n_head, dim, 2).transpose(1, 2).reshape(-1)
+
+
+def read_tensors(path: Path, num_heads: int, num_kv_heads: int) -> tuple[dict[str, QWeight | torch.Tensor], Any]:
+    """The file's tensors under HF names, and the reader (it owns the memory mapping: keep it alive).
+
+    Raises UnsupportedFormat naming the tensor and type when a tensor has no kernel."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    out: dict[str, QWeight | torch.Tensor] = {}
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None:
+            continue
+        fmt = int(t.tensor_type)
+        dims = [int(d) for d in t.shape]  # ggml order: dims[0] is the row length K
+        if len(dims) == 1 or (len(dims) == 2 and dims[1] == 1):
+            if fmt != 0:
+                raise UnsupportedFormat(f"{t.name}: 1-D tensors must be F32, not {t.tensor_type.name}")
+            out[name] = torch.from_numpy(np.array(t.data, dtype=np.float32).reshape(-1))
+            continue
+        if fmt not in FORMATS:
+            raise UnsupportedFormat(f"{t.name}: GGUF type {t.tensor_type.name} has no native kernel "
+                                    f"(supported: {', '.join(sorted(v[0] for v in FORMATS.values()))}); "
+                                    "--numerics host dequantizes it to float32 instead")
+        k, n = dims[0], int(np.prod(dims[1:]))
+        raw = np.asarray(t.data).view(np.uint8).reshape(n, -1)
+        with np.errstate(all="ignore"):
+            data = torch.from_numpy(raw) if raw.flags.writeable else _readonly_view(raw)
+        qw = QWeight(data, fmt, k, t.name)
+        qw.check()
+        if arch in _PERMUTED_ARCHS and (".attn_q." in t.name or ".attn_k." in t.name):
+            heads = num_heads if ".attn_q." in t.name else num_kv_heads
+            if t.name.endswith(".weight"):
+                qw = qw.permute_rows(unpermute_order(n, heads))
+        out[name] = qw
+    for name in list(out):  # q/k biases of permuted architectures move with their rows
+        t = out[name]
+        if arch in _PERMUTED_ARCHS and isinstance(t, torch.Tensor) and re.search(r"\.(q|k)_proj\.bias$", name):
+            heads = num_heads if ".q_proj." in name else num_kv_heads
+            out[name] = t[unpermute_order(t.numel(), heads)].contiguous()
+    return out, reader
+
+
+def _readonly_view(raw: np.ndarray) -> torch.Tensor:
+    """A tensor over a read-only mapping: torch warns that writes would be undefined; nothing writes."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(raw)
