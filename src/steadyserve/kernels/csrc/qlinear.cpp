@@ -11,6 +11,8 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "qmm.h"
@@ -19,14 +21,23 @@ namespace {
 
 using namespace steady_qmm;
 
+// The widest build this CPU runs, capped by STEADYSERVE_ISA (scalar | avx2 | avx512) when set: a
+// speed knob only, since every build computes the same bits (it lets one machine check them all).
 int best_isa() {
   static const int best = [] {
+    int cap = 2;
+    if (const char* env = std::getenv("STEADYSERVE_ISA")) {
+      const std::string v(env);
+      cap = v == "scalar" ? 0 : v == "avx2" ? 1 : 2;
+    }
     __builtin_cpu_init();
+    int have = 0;
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl"))
-      return 2;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) return 1;
-    return 0;
+      have = 2;
+    else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+      have = 1;
+    return have < cap ? have : cap;
   }();
   return best;
 }

