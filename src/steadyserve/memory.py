@@ -194,7 +194,7 @@ def read_memory_limit(operator_limit: int = 0, root: str | Path | None = None) -
     terms = [_cgroup_term(base, True, own.get("v2"), mounts), _cgroup_term(base, False, own.get("memory"), mounts),
              _meminfo_term(base)]
     if operator_limit:
-        terms.append(LimitTerm(SOURCE_FLAG, operator_limit, f"--memory-limit {human(operator_limit)}"))
+        terms.append(LimitTerm(SOURCE_FLAG, operator_limit, "the operator's flag"))
     known = [t for t in terms if t.limit is not None]
     if not known:
         return MemoryLimit(0, "unknown", "no cgroup limit, no /proc/meminfo, no --memory-limit", tuple(terms))
@@ -257,7 +257,7 @@ class MemoryPlan:
     weights: int  # bytes of the loaded model's tensors (tensor_bytes), measured, not estimated
     kv: int  # the KV budget in bytes: as given, or derived from the limit (then a whole number of blocks)
     overhead: int  # --memory-overhead: the runtime beyond weights and KV (documented in docs/deploy.md)
-    kv_request: str  # --kv-cache-memory as configured: "268435456", "auto" or "0.5"
+    kv_request: str  # --kv-cache-memory as configured: "256.0 MiB", "auto" or "0.5"
     derived: bool  # the KV budget was derived from the limit (auto or a fraction)
     on_host: bool  # weights and KV are in host memory (CPU); on a GPU only the overhead counts against it
 
@@ -268,7 +268,8 @@ class MemoryPlan:
 
     def terms(self) -> str:
         where = "" if self.on_host else " (weights and KV on the device, not counted)"
-        return (f"weights {human(self.weights)} + KV cache {human(self.kv)} (--kv-cache-memory {self.kv_request}) "
+        asked = f"--kv-cache-memory {self.kv_request}" if self.derived else "--kv-cache-memory"
+        return (f"weights {human(self.weights)} + KV cache {human(self.kv)} ({asked}) "
                 f"+ overhead {human(self.overhead)} (--memory-overhead){where} = {human(self.total)}")
 
     def line(self) -> str:
@@ -279,7 +280,7 @@ class MemoryPlan:
 
 
 def _request_text(request: int | float | str) -> str:
-    return request if isinstance(request, str) else repr(request) if isinstance(request, float) else str(request)
+    return request if isinstance(request, str) else repr(request) if isinstance(request, float) else human(request)
 
 
 def plan_memory(limit: MemoryLimit, weights: int, overhead: int, request: int | float | str, bytes_per_block: int,
