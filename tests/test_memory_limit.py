@@ -75,7 +75,8 @@ def test_v1_limit_with_mount_root_and_unlimited(tmp_path):
     assert (lim.limit, lim.source) == (GiB, SOURCE_CGROUP1)
     assert lim.detail == "/sys/fs/cgroup/memory/memory.limit_in_bytes"
     (root / "sys/fs/cgroup/memory/memory.limit_in_bytes").write_text(V1_UNLIMITED + "\n")
-    assert read_memory_limit(root=root).source == SOURCE_MEMINFO
+    lim = read_memory_limit(root=root)
+    assert lim.source == SOURCE_MEMINFO and {t.source: t for t in lim.terms}[SOURCE_CGROUP1].limit is None
 
 
 def test_v1_without_mountinfo_uses_the_conventional_mount(tmp_path):
