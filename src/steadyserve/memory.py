@@ -20,6 +20,7 @@ TEST-ONLY root override: every file is read under `root` (default "/"). Tests pa
 from __future__ import annotations
 
 import dataclasses
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -210,6 +211,11 @@ def _is_tensor(obj: Any) -> bool:
         and hasattr(obj, "untyped_storage")
 
 
+# Never walked into: scalars, and code (a module's or function's globals are not the model's weights).
+_LEAVES = (str, bytes, int, float, bool, complex, type, types.ModuleType, types.FunctionType, types.MethodType,
+           types.BuiltinFunctionType)
+
+
 def tensor_bytes(obj: Any, max_depth: int = 6) -> int:
     """Bytes of the distinct tensor storages reachable from `obj`: its attributes (vars() or __slots__),
     lists, tuples and dict values, and the same in the objects they hold, `max_depth` levels down.
@@ -221,15 +227,18 @@ def tensor_bytes(obj: Any, max_depth: int = 6) -> int:
     storages: dict[tuple[str, int], int] = {}
 
     def visit(o: Any, depth: int) -> None:
-        if o is None or isinstance(o, (str, bytes, int, float, bool, type)) or id(o) in seen_objs:
+        if o is None or isinstance(o, _LEAVES) or id(o) in seen_objs:
             return
         seen_objs.add(id(o))
         if _is_tensor(o):
-            st = o.untyped_storage()
-            key = (str(o.device), st.data_ptr())
-            storages[key] = max(storages.get(key, 0), st.nbytes())
+            try:
+                st = o.untyped_storage()
+                key, size = (str(o.device), st.data_ptr()), st.nbytes()
+            except (RuntimeError, NotImplementedError):  # no plain storage (sparse, some subclasses)
+                key, size = ("", id(o)), int(o.nbytes)
+            storages[key] = max(storages.get(key, 0), size)
             return
-        if depth >= max_depth or callable(o) and not hasattr(o, "__dict__"):
+        if depth >= max_depth:
             return
         if isinstance(o, dict):
             children = list(o.values())
