@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import re
 import shutil
 import subprocess
@@ -26,25 +25,30 @@ import yaml
 
 from steadyserve.cli import build_parser, config_from_args
 from steadyserve.config import parse_size
+from steadyserve.memory import SOURCE_CGROUP2, MemoryLimit, plan_memory
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "deploy" / "k8s"
 SCHEMAS = Path(__file__).resolve().parent / "schemas"
 MiB = 1024**2
 
-# The sizing rule of docs/deploy.md: weights + KV budget + headroom, rounded up to 100 MiB.
-# SmolLM2-135M-Instruct (the image's default model) has 134,515,008 parameters (`steadyserve
-# info`), served in float32. The headroom was measured (docs/deploy.md): RSS after start-up
-# with a 256 MiB KV budget is ~1448 MiB, i.e. ~680 MiB beyond weights + KV.
+# The sizing rule of docs/deploy.md: the operator sets the container's memory limit once, and the server
+# derives the KV budget from it (--kv-cache-memory=auto, steadyserve/memory.py). SmolLM2-135M-Instruct (the
+# image's default model) has 134,515,008 parameters (`steadyserve info`), served in float32; its KV cache
+# takes 2 x 30 layers x 3 KV heads x 64 head dim x 4 B per token.
 MODEL_PARAMS = 134_515_008
 BYTES_PER_PARAM = 4
-HEADROOM = 768 * MiB
+SMOLLM2_KV_PER_TOKEN = 2 * 30 * 3 * 64 * 4
 PRE_STOP_FLUSH_S = 5  # api/server.py lets final events reach the sockets for up to 5 s after the drain
 
 
-def memory_limit(kv_bytes: int) -> int:
-    raw = MODEL_PARAMS * BYTES_PER_PARAM + kv_bytes + HEADROOM
-    return math.ceil(raw / (100 * MiB)) * 100 * MiB
+def auto_kv_bytes(limit: int, cfg) -> int:
+    """The KV budget the server gives itself under `limit` with the file's flags (raises if none fits)."""
+    assert cfg.engine.kv_cache_memory == "auto" and cfg.engine.memory_limit == 0  # the limit is set once
+    lim = MemoryLimit(limit, SOURCE_CGROUP2, "memory.max")
+    plan = plan_memory(lim, MODEL_PARAMS * BYTES_PER_PARAM, cfg.engine.memory_overhead, "auto",
+                       SMOLLM2_KV_PER_TOKEN * cfg.engine.block_size)
+    return plan.kv
 
 
 def k8s_quantity(q: str) -> int:
@@ -210,10 +214,11 @@ def test_compose_sizing_drain_and_security(compose) -> None:
     svc = compose["services"]["steadyserve"]
     cfg = serve_config(svc["command"])
     limit = docker_bytes(svc["deploy"]["resources"]["limits"]["memory"])
-    assert limit == memory_limit(cfg.engine.kv_cache_memory)
-    assert docker_bytes(svc["deploy"]["resources"]["reservations"]["memory"]) <= limit
+    # Set once: no reservation to keep in step; the default model gets at least the old fixed 256 MiB cache.
+    assert "reservations" not in svc["deploy"]["resources"]
+    assert auto_kv_bytes(limit, cfg) >= 256 * MiB
     text = (ROOT / "docker-compose.yml").read_text()
-    assert "limit = weights + KV budget + headroom" in text  # the formula, written beside the number
+    assert "x-memory-formula" not in text and "limit = " not in text  # no hand formula to keep in step
     assert duration_s(svc["stop_grace_period"]) > cfg.server.drain_timeout + PRE_STOP_FLUSH_S
     assert svc.get("stop_signal", "SIGTERM") == "SIGTERM"
     assert "/readyz" in " ".join(svc["healthcheck"]["test"])
@@ -345,12 +350,14 @@ def test_deployment_probes_drain_resources_security(rendered, dockerfile) -> Non
     sleep_s = int(pre_stop["exec"]["command"][-1]) if "exec" in pre_stop else pre_stop["sleep"]["seconds"]
     assert 5 <= sleep_s <= 30
     assert pod["terminationGracePeriodSeconds"] > sleep_s + cfg.server.drain_timeout + PRE_STOP_FLUSH_S
-    # Resources: the same formula as Compose; requests == limits for memory; threads == CPU.
+    # Resources: memory set once, as the limit (the request defaults to it), the same as Compose; the server
+    # sizes its KV cache from it (auto); threads == CPU.
     res = c["resources"]
-    expected = memory_limit(cfg.engine.kv_cache_memory)
-    assert k8s_quantity(res["limits"]["memory"]) == expected == k8s_quantity(res["requests"]["memory"])
+    limit = k8s_quantity(res["limits"]["memory"])
+    assert "memory" not in res["requests"] and auto_kv_bytes(limit, cfg) >= 256 * MiB
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-    assert docker_bytes(compose["services"]["steadyserve"]["deploy"]["resources"]["limits"]["memory"]) == expected
+    assert docker_bytes(compose["services"]["steadyserve"]["deploy"]["resources"]["limits"]["memory"]) == limit
+    assert "768Mi" not in (K8S / "deployment.yaml").read_text()  # no hand formula to keep in step
     assert int(res["requests"]["cpu"]) == cfg.engine.threads == int(res["limits"]["cpu"])
     # Security: non-root as the image's user, read-only root, writable cache and /tmp volumes.
     uid = next(i["value"] for i in reversed(dockerfile.structure) if i["instruction"] == "USER").split(":")[0]

@@ -107,8 +107,8 @@ def test_validate_across_a_mixed_fleet_reports_one_vector_per_fingerprint(smolwi
     from steadyserve.testing.server import ServerProcess
 
     text = "The quick brown fox jumps over the lazy dog, and then the dog"
-    with ServerProcess(smolwidth_model, "--max-num-seqs", "16") as host, \
-            ServerProcess(smolwidth_model, "--max-num-seqs", "16", "--numerics", "portable") as portable:
+    with ServerProcess(smolwidth_model, "--max-num-seqs", "16", "--numerics", "host") as host, \
+            ServerProcess(smolwidth_model, "--max-num-seqs", "16") as portable:
         vectors, fps = [], []
         for srv in (host, portable):
             with Client(srv.grpc_addr, timeout=60, retries=False) as c:

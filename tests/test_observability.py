@@ -191,7 +191,8 @@ def test_alert_rules_name_only_live_metrics(srv: ServerProcess) -> None:
     assert {a["alert"] for a in alerts} >= {"SteadyserveServerErrors", "SteadyserveStalledStreams",
                                             "SteadyserveStreamBacklog", "SteadyserveEventLoopLag",
                                             "SteadyserveKVCacheFull", "SteadyserveRejecting",
-                                            "SteadyserveEngineDead", "SteadyserveDeviceMismatch"}
+                                            "SteadyserveEngineDead", "SteadyserveDeviceMismatch",
+                                            "SteadyserveMemoryNearLimit"}
     for a in alerts:
         expr = re.sub(r'\{[^}]*\}|"[^"]*"|\[[^\]]*\]', " ", a["expr"])
         names = {w for w in re.findall(r"[a-zA-Z_:][a-zA-Z0-9_:]*", expr) if w not in PROMQL_WORDS}
@@ -199,6 +200,16 @@ def test_alert_rules_name_only_live_metrics(srv: ServerProcess) -> None:
         for n in names:
             assert n in scraped, f"alert {a['alert']} uses {n}, which the server does not export"
         assert set(a) >= {"alert", "expr", "labels", "annotations"}
+
+
+def test_memory_limit_gauge_beside_rss_and_the_alert_quiet_on_a_healthy_server(srv: ServerProcess) -> None:
+    """steadyserve_memory_limit_bytes is the limit the server reported at start-up, and the memory alert's
+    condition (RSS > 90% of it) is false on a server far from its limit."""
+    limit = srv.metric("steadyserve_memory_limit_bytes")
+    rss = srv.metric("steadyserve_process_resident_memory_bytes")
+    platform = httpx.get(srv.http_url + "/v1/models", timeout=30).json()["data"][0]["platform"]
+    assert limit == platform["memory_limit_bytes"] > 0 and platform["memory_limit_source"]
+    assert 0 < rss < 0.9 * limit
 
 
 def test_grafana_dashboard_queries_live_metrics(srv: ServerProcess) -> None:

@@ -51,6 +51,8 @@ def test_info_prints_platform_facts(tiny_model: str):
     assert f"MKL_CBWR={CBWR}" in out["mkl"] and me.mkl_version in out["mkl"], r.stdout
     # The ladder the self-test verified in that process: ascending, ending at the configured --row-tile.
     assert out["self-test"].startswith("bitwise equal"), r.stdout
+    assert re.match(r"[\d.]+ [KMGT]iB \(.+\)$", out["memory limit"]), r.stdout  # the limit and its source
+    assert "weights " in out["memory"] and " of limit " in out["memory"], r.stdout
     tiles = [int(t) for t in out["row tiles"].strip("[]").split(", ")]
     assert tiles == sorted(tiles) and tiles[-1] == EngineConfig().row_tile, r.stdout
 
@@ -63,8 +65,10 @@ def test_http_and_grpc_report_the_same_platform(cbwr_server: ServerProcess):
     grpc_view = {"cpu_model": g.cpu_model, "cpu_flags": list(g.cpu_flags), "num_cpus": g.num_cpus, "isa": g.isa,
                  "torch_version": g.torch_version, "mkl_version": g.mkl_version, "mkl_cbwr": g.mkl_cbwr,
                  "mkl_enable_instructions": g.mkl_enable_instructions, "row_tiles": list(g.row_tiles),
-                 "numerics": g.numerics, "numerics_id": g.numerics_id}
+                 "numerics": g.numerics, "numerics_id": g.numerics_id,
+                 "memory_limit_bytes": g.memory_limit_bytes, "memory_limit_source": g.memory_limit_source}
     assert http == grpc_view
+    assert http["memory_limit_bytes"] > 0 and http["memory_limit_source"]  # read at start-up, with its source
     # The numerics id is the fingerprint's, and it hashes the server's own environment (its MKL_CBWR).
     assert http["numerics"] == "host" and f"-{http['numerics_id']}-" in info.fingerprint
     facts = {k: http[k] for k in ("isa", "cpu_model", "torch_version", "mkl_version", "mkl_cbwr",

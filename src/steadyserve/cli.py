@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Any, Sequence
 
-from .config import Config, ConfigError, EngineConfig, ModelConfig, ServerConfig, parse_size
+from .config import Config, ConfigError, EngineConfig, ModelConfig, ServerConfig, parse_kv_cache_memory, parse_size
 
 EXIT_USAGE = 2
 
@@ -26,7 +26,15 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     d = EngineConfig()
     g = p.add_argument_group("engine")
-    g.add_argument("--kv-cache-memory", default="256MiB", help="KV cache budget, allocated once (default: %(default)s)")
+    g.add_argument("--kv-cache-memory", default="256MiB",
+                   help="KV cache budget, allocated once: a size, auto (fit it into the memory limit) or a fraction "
+                        "such as 0.5 of what the limit leaves after weights and overhead (default: %(default)s)")
+    g.add_argument("--memory-limit", default="",
+                   help="memory this server may use, e.g. 2GiB; the cgroup limit and MemAvailable + RSS apply too, "
+                        "the smallest wins (default: none)")
+    g.add_argument("--memory-overhead", default=f"{d.memory_overhead // 1024**2}MiB",
+                   help="runtime memory beyond weights and KV cache that the start-up check counts "
+                        "(default: %(default)s)")
     g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block (default: %(default)s)")
     g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="running sequences (default: %(default)s)")
     g.add_argument("--max-queue", type=int, default=d.max_queue, help="waiting requests (default: %(default)s)")
@@ -72,7 +80,9 @@ def config_from_args(a: argparse.Namespace) -> Config:
     cfg = Config(
         model=ModelConfig(path=a.model, device=a.device, dtype=a.dtype, cache_dir=a.cache_dir,
                           name=a.served_model_name),
-        engine=EngineConfig(kv_cache_memory=parse_size(a.kv_cache_memory, "--kv-cache-memory"),
+        engine=EngineConfig(kv_cache_memory=parse_kv_cache_memory(a.kv_cache_memory),
+                            memory_limit=parse_size(a.memory_limit, "--memory-limit") if a.memory_limit else 0,
+                            memory_overhead=parse_size(a.memory_overhead, "--memory-overhead"),
                             block_size=a.block_size, max_num_seqs=a.max_num_seqs, max_queue=a.max_queue,
                             max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
                             threads=a.threads, batch_invariant=a.batch_invariant, row_tile=a.row_tile,
@@ -127,8 +137,9 @@ def cmd_info(a: argparse.Namespace) -> int:
     print(f"load time     {lm.load_seconds:.2f} s ({'cached' if lm.from_cache else 'converted' if lm.from_cache is False and str(lm.name).endswith('gguf') else 'read'})")
     from .platform_info import platform_info, row_tiles_of
 
-    for label, value in platform_info(row_tiles_of(lm)).lines():
+    for label, value in platform_info(row_tiles_of(lm), state.memory.limit).lines():
         print(f"{label:<14}{value}")
+    print(f"{'memory':<14}{state.memory.line()}")
     return 0 if (state.selftest is None or state.selftest.passed) else 4
 
 

@@ -32,6 +32,24 @@ def parse_size(text: str | int, flag: str) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
+_FRACTION_RE = re.compile(r"^\s*\d*\.\d+\s*$")
+
+
+def parse_kv_cache_memory(text: str | int | float) -> int | float | str:
+    """--kv-cache-memory: a size (`2GiB`, bytes as a plain integer), `auto`, or a fraction (`0.5`: a number
+    with a decimal point and no unit) of what the memory limit leaves after the weights and the overhead."""
+    if not isinstance(text, str):
+        return text
+    if text.strip().lower() == "auto":
+        return "auto"
+    if _FRACTION_RE.match(text):
+        return float(text)  # its range is checked by EngineConfig.validate, with the flag named
+    if not _SIZE_RE.match(text):
+        raise ConfigError(f"--kv-cache-memory: cannot parse {text!r}: give a size (2GiB, 512MiB), auto, "
+                          "or a fraction in (0, 1] such as 0.5")
+    return parse_size(text, "--kv-cache-memory")
+
+
 @dataclass
 class ModelConfig:
     path: str = ""  # --model: HF directory or .gguf file; empty means the default model
@@ -43,7 +61,10 @@ class ModelConfig:
 
 @dataclass
 class EngineConfig:
-    kv_cache_memory: int = 256 * 1024**2  # --kv-cache-memory: bytes for the paged KV cache, allocated once
+    # A size in bytes, a fraction in (0, 1] (float) or "auto"; memory.plan_memory turns the last two into bytes.
+    kv_cache_memory: int | float | str = 256 * 1024**2  # --kv-cache-memory: the paged KV cache, allocated once: bytes, auto (what the memory limit leaves after weights, overhead and 10% headroom) or a fraction in (0, 1] of what it leaves after weights and overhead
+    memory_limit: int = 0  # --memory-limit: bytes this server may use; the effective limit is the smallest of this, the cgroup limit and MemAvailable + RSS; 0 = no operator limit
+    memory_overhead: int = 768 * 1024**2  # --memory-overhead: bytes beyond weights and KV cache the start-up check counts for the runtime (interpreter, libraries, tokenizer, activations)
     block_size: int = 32  # --block-size: tokens per KV block; also the attention reduction block
     max_num_seqs: int = 64  # --max-num-seqs: sequences running in one step
     max_queue: int = 256  # --max-queue: requests waiting for admission; beyond it, overload
@@ -57,8 +78,18 @@ class EngineConfig:
     numerics: str = "auto"  # --numerics: auto (portable where the native kernels run, else host) | portable (same bits on every x86-64 host, native kernels on the stored weights) | host (fp32 weights, MKL and PyTorch for this CPU)
 
     def validate(self) -> None:
-        if self.kv_cache_memory <= 0:
+        kv = self.kv_cache_memory
+        if isinstance(kv, str) and kv != "auto":
+            raise ConfigError(f"--kv-cache-memory must be a size, auto or a fraction in (0, 1], not {kv!r}")
+        if isinstance(kv, float) and not 0 < kv <= 1:
+            raise ConfigError(f"--kv-cache-memory: a fraction must be in (0, 1] (0.5 = half of what the memory "
+                              f"limit leaves after weights and overhead), not {kv!r}")
+        if isinstance(kv, int) and kv <= 0:
             raise ConfigError("--kv-cache-memory must be positive")
+        if self.memory_limit < 0:
+            raise ConfigError("--memory-limit must be a size, or 0 for none")
+        if self.memory_overhead < 0:
+            raise ConfigError("--memory-overhead must be a size (0 or more)")
         if self.block_size < 1 or self.block_size > 1024:
             raise ConfigError("--block-size must be in 1..1024")
         if self.max_num_seqs < 1:

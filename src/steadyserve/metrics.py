@@ -31,6 +31,7 @@ class _ProcessCollector:
 
     def __init__(self, device: str) -> None:
         self.device = device
+        self.memory_limit = 0  # bytes; the effective limit read at start-up (steadyserve/memory.py)
 
     def collect(self):
         rss = 0
@@ -40,6 +41,10 @@ class _ProcessCollector:
         except OSError:
             pass
         yield GaugeMetricFamily("steadyserve_process_resident_memory_bytes", "Resident set size.", value=rss)
+        yield GaugeMetricFamily("steadyserve_memory_limit_bytes",
+                                "Effective memory limit read at start-up: the smallest of the cgroup limit, "
+                                "MemAvailable + RSS and --memory-limit (0 = none could be read).",
+                                value=self.memory_limit)
         t = os.times()
         yield GaugeMetricFamily("steadyserve_process_cpu_seconds", "User + system CPU time.", value=t.user + t.system)
         if self.device.startswith("cuda"):
@@ -112,7 +117,8 @@ class Metrics:
         self.tracked = Gauge(p + "requests_tracked", "Requests the metrics hold per-request state for (their last "
                              "token's time); back to 0 whenever the server is idle, or state leaks.", registry=r)
         self.tracked.set_function(lambda: len(self._last_token_time))
-        r.register(_ProcessCollector(device))
+        self._process = _ProcessCollector(device)
+        r.register(self._process)
         self.model_info.labels(model, fingerprint, device, dtype, str(batch_invariant).lower()).set(1)
         for reason in FINISH_REASONS:
             self.finished.labels(reason)
@@ -123,6 +129,9 @@ class Metrics:
         self.engine_alive.set(0)
         self._last_token_time: dict[str, float] = {}
         self.backlog_sources: dict[int, object] = {}  # id -> callable returning bytes, summed at scrape
+
+    def set_memory_limit(self, limit_bytes: int) -> None:
+        self._process.memory_limit = limit_bytes
 
     # ---- hooks, called from the engine thread (prometheus-client is thread-safe) ----
     def on_step(self, s: StepStats) -> None:

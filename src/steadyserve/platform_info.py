@@ -18,6 +18,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from .memory import MemoryLimit, human
 from .numerics import Numerics, active, describe
 
 # CPU feature flags that change which kernels PyTorch, oneDNN and MKL pick (from /proc/cpuinfo).
@@ -36,6 +37,8 @@ class PlatformInfo:
     mkl_enable_instructions: str  # MKL_ENABLE_INSTRUCTIONS (caps MKL's dispatch); "" when unset
     numerics: Numerics | None = None  # the numerics path this process runs (numerics.py) and its id
     row_tiles: tuple[int, ...] = field(default=())  # the verified row-tile ladder; () when not calibrated/off
+    memory_limit_bytes: int = 0  # the effective memory limit read at start-up (memory.py); 0 = unknown / not read
+    memory_limit_source: str = ""  # which term set it: cgroup v2 memory.max, cgroup v1 ..., MemAvailable + RSS, --memory-limit
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -57,6 +60,8 @@ class PlatformInfo:
                        if self.mkl_enable_instructions else "")),
             ("row tiles", f"[{tiles}]" if self.row_tiles else tiles),
             ("numerics", self.numerics.describe() if self.numerics else "unknown"),
+            ("memory limit", f"{human(self.memory_limit_bytes)} ({self.memory_limit_source})"
+                             if self.memory_limit_bytes else "unknown"),
         ]
 
 
@@ -110,11 +115,15 @@ def numerics_for(mode: str) -> Numerics:
                     mkl_version=p.mkl_version, mkl_cbwr=p.mkl_cbwr, mkl_enable_instructions=p.mkl_enable_instructions)
 
 
-def platform_info(row_tiles: list[int] | tuple[int, ...] | None = None) -> PlatformInfo:
+def platform_info(row_tiles: list[int] | tuple[int, ...] | None = None,
+                  memory: MemoryLimit | None = None) -> PlatformInfo:
     """This process's platform facts; `row_tiles` is the verified ladder (`loaded.model.tiler.tiles` when the
-    tiler is enabled), reported as given. The environment is read once per process, as MKL reads it."""
+    tiler is enabled) and `memory` the limit read at start-up, both reported as given. The environment is read
+    once per process, as MKL reads it."""
     base = _static()
-    return dataclasses.replace(base, row_tiles=tuple(row_tiles or ()), numerics=active())
+    return dataclasses.replace(base, row_tiles=tuple(row_tiles or ()), numerics=active(),
+                               memory_limit_bytes=memory.limit if memory else 0,
+                               memory_limit_source=memory.source if memory else "")
 
 
 def row_tiles_of(loaded: Any) -> tuple[int, ...]:

@@ -6,15 +6,18 @@ returns the ServerState the HTTP and gRPC servers are built on; api/server.py se
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..config import Config
+from ..config import Config, EngineConfig
 from ..engine.async_engine import AsyncEngine
 from ..engine.engine import LLMEngine
+from ..engine.kv_cache import bytes_per_block
 from ..engine.model_thread import ModelThread
 from ..engine.selftest import SelfTestResult, run_selftest
+from ..memory import MemoryLimit, MemoryPlan, plan_memory, read_memory_limit, tensor_bytes
 from ..metrics import Metrics
 from ..models.loader import Fingerprint, LoadedModel, load_model
 from ..numerics import activate as activate_numerics
@@ -33,8 +36,21 @@ class EngineHooks:
     after_selftest: list[Callable[[LLMEngine], None]] = field(default_factory=list)  # after it
 
 
-def _load_and_check(config: Config, hooks: EngineHooks) -> tuple[LoadedModel, LLMEngine, SelfTestResult]:
-    """Load the model, size the KV cache, run the self-test (on the model thread)."""
+def _fit_memory(loaded: LoadedModel, ec: EngineConfig, limit: MemoryLimit) -> MemoryPlan:
+    """Measure the weights and check (or, for auto / a fraction, derive) the KV budget against the limit,
+    before the cache is allocated: a budget that cannot fit raises MemoryBudgetError here, not the OOM killer."""
+    plan = plan_memory(limit, loaded.weights_bytes or tensor_bytes(loaded.model), ec.memory_overhead, ec.kv_cache_memory,
+                       bytes_per_block(loaded.args, ec.block_size, loaded.dtype), on_host=loaded.device.type == "cpu")
+    log.info("memory budget", extra={"fields": {
+        "weights_bytes": plan.weights, "kv_cache_bytes": plan.kv, "kv_cache_memory": plan.kv_request,
+        "derived": plan.derived, "overhead_bytes": plan.overhead, "total_bytes": plan.total,
+        "limit_bytes": limit.limit, "limit_source": limit.source, "summary": plan.line()}})
+    return plan
+
+
+def _load_and_check(config: Config, hooks: EngineHooks,
+                    limit: MemoryLimit) -> tuple[LoadedModel, LLMEngine, SelfTestResult, MemoryPlan]:
+    """Load the model, fit and size the KV cache, run the self-test (on the model thread)."""
     mc, ec = config.model, config.engine
     loaded = load_model(mc.path, mc.device, mc.dtype, batch_invariant=ec.batch_invariant, row_tile=ec.row_tile,
                         max_model_len=ec.max_model_len, name=mc.name, cache_dir=mc.cache_dir,
@@ -47,11 +63,12 @@ def _load_and_check(config: Config, hooks: EngineHooks) -> tuple[LoadedModel, LL
         "model": loaded.name, "architecture": loaded.args.architecture, "params": loaded.args.num_params,
         "device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch."),
         "load_s": round(loaded.load_seconds, 2), "cached": loaded.from_cache, "context": loaded.max_model_len}})
-    engine = LLMEngine(loaded, ec)
+    plan = _fit_memory(loaded, ec, limit)
+    engine = LLMEngine(loaded, dataclasses.replace(ec, kv_cache_memory=plan.kv))  # bytes, whatever was asked
     for hook in hooks.after_engine:
         hook(engine)
     log.info("kv cache allocated", extra={"fields": {
-        "budget_bytes": ec.kv_cache_memory, "blocks": engine.kv.num_blocks, "block_size": ec.block_size,
+        "budget_bytes": plan.kv, "blocks": engine.kv.num_blocks, "block_size": ec.block_size,
         "token_capacity": engine.kv.num_blocks * ec.block_size, "max_num_seqs": ec.max_num_seqs,
         "max_queue": ec.max_queue, "threads": ec.num_threads}})
     selftest = run_selftest(engine)
@@ -63,16 +80,21 @@ def _load_and_check(config: Config, hooks: EngineHooks) -> tuple[LoadedModel, LL
                     extra={"fields": {"selftest": selftest.detail}})
     for hook in hooks.after_selftest:
         hook(engine)
-    return loaded, engine, selftest
+    return loaded, engine, selftest, plan
 
 
 def build_state(config: Config, hooks: EngineHooks | None = None) -> ServerState:
     """Load the model and self-test it on the model thread that will run the engine (see model_thread.py)."""
     hooks = hooks or EngineHooks()
     ec = config.engine
+    # Read before loading: MemAvailable + our RSS is what the machine can give us in all, weights included.
+    limit = read_memory_limit(ec.memory_limit)
+    log.info("memory limit", extra={"fields": {
+        "limit_bytes": limit.limit, "source": limit.source, "detail": limit.detail,
+        "terms": {t.source: t.limit for t in limit.terms}}})
     model_thread = ModelThread()
     try:
-        loaded, engine, selftest = model_thread.call(lambda: _load_and_check(config, hooks))
+        loaded, engine, selftest, plan = model_thread.call(lambda: _load_and_check(config, hooks, limit))
     except BaseException:
         model_thread.close()
         raise
@@ -85,9 +107,10 @@ def build_state(config: Config, hooks: EngineHooks | None = None) -> ServerState
     async_engine.step_observers.append(metrics.on_step)
     async_engine.state_observers.append(metrics.on_state)
     metrics.device_mismatch.set(0 if _device_matches(config.model.device, fp.device) else 1)
+    metrics.set_memory_limit(limit.limit)
     state = ServerState(config=config, loaded=loaded, engine=async_engine, fingerprint=fp,
                         selftest=selftest if ec.batch_invariant else None, metrics=metrics,
-                        streams=StreamRegistry(metrics))
+                        streams=StreamRegistry(metrics), memory=plan)
     metrics.backlog_sources[0] = state.streams.backlog_bytes
     return state
 

@@ -38,6 +38,7 @@ class ServerState:
     draining: bool = False  # SIGTERM seen: refuse new work, finish what is in flight
     started_at: float = field(default_factory=time.time)
     metrics: Any = None  # steadyserve.metrics.Metrics, when enabled
+    memory: Any = None  # steadyserve.memory.MemoryPlan: the limit, its source and the budget checked against it
     streams: StreamRegistry = field(default_factory=StreamRegistry)
     # The last finished requests, newest last, for the web console's table (api/console/routes.py).
     recent: deque = field(default_factory=lambda: deque(maxlen=200))

@@ -1,10 +1,12 @@
 """TEST-ONLY entry point: `steadyserve serve` with the test suite's start-up hooks.
 
-    python -m steadyserve.testing.serve [--test-faults] [--test-drift] SERVE-FLAGS...
+    python -m steadyserve.testing.serve [--test-faults] [--test-drift] [--test-memory-root DIR] SERVE-FLAGS...
 
 --test-faults: engine faults on marker prompts (testing/faults.py). --test-drift: batch drift installed after
-the self-test, so the server claims invariance it lacks (testing/drift.py). The production server reads no
-switch for either; only this module, which tests start, installs them.
+the self-test, so the server claims invariance it lacks (testing/drift.py). --test-memory-root DIR: the memory
+limit is read from DIR/proc/self/cgroup, DIR/sys/fs/cgroup/..., DIR/proc/meminfo (a fixture tree) instead of
+the machine's (steadyserve.memory.set_test_root). The production server reads no switch for any of them; only
+this module, which tests start, installs them.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import sys
 
 from ..api.startup import EngineHooks
 from ..cli import build_parser, cmd_serve
+from ..memory import set_test_root
 from .drift import install_batch_drift
 from .faults import install_test_faults
 
@@ -34,6 +37,11 @@ def main(argv: list[str]) -> int:
             install_batch_drift(engine)
 
         hooks.after_selftest.append(drift)
+    if "--test-memory-root" in argv:
+        i = argv.index("--test-memory-root")
+        root, argv = argv[i + 1], argv[:i] + argv[i + 2:]
+        log.warning("TEST-ONLY memory limit read under %s", root)
+        set_test_root(root)
     return cmd_serve(build_parser().parse_args(["serve", *argv]), hooks)
 
 

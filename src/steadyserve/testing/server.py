@@ -23,12 +23,15 @@ from ..ready_file import read_ready_file
 
 class ServerProcess:
     def __init__(self, model: str, *args: str, env: dict[str, str] | None = None, startup_timeout: float = 180.0,
-                 threads: int = 2, test_faults: bool = False, test_drift: bool = False) -> None:
-        """`test_faults` / `test_drift`: start through steadyserve.testing.serve with those TEST-ONLY hooks."""
+                 threads: int = 2, test_faults: bool = False, test_drift: bool = False,
+                 test_memory_root: str = "") -> None:
+        """`test_faults` / `test_drift` / `test_memory_root`: start through steadyserve.testing.serve with those
+        TEST-ONLY hooks (the last reads the memory limit from a fixture tree; see steadyserve/memory.py)."""
         self._dir = tempfile.mkdtemp(prefix="steadyserve-test-")
         self.ready_file = Path(self._dir) / "ready.json"
         self.log_path = Path(self._dir) / "server.log"
         hooks = ["--test-faults"] * test_faults + ["--test-drift"] * test_drift
+        hooks += ["--test-memory-root", test_memory_root] if test_memory_root else []
         entry = ["steadyserve.testing.serve", *hooks] if hooks else ["steadyserve.cli", "serve"]
         argv = [sys.executable, "-m", *entry, "--model", model, "--http-port", "0",
                 "--grpc-port", "0", "--ready-file", str(self.ready_file), "--threads", str(threads), *args]

@@ -218,7 +218,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                             device=fp.device, dtype=fp.dtype, batch_invariant=fp.batch_invariant,
                             architecture=st.loaded.args.architecture, vocab_size=st.loaded.args.vocab_size,
                             max_tokens_cap=st.config.server.max_tokens_cap, max_logprobs=MAX_LOGPROBS,
-                            weights_hash=fp.weights, platform=_platform_pb(st.loaded))
+                            weights_hash=fp.weights, platform=_platform_pb(st))
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         call = _Call(context, self.fingerprint)
@@ -235,10 +235,11 @@ class _ClientGone(Exception):
     pass
 
 
-def _platform_pb(loaded) -> pb.PlatformInfo:
-    p = platform_info(row_tiles_of(loaded))
+def _platform_pb(state) -> pb.PlatformInfo:
+    p = platform_info(row_tiles_of(state.loaded), state.memory.limit if state.memory else None)
     return pb.PlatformInfo(cpu_model=p.cpu_model, cpu_flags=list(p.cpu_flags), num_cpus=p.num_cpus, isa=p.isa,
                            torch_version=p.torch_version, mkl_version=p.mkl_version, mkl_cbwr=p.mkl_cbwr,
                            mkl_enable_instructions=p.mkl_enable_instructions, row_tiles=list(p.row_tiles),
                            numerics=p.numerics.mode if p.numerics else "",
-                           numerics_id=p.numerics.numerics_id if p.numerics else "")
+                           numerics_id=p.numerics.numerics_id if p.numerics else "",
+                           memory_limit_bytes=p.memory_limit_bytes, memory_limit_source=p.memory_limit_source)

@@ -1,0 +1,143 @@
+"""The memory limit against real servers (issue 33), on 127.0.0.1 with ephemeral ports and the tiny model.
+
+* A budget larger than the machine's memory: the server exits 2 with one line naming the weights, the KV
+  budget, the overhead and the limit with its source, having bound no port and allocated nothing large.
+* `--kv-cache-memory auto` under a fixture cgroup v2 limit (TEST-ONLY --test-memory-root): the limit and its
+  source are reported by /v1/models, GetModelInfo and steadyserve_memory_limit_bytes, the cache gets the
+  expected number of blocks, and under 5x overload the peak RSS stays under the limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from steadyserve.client import Client
+from steadyserve.config import EngineConfig
+from steadyserve.memory import AUTO_HEADROOM, SOURCE_CGROUP2, SOURCE_MEMINFO, human, tensor_bytes
+from steadyserve.models.loader import load_model
+from steadyserve.testing.server import ServerProcess
+
+MiB = 1024**2
+LIMIT = 1200 * MiB  # the fixture cgroup's memory.max: room for the tiny model, 768 MiB overhead and ~310 MiB KV
+MAX_SEQS, MAX_QUEUE = 4, 4  # capacity 8; the overload sends 5x that at once
+
+# Runs the server as its only child and prints the child's peak RSS (KiB, from the kernel's accounting).
+PEAK_RSS_WRAPPER = """
+import resource, subprocess, sys
+r = subprocess.run(sys.argv[1:], capture_output=True, text=True)
+sys.stdout.write(r.stderr)
+print("PEAK_RSS_KIB", resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, "RC", r.returncode)
+"""
+
+
+def mem_total() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no MemTotal")
+
+
+def test_budget_larger_than_the_machine_exits_with_one_line_before_allocating(tiny_model: str, tmp_path: Path):
+    budget = 2 * mem_total()
+    ready = tmp_path / "ready.json"
+    argv = [sys.executable, "-m", "steadyserve.cli", "serve", "--model", tiny_model, "--threads", "1",
+            "--http-port", "0", "--grpc-port", "0", "--ready-file", str(ready), "--kv-cache-memory", str(budget)]
+    r = subprocess.run([sys.executable, "-c", PEAK_RSS_WRAPPER, *argv], capture_output=True, text=True, timeout=120)
+    m = re.search(r"PEAK_RSS_KIB (\d+) RC (-?\d+)", r.stdout)
+    assert m, r.stdout + r.stderr
+    peak, rc = int(m.group(1)) * 1024, int(m.group(2))
+    errors = [line for line in r.stdout.splitlines() if line.startswith("steadyserve: error:")]
+    assert rc == 2 and len(errors) == 1, r.stdout
+    line = errors[0]
+    for term in ("memory budget does not fit", "weights ", f"KV cache {human(budget)}", "overhead 768.0 MiB",
+                 "limit ", f"({SOURCE_MEMINFO}: /proc/meminfo"):
+        assert term in line, (term, line)
+    assert not ready.exists()  # it never served
+    assert peak < 1024 * MiB < budget, f"peak RSS {human(peak)} before refusing"  # nothing large allocated
+
+
+@pytest.fixture(scope="module")
+def cgroup_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A cgroup v2 container with memory.max = LIMIT, on a machine with 64 GiB available."""
+    root = tmp_path_factory.mktemp("cgroup-root")
+    files = {"proc/self/cgroup": "0::/\n",
+             "proc/self/mountinfo": "30 23 0:26 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n",
+             "sys/fs/cgroup/memory.max": f"{LIMIT}\n",
+             "proc/meminfo": f"MemTotal: {128 * 1024**2} kB\nMemAvailable: {64 * 1024**2} kB\n"}
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root
+
+
+@pytest.fixture(scope="module")
+def auto_server(tiny_model: str, cgroup_root: Path):
+    with ServerProcess(tiny_model, "--kv-cache-memory", "auto", "--max-num-seqs", str(MAX_SEQS),
+                       "--max-queue", str(MAX_QUEUE), "--stall-timeout", "10", threads=1,
+                       test_memory_root=str(cgroup_root)) as s:
+        yield s
+
+
+def test_auto_reports_the_limit_and_gets_the_expected_blocks(auto_server: ServerProcess, tiny_model: str):
+    platform = httpx.get(auto_server.http_url + "/v1/models", timeout=30).json()["data"][0]["platform"]
+    assert (platform["memory_limit_bytes"], platform["memory_limit_source"]) == (LIMIT, SOURCE_CGROUP2)
+    with Client(auto_server.grpc_addr, timeout=30, retries=False) as c:
+        g = c.model_info().platform
+    assert (g.memory_limit_bytes, g.memory_limit_source) == (LIMIT, SOURCE_CGROUP2)
+    assert auto_server.metric("steadyserve_memory_limit_bytes") == LIMIT
+    # Blocks from the documented rule, with the weights measured here and the block size from config.json.
+    cfg = json.loads((Path(tiny_model) / "config.json").read_text())
+    per_block = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * 4 \
+        * EngineConfig().block_size
+    weights = tensor_bytes(load_model(tiny_model, batch_invariant=False).model)
+    expected = (LIMIT - weights - EngineConfig().memory_overhead - int(LIMIT * AUTO_HEADROOM)) // per_block
+    m = re.search(r"kv cache allocated .*?blocks=(\d+)", auto_server.logs())
+    assert m and int(m.group(1)) == expected, auto_server.logs()[-3000:]
+    assert "memory budget" in auto_server.logs() and "derived=True" in auto_server.logs()
+
+
+def rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_auto_under_5x_overload_stays_under_the_limit(auto_server: ServerProcess):
+    pid, peak, stop = auto_server.proc.pid, [0], threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], rss(pid))
+            time.sleep(0.02)
+
+    async def one(client: httpx.AsyncClient, i: int) -> int:
+        body = {"prompt": f"overload {i} " * 20, "max_tokens": 48, "ignore_eos": True, "temperature": 0.7,
+                "seed": i}
+        return (await client.post(auto_server.http_url + "/v1/completions", json=body, timeout=120)).status_code
+
+    async def storm() -> list[int]:
+        async with httpx.AsyncClient(limits=httpx.Limits(max_connections=100)) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(5 * (MAX_SEQS + MAX_QUEUE))))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        codes = asyncio.run(storm())
+    finally:
+        stop.set()
+        sampler.join(5)
+    assert codes.count(200) >= MAX_SEQS and codes.count(429) > 0, codes  # it was overloaded, and served
+    assert set(codes) <= {200, 429}, codes
+    print(f"\npeak RSS {human(peak[0])} under 5x overload, limit {human(LIMIT)}")
+    assert 0 < peak[0] < LIMIT
