@@ -25,7 +25,7 @@ CBWR = "AUTO,STRICT"  # set for the child processes only; they must report it ba
 
 @pytest.fixture(scope="module")
 def cbwr_server(tiny_model: str):
-    with ServerProcess(tiny_model, env={"MKL_CBWR": CBWR}, threads=1) as s:
+    with ServerProcess(tiny_model, "--numerics", "host", env={"MKL_CBWR": CBWR}, threads=1) as s:
         yield s
 
 
@@ -41,7 +41,8 @@ def test_platform_info_reads_this_machine():
 
 
 def test_info_prints_platform_facts(tiny_model: str):
-    r = subprocess.run([sys.executable, "-m", "steadyserve.cli", "info", "--model", tiny_model, "--threads", "1"],
+    r = subprocess.run([sys.executable, "-m", "steadyserve.cli", "info", "--model", tiny_model, "--threads", "1",
+                        "--numerics", "host"],
                        capture_output=True, text=True, timeout=300, env={**os.environ, "MKL_CBWR": CBWR})
     assert r.returncode == 0, r.stdout + r.stderr
     out = {m.group(1): m.group(2) for m in re.finditer(r"^(\S+(?: \S+)?)\s{2,}(.*)$", r.stdout, re.M)}
@@ -82,7 +83,9 @@ def test_http_and_grpc_report_the_same_platform(cbwr_server: ServerProcess):
     assert http["row_tiles"] == sorted(http["row_tiles"]) and http["row_tiles"][-1] == EngineConfig().row_tile
 
 
-def test_row_tiles_empty_without_invariance(tiny_model: str):
+def test_row_tiles_empty_without_invariance_or_calibration(tiny_model: str):
     assert row_tiles_of(load_model(tiny_model, batch_invariant=False)) == ()
-    # before calibration: the full tile only
-    assert row_tiles_of(load_model(tiny_model, batch_invariant=True)) == (EngineConfig().row_tile,)
+    # host path before calibration: the full tile only
+    assert row_tiles_of(load_model(tiny_model, numerics="host")) == (EngineConfig().row_tile,)
+    # portable path: nothing to calibrate, rows are independent by construction
+    assert row_tiles_of(load_model(tiny_model)) == ()

@@ -50,7 +50,10 @@ class PlatformInfo:
 
     def lines(self) -> list[tuple[str, str]]:
         """(label, value) pairs for a human-readable report."""
-        tiles = ", ".join(map(str, self.row_tiles)) if self.row_tiles else "none (batch invariance off)"
+        portable = self.numerics is not None and self.numerics.mode == "portable"
+        tiles = (", ".join(map(str, self.row_tiles)) if self.row_tiles
+                 else "none (portable numerics: every row independent by construction)" if portable
+                 else "none (batch invariance off)")
         return [
             ("cpu", f"{self.cpu_model} ({self.num_cpus} CPUs; {' '.join(self.cpu_flags) or 'no AVX2'})"),
             ("isa", f"{self.isa} (torch.backends.cpu.get_cpu_capability())"),

@@ -39,7 +39,7 @@ class EngineHooks:
 def _fit_memory(loaded: LoadedModel, ec: EngineConfig, limit: MemoryLimit) -> MemoryPlan:
     """Measure the weights and check (or, for auto / a fraction, derive) the KV budget against the limit,
     before the cache is allocated: a budget that cannot fit raises MemoryBudgetError here, not the OOM killer."""
-    plan = plan_memory(limit, loaded.weights_bytes or tensor_bytes(loaded.model), ec.memory_overhead, ec.kv_cache_memory,
+    plan = plan_memory(limit, tensor_bytes(loaded.model), ec.memory_overhead, ec.kv_cache_memory,
                        bytes_per_block(loaded.args, ec.block_size, loaded.dtype), on_host=loaded.device.type == "cpu")
     log.info("memory budget", extra={"fields": {
         "weights_bytes": plan.weights, "kv_cache_bytes": plan.kv, "kv_cache_memory": plan.kv_request,
@@ -89,7 +89,7 @@ def build_state(config: Config, hooks: EngineHooks | None = None) -> ServerState
     ec = config.engine
     # Read before loading: MemAvailable + our RSS is what the machine can give us in all, weights included.
     limit = read_memory_limit(ec.memory_limit)
-    log.info("memory limit", extra={"fields": {
+    log.debug("memory limit", extra={"fields": {
         "limit_bytes": limit.limit, "source": limit.source, "detail": limit.detail,
         "terms": {t.source: t.limit for t in limit.terms}}})
     model_thread = ModelThread()
