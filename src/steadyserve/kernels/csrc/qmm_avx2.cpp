@@ -27,6 +27,8 @@ constexpr int kFusedNR = 2;
 constexpr int kMR = 2;
 constexpr int kNR = 2;
 constexpr int64_t kMB = 96;
+constexpr int64_t kPrefetchTiles = 4;  // small-M weight tiles read ahead of the one being multiplied
+inline void prefetch(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0); }
 
 inline F fzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 inline F fset1(float v) { return {_mm256_set1_ps(v), _mm256_set1_ps(v)}; }
@@ -69,6 +71,12 @@ inline I iadd(I x, I y) { return {_mm256_add_epi32(x.a, y.a), _mm256_add_epi32(x
 inline F i2f(I x) { return {_mm256_cvtepi32_ps(x.a), _mm256_cvtepi32_ps(x.b)}; }
 inline I f2i(F x) { return {_mm256_cvttps_epi32(x.a), _mm256_cvttps_epi32(x.b)}; }
 inline F ibits2f(I x) { return {_mm256_castsi256_ps(x.a), _mm256_castsi256_ps(x.b)}; }
+// F16C's scalar conversion: exact, so the same value as the scalar build's software conversion.
+inline float half_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof h);
+  return _cvtsh_ss(h);
+}
 inline F h2f(const uint8_t* p) { return {_mm256_cvtph_ps(load16(p)), _mm256_cvtph_ps(load16(p + 16))}; }
 
 #include "qmm_body.h"

@@ -22,7 +22,9 @@ constexpr int kSmallM = 4;   // rows up to which weights are dequantized in regi
 constexpr int kFusedNR = 4;  // weight rows per register tile there
 constexpr int kMR = 4;       // rows x weight rows of the panel tile: 16 zmm accumulators
 constexpr int kNR = 4;
-constexpr int64_t kMB = 96;  // rows per pass over a dequantized panel
+constexpr int64_t kMB = 96;
+constexpr int64_t kPrefetchTiles = 4;  // small-M weight tiles read ahead of the one being multiplied
+inline void prefetch(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0); }  // rows per pass over a dequantized panel
 
 inline F fzero() { return _mm512_setzero_ps(); }
 inline F fset1(float v) { return _mm512_set1_ps(v); }
@@ -60,6 +62,12 @@ inline I iadd(I a, I b) { return _mm512_add_epi32(a, b); }
 inline F i2f(I a) { return _mm512_cvtepi32_ps(a); }
 inline I f2i(F a) { return _mm512_cvttps_epi32(a); }
 inline F ibits2f(I a) { return _mm512_castsi512_ps(a); }
+// F16C's scalar conversion: exact, so the same value as the scalar build's software conversion.
+inline float half_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof h);
+  return _cvtsh_ss(h);
+}
 inline F h2f(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 
 #include "qmm_body.h"

@@ -4,7 +4,8 @@
 // each has defined its lane types and operations:
 //   F (16 floats), I (16 int32): fzero fset1 fload fstore ffma fmul fadd fsub fdiv fmax fmin
 //   hsum hmax | iset1 ilanes iload_u8 iload_i8 iload_u16 iand isrl isll isrlv ior isub iadd
-//   i2f f2i ibits2f h2f  — and the tile sizes kSmallM kFusedNR kMR kNR kMB.
+//   i2f f2i ibits2f h2f, half_at (one binary16 at p as a float, exactly) — and the tile sizes
+//   kSmallM kFusedNR kMR kNR kMB kPrefetchTiles, and prefetch (a hint: it never faults nor changes a value).
 // Every operation is one IEEE operation per lane (ffma: one rounding), so each build computes
 // the same value in every lane; only the tile sizes, which never change a lane's sequence of
 // operations, differ between builds. The reduction order is documented in qmm.h.
@@ -33,11 +34,6 @@ inline float half_to_float(uint16_t h) {
   return f;
 }
 
-inline float half_at(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, sizeof h);
-  return half_to_float(h);
-}
 
 // Natural log for x >= 1 from IEEE mul/add/sub only (Cephes logf, ~1 ulp): libm's log may
 // differ between machines (glibc picks an FMA variant by CPU), this does not.
@@ -182,7 +178,12 @@ inline void fused_tile(const MatmulArgs& a, int64_t n0) {
   for (int m = 0; m < MM; ++m)
     for (int r = 0; r < NN; ++r) acc[m][r] = fzero();
   const int64_t chunks = a.K / 32;
+  // Rows are short (a few hundred bytes) and read NN at a time, too short for the hardware prefetcher to
+  // follow as streams: prefetch the weight bytes of the tile kPrefetchTiles ahead, spread over this loop.
+  const uint8_t* pf = a.w + (n0 + NN * kPrefetchTiles) * a.row_bytes;
+  const int64_t pf_lines = (NN * a.row_bytes + 63) / 64, pf_step = (pf_lines + chunks - 1) / chunks;
   for (int64_t c = 0; c < chunks; ++c) {
+    for (int64_t l = c * pf_step; l < (c + 1) * pf_step && l < pf_lines; ++l) prefetch(pf + 64 * l);
     F wl[NN], wh[NN];
     for (int r = 0; r < NN; ++r) deq32<FMT>(a.w + (n0 + r) * a.row_bytes, c, wl[r], wh[r]);
     for (int m = 0; m < MM; ++m) {

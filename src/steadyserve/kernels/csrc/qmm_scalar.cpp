@@ -24,8 +24,15 @@ constexpr int kFusedNR = 1;
 constexpr int kMR = 1;
 constexpr int kNR = 1;
 constexpr int64_t kMB = 96;
+constexpr int64_t kPrefetchTiles = 0;
+inline void prefetch(const uint8_t*) {}
 
 inline float half_to_float(uint16_t h);  // defined in qmm_body.h
+inline float half_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof h);
+  return half_to_float(h);
+}
 
 #define LANES for (int i = 0; i < 16; ++i)
 inline F fzero() { F r; LANES r.v[i] = 0.0f; return r; }
