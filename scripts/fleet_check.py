@@ -12,7 +12,8 @@ libraries pick, which is the point. TCG emulates no AVX-512: an AVX-512 Xeon is 
 
 For each CPU and for both numerics paths, scripts/numerics_probe.py runs a fixed score and greedy
 generation through the engine on a 2-layer model of SmolLM2-135M's widths (built here). The
-verdict: every portable vector equal (the `--numerics portable` promise), and how many distinct
+verdict: every portable vector equal (the default numerics' promise; the native kernels run their
+AVX-512 build natively here and their AVX2 build under the emulated CPUs), and how many distinct
 host vectors there are (host numerics make no promise across machine kinds; distinct host vectors
 show that the emulation really changed the kernels). `--golden` also checks the default model's
 golden file (tests/golden/portable_smollm2.json) under the emulated Intel CPU (about 20 minutes).
@@ -37,7 +38,9 @@ sys.path.insert(0, str(ROOT / "src"))
 
 # name -> qemu-user -cpu model (None: this machine, natively)
 CPUS = {"native": None, "intel-haswell-avx2": "Haswell", "amd-epyc-rome-avx2": "EPYC-Rome"}
-PORTABLE = {"STEADYSERVE_NUMERICS": "portable", "MKL_CBWR": "COMPATIBLE,STRICT", "ATEN_CPU_CAPABILITY": "avx2"}
+# Portable numerics need no environment: the native kernels pick their vector build by CPUID (under qemu:
+# the emulated CPU's AVX2 build) and compute the same bits with each.
+PORTABLE = {"STEADYSERVE_NUMERICS": "portable"}
 HOST = {"STEADYSERVE_NUMERICS": "host", "MKL_CBWR": "AUTO,STRICT"}
 
 
@@ -56,8 +59,7 @@ def qemu() -> str:
 
 def run(cpu: str | None, argv: list[str], env: dict[str, str], timeout: float) -> tuple[str, float]:
     """Run the venv's Python with argv, natively or under qemu-user -cpu `cpu`; returns (stdout, seconds).
-    The environment already names the numerics path, so no process re-executes itself (a re-exec would
-    leave the emulator)."""
+    The environment names the numerics path (STEADYSERVE_NUMERICS, read by numerics_probe.py)."""
     prefix = [qemu(), "-cpu", cpu] if cpu else []
     t0 = time.monotonic()
     r = subprocess.run([*prefix, sys.executable, *argv], env={**os.environ, **env}, capture_output=True,

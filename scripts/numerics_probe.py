@@ -5,8 +5,7 @@ under qemu-user emulating other CPUs.
 
 Prints one JSON line: the float32 hex of the prompt logprobs and of 6 greedy tokens' logprobs, the greedy
 token ids, the torch dispatch ISA and MKL's own line naming the branch it runs (MKL_VERBOSE's header).
-The numerics path comes from the environment (STEADYSERVE_NUMERICS and the variables it pins), as in a
-server process.
+The numerics path comes from the environment: STEADYSERVE_NUMERICS=portable (the default) or host.
 """
 
 from __future__ import annotations
@@ -27,12 +26,11 @@ def main() -> int:
     from steadyserve.engine.offline import run_requests
     from steadyserve.engine.sequence import Request, SamplingParams
     from steadyserve.models.loader import load_model
-    from steadyserve.numerics import resolve
 
-    mode = os.environ.get("STEADYSERVE_NUMERICS", "host")
-    numerics = resolve(mode)
+    mode = os.environ.get("STEADYSERVE_NUMERICS", "portable")
     torch.set_num_threads(1)
-    loaded = load_model(sys.argv[1])
+    loaded = load_model(sys.argv[1], numerics=mode)
+    numerics = loaded.numerics
     engine = LLMEngine(loaded, EngineConfig(kv_cache_memory=16 * 1024**2, threads=1, numerics=mode))
     ids = loaded.tokenizer.encode("The quick brown fox jumps over the lazy dog, and the model server")
     done = run_requests(engine, [

@@ -35,7 +35,7 @@ BATCHES = [2, 7, 33, 64]
 
 def engine_for(loaded, **kw) -> LLMEngine:
     cfg = dict(kv_cache_memory=KV, threads=THREADS, max_num_batched_tokens=512, max_num_seqs=64,
-               batch_invariant=loaded.model.tiler.enabled)
+               batch_invariant=loaded.model.tiler.enabled or loaded.model.native)
     cfg.update(kw)
     return LLMEngine(loaded, EngineConfig(**cfg))
 

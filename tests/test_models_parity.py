@@ -39,7 +39,7 @@ TEXTS = [
 
 def make_engine(loaded: LoadedModel, selftest: bool = True) -> LLMEngine:
     engine = LLMEngine(loaded, EngineConfig(kv_cache_memory=32 * 1024**2, threads=THREADS,
-                                            max_num_batched_tokens=512, batch_invariant=loaded.model.tiler.enabled))
+                                            max_num_batched_tokens=512, batch_invariant=loaded.model.tiler.enabled or loaded.model.native))
     if loaded.model.tiler.enabled:  # what the server runs: the verified tile ladder
         if selftest:
             assert run_selftest(engine).passed

