@@ -132,7 +132,17 @@ def test_a_rows_bits_do_not_depend_on_m_threads_or_the_vector_build(name):
     assert torch.allclose(full, ref, rtol=1e-4, atol=1e-5 * float(ref.abs().max())), (full - ref).abs().max()
 
 
-def test_the_largest_step_keeps_every_row_of_a_real_shape():
+@pytest.mark.parametrize("name", ["Q4_1", "Q8_0", "Q6_K"])
+def test_every_m_up_to_the_largest_step_gives_each_row_its_bits(name):
+    """Every M from 1 to 512 (the default --max-num-batched-tokens: a whole prefill step)."""
+    qw = _qweight(FORMAT_IDS[name], 20, 256, seed=4)
+    x = torch.randn(512, 256, generator=torch.Generator().manual_seed(5))
+    full = _mm(qw, x)
+    for m in range(1, 513):
+        assert torch.equal(_mm(qw, x[-m:]), full[-m:]), m
+
+
+def test_a_real_shape_keeps_its_rows_at_prefill_and_decode_sizes():
     """A 512-token prefill and a 64-row decode through the SmolLM2 MLP shape give each row its bits alone."""
     qw = _qweight(FORMAT_IDS["Q4_1"], 576, 1536, seed=4)
     x = torch.randn(512, 1536, generator=torch.Generator().manual_seed(5))

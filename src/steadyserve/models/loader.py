@@ -77,7 +77,7 @@ class LoadedModel:
     from_cache: bool  # a GGUF file whose converted config/tokenizer (and, host path, weights) were cached
     numerics: Numerics | None = None  # the path the model computes on, and its fingerprint id
     weights_bytes: int = 0  # bytes of weights the model holds (stored blocks, or float32 on the host path)
-    keepalive: Any = None  # owns the memory mapping the stored weights are views of (a GGUFReader)
+    keepalive: Any = None  # the memory mapping the stored weights are views of (a numpy memmap of the GGUF)
 
 
 def default_model_path() -> str:
