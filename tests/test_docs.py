@@ -31,7 +31,8 @@ DOCS = ROOT / "docs"
 GUIDES = ["quickstart.md", "concepts.md", "operations.md", "deploy.md", "benchmarks.md", "troubleshooting.md",
           "runbooks.md"]
 # Commands that start servers, take minutes, need Docker or Kubernetes, or fetch tasks from a hub.
-ALLOWED_UNRUN = ("make ", "docker ", "kubectl ", "serve ", "ray ", ".venv/bin/python benchmarks/", ".venv/bin/pip ", "lm_eval ")
+ALLOWED_UNRUN = ("make ", "docker ", "kubectl ", "serve ", "ray ", ".venv/bin/python benchmarks/", ".venv/bin/pip ", "lm_eval ",
+                 "benchmarks/build_llama_cpp.sh")
 QUIET = {"NO_MKDOCS_2_WARNING": "1", "DISABLE_MKDOCS_2_WARNING": "true"}  # banners about MkDocs 2, as in Makefile
 FENCE = re.compile(r"^```(\w+)[^\n]*\n(.*?)^```", re.S | re.M)
 

@@ -200,8 +200,15 @@ def test_a_score_may_fill_the_context(srv, grpc_client):
 
 
 def test_refusals_are_counted_and_disturb_nothing(srv, grpc_client):
-    assert srv.metric("steadyserve_requests_rejected_total", reason="invalid") > 0
-    assert srv.metric("steadyserve_requests_rejected_total", reason="too_long") > 0
+    """Each refusal is counted under its reason. The refusals are made here (pytest-randomly may run this test
+    before the table's), one of each reason the engine-side checks give."""
+    info = grpc_client.model_info()
+    before = {r: srv.metric("steadyserve_requests_rejected_total", reason=r) for r in ("invalid", "too_long")}
+    for body in ({"prompt": "hi", "max_tokens": 2, "stop_token_ids": [info.vocab_size]},
+                 {"prompt": token_ids(info.context_length + 10), "max_tokens": 2}):
+        assert httpx.post(srv.http_url + "/v1/completions", json=body, timeout=60).status_code == 400
+    for reason, n in before.items():
+        assert srv.metric("steadyserve_requests_rejected_total", reason=reason) == n + 1, reason
     assert grpc_client.score("still fine").usage.prompt_tokens > 0
     r = httpx.post(srv.http_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
