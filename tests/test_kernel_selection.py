@@ -65,3 +65,20 @@ def test_served_fingerprint_names_the_kernel(tiny_model: str) -> None:
     auto, python = fps["auto"].split("-"), fps["python"].split("-")
     assert auto[3].startswith("p") and python[3].startswith("h")  # Python attention runs the host path
     assert auto[:3] == python[:3]
+
+
+def test_without_native_kernels_auto_runs_the_host_path_and_says_so(tiny_model: str, monkeypatch) -> None:
+    """Where the extension cannot be built (no compiler), the default numerics fall back to the host path, the
+    fingerprint's numerics id and kernel say so, and asking for portable numerics explicitly is refused."""
+    from steadyserve.kernels.build import KernelStatus
+    from steadyserve.models import loader
+
+    missing = KernelStatus(False, "py", "native kernels unavailable, using Python attention: no compiler")
+    monkeypatch.setattr(loader.kernels, "load", lambda: missing)
+    loaded = load_model(tiny_model)
+    assert loaded.numerics is not None and loaded.numerics.numerics_id.startswith("h")
+    assert loaded.model.kernel_id == "py" and not loaded.model.native
+    st = run_selftest(LLMEngine(loaded, EngineConfig(kv_cache_memory=8 * 1024**2)))
+    assert st.passed, st.detail
+    with pytest.raises(LoadError, match="--numerics portable: portable numerics need the native kernels: .*no compiler"):
+        load_model(tiny_model, numerics="portable")
