@@ -1,7 +1,8 @@
 """The layering the architecture promises, checked by a real tool: import-linter's contracts in pyproject.toml
 (the engine, models and kernels never import the front ends; HTTP and gRPC never import each other; the HTTP API
-never imports the web console, which the server mounts; model modules never import the registry; no import
-cycles among the modules of api, api.http, models and engine)."""
+never imports the web console, which the server mounts; model modules never import the registry; the tools
+never import the command line; no import cycles among the top-level modules of the package, nor among the modules
+of api, api.http, models and engine)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def lint(*args: str) -> subprocess.CompletedProcess:
 def test_import_contracts_are_kept() -> None:
     res = lint()
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
-    assert "0 broken" in res.stdout and "8 kept" in res.stdout
+    assert "0 broken" in res.stdout and "9 kept" in res.stdout
 
 
 def test_the_linter_reports_a_broken_contract(tmp_path) -> None:

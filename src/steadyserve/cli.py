@@ -9,6 +9,7 @@ import sys
 from typing import Any, Sequence
 
 from .config import Config, ConfigError, EngineConfig, ModelConfig, ServerConfig, parse_kv_cache_memory, parse_size
+from .tools.cli import add_tool_commands  # a real import: a broken tools package must fail loudly
 
 EXIT_USAGE = 2
 
@@ -153,12 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_engine_flags(sp)
         _add_server_flags(sp)
         sp.set_defaults(fn=fn)
-    try:
-        from .tools.cli import add_tool_commands
-    except ImportError:
-        pass
-    else:
-        add_tool_commands(sub)
+    add_tool_commands(sub)
     return p
 
 

@@ -1,5 +1,8 @@
 """Reference pages of the documentation site, generated from the code so they cannot drift.
 
+A build script, not part of the installed package: it reads repository paths (proto/, deploy/, config.py)
+and imports the command line, which sits above everything else in the layering.
+
 Each function returns one Markdown page and raises `Undocumented` naming every
 item that lacks its documentation, so `make docs` (and the test suite, which
 builds the site in strict mode) fails when a flag, endpoint, request field,
@@ -27,8 +30,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[3]  # the repository: proto/, deploy/, docs/
-CONFIG_PY = Path(__file__).resolve().parents[1] / "config.py"
+ROOT = Path(__file__).resolve().parents[1]  # the repository: proto/, deploy/, docs/, src/
+CONFIG_PY = ROOT / "src" / "steadyserve" / "config.py"
 RUNBOOK_PARTS = ("What it means", "How to confirm", "What to do")
 
 
@@ -78,7 +81,7 @@ def config_constraints() -> dict[str, list[str]]:
 
 
 def cli_reference() -> str:
-    from ..cli import build_parser
+    from steadyserve.cli import build_parser
 
     parser = build_parser()
     serve = parser._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
@@ -121,9 +124,9 @@ def cli_reference() -> str:
 
 def build_http_app() -> Any:
     """The HTTP app, built without a model: enough to read its routes and OpenAPI schema."""
-    from ..api.console import mount_console
-    from ..api.http.app import create_app
-    from ..config import Config
+    from steadyserve.api.console import mount_console
+    from steadyserve.api.http.app import create_app
+    from steadyserve.config import Config
 
     state = SimpleNamespace(config=Config(), metrics=None)
     app = create_app(state)  # type: ignore[arg-type]
@@ -299,7 +302,7 @@ def grpc_reference(proto: Path = ROOT / "proto" / "steadyserve" / "v1" / "infere
 def metrics_reference() -> str:
     from prometheus_client.metrics import MetricWrapperBase
 
-    from ..metrics import Metrics
+    from steadyserve.metrics import Metrics
 
     m = Metrics("model", "fingerprint", "cpu", "float32", True)
     missing: list[str] = []
