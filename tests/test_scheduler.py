@@ -73,7 +73,7 @@ def run_to_completion(sched: Scheduler, seqs: list[Sequence], max_steps: int = 1
 def test_scheduler_modules_do_not_import_torch():
     code = ("import sys\n"
             "import steadyserve.engine.scheduler, steadyserve.engine.block_manager\n"
-            "import steadyserve.engine.sequence, steadyserve.engine.detokenizer\n"
+            "import steadyserve.engine.sequence, steadyserve.engine.detokenizer, steadyserve.engine.stop\n"
             "bad = [m for m in sys.modules if m == 'torch' or m.startswith('torch.')]\n"
             "assert not bad, bad\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

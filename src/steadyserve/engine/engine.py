@@ -23,6 +23,7 @@ from .kv_cache import allocate_kv_cache
 from .model_runner import ModelRunner, SeqResult
 from .sampler import NumericalError, make_generator, process_row, sample, token_logprob
 from .scheduler import ScheduledSeq, Scheduler
+from .stop import end_token_ids, final_reason, stop_reason
 from ..limits import InvalidRequest, Refused
 from .sequence import Request, RequestOutput, Sequence, TokenLogprob
 from .structured import Grammars
@@ -50,7 +51,10 @@ class StepStats:
 class _SeqState:
     """Per-request sampling and text state, owned by the engine thread."""
 
-    def __init__(self, seq: Sequence, tokenizer, device: torch.device, grammars: Grammars) -> None:
+    def __init__(self, seq: Sequence, tokenizer, device: torch.device, grammars: Grammars,
+                 eos_ids: set[int]) -> None:
+        # The tokens that end this sequence, fixed at admission (stop_reason and min_tokens both use them).
+        self.end_ids = end_token_ids(eos_ids, seq.params.ignore_eos, set(seq.params.stop_token_ids))
         self.generator = make_generator(seq.params.seed, device)
         self.matcher = grammars.matcher(seq.params.grammar) if seq.params.grammar is not None else None
         self.detok = IncrementalDetokenizer(tokenizer, seq.params.stop)
@@ -129,7 +133,7 @@ class LLMEngine:
     def add_checked(self, request: Request) -> Sequence:
         """Queue a request that `check` has already passed (AsyncEngine checks at submit, on the loop)."""
         seq = Sequence(next(self._seq_ids), request)
-        seq.state = _SeqState(seq, self.tokenizer, torch.device("cpu"), self.grammars)
+        seq.state = _SeqState(seq, self.tokenizer, torch.device("cpu"), self.grammars, self.eos_token_ids)
         self.scheduler.add(seq)
         return seq
 
@@ -177,55 +181,60 @@ class LLMEngine:
         return out
 
     def _update_seq(self, item: ScheduledSeq, result: SeqResult, num_batch_seqs: int) -> RequestOutput | None:
-        seq, n = item.seq, item.num_new_tokens
-        seq.num_computed_tokens += n
-        self.block_manager.cache_full_blocks(seq, n)
-        st: _SeqState = seq.state
+        """count -> sample -> stop -> output; one request's failure fails that request only."""
+        seq = item.seq
+        self._count(seq, item.num_new_tokens)
         now = time.monotonic()
         try:
             if self.fault_hook is not None:
                 self.fault_hook(seq)
             prompt_lps = self._collect_prompt_logprobs(seq, result)
-            if result.sample_row is None:
+            if result.sample_row is None:  # a prefill chunk: nothing sampled yet
                 if prompt_lps is None:
                     return None
                 return self._output(seq, [], "", [], prompt_lps, num_batch_seqs=num_batch_seqs)
             if seq.params.max_tokens == 0:  # scoring only
                 return self._finish(seq, [], "", [], prompt_lps, "length", num_batch_seqs)
-            if seq.params.processes_row:  # logits processors: their own row; the reported logprobs stay the model's
-                if result.sample_has_nan:
-                    raise NumericalError("the model produced NaN log-probabilities")
-                end_ids = set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else self.eos_token_ids)
-                row = process_row(result.sample_row, seq.params, seq.token_ids, seq.num_prompt_tokens, end_ids)
-                if st.matcher is not None:
-                    st.matcher.mask_(row)  # only what the grammar allows next
-                tok = sample(row, seq.params, st.generator, has_nan=False)
-                if st.matcher is not None:
-                    st.matcher.advance(tok)
-            else:
-                tok = sample(result.sample_row, seq.params, st.generator, result.sample_argmax,
-                             result.sample_has_nan)
-            seq.token_ids.append(tok)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            lps = [token_logprob(result.sample_row, tok, seq.params.logprobs)] \
-                if seq.params.logprobs is not None else []
-            reason = None
-            if (tok in self.eos_token_ids and not seq.params.ignore_eos) or tok in seq.params.stop_token_ids:
-                delta, reason = "", "stop"
-            else:
-                delta = st.detok.add(tok)
-                if st.detok.stopped:
-                    reason = "stop"
-                elif seq.num_generated_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
-                    reason = "length"
-            if reason:
-                return self._finish(seq, [tok], delta, lps, prompt_lps, reason, num_batch_seqs)
-            return self._output(seq, [tok], delta, lps, prompt_lps, num_batch_seqs=num_batch_seqs)
-        except Exception as e:  # one request's failure (NaN, tokenizer, hook) fails that request only
+            tok = self._sample(seq, result)
+            return self._postprocess(seq, tok, result, prompt_lps, now, num_batch_seqs)
+        except Exception as e:  # NaN, tokenizer, hook
             self.scheduler.retire(seq)
             return self._output(seq, [], "", [], finish_reason="error",
                                 error=f"{type(e).__name__}: {e}", num_batch_seqs=num_batch_seqs)
+
+    def _count(self, seq: Sequence, num_new_tokens: int) -> None:
+        """The tokens just computed, and the full blocks they complete, published to the prefix cache."""
+        seq.num_computed_tokens += num_new_tokens
+        self.block_manager.cache_full_blocks(seq, num_new_tokens)
+
+    def _sample(self, seq: Sequence, result: SeqResult) -> int:
+        st: _SeqState = seq.state
+        if not seq.params.processes_row:
+            return sample(result.sample_row, seq.params, st.generator, result.sample_argmax, result.sample_has_nan)
+        # Logits processors work on their own row; the reported logprobs stay the model's.
+        if result.sample_has_nan:
+            raise NumericalError("the model produced NaN log-probabilities")
+        row = process_row(result.sample_row, seq.params, seq.token_ids, seq.num_prompt_tokens, st.end_ids)
+        if st.matcher is not None:
+            st.matcher.mask_(row)  # only what the grammar allows next
+        tok = sample(row, seq.params, st.generator, has_nan=False)
+        if st.matcher is not None:
+            st.matcher.advance(tok)
+        return tok
+
+    def _postprocess(self, seq: Sequence, tok: int, result: SeqResult, prompt_lps: list[TokenLogprob | None] | None,
+                     now: float, num_batch_seqs: int) -> RequestOutput:
+        st: _SeqState = seq.state
+        seq.token_ids.append(tok)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        lps = [token_logprob(result.sample_row, tok, seq.params.logprobs)] if seq.params.logprobs is not None else []
+        delta = "" if tok in st.end_ids else st.detok.add(tok)  # an end token never becomes text
+        reason = stop_reason(tok, st.end_ids, st.detok.stopped, seq.num_generated_tokens, seq.params.max_tokens,
+                             seq.num_tokens, self.max_model_len)
+        if reason:
+            return self._finish(seq, [tok], delta, lps, prompt_lps, reason, num_batch_seqs)
+        return self._output(seq, [tok], delta, lps, prompt_lps, num_batch_seqs=num_batch_seqs)
 
     def _collect_prompt_logprobs(self, seq: Sequence, result: SeqResult) -> list[TokenLogprob | None] | None:
         st: _SeqState = seq.state
@@ -243,8 +252,7 @@ class LLMEngine:
     def _finish(self, seq: Sequence, toks: list[int], delta: str, lps: list[TokenLogprob],
                 prompt_lps: list[TokenLogprob | None] | None, reason: str, num_batch_seqs: int) -> RequestOutput:
         delta += seq.state.detok.finish()
-        if seq.state.detok.stopped:  # the final flush (held-back partial characters) completed a stop string
-            reason = "stop"
+        reason = final_reason(reason, seq.state.detok.stopped)  # type: ignore[arg-type]
         self.scheduler.retire(seq)
         return self._output(seq, toks, delta, lps, prompt_lps, reason, num_batch_seqs=num_batch_seqs)
 

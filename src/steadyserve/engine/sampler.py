@@ -8,6 +8,8 @@ as the row is.
 
 from __future__ import annotations
 
+from typing import AbstractSet
+
 import torch
 
 from .sequence import SamplingParams, TokenLogprob
@@ -51,7 +53,7 @@ def sample(row: torch.Tensor, params: SamplingParams, generator: torch.Generator
 
 
 def process_row(row: torch.Tensor, params: SamplingParams, token_ids: list[int], num_prompt_tokens: int,
-                end_ids: set[int]) -> torch.Tensor:
+                end_ids: AbstractSet[int]) -> torch.Tensor:
     """The row a sequence samples from after its logits processors: a new (V,) tensor, `row` untouched.
 
     row: (V,) float32 log-probabilities; token_ids: the sequence's prompt then generated tokens; end_ids:
