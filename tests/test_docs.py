@@ -199,10 +199,10 @@ def test_every_alert_links_to_a_complete_runbook_section(tmp_path) -> None:
 def http_error_codes() -> set[str]:
     """Every `code` the server can put in an error body, read from the source (error responses and every
     Refused(reason, ...)), plus the engine's refusal and stream-ending reasons that reach clients as codes."""
-    from steadyserve.api.grpc.servicer import END_STATUS
-    from steadyserve.api.http.errors import ADMISSION_STATUS
+    from steadyserve.api.events import END_STATUS
+    from steadyserve.api.http.errors import REFUSAL_STATUS
 
-    codes = set(ADMISSION_STATUS) | set(END_STATUS)
+    codes = set(REFUSAL_STATUS) | set(END_STATUS)
     # Refusals (steadyserve.limits.Refused) are raised by the shared request code too, not only by api/http.
     sources = [*(ROOT / "src/steadyserve/api").rglob("*.py"), ROOT / "src/steadyserve/limits.py"]
     for f in sources:

@@ -19,6 +19,35 @@ from ..engine.sequence import RequestOutput, TokenLogprob
 from .streams import StreamHandle
 
 
+@dataclass(frozen=True)
+class EndStatus:
+    """How every transport reports a request that ended with an error code (`RequestEvents.error`)."""
+
+    http: int  # the status of a whole (unstreamed) HTTP response; streams have sent 200 already
+    ws_close: int  # the WebSocket close code
+    grpc: str  # the name of the grpc.StatusCode (this module imports no transport)
+    error_type: str  # the OpenAI error type in the error body (HTTP, SSE and WebSocket alike)
+
+
+# The one end-code table. A failure of this request alone (request_error, e.g. non-finite logits) is the
+# request's: 400, close 1008, ABORTED. A gone client gets 499, as nginx logs it: no server fault occurred
+# (it never reads the body). A drain is the replica going away: 503, UNAVAILABLE. A failed engine is the one
+# INTERNAL. Codes not listed (stall, deadline and any new one) are server-side ends of a healthy request.
+END_STATUS: dict[str, EndStatus] = {
+    "request_error": EndStatus(400, 1008, "ABORTED", "invalid_request_error"),
+    "client_disconnect": EndStatus(499, 1011, "CANCELLED", "invalid_request_error"),
+    "drain_timeout": EndStatus(503, 1011, "UNAVAILABLE", "server_error"),
+    "engine_error": EndStatus(500, 1011, "INTERNAL", "server_error"),
+    "deadline": EndStatus(500, 1011, "DEADLINE_EXCEEDED", "server_error"),
+    "stall": EndStatus(500, 1011, "ABORTED", "server_error"),
+}
+OTHER_END = EndStatus(500, 1011, "ABORTED", "server_error")
+
+
+def end_status(code: str) -> EndStatus:
+    return END_STATUS.get(code, OTHER_END)
+
+
 class StreamStalled(Exception):
     """A send waited --stall-timeout for the client; every choice was cut with reason `stall`."""
 

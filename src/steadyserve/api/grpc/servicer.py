@@ -20,7 +20,7 @@ import grpc
 from ...engine.sequence import TokenLogprob
 from ...limits import MAX_LOGPROBS, RETRY_REASONS, Refused
 from ...platform_info import platform_info, row_tiles_of
-from ..events import RequestEvents, StreamStalled
+from ..events import RequestEvents, StreamStalled, end_status
 from ..protocol import token_text
 from ..requests import RequestSpec, ValidatedRequest, admit, build, prompt_ids
 from ..state import ServerState
@@ -32,15 +32,6 @@ from .inputs import field_name, generate_spec, score_spec, tokenize_spec
 
 Code = grpc.StatusCode
 
-# Why a stream ended early (StreamHandle.error_for) -> the status the client gets.
-END_STATUS = {
-    "deadline": Code.DEADLINE_EXCEEDED,
-    "client_disconnect": Code.CANCELLED,
-    "drain_timeout": Code.UNAVAILABLE,  # nothing more will come from this replica
-    "engine_error": Code.INTERNAL,  # the engine itself failed: the one use of INTERNAL
-    "request_error": Code.ABORTED,  # this request failed in the engine (e.g. non-finite logits); others did not
-    "stall": Code.ABORTED,
-}
 INLINE_TOKENIZE_CHARS = 2048  # shorter texts are tokenized on the loop (the high-rate Score path)
 FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
 
@@ -130,7 +121,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     async def _end_with_problem(self, call: _Call, problem: tuple[str, str]) -> NoReturn:
         code, message = problem
-        await call.abort(END_STATUS.get(code, Code.ABORTED), message, {ERROR_CODE_KEY: code})
+        await call.abort(getattr(Code, end_status(code).grpc), message, {ERROR_CODE_KEY: code})
 
     def _text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)

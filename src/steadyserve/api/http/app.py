@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ...limits import Refused
 from ...platform_info import platform_info, row_tiles_of
-from ..events import RequestEvents, sum_usage
+from ..events import RequestEvents, end_status, sum_usage
 from ..protocol import render_chat
 from ..requests import admit, check_model, check_token_ids
 from ..state import ServerState
@@ -71,10 +71,8 @@ def create_app(state: ServerState) -> FastAPI:
                 pass
         if events.error is not None:
             code, message = events.error
-            # 499 (client closed request, as nginx logs it): the client is gone and no server fault occurred.
-            status = {"request_error": 400, "drain_timeout": 503, "client_disconnect": 499}.get(code, 500)
-            return error_response(status, message, "server_error" if status >= 500 else "invalid_request_error",
-                                  None, code)
+            end = end_status(code)
+            return error_response(end.http, message, end.error_type, None, code)
         accs = events.accs
         if keep == n:
             return JSONResponse(full_body(fmts, accs, want_lp, n))

@@ -19,7 +19,6 @@ REFUSAL_STATUS = {
     "invalid": (400, "invalid_request_error"),
     "invalid_value": (400, "invalid_request_error"),
 }
-ADMISSION_STATUS = REFUSAL_STATUS  # the name tests/test_docs.py reads the codes from
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:

@@ -16,7 +16,7 @@ from typing import Any, Awaitable
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from ..events import RequestEvents, StreamStalled, sum_usage
+from ..events import RequestEvents, StreamStalled, end_status, sum_usage
 from ..streams import StreamHandle
 from .errors import error_body
 from .openai_format import Formatter
@@ -95,8 +95,7 @@ class SSEResponse(Response):
                         if any(o.new_token_ids or o.text_delta for o in before):
                             await emit(sse_event(fmt.chunk(before, self.want_logprobs)))
                         code, message = ev.error
-                        await emit(sse_event(error_body(message, "server_error" if code != "request_error"
-                                                        else "invalid_request_error", None, code)))
+                        await emit(sse_event(error_body(message, end_status(code).error_type, None, code)))
                         await emit(DONE)
                         break
                     # A token whose text is still held back (half a UTF-8 character, a possible stop

@@ -16,7 +16,7 @@ from fastapi import WebSocket
 from starlette.websockets import WebSocketDisconnect
 
 from ...limits import RETRY_REASONS, InvalidRequest, Refused
-from ..events import RequestEvents, StreamStalled
+from ..events import RequestEvents, StreamStalled, end_status
 from ..requests import ValidatedRequest, admit
 from ..state import ServerState
 from .errors import error_body, refusal_status
@@ -118,8 +118,8 @@ async def websocket_stream(ws: WebSocket, state: ServerState) -> None:
                     await emit(delta)
                 if ev.error is not None:
                     code, msg = ev.error
-                    await _fail(ws, CLOSE_BAD_REQUEST if code == "request_error" else CLOSE_SERVER_ERROR, msg,
-                                "server_error", None, code)
+                    end = end_status(code)
+                    await _fail(ws, end.ws_close, msg, end.error_type, None, code)
                     break
                 if ev.finished:
                     acc = events.accs[0]
