@@ -109,7 +109,7 @@ def cmd_serve(a: argparse.Namespace, hooks: Any = None) -> int:
     setup_logging(cfg.server.log_format)
     server = Server(cfg, hooks)
     try:
-        server.startup()
+        server.load()
     except LoadError as e:
         print(f"steadyserve: error: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -1,8 +1,9 @@
-"""The server process: explicit start-up, serve, drain and shutdown.
+"""The server process: load, then uvicorn's serve = startup(), main_loop(), shutdown().
 
-startup(): load the model, size the KV cache, run the batch-invariance
-self-test, start the engine thread. serve(): HTTP (uvicorn) and gRPC on one
-event loop, over one engine. On SIGTERM: go unready at once, refuse new work
+load(): load the model, size the KV cache, run the batch-invariance
+self-test. startup(): start the engine thread, bind HTTP (uvicorn) and gRPC on
+one event loop, over one engine. main_loop(): wait for a signal or engine
+death. shutdown(): drain, stop gRPC, HTTP and the engine. On SIGTERM: go unready at once, refuse new work
 with 503 / UNAVAILABLE, let in-flight streams finish for up to
 --drain-timeout, then exit 0. A second signal exits at once. If the engine
 loop dies, health goes NOT_SERVING, open streams get error events, and the
@@ -12,13 +13,14 @@ process exits non-zero within seconds.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import os
 import signal
 import socket
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import uvicorn
 
@@ -34,6 +36,9 @@ from .state import ServerState
 log = logging.getLogger("steadyserve.server")
 
 EXIT_OK, EXIT_ENGINE_DEAD, EXIT_SELFTEST_FAILED, EXIT_FORCED = 0, 3, 4, 1
+# How long stopping gRPC, and then HTTP, may take (the drain has --drain-timeout, the engine's join its own
+# 10 s). HTTP's graceful shutdown takes 3 s; past this bound the step is logged as failed and shutdown goes on.
+SHUTDOWN_STEP_TIMEOUT_S = 10.0
 
 
 class _Uvicorn(uvicorn.Server):
@@ -63,35 +68,56 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 class Server:
+    """uvicorn's shape: serve() = startup(), main_loop(), shutdown(), each an explicit method.
+
+    load() (the model, the KV cache, the self-test) runs before the event loop exists, so that a load error
+    is reported as a usage error before anything binds."""
+
     def __init__(self, config: Config, hooks: EngineHooks | None = None) -> None:
         self.config = config
         self.hooks = hooks  # start-up hooks on the engine: none in production (see EngineHooks)
-        self.state: ServerState | None = None
+        self.state: ServerState | None = None  # built by load()
         self.exit_code = EXIT_OK
-        self._stop = asyncio.Event()
+        self.grpc: Any = None  # the gRPC front end, when --grpc-port >= 0
+        self.shutdown_failures: list[str] = []  # the shutdown steps that failed, in order (each one logged)
+        self.step_timeout_s = SHUTDOWN_STEP_TIMEOUT_S  # how long one shutdown step may take
+        self._stop = asyncio.Event()  # set by the first signal or engine death: main_loop returns
         self._signals = 0
-        self.grpc: Any = None
+        self._http: _Uvicorn | None = None
+        self._http_task: asyncio.Task | None = None
+        self._lag_task: asyncio.Task | None = None
 
-    def startup(self) -> ServerState:
+    def load(self) -> ServerState:
         self.state = build_state(self.config, self.hooks)
         if self.config.engine.batch_invariant and self.state.selftest and not self.state.selftest.passed:
             self.exit_code = EXIT_SELFTEST_FAILED
         return self.state
 
     async def serve(self) -> int:
-        state = self.state or self.startup()
+        if self.state is None:
+            self.load()
         if self.exit_code == EXIT_SELFTEST_FAILED:
             log.error("refusing to serve: batch invariance is on but the self-test failed on this machine; "
                       "run with --no-batch-invariant to serve without the guarantee")
             return self.exit_code
-        sc = self.config.server
+        try:
+            await self.startup()
+            await self.main_loop()
+        finally:  # a start-up failure still stops what did start
+            await self.shutdown()
+        return self.exit_code
+
+    async def startup(self) -> None:
+        """Start the engine, install the signal handlers, bind and start HTTP and gRPC; return once serving."""
+        state, sc = self.state, self.config.server
+        assert state is not None, "load() first"
         loop = asyncio.get_running_loop()
         state.engine.death_observers.append(lambda why: loop.call_soon_threadsafe(self._on_engine_death, why))
         state.engine.start()
         state.metrics.engine_alive.set(1)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
-        lag_task = asyncio.create_task(sample_loop_lag(state.metrics))
+        self._lag_task = asyncio.create_task(sample_loop_lag(state.metrics))
 
         sock = _bind(sc.host, sc.http_port)
         http_port = sock.getsockname()[1]
@@ -101,15 +127,15 @@ class Server:
                               lifespan="off", ws_max_size=sc.max_request_bytes, timeout_graceful_shutdown=3,
                               ssl_certfile=sc.tls_cert or None, ssl_keyfile=sc.tls_key or None,
                               timeout_keep_alive=5)
-        http = _Uvicorn(ucfg)
-        http_task = asyncio.create_task(http.serve(sockets=[sock]))
+        self._http = _Uvicorn(ucfg)
+        self._http_task = asyncio.create_task(self._http.serve(sockets=[sock]))
         grpc_port = -1
         if sc.grpc_port >= 0:
             from .grpc.server import GrpcFrontend
 
             self.grpc = GrpcFrontend(state)
             grpc_port = await self.grpc.start(sc.host, sc.grpc_port)
-        while not http.started and not http_task.done():
+        while not self._http.started and not self._http_task.done():
             await asyncio.sleep(0.01)
         scheme = "https" if sc.tls_cert else "http"
         log.info("serving", extra={"fields": {"http": f"{scheme}://{sc.host}:{http_port}",
@@ -117,20 +143,48 @@ class Server:
                                               "pid": os.getpid()}})
         if sc.ready_file:
             write_ready_file(sc.ready_file, http_port, grpc_port, os.getpid())
+
+    async def main_loop(self) -> None:
+        """Serve until the first signal or the engine's death."""
         await self._stop.wait()
-        if self.exit_code == EXIT_OK:
-            await self._drain()
-        http.should_exit = True
+
+    async def shutdown(self) -> None:
+        """Drain (unless the engine died), then stop gRPC, HTTP and the engine, in that order.
+
+        Every step runs even when one before it failed, each within its bound: a failure is logged with
+        its step and counted in shutdown_failures, never swallowed, and the process still exits."""
+        if self.exit_code == EXIT_OK and self.state is not None and self._stop.is_set():
+            await self._step("drain", self._drain, None)  # bounded by --drain-timeout itself
+        if self._http is not None:
+            self._http.should_exit = True
         if self.grpc is not None:
-            await self.grpc.stop(grace=1.0)
+            await self._step("grpc", lambda: self.grpc.stop(grace=1.0), self.step_timeout_s)
+        if self._http_task is not None:
+            task = self._http_task
+            await self._step("http", lambda: task, self.step_timeout_s)
+        if self._lag_task is not None:
+            self._lag_task.cancel()
+        if self.state is not None:
+            # On the loop, not in a worker thread: asyncio.run would wait for a stuck worker at exit. The
+            # engine's join has its own timeout.
+            await self._step("engine", self.state.engine.shutdown, None)
+        fields: dict[str, Any] = {"exit_code": self.exit_code}
+        if self.shutdown_failures:
+            fields["shutdown_failures"] = list(self.shutdown_failures)
+        log.info("stopped", extra={"fields": fields})
+
+    async def _step(self, name: str, run: Callable[[], Any], timeout: float | None) -> None:
+        """Run one shutdown step (a function, or one returning an awaitable) within `timeout`; log and
+        count its failure."""
         try:
-            await asyncio.wait_for(http_task, 10)
-        except (asyncio.TimeoutError, Exception):
-            pass
-        lag_task.cancel()
-        state.engine.shutdown()
-        log.info("stopped", extra={"fields": {"exit_code": self.exit_code}})
-        return self.exit_code
+            result = run()
+            if inspect.isawaitable(result):
+                await asyncio.wait_for(result, timeout)
+        except Exception as e:  # asyncio.TimeoutError included; a cancellation of shutdown itself propagates
+            self.shutdown_failures.append(name)
+            log.error("shutdown step failed", exc_info=not isinstance(e, asyncio.TimeoutError),
+                      extra={"fields": {"step": name, "error": f"{type(e).__name__}: {e}",
+                                        "failures": len(self.shutdown_failures)}})
 
     async def _drain(self) -> None:
         state = self.state
