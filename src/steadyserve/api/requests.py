@@ -25,6 +25,17 @@ from .state import ServerState
 from .streams import StreamHandle
 
 
+@dataclass(frozen=True)
+class OutputOptions:
+    """What the encoders add around the generated tokens, read from the request by its spec builder, so that
+    the transport's raw message never travels past it."""
+
+    logprobs: bool = False  # the client asked for each token's logprob (best_of asks the engine anyway, to rank)
+    top_logprobs: int = 0  # alternatives per token the client asked for (completions: logprobs N)
+    echo: bool = False  # completion: the prompt prepended to the text (and its tokens' logprobs, if asked)
+    include_usage: bool = False  # a stream ends with a usage chunk (stream_options.include_usage)
+
+
 @dataclass
 class RequestSpec:
     """A request as a transport parsed it, before any check: the same fields whichever transport it came by."""
@@ -41,7 +52,7 @@ class RequestSpec:
     num_samples: int = 1  # choices generated per prompt (best_of, else n)
     n: int = 1  # choices returned per prompt: the best n of num_samples by mean token logprob
     stream: bool = False  # the client asked for a stream of events rather than one response
-    body: Any = None  # the parsed input (pydantic model or proto message): the encoder's options
+    output: OutputOptions = OutputOptions()  # what the encoders add: logprobs, echo, usage
 
 
 @dataclass
@@ -58,7 +69,7 @@ class ValidatedRequest:
     num_samples: int = 1  # choices generated per prompt (best_of, else n)
     n: int = 1  # choices returned per prompt
     stream: bool = False  # the client asked for a stream
-    body: Any = None  # the parsed input, for the encoder's options (echo, logprobs, stream_options)
+    output: OutputOptions = OutputOptions()  # what the encoders add: logprobs, echo, usage
 
     @property
     def engine_ids(self) -> list[str]:
@@ -174,7 +185,7 @@ def build(state: ServerState, spec: RequestSpec) -> ValidatedRequest:
             choice_params.append(p)
             choice_texts.append(text)
     return ValidatedRequest(state.new_request_id(spec.request_id or None), spec.kind, spec.transport, choices,
-                            choice_params, choice_texts, k, spec.n, spec.stream, spec.body)
+                            choice_params, choice_texts, k, spec.n, spec.stream, spec.output)
 
 
 def derived_seed(seed: int | None, j: int) -> int | None:

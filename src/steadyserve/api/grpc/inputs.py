@@ -12,7 +12,7 @@ from typing import Any
 
 from ...engine.sequence import SamplingParams
 from ...limits import InvalidRequest
-from ..requests import RequestSpec
+from ..requests import OutputOptions, RequestSpec
 
 # The proto field each kind of `input` oneof arrives in; the HTTP API calls them prompt and messages.
 INPUT_FIELDS = {"text": "text", "tokens": "tokens.ids", "chat": "chat.messages"}
@@ -42,7 +42,7 @@ def score_spec(msg: Any) -> RequestSpec:
     """Score: generate nothing, return every prompt token's logprob (and top-k). The prompt may fill the context."""
     return RequestSpec(kind="score", transport="grpc", request_id=msg.request_id, model=msg.model,
                        params=SamplingParams(max_tokens=0, prompt_logprobs=msg.top_logprobs),
-                       requested_max_tokens=0, body=msg, **input_spec(msg))
+                       requested_max_tokens=0, **input_spec(msg))
 
 
 def generate_spec(msg: Any) -> RequestSpec:
@@ -56,13 +56,15 @@ def generate_spec(msg: Any) -> RequestSpec:
     return RequestSpec(kind="chat" if input_kind(msg) == "chat" else "completion", transport="grpc",
                        request_id=msg.request_id, model=msg.model, params=params,
                        requested_max_tokens=p.max_tokens if p.HasField("max_tokens") else None, stream=True,
-                       body=msg, **input_spec(msg))
+                       output=OutputOptions(logprobs=p.HasField("logprobs"),
+                                            top_logprobs=p.logprobs if p.HasField("logprobs") else 0),
+                       **input_spec(msg))
 
 
 def tokenize_spec(msg: Any) -> RequestSpec:
     """Tokenize: the input as Score sees it (it may fill the context)."""
     return RequestSpec(kind="score", transport="grpc", request_id="", model="", params=SamplingParams(),
-                       requested_max_tokens=0, body=msg, **input_spec(msg))
+                       requested_max_tokens=0, **input_spec(msg))
 
 
 def field_name(param: str | None, msg: Any, scoring: bool = False) -> str:

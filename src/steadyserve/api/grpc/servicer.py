@@ -85,12 +85,12 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         call.set(REQUEST_ID_KEY, req.request_id)
         return req
 
-    async def _admit(self, call: _Call, req: ValidatedRequest) -> list[StreamHandle]:
-        """Admit into the engine or abort the RPC at once with the refusal's status."""
+    async def _admit(self, call: _Call, req: ValidatedRequest, msg: Any) -> list[StreamHandle]:
+        """Admit into the engine or abort the RPC at once with the refusal's status (naming msg's field)."""
         try:
             return admit(self.state, req)
         except Refused as e:
-            await self._refuse(call, e, req.body)
+            await self._refuse(call, e, msg)
 
     async def _refuse(self, call: _Call, e: Refused, msg: Any = None) -> NoReturn:
         """A refusal as a status: RESOURCE_EXHAUSTED (overloaded), UNAVAILABLE (draining, dead) or
@@ -137,7 +137,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def Score(self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
         call = _Call(context, self.fingerprint)
         req = await self._validate(call, request, score_spec)
-        handles = await self._admit(call, req)
+        handles = await self._admit(call, req, request)
         async with self._events(context, handles) as events:
             async for _ in events:
                 pass
@@ -156,7 +156,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         call = _Call(context, self.fingerprint)
         req = await self._validate(call, request, generate_spec)
-        handles = await self._admit(call, req)
+        handles = await self._admit(call, req, request)
         want_lp = req.params[0].logprobs is not None
         events = self._events(context, handles)
 

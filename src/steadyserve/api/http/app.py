@@ -55,12 +55,10 @@ def create_app(state: ServerState) -> FastAPI:
         req = await state.run_tokenizer(build_from_body, state, body, kind, "http", client_request_id(request.scope))
         handles = admit(state, req)
         fmts = formatters(req, state.model_name, str(state.fingerprint), state.loaded.tokenizer)
-        body_req = req.body
-        # Asked for by the client (best_of asks the engine for them anyway, to rank its samples).
-        want_lp = body_req.logprobs is not None if kind == "completion" else bool(body_req.logprobs)
+        want_lp = req.output.logprobs  # asked for by the client (best_of asks the engine anyway, to rank)
         if req.stream:
-            include_usage = bool(body_req.stream_options and body_req.stream_options.include_usage)
-            return SSEResponse(handles, fmts, want_lp, include_usage, cfg.stall_timeout, n=req.num_samples)
+            return SSEResponse(handles, fmts, want_lp, req.output.include_usage, cfg.stall_timeout,
+                               n=req.num_samples)
         return await collect(request, handles, fmts, want_lp, req.num_samples, req.n)
 
     async def collect(request: Request, handles: list, fmts: list[Formatter], want_lp: bool, n: int,

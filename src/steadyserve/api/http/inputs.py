@@ -14,7 +14,7 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from ...limits import DEFAULT_MAX_TOKENS, Refused
-from ..requests import RequestSpec, ValidatedRequest, build
+from ..requests import OutputOptions, RequestSpec, ValidatedRequest, build
 from ..state import ServerState
 from .schemas import ChatCompletionRequest, CompletionRequest, refuse_unsupported
 
@@ -91,7 +91,18 @@ def request_spec(body: Any, kind: str, transport: str, request_id: str) -> Reque
         prompts=[] if chat else req.prompt_list(), messages=req.message_dicts() if chat else None,
         requested_max_tokens=req.requested_max_tokens,
         max_tokens_param="max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None
-        else "max_tokens", num_samples=req.num_samples, n=req.n, stream=req.stream, body=req)
+        else "max_tokens", num_samples=req.num_samples, n=req.n, stream=req.stream, output=output_options(req))
+
+
+def output_options(req: CompletionRequest | ChatCompletionRequest) -> OutputOptions:
+    """The encoders' options, as the body states them (completions: `logprobs: N`; chat: `logprobs: true` and
+    `top_logprobs`)."""
+    usage = bool(req.stream_options and req.stream_options.include_usage)
+    if isinstance(req, ChatCompletionRequest):
+        return OutputOptions(logprobs=req.logprobs, top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
+                             include_usage=usage)
+    return OutputOptions(logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0, echo=req.echo,
+                         include_usage=usage)
 
 
 def client_request_id(scope: dict) -> str:

@@ -231,7 +231,7 @@ def full_body(fmts: list[Formatter], accs: list[Accumulated], want_logprobs: boo
 
 def formatters(req: ValidatedRequest, model: str, fingerprint: str, tokenizer: Any) -> list[Formatter]:
     """One Formatter per choice of a validated completion or chat request."""
-    echo = req.kind == "completion" and req.body.echo
+    echo = req.output.echo  # only a completion's builder sets it
     # Echo: a text prompt as sent; token ids decoded (the builder has checked they are ids of this model).
     return [Formatter(req.kind, req.request_id, model, fingerprint, tokenizer,
                       echo_prompt_ids=ids if echo else None,
