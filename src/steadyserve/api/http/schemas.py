@@ -89,10 +89,11 @@ class _Common(BaseModel):
                                 json_schema_extra=shared_range(0.0, MAX_TEMPERATURE))
     top_p: Number = Field(default=1.0, description="nucleus sampling: keep the most likely tokens "
                           "whose probabilities sum to top_p", json_schema_extra=shared_range(None, 1.0, 0.0))
-    top_k: StrictInt = Field(default=0, ge=0, description="keep only the k most likely tokens; 0 keeps all",
-                             json_schema_extra={"x-extension": True})
-    seed: StrictInt | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX, description="seeds this request's own "
-                                   "sampler: equal seeds give equal tokens, whatever else is batched with it")
+    top_k: StrictInt = Field(default=0, description="keep only the k most likely tokens; 0 keeps all",
+                             json_schema_extra=shared_range(0, **{"x-extension": True}))
+    seed: StrictInt | None = Field(default=None, description="seeds this request's own "
+                                   "sampler: equal seeds give equal tokens, whatever else is batched with it",
+                                   json_schema_extra=shared_range(SEED_MIN, SEED_MAX))
     stop: str | list[str] | None = Field(default=None, description=f"up to {MAX_STOP_STRINGS} strings that end the "
                                          "completion; the text stops before the stop string")
     stop_token_ids: list[StrictInt] | None = Field(default=None, description="token ids that also end the "
@@ -107,18 +108,23 @@ class _Common(BaseModel):
                                    "benchmarks)", json_schema_extra={"x-extension": True})
     # Logits processors: applied to this request's own row before sampling (batch invariance holds); the
     # logprobs reported stay the model's own (as vLLM reports them by default).
-    frequency_penalty: Number | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY, description="subtracted "
-                                             "from a token's log-probability once per time it was generated so far")
-    presence_penalty: Number | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY, description="subtracted "
-                                            "from the log-probability of every token generated so far")
+    frequency_penalty: Number | None = Field(default=None, description="subtracted "
+                                             "from a token's log-probability once per time it was generated so far",
+                                             json_schema_extra=shared_range(-MAX_PENALTY, MAX_PENALTY))
+    presence_penalty: Number | None = Field(default=None, description="subtracted "
+                                            "from the log-probability of every token generated so far",
+                                            json_schema_extra=shared_range(-MAX_PENALTY, MAX_PENALTY))
     logit_bias: dict[str, Number] | None = Field(default=None, description="token id (as a string) -> bias in "
                                                  "-100..100 added to its log-probability before sampling; "
                                                  "-100 bans a token, 100 all but forces it")
-    repetition_penalty: Number = Field(default=1.0, gt=0.0, le=MAX_REPETITION_PENALTY, description="multiplies "
+    repetition_penalty: Number = Field(default=1.0, description="multiplies "
                                        "the (negative) log-probability of every prompt and generated token: > 1 discourages "
-                                       "repeats, 1 turns it off", json_schema_extra={"x-extension": True})
-    min_tokens: StrictInt = Field(default=0, ge=0, description="end-of-sequence and stop tokens cannot be "
-                                  "generated before this many tokens", json_schema_extra={"x-extension": True})
+                                       "repeats, 1 turns it off",
+                                       json_schema_extra=shared_range(None, MAX_REPETITION_PENALTY, 0.0,
+                                                                      **{"x-extension": True}))
+    min_tokens: StrictInt = Field(default=0, description="end-of-sequence and stop tokens cannot be "
+                                  "generated before this many tokens (at most max_tokens)",
+                                  json_schema_extra=shared_range(0, **{"x-extension": True}))
 
     def processors(self) -> dict[str, Any]:
         """The logits processors' SamplingParams fields."""
