@@ -11,7 +11,8 @@ import torch
 
 from steadyserve.config import EngineConfig
 from steadyserve.engine.async_engine import SECOND_MODEL_THREAD, AsyncEngine
-from steadyserve.engine.engine import AdmissionError, LLMEngine
+from steadyserve.engine.engine import LLMEngine
+from steadyserve.limits import Refused
 from steadyserve.engine.model_thread import ModelThread
 from steadyserve.engine.offline import Completed, run_requests
 from steadyserve.engine.selftest import run_selftest
@@ -56,7 +57,7 @@ def same(a: Completed, b: Completed) -> bool:
 def test_too_long_for_the_context_is_refused_at_once(loaded):
     engine = make_engine(loaded, max_model_len=0)
     ctx = engine.max_model_len
-    with pytest.raises(AdmissionError) as e:
+    with pytest.raises(Refused) as e:
         engine.add_request(gen("long", [1] * (ctx - 5), 6))
     assert e.value.reason == "too_long" and "context length" in str(e.value) and e.value.param == "max_tokens"
     engine.add_request(gen("fits", [1] * (ctx - 5), 5))  # exactly the context: fine
@@ -67,7 +68,7 @@ def test_larger_than_the_whole_cache_is_refused_at_once(loaded):
     per_block = 2 * loaded.args.num_layers * loaded.args.num_kv_heads * loaded.args.head_dim * 32 * 4
     engine = make_engine(loaded, kv_cache_memory=3 * per_block)
     assert engine.kv.num_blocks == 3
-    with pytest.raises(AdmissionError) as e:
+    with pytest.raises(Refused) as e:
         engine.add_request(gen("huge", [1] * 90, 7))  # 97 tokens > 96 slots: it could never run
     assert e.value.reason == "too_long" and "KV cache of 96 tokens" in str(e.value)
     assert not engine.has_work()
@@ -85,7 +86,7 @@ def test_larger_than_the_whole_cache_is_refused_at_once(loaded):
     ([1], SamplingParams(stop=[""]), "stop"),
 ])
 def test_invalid_requests(engine, prompt, params, param):
-    with pytest.raises(AdmissionError) as e:
+    with pytest.raises(Refused) as e:
         engine.add_request(Request("bad", prompt, params))
     assert e.value.reason == "invalid" and e.value.param == param
 
@@ -305,13 +306,13 @@ def test_async_engine_refuses_beyond_capacity_and_too_long(engine):
         ae.max_num_seqs = 2  # capacity 2, engine loop not started: nothing finishes
         s1 = ae.submit(gen("a", [1, 2], 4))
         ae.submit(gen("b", [1, 2], 4))
-        with pytest.raises(AdmissionError) as e:
+        with pytest.raises(Refused) as e:
             ae.submit(gen("c", [1, 2], 4))
         assert e.value.reason == "overloaded" and e.value.retry_after
-        with pytest.raises(AdmissionError) as e:
+        with pytest.raises(Refused) as e:
             ae.submit(gen("d", [1] * engine.max_model_len, 4))
         assert e.value.reason == "too_long"
-        with pytest.raises(AdmissionError) as e:
+        with pytest.raises(Refused) as e:
             ae.submit(gen("a", [1, 2], 4))
         assert e.value.reason in ("invalid", "overloaded")
         del s1
@@ -344,7 +345,7 @@ def test_async_engine_reports_death_and_fails_streams(engine):
                     break
                 await asyncio.sleep(0.05)
             assert not ae.alive and "boom in the loop" in ae.dead
-            with pytest.raises(AdmissionError) as e:
+            with pytest.raises(Refused) as e:
                 ae.submit(gen("late", [1], 2))
             assert e.value.reason == "dead"
             return results

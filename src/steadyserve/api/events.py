@@ -12,10 +12,10 @@ transport keeps only its write mechanics: how bytes reach its socket.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from ..engine.sequence import RequestOutput, TokenLogprob
+from ..engine.sequence import Accumulated, RequestOutput  # Accumulated: the one fold, shared with offline use
 from .streams import StreamHandle
 
 
@@ -50,43 +50,6 @@ def end_status(code: str) -> EndStatus:
 
 class StreamStalled(Exception):
     """A send waited --stall-timeout for the client; every choice was cut with reason `stall`."""
-
-
-@dataclass
-class Accumulated:
-    """A request's outputs so far, merged."""
-
-    text: str = ""  # the generated text
-    token_ids: list[int] = field(default_factory=list)  # the generated token ids
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per generated token, if asked
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (the first None), if asked
-    finish_reason: str | None = None  # stop | length | abort | error, once finished
-    error: str | None = None  # the engine's message with finish_reason error
-    num_prompt_tokens: int = 0
-    num_generated_tokens: int = 0
-    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache
-    max_batch_seqs: int = 0  # largest step this request shared (for `steadyserve validate`)
-    queue_wait: float | None = None  # seconds from arrival to the first step
-
-    def add(self, out: RequestOutput) -> None:
-        self.max_batch_seqs = max(self.max_batch_seqs, out.num_batch_seqs)
-        if out.queue_wait is not None:
-            self.queue_wait = out.queue_wait
-        self.text += out.text_delta
-        self.token_ids += out.new_token_ids
-        self.logprobs += out.logprobs
-        if out.prompt_logprobs is not None:
-            self.prompt_logprobs = out.prompt_logprobs
-        if out.finished:
-            self.finish_reason, self.error = out.finish_reason, out.error
-        self.num_prompt_tokens = out.num_prompt_tokens
-        self.num_generated_tokens = out.num_generated_tokens
-        self.num_cached_tokens = out.num_cached_tokens
-
-    def usage(self) -> dict[str, Any]:
-        return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": self.num_generated_tokens,
-                "total_tokens": self.num_prompt_tokens + self.num_generated_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens}}
 
 
 def sum_usage(accs: list[Accumulated], n: int = 1) -> Accumulated:

@@ -45,6 +45,16 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+_TOKEN_TEXT: dict[int, dict[int, str]] = {}  # id(tokenizer) -> token id -> text; at most the vocabulary
+
+
 def token_text(tokenizer: Any, token_id: int) -> str:
-    """The text a single token stands for, as OpenAI's logprobs show it."""
-    return tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    """The text a single token stands for, as OpenAI's logprobs show it; memoized, the one memo of every
+    transport: logprobs with 20 alternatives, an echoed prompt or a high-rate gRPC Score would otherwise decode
+    tens of thousands of single tokens on the event loop."""
+    cache = _TOKEN_TEXT.setdefault(id(tokenizer), {})
+    text = cache.get(token_id)
+    if text is None:
+        text = cache[token_id] = tokenizer.decode([token_id], skip_special_tokens=False,
+                                                  clean_up_tokenization_spaces=False)
+    return text

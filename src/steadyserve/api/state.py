@@ -71,10 +71,6 @@ class ServerState:
             why = f": {self.engine.dead}" if self.engine.dead else ""
             raise Refused("dead", f"the engine is not running{why}")
 
-    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, transport: str):
-        """Admit a request (or raise Refused); returns the engine's RequestStream."""
-        return self.submit_all([(request_id, prompt_ids, params)], transport)[0]
-
     def submit_all(self, items: list[tuple[str, list[int], SamplingParams]], transport: str) -> list:
         """Admit all of (request id, prompt ids, params), one client call, or none (Refused);
         returns their RequestStreams in order."""

@@ -19,7 +19,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
-from .engine import AdmissionError, LLMEngine, StepStats
+from ..limits import Refused
+from .engine import LLMEngine, StepStats
 from .model_thread import ModelThread
 from .sequence import Request, RequestOutput
 
@@ -124,24 +125,24 @@ class AsyncEngine:
 
     # ---- front-end API ---------------------------------------------------
     def submit(self, request: Request) -> RequestStream:
-        """Admit a request or raise AdmissionError at once. Call from an event loop."""
+        """Admit a request or raise Refused at once. Call from an event loop."""
         return self.submit_all([request])[0]
 
     def submit_all(self, requests: list[Request]) -> list[RequestStream]:
-        """Admit all of `requests` (one client call: batched prompts) or none: AdmissionError at once."""
+        """Admit all of `requests` (one client call: batched prompts) or none: Refused at once."""
         if self.dead is not None:
-            raise AdmissionError("dead", f"the engine is not running: {self.dead}")
+            raise Refused("dead", f"the engine is not running: {self.dead}")
         for request in requests:
             self.engine.check(request)
         ids = [r.request_id for r in requests]
         with self._count_lock:
             if self._num_in_flight + len(requests) > self.capacity:
                 asked = f", {len(requests)} asked for at once" if len(requests) > 1 else ""
-                raise AdmissionError("overloaded", f"server at capacity ({self._num_in_flight} requests in "
+                raise Refused("overloaded", f"server at capacity ({self._num_in_flight} requests in "
                                      f"flight{asked}); retry later", retry_after=self.retry_after())
             taken = next((i for i in ids if i in self._streams), None)
             if taken is not None or len(set(ids)) < len(ids):
-                raise AdmissionError("invalid", f"request id {taken or ids[0]!r} is already in flight",
+                raise Refused("invalid", f"request id {taken or ids[0]!r} is already in flight",
                                      "request_id")
             self._num_in_flight += len(requests)
         streams = []

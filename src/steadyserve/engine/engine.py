@@ -28,11 +28,6 @@ from ..limits import InvalidRequest, Refused
 from .sequence import Request, RequestOutput, Sequence, TokenLogprob
 from .structured import Grammars
 
-# The engine's refusals are the one refusal type (steadyserve.limits.Refused); the old name stays an alias
-# for the engine's callers (offline use, tests). Its reasons: overloaded | too_long | invalid | dead.
-AdmissionError = Refused
-
-
 @dataclass
 class StepStats:
     num_seqs: int  # sequences in the step
@@ -89,7 +84,7 @@ class LLMEngine:
 
     # ---- admission -------------------------------------------------------
     def check(self, request: Request) -> None:
-        """Refuse at once what can never run. Raises Refused (AdmissionError).
+        """Refuse at once what can never run. Raises Refused (reasons: too_long | invalid).
 
         The server runs it once per request, on the event loop at submit (AsyncEngine.submit_all); offline
         callers get it from add_request."""
@@ -97,36 +92,36 @@ class LLMEngine:
         try:
             p.validate()
         except InvalidRequest as e:  # the engine's own reason for a field out of range
-            raise AdmissionError("invalid", str(e), e.param) from None
+            raise Refused("invalid", str(e), e.param) from None
         n = len(request.prompt_token_ids)
         if n == 0:
-            raise AdmissionError("invalid", "the prompt is empty", "prompt")
+            raise Refused("invalid", "the prompt is empty", "prompt")
         vocab = self.loaded.args.vocab_size
         if any(not 0 <= t < vocab for t in request.prompt_token_ids):
-            raise AdmissionError("invalid", f"prompt token ids must be in 0..{vocab - 1}", "prompt")
+            raise Refused("invalid", f"prompt token ids must be in 0..{vocab - 1}", "prompt")
         if p.grammar is not None:
             why = self.grammars.error(p.grammar)
             if why:
-                raise AdmissionError("invalid", f"response_format: {why}", "response_format")
+                raise Refused("invalid", f"response_format: {why}", "response_format")
         bad_bias = next((t for t in p.logit_bias if not 0 <= t < vocab), None)
         if bad_bias is not None:
-            raise AdmissionError("invalid", f"logit_bias: {bad_bias} is not a token id of this model "
+            raise Refused("invalid", f"logit_bias: {bad_bias} is not a token id of this model "
                                  f"(0..{vocab - 1})", "logit_bias")
         bad_stop = next((t for t in p.stop_token_ids if not 0 <= t < vocab), None)
         if bad_stop is not None:
-            raise AdmissionError("invalid", f"stop_token_ids: {bad_stop} is not a token id of this model "
+            raise Refused("invalid", f"stop_token_ids: {bad_stop} is not a token id of this model "
                                  f"(0..{vocab - 1})", "stop_token_ids")
         total = n + p.max_tokens
         if total > self.max_model_len:
-            raise AdmissionError("too_long", f"prompt ({n} tokens) + max_tokens ({p.max_tokens}) = {total} "
+            raise Refused("too_long", f"prompt ({n} tokens) + max_tokens ({p.max_tokens}) = {total} "
                                  f"exceeds the context length of {self.max_model_len} tokens", "max_tokens")
         if not self.block_manager.can_ever_fit(total):
             cap = self.block_manager.num_blocks * self.block_manager.block_size
-            raise AdmissionError("too_long", f"prompt ({n} tokens) + max_tokens ({p.max_tokens}) = {total} "
+            raise Refused("too_long", f"prompt ({n} tokens) + max_tokens ({p.max_tokens}) = {total} "
                                  f"exceeds the KV cache of {cap} tokens", "max_tokens")
 
     def add_request(self, request: Request) -> Sequence:
-        """Check and queue a request (offline use). Raises AdmissionError."""
+        """Check and queue a request (offline use). Raises Refused."""
         self.check(request)
         return self.add_checked(request)
 

@@ -2,35 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .engine import LLMEngine
-from .sequence import Request, RequestOutput, TokenLogprob
+from .sequence import Accumulated, Request
 
 
 @dataclass
-class Completed:
-    """Everything one request produced, gathered from its outputs."""
-
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    prompt_logprobs: list[TokenLogprob | None] | None = None
-    text: str = ""
-    finish_reason: str | None = None
-    error: str | None = None
-    num_outputs: int = 0
-    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache
-
-    def add(self, out: RequestOutput) -> None:
-        self.num_outputs += 1
-        self.num_cached_tokens = out.num_cached_tokens
-        self.token_ids += out.new_token_ids
-        self.logprobs += out.logprobs
-        self.text += out.text_delta
-        if out.prompt_logprobs is not None:
-            self.prompt_logprobs = out.prompt_logprobs
-        if out.finished:
-            self.finish_reason, self.error = out.finish_reason, out.error
+class Completed(Accumulated):
+    """Everything one request produced, gathered from its outputs (Accumulated's fold), with its logprobs as
+    plain values for comparisons."""
 
     @property
     def logprob_values(self) -> list[float]:

@@ -121,6 +121,46 @@ class RequestOutput:
     queue_wait: float | None = None  # seconds from arrival to first step; on the first output only
 
 
+@dataclass
+class Accumulated:
+    """A request's outputs so far, merged: the one fold of RequestOutputs, for the API's encoders
+    (api/events.py) and offline runs (engine/offline.py) alike."""
+
+    text: str = ""  # the generated text
+    token_ids: list[int] = field(default_factory=list)  # the generated token ids
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per generated token, if asked
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (the first None), if asked
+    finish_reason: str | None = None  # stop | length | abort | error, once finished
+    error: str | None = None  # the engine's message with finish_reason error
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache
+    max_batch_seqs: int = 0  # largest step this request shared (for `steadyserve validate`)
+    queue_wait: float | None = None  # seconds from arrival to the first step
+    num_outputs: int = 0  # RequestOutputs folded in
+
+    def add(self, out: RequestOutput) -> None:
+        self.num_outputs += 1
+        self.max_batch_seqs = max(self.max_batch_seqs, out.num_batch_seqs)
+        if out.queue_wait is not None:
+            self.queue_wait = out.queue_wait
+        self.text += out.text_delta
+        self.token_ids += out.new_token_ids
+        self.logprobs += out.logprobs
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+        if out.finished:
+            self.finish_reason, self.error = out.finish_reason, out.error
+        self.num_prompt_tokens = out.num_prompt_tokens
+        self.num_generated_tokens = out.num_generated_tokens
+        self.num_cached_tokens = out.num_cached_tokens
+
+    def usage(self) -> dict[str, Any]:
+        return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": self.num_generated_tokens,
+                "total_tokens": self.num_prompt_tokens + self.num_generated_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens}}
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ...platform_info import platform_info
 from ..http.errors import error_response
-from ..http.openai_format import token_text
+from ..protocol import token_text
 
 STATIC_DIR = Path(__file__).with_name("static")
 WINDOW_S = 10.0  # latency percentiles cover this many recent seconds

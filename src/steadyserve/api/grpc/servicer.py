@@ -68,7 +68,6 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     def __init__(self, state: ServerState) -> None:
         self.state = state
         self.fingerprint = str(state.fingerprint)
-        self._token_text: dict[int, str] = {}  # decoded once per token id: Score is called at high rates
 
     # ---- shared steps ----------------------------------------------------
     async def _validate(self, call: _Call, msg: Any, spec_of: Callable[[Any], RequestSpec]) -> ValidatedRequest:
@@ -124,10 +123,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         await call.abort(getattr(Code, end_status(code).grpc), message, {ERROR_CODE_KEY: code})
 
     def _text(self, token_id: int) -> str:
-        text = self._token_text.get(token_id)
-        if text is None:
-            text = self._token_text[token_id] = token_text(self.state.loaded.tokenizer, token_id)
-        return text
+        return token_text(self.state.loaded.tokenizer, token_id)  # memoized there: Score runs at high rates
 
     def _logprob(self, lp: TokenLogprob) -> pb.TokenLogprob:
         return pb.TokenLogprob(token_id=lp.token_id, text=self._text(lp.token_id), logprob=lp.logprob,

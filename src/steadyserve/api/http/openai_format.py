@@ -9,20 +9,8 @@ from typing import Any
 
 from ...engine.sequence import RequestOutput, TokenLogprob
 from ..events import Accumulated, sum_usage
-from ..protocol import token_text as _token_text_uncached
+from ..protocol import token_text
 from ..requests import ValidatedRequest
-
-_TOKEN_TEXT: dict[int, dict[int, str]] = {}  # id(tokenizer) -> token id -> text; at most the vocabulary
-
-
-def token_text(tokenizer: Any, token_id: int) -> str:
-    """protocol.token_text, memoized: logprobs with 20 alternatives would otherwise decode
-    tens of thousands of single tokens on the event loop for one echoed prompt."""
-    cache = _TOKEN_TEXT.setdefault(id(tokenizer), {})
-    text = cache.get(token_id)
-    if text is None:
-        text = cache[token_id] = _token_text_uncached(tokenizer, token_id)
-    return text
 
 
 def _bytes_to_unicode_inverse() -> dict[str, int]:

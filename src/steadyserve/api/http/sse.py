@@ -57,7 +57,7 @@ class SSEResponse(Response):
     media_type = "text/event-stream"
 
     def __init__(self, handle: StreamHandle | list[StreamHandle], fmt: Formatter | list[Formatter],
-                 want_logprobs: bool, include_usage: bool, stall_timeout: float, on_close: Any = None,
+                 want_logprobs: bool, include_usage: bool, stall_timeout: float,
                  n: int = 1) -> None:
         self.status_code = 200
         self.background = None
@@ -69,7 +69,6 @@ class SSEResponse(Response):
         self.want_logprobs = want_logprobs
         self.include_usage = include_usage
         self.stall_timeout = stall_timeout
-        self.on_close = on_close
         self.n = n  # choices per prompt: usage counts each prompt once
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -117,6 +116,4 @@ class SSEResponse(Response):
                 transport.abort()  # a stalled client gets no more bytes and holds no buffer
         except OSError:  # the client went away mid-write
             events.cut("client_disconnect")
-        finally:
-            if self.on_close is not None:
-                self.on_close()
+
