@@ -37,13 +37,13 @@ class ModelRunner:
         self.kv = kv
         self.device = model.device
 
-    def _prepare(self, out: SchedulerOutput) -> tuple[ForwardBatch, list[tuple[int, int, int, int]]]:
+    def _prepare(self, out: SchedulerOutput) -> tuple[ForwardBatch, list[tuple[int, int, int]]]:
         bs = self.kv.block_size
         ids: list[int] = []
         positions: list[int] = []
         seq_of: list[int] = []
         tables: list[list[int]] = []
-        spans = []  # per seq: (row of first token, n, first needed logits row, number of rows)
+        spans = []  # per seq: (its first row in the batch, its n new tokens, the position of the first of them)
         max_blocks = max(len(s.seq.block_table) for s in out.scheduled)
         for i, sched in enumerate(out.scheduled):
             seq, n = sched.seq, sched.num_new_tokens
@@ -53,7 +53,7 @@ class ModelRunner:
             positions.extend(range(start, start + n))
             seq_of.extend([i] * n)
             tables.append(seq.block_table + [0] * (max_blocks - len(seq.block_table)))
-            spans.append((row0, n, start, 0))
+            spans.append((row0, n, start))
         dev = self.device
         pos = torch.tensor(positions, dtype=torch.int64)
         tab = torch.tensor(tables, dtype=torch.int64)  # (S, NBmax)
@@ -73,7 +73,7 @@ class ModelRunner:
         sample_rows: list[int] = []  # hidden row of each sampling sequence's last token
         prompt_rows: list[tuple[int, int, int]] = []  # (hidden row, index of seq, position of the token it scores)
         plans = []
-        for i, (sched, (row0, n, start, _)) in enumerate(zip(out.scheduled, spans)):
+        for i, (sched, (row0, n, start)) in enumerate(zip(out.scheduled, spans)):
             seq = sched.seq
             first_pp = last_pp = 0
             if not seq.prompt_logprobs_done:
