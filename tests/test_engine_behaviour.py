@@ -76,19 +76,20 @@ def test_larger_than_the_whole_cache_is_refused_at_once(loaded):
     assert done["ok"].finish_reason == "length"
 
 
-@pytest.mark.parametrize("prompt, params, param", [
-    ([], SamplingParams(), "prompt"),
-    ([10 ** 6], SamplingParams(), "prompt"),
-    ([1], SamplingParams(temperature=-1), "temperature"),
-    ([1], SamplingParams(top_p=0), "top_p"),
-    ([1], SamplingParams(max_tokens=0), "max_tokens"),
-    ([1], SamplingParams(logprobs=21), "logprobs"),
-    ([1], SamplingParams(stop=[""]), "stop"),
+@pytest.mark.parametrize("prompt, params, param, reason", [
+    ([], SamplingParams(), "prompt", "invalid"),
+    # The token range is the request builder's check (steadyserve.limits.check_token_ids), reason and all.
+    ([1, 10 ** 6], SamplingParams(), "prompt[1]", "invalid_value"),
+    ([1], SamplingParams(temperature=-1), "temperature", "invalid"),
+    ([1], SamplingParams(top_p=0), "top_p", "invalid"),
+    ([1], SamplingParams(max_tokens=0), "max_tokens", "invalid"),
+    ([1], SamplingParams(logprobs=21), "logprobs", "invalid"),
+    ([1], SamplingParams(stop=[""]), "stop", "invalid"),
 ])
-def test_invalid_requests(engine, prompt, params, param):
+def test_invalid_requests(engine, prompt, params, param, reason):
     with pytest.raises(Refused) as e:
         engine.add_request(Request("bad", prompt, params))
-    assert e.value.reason == "invalid" and e.value.param == param
+    assert e.value.reason == reason and e.value.param == param
 
 
 # ---- stop strings and text ---------------------------------------------------------------------

@@ -78,6 +78,17 @@ class InvalidRequest(Refused):
         super().__init__("invalid_value", message, param)
 
 
+def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
+    """Token ids a client sent must be ids of this model; the message points at the first that is not.
+
+    The one token-range check: the request builder runs it for every transport, and the engine's admission
+    runs the same one for offline callers, so both refuse with the same reason, field and message."""
+    bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(f"{param}[{bad}]", f"{param}[{bad}]: token id {ids[bad]} is out of range "
+                             f"0..{vocab_size - 1}")
+
+
 def valid_request_id(request_id: str) -> bool:
     """A client-chosen request id: at most MAX_REQUEST_ID_CHARS printable characters."""
     return len(request_id) <= MAX_REQUEST_ID_CHARS and request_id.isprintable()

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..engine.sequence import SamplingParams
-from ..limits import DEFAULT_MAX_TOKENS, InvalidRequest, Refused, check_request_id
+from ..limits import DEFAULT_MAX_TOKENS, InvalidRequest, Refused, check_request_id, check_token_ids
 from .protocol import encode_prompt, render_chat
 from .state import ServerState
 from .streams import StreamHandle
@@ -95,14 +95,6 @@ def check_context(num_tokens: int, param: str, context: int, scoring: bool, verb
                       param)
 
 
-def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
-    """Token ids a client sent must be ids of this model; the message points at the first that is not."""
-    bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise InvalidRequest(f"{param}[{bad}]", f"{param}[{bad}]: token id {ids[bad]} is out of range "
-                             f"0..{vocab_size - 1}")
-
-
 def prompt_ids(state: ServerState, spec: RequestSpec) -> tuple[list[list[int]], list[str | None]]:
     """Each prompt's token ids (chat: the rendered conversation) and its text for echo, context-checked."""
     tok, context = state.loaded.tokenizer, state.loaded.max_model_len
@@ -162,9 +154,7 @@ def build(state: ServerState, spec: RequestSpec) -> ValidatedRequest:
                              "(--max-num-seqs + --max-queue), all admitted at once")
     prompts, texts = prompt_ids(state, spec)
     if params.grammar is not None:  # compiled here, off the event loop; admission then finds it known
-        why = state.engine.engine.grammars.error(params.grammar)
-        if why:
-            raise InvalidRequest("response_format", f"response_format: {why}")
+        state.engine.engine.grammars.check(params.grammar)
     k = spec.num_samples
     if len(prompts) * k > capacity:
         name = "best_of" if k > spec.n else "n"

@@ -24,7 +24,7 @@ from .model_runner import ModelRunner, SeqResult
 from .sampler import NumericalError, make_generator, process_row, sample, token_logprob
 from .scheduler import ScheduledSeq, Scheduler
 from .stop import end_token_ids, final_reason, stop_reason
-from ..limits import InvalidRequest, Refused
+from ..limits import InvalidRequest, Refused, check_token_ids
 from .sequence import Request, RequestOutput, Sequence, TokenLogprob
 from .structured import Grammars
 
@@ -97,12 +97,11 @@ class LLMEngine:
         if n == 0:
             raise Refused("invalid", "the prompt is empty", "prompt")
         vocab = self.loaded.args.vocab_size
-        if any(not 0 <= t < vocab for t in request.prompt_token_ids):
-            raise Refused("invalid", f"prompt token ids must be in 0..{vocab - 1}", "prompt")
+        # The request builder's own token-range and grammar checks (steadyserve.limits, Grammars.check): a
+        # server request passed them already, an offline one gets the same reason, field and message.
+        check_token_ids(request.prompt_token_ids, vocab, "prompt")
         if p.grammar is not None:
-            why = self.grammars.error(p.grammar)
-            if why:
-                raise Refused("invalid", f"response_format: {why}", "response_format")
+            self.grammars.check(p.grammar)
         bad_bias = next((t for t in p.logit_bias if not 0 <= t < vocab), None)
         if bad_bias is not None:
             raise Refused("invalid", f"logit_bias: {bad_bias} is not a token id of this model "

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from ..limits import InvalidRequest
+
 # Compact JSON (no optional whitespace): a small model cannot wander into endless blank lines, and every
 # response to one schema has one layout.
 JSON_DEFAULTS = {"whitespace_flexible": False}
@@ -52,6 +54,13 @@ class Grammars:
 
                 self._tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size)
             return self._tokenizer
+
+    def check(self, grammar: str) -> None:
+        """Refuse a grammar this model cannot follow: the one grammar check, run by the request builder (off
+        the event loop) and again, answered from memory, at the engine's admission."""
+        why = self.error(grammar)
+        if why:
+            raise InvalidRequest("response_format", f"response_format: {why}")
 
     def error(self, grammar: str) -> str:
         """Why this grammar cannot be used with this model, or '' when it can. Remembered for the last 256

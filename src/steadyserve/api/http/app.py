@@ -13,11 +13,11 @@ from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ...limits import Refused
+from ...limits import Refused, check_token_ids
 from ...platform_info import platform_info, row_tiles_of
 from ..events import RequestEvents, end_status, sum_usage
 from ..protocol import render_chat
-from ..requests import admit, check_model, check_token_ids
+from ..requests import admit, check_model
 from ..state import ServerState
 from .errors import error_response, refusal_response
 from .inputs import build_from_body, client_request_id, read_json, validated
