@@ -73,3 +73,19 @@ def test_every_failing_step_is_logged_and_counted_and_shutdown_still_ends(caplog
     stopped = [r for r in caplog.records if r.getMessage() == "stopped"]
     assert stopped[-1].fields["shutdown_failures"] == ["grpc", "http", "engine"]  # type: ignore[attr-defined]
     assert took < 0.3 + 2.0  # the hung HTTP server costs its step's bound, not its 60 s
+
+
+def test_a_start_up_failure_is_logged_and_what_started_is_stopped(caplog: pytest.LogCaptureFixture) -> None:
+    class Unstartable(Engine):
+        death_observers: list = []
+
+        def start(self) -> None:
+            raise RuntimeError("no model thread")
+
+    srv = Server(Config())
+    engine = Unstartable(fail=False)
+    srv.state = SimpleNamespace(engine=engine)  # type: ignore[assignment]
+    caplog.set_level(logging.INFO, "steadyserve.server")
+    with pytest.raises(RuntimeError, match="no model thread"):
+        asyncio.run(srv.serve())
+    assert engine.stopped and "start-up failed" in caplog.text and srv.shutdown_failures == []

@@ -102,8 +102,13 @@ class Server:
             return self.exit_code
         try:
             await self.startup()
+        except Exception:
+            log.error("start-up failed; stopping what did start", exc_info=True)
+            await self.shutdown()
+            raise
+        try:
             await self.main_loop()
-        finally:  # a start-up failure still stops what did start
+        finally:
             await self.shutdown()
         return self.exit_code
 
