@@ -139,11 +139,11 @@ class AsyncEngine:
             if self._num_in_flight + len(requests) > self.capacity:
                 asked = f", {len(requests)} asked for at once" if len(requests) > 1 else ""
                 raise Refused("overloaded", f"server at capacity ({self._num_in_flight} requests in "
-                                     f"flight{asked}); retry later", retry_after=self.retry_after())
+                              f"flight{asked}); retry later", retry_after=self.retry_after())
             taken = next((i for i in ids if i in self._streams), None)
             if taken is not None or len(set(ids)) < len(ids):
                 raise Refused("invalid", f"request id {taken or ids[0]!r} is already in flight",
-                                     "request_id")
+                              "request_id")
             self._num_in_flight += len(requests)
         streams = []
         for request in requests:

@@ -105,19 +105,19 @@ class LLMEngine:
         bad_bias = next((t for t in p.logit_bias if not 0 <= t < vocab), None)
         if bad_bias is not None:
             raise Refused("invalid", f"logit_bias: {bad_bias} is not a token id of this model "
-                                 f"(0..{vocab - 1})", "logit_bias")
+                          f"(0..{vocab - 1})", "logit_bias")
         bad_stop = next((t for t in p.stop_token_ids if not 0 <= t < vocab), None)
         if bad_stop is not None:
             raise Refused("invalid", f"stop_token_ids: {bad_stop} is not a token id of this model "
-                                 f"(0..{vocab - 1})", "stop_token_ids")
+                          f"(0..{vocab - 1})", "stop_token_ids")
         total = n + p.max_tokens
         if total > self.max_model_len:
             raise Refused("too_long", f"prompt ({n} tokens) + max_tokens ({p.max_tokens}) = {total} "
-                                 f"exceeds the context length of {self.max_model_len} tokens", "max_tokens")
+                          f"exceeds the context length of {self.max_model_len} tokens", "max_tokens")
         if not self.block_manager.can_ever_fit(total):
             cap = self.block_manager.num_blocks * self.block_manager.block_size
             raise Refused("too_long", f"prompt ({n} tokens) + max_tokens ({p.max_tokens}) = {total} "
-                                 f"exceeds the KV cache of {cap} tokens", "max_tokens")
+                          f"exceeds the KV cache of {cap} tokens", "max_tokens")
 
     def add_request(self, request: Request) -> Sequence:
         """Check and queue a request (offline use). Raises Refused."""
