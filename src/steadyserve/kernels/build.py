@@ -80,7 +80,7 @@ def load() -> KernelStatus:
                  build_directory=str(build_dir), is_python_module=False, verbose=False)
         torch.ops.steadyserve.paged_attention  # noqa: B018 - raises if registration failed
         _status = KernelStatus(True, NATIVE_KERNEL_ID,
-                               f"native kernels {NATIVE_KERNEL_ID} from {build_dir} ({time.perf_counter() - t0:.1f} s)")
+                               f"native kernels {NATIVE_KERNEL_ID}+{QMM_KERNEL_ID} from {build_dir} ({time.perf_counter() - t0:.1f} s)")
     except Exception as e:  # no compiler, no ninja, a read-only cache...
         reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         _status = KernelStatus(False, PYTHON_KERNEL_ID, f"native kernels unavailable, using Python attention: {reason}")

@@ -51,6 +51,20 @@ int pick_isa(int64_t isa) {
 
 int64_t qmm_isa() { return best_isa(); }
 
+// One build's entry points (qmm.h), indexed by ISA: 0 scalar, 1 AVX2, 2 AVX-512.
+struct Build {
+  decltype(&scalar::matmul) matmul;
+  decltype(&scalar::dequant_rows) dequant_rows;
+  decltype(&scalar::rms_norm) rms_norm;
+  decltype(&scalar::silu_mul) silu_mul;
+  decltype(&scalar::log_softmax) log_softmax;
+};
+const Build kBuilds[3] = {
+    {scalar::matmul, scalar::dequant_rows, scalar::rms_norm, scalar::silu_mul, scalar::log_softmax},
+    {avx2::matmul, avx2::dequant_rows, avx2::rms_norm, avx2::silu_mul, avx2::log_softmax},
+    {avx512::matmul, avx512::dequant_rows, avx512::rms_norm, avx512::silu_mul, avx512::log_softmax},
+};
+
 // Output columns per task: a multiple of every build's panel width, so a task boundary never
 // splits a panel (it would not change bits, only speed).
 constexpr int64_t kColumnsPerTask = 16;
@@ -76,9 +90,7 @@ void qmatmul_(const at::Tensor& x, const at::Tensor& w, int64_t fmt, at::Tensor&
     a.n_begin = t0 * kColumnsPerTask;
     a.n_end = std::min(N, t1 * kColumnsPerTask);
     a.scratch = scratch.data();
-    if (use == 2) avx512::matmul(a);
-    else if (use == 1) avx2::matmul(a);
-    else scalar::matmul(a);
+    kBuilds[use].matmul(a);
   });
 }
 
@@ -97,9 +109,7 @@ at::Tensor qdequant(const at::Tensor& w, int64_t fmt, int64_t K, const at::Tenso
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, R, 16, [&](int64_t i0, int64_t i1) {
-    if (use == 2) avx512::dequant_rows(int32_t(fmt), wp, w.size(1), K, rp + i0, i1 - i0, op + i0 * K);
-    else if (use == 1) avx2::dequant_rows(int32_t(fmt), wp, w.size(1), K, rp + i0, i1 - i0, op + i0 * K);
-    else scalar::dequant_rows(int32_t(fmt), wp, w.size(1), K, rp + i0, i1 - i0, op + i0 * K);
+    kBuilds[use].dequant_rows(int32_t(fmt), wp, w.size(1), K, rp + i0, i1 - i0, op + i0 * K);
   });
   return out;
 }
@@ -116,9 +126,7 @@ at::Tensor qrms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, 
   float* yp = y.data_ptr<float>();
   const float e = float(eps);
   at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
-    if (use == 2) avx512::rms_norm(xp, x.stride(0), wp, e, D, yp, t0, t1);
-    else if (use == 1) avx2::rms_norm(xp, x.stride(0), wp, e, D, yp, t0, t1);
-    else scalar::rms_norm(xp, x.stride(0), wp, e, D, yp, t0, t1);
+    kBuilds[use].rms_norm(xp, x.stride(0), wp, e, D, yp, t0, t1);
   });
   return y;
 }
@@ -127,15 +135,13 @@ at::Tensor qsilu_mul(const at::Tensor& gate_up, int64_t isa) {
   TORCH_CHECK(gate_up.scalar_type() == at::kFloat && gate_up.dim() == 2 && gate_up.is_contiguous(),
               "qsilu_mul: gate_up must be contiguous (T, 2 * I) float32");
   const int64_t T = gate_up.size(0), I2 = gate_up.size(1);
-  TORCH_CHECK(I2 % 32 == 0, "qsilu_mul: I must be a multiple of 16");
+  TORCH_CHECK(I2 % 32 == 0, "qsilu_mul: I (half the width) must be a multiple of 16");
   at::Tensor y = at::empty({T, I2 / 2}, gate_up.options());
   const int use = pick_isa(isa);
   const float* gp = gate_up.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
-    if (use == 2) avx512::silu_mul(gp, I2 / 2, yp, t0, t1);
-    else if (use == 1) avx2::silu_mul(gp, I2 / 2, yp, t0, t1);
-    else scalar::silu_mul(gp, I2 / 2, yp, t0, t1);
+    kBuilds[use].silu_mul(gp, I2 / 2, yp, t0, t1);
   });
   return y;
 }
@@ -148,9 +154,7 @@ at::Tensor qlog_softmax(const at::Tensor& x, int64_t isa) {
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
-    if (use == 2) avx512::log_softmax(xp, V, yp, t0, t1);
-    else if (use == 1) avx2::log_softmax(xp, V, yp, t0, t1);
-    else scalar::log_softmax(xp, V, yp, t0, t1);
+    kBuilds[use].log_softmax(xp, V, yp, t0, t1);
   });
   return y;
 }

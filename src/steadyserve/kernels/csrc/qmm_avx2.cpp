@@ -48,6 +48,9 @@ inline float hsum(F v) {
   const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
   return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
 }
+inline void hsum4(F a, F b, F c, F d, float* out) {  // four of hsum's trees
+  out[0] = hsum(a), out[1] = hsum(b), out[2] = hsum(c), out[3] = hsum(d);
+}
 inline float hmax(F v) {
   const __m256 m8 = _mm256_max_ps(v.a, v.b);
   const __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));

@@ -46,6 +46,17 @@ inline float hsum(F v) {
   const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
   return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
 }
+// Four sums at once, each with exactly hsum's tree (the same additions, packed four outputs to a register).
+inline void hsum4(F a, F b, F c, F d, float* out) {
+  const F ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));  // l_i + l_{i+8}
+  const F cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+  const F q = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));  // + 4
+  const F r = _mm512_add_ps(q, _mm512_permute_ps(q, 0x4E));  // + 2 (lanes 0, 1 of each 128-bit chunk)
+  const F t = _mm512_add_ps(r, _mm512_permute_ps(r, 0xB1));  // + 1 (lane 0 of each chunk)
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, t);
+  out[0] = lanes[0], out[1] = lanes[4], out[2] = lanes[8], out[3] = lanes[12];
+}
 inline float hmax(F v) { return _mm512_reduce_max_ps(v); }  // exact in any order
 inline I iset1(int32_t v) { return _mm512_set1_epi32(v); }
 inline I ilanes() { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }

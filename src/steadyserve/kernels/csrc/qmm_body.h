@@ -3,7 +3,7 @@
 // Included by qmm_scalar.cpp, qmm_avx2.cpp and qmm_avx512.cpp inside their namespace, after
 // each has defined its lane types and operations:
 //   F (16 floats), I (16 int32): fzero fset1 fload fstore ffma fmul fadd fsub fdiv fmax fmin
-//   hsum hmax | iset1 ilanes iload_u8 iload_i8 iload_u16 iand isrl isll isrlv ior isub iadd
+//   hsum hsum4 hmax | iset1 ilanes iload_u8 iload_i8 iload_u16 iand isrl isll isrlv ior isub iadd
 //   i2f f2i ibits2f h2f, half_at (one binary16 at p as a float, exactly) — and the tile sizes
 //   kSmallM kFusedNR kMR kNR kMB kPrefetchTiles, and prefetch (a hint: it never faults nor changes a value).
 // Every operation is one IEEE operation per lane (ffma: one rounding), so each build computes
@@ -171,6 +171,16 @@ inline void deq32(const uint8_t* row, int64_t c, F& lo, F& hi) {
 
 // ---- the matmul: small M dequantizes into registers, large M into a panel reused by every row ----
 
+// y[m * y_stride + n0 + r] = the lane tree of acc[m][r] (hsum4 packs four trees; the bits are hsum's).
+template <int MM, int NN>
+inline void store_sums(const F (&acc)[MM][NN], float* y, int64_t y_stride, int64_t n0) {
+  for (int m = 0; m < MM; ++m) {
+    int r = 0;
+    for (; r + 4 <= NN; r += 4) hsum4(acc[m][r], acc[m][r + 1], acc[m][r + 2], acc[m][r + 3], y + m * y_stride + n0 + r);
+    for (; r < NN; ++r) y[m * y_stride + n0 + r] = hsum(acc[m][r]);
+  }
+}
+
 // y[m0 + m, n0 + r] for MM rows and NN weight rows, weights dequantized in registers.
 template <int FMT, int MM, int NN>
 inline void fused_tile(const MatmulArgs& a, int64_t n0) {
@@ -195,8 +205,7 @@ inline void fused_tile(const MatmulArgs& a, int64_t n0) {
       }
     }
   }
-  for (int m = 0; m < MM; ++m)
-    for (int r = 0; r < NN; ++r) a.y[m * a.y_stride + n0 + r] = hsum(acc[m][r]);
+  store_sums<MM, NN>(acc, a.y, a.y_stride, n0);
 }
 
 template <int FMT, int NN>
@@ -225,8 +234,7 @@ inline void panel_tile(const float* x, int64_t x_stride, const float* w, int64_t
       for (int r = 0; r < NN; ++r) acc[m][r] = ffma(xv, wv[r], acc[m][r]);
     }
   }
-  for (int m = 0; m < MM; ++m)
-    for (int r = 0; r < NN; ++r) y[m * y_stride + n0 + r] = hsum(acc[m][r]);
+  store_sums<MM, NN>(acc, y, y_stride, n0);
 }
 
 template <int NN, int MM = kMR>

@@ -55,6 +55,9 @@ inline float hsum(F x) {
   const float s2_0 = s4[0] + s4[2], s2_1 = s4[1] + s4[3];
   return s2_0 + s2_1;
 }
+inline void hsum4(F a, F b, F c, F d, float* out) {  // four of hsum's trees
+  out[0] = hsum(a), out[1] = hsum(b), out[2] = hsum(c), out[3] = hsum(d);
+}
 inline float hmax(F x) { float m = x.v[0]; for (int i = 1; i < 16; ++i) m = x.v[i] > m ? x.v[i] : m; return m; }
 inline I iset1(int32_t x) { I r; LANES r.v[i] = x; return r; }
 inline I ilanes() { I r; LANES r.v[i] = i; return r; }
