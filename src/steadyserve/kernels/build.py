@@ -11,6 +11,7 @@ attention time: more of the loops vectorized), never an IEEE operation.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -55,30 +56,70 @@ def _cache_dir() -> Path:
     h.update(" ".join(CFLAGS).encode())
     h.update(torch.__version__.encode())
     h.update(sys.version.encode())
+    # ninja's build file names the sources' and torch's absolute paths: two checkouts or venvs sharing one
+    # directory would rebuild over each other's objects, so each gets its own.
+    h.update(str(CSRC.resolve()).encode())
+    h.update(sys.prefix.encode())
     return Path(root) / "kernels" / h.hexdigest()[:16]
 
 
+BUILT_MARK = "built.ok"  # written after a build and registration succeeded; the .so beside it is complete
+LIBRARY = "steadyserve_kernels.so"
+TORCH_BATON = "lock"  # torch.utils.cpp_extension's lock file: left behind by a killed build, it blocks forever
+
+
+def _load_built(build_dir: Path) -> bool:
+    """Register an extension a finished build left in `build_dir`; no ninja, no lock, read-only is fine."""
+    if not (build_dir / BUILT_MARK).exists():
+        return False
+    try:
+        torch.ops.load_library(str(build_dir / LIBRARY))
+        torch.ops.steadyserve.paged_attention  # noqa: B018 - raises if registration failed
+    except (OSError, RuntimeError, AttributeError):
+        return False
+    return True
+
+
+def _build(build_dir: Path) -> None:
+    """Compile with torch's cpp_extension under an flock, which the kernel drops when its holder dies.
+
+    torch's own lock is a file that marks a build in progress: a build that is killed (a CI timeout, a
+    SIGKILL during `make install`) leaves it, and every later build of the same sources waits on it forever.
+    Under our flock no other build of this directory runs, so such a file is stale and is removed."""
+    from torch.utils.cpp_extension import load as cpp_load
+
+    try:  # the ninja wheel's binary, when the venv's bin is not on PATH
+        import ninja
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    except ImportError:
+        pass
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "build.flock", "a") as flock:
+        fcntl.flock(flock, fcntl.LOCK_EX)  # waits for a live build of the same sources, never for a dead one
+        try:
+            if _load_built(build_dir):  # built by the process we waited for
+                return
+            (build_dir / TORCH_BATON).unlink(missing_ok=True)
+            (build_dir / BUILT_MARK).unlink(missing_ok=True)
+            cpp_load(name="steadyserve_kernels", sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
+                     extra_ldflags=["-fopenmp"], build_directory=str(build_dir), is_python_module=False, verbose=False)
+            torch.ops.steadyserve.paged_attention  # noqa: B018 - raises if registration failed
+            (build_dir / BUILT_MARK).touch()
+        finally:
+            fcntl.flock(flock, fcntl.LOCK_UN)
+
+
 def load() -> KernelStatus:
-    """Build (first call only, ~10 s) and register the native kernels; never raises."""
+    """Register the native kernels, building them first (~40 s) if this version was never built; never raises."""
     global _status
     if _status is not None:
         return _status
     t0 = time.perf_counter()
     try:
-        from torch.utils.cpp_extension import load as cpp_load
-
-        try:  # the ninja wheel's binary, when the venv's bin is not on PATH
-            import ninja
-
-            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-        except ImportError:
-            pass
-
         build_dir = _cache_dir()
-        build_dir.mkdir(parents=True, exist_ok=True)
-        cpp_load(name="steadyserve_kernels", sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
-                 build_directory=str(build_dir), is_python_module=False, verbose=False)
-        torch.ops.steadyserve.paged_attention  # noqa: B018 - raises if registration failed
+        if not _load_built(build_dir):
+            _build(build_dir)
         _status = KernelStatus(True, NATIVE_KERNEL_ID,
                                f"native kernels {NATIVE_KERNEL_ID}+{QMM_KERNEL_ID} from {build_dir} ({time.perf_counter() - t0:.1f} s)")
     except Exception as e:  # no compiler, no ninja, a read-only cache...

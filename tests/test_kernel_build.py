@@ -1,0 +1,64 @@
+"""The native kernels' build cache: a killed build never blocks the next one, and a finished one loads as is.
+
+`python -m steadyserve.kernels` is what `make install` runs. torch's cpp_extension marks a build in progress
+with a lock file; a build killed half-way (a CI timeout, SIGKILL) used to leave it, and the next `make test`
+on that machine then waited on it until CI's 90 minutes ran out."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from steadyserve.kernels import build
+
+
+def _copy_of_the_built_cache(tmp_path: Path) -> Path:
+    """The real, finished build directory copied (mtimes kept) under a temporary STEADYSERVE_CACHE."""
+    status = build.load()
+    assert status.available, status.detail
+    src = build._cache_dir()
+    dst = tmp_path / "kernels" / src.name
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("build.flock"))
+    return dst
+
+
+def _build_in(cache_root: Path, timeout: float) -> subprocess.CompletedProcess:
+    env = dict(os.environ, STEADYSERVE_CACHE=str(cache_root))
+    return subprocess.run([sys.executable, "-m", "steadyserve.kernels"], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_a_killed_builds_lock_file_does_not_block_the_next_build(tmp_path: Path) -> None:
+    built = _copy_of_the_built_cache(tmp_path)
+    (built / build.BUILT_MARK).unlink()  # as a build killed before it finished leaves the directory
+    (built / build.TORCH_BATON).touch()
+    done = _build_in(tmp_path, timeout=240)  # ninja finds the objects current: seconds, not a compile
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "native kernels nat1" in done.stdout
+    assert not (built / build.TORCH_BATON).exists()
+    assert (built / build.BUILT_MARK).exists()
+
+
+def test_a_finished_build_loads_without_ninja_or_a_write(tmp_path: Path) -> None:
+    built = _copy_of_the_built_cache(tmp_path)
+    for name in os.listdir(built):  # keep only the library and its mark: nothing a build could reuse
+        if name not in (build.LIBRARY, build.BUILT_MARK):
+            os.remove(built / name)
+    before = sorted(os.listdir(built))
+    done = _build_in(tmp_path, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert sorted(os.listdir(built)) == before  # no build file, no lock, no object was written
+
+
+def test_each_checkout_builds_in_its_own_directory(tmp_path: Path, monkeypatch) -> None:
+    """ninja's build file names absolute source paths: two checkouts sharing a directory rebuild each other."""
+    here = build._cache_dir()
+    other = tmp_path / "csrc"
+    shutil.copytree(build.CSRC, other)
+    monkeypatch.setattr(build, "CSRC", other)
+    monkeypatch.setattr(build, "SOURCES", [other / s.name for s in build.SOURCES])
+    monkeypatch.setattr(build, "HEADERS", [other / h.name for h in build.HEADERS])
+    assert build._cache_dir() != here
