@@ -28,7 +28,7 @@ import pytest
 from websockets.sync.client import connect
 
 from steadyserve.api.protos.steadyserve.v1 import inference_pb2, inference_pb2_grpc
-from steadyserve.tools.sse_client import sse_post
+from steadyserve.tools.sse_client import StreamResult, sse_post
 
 ROOT = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("ray_demo", ROOT / "scripts" / "ray_demo.py")
@@ -175,14 +175,16 @@ def test_websocket_through_ray_proxy(ray_app: Deployed) -> None:
     assert sum(len(m["token_ids"]) for m in msgs[:-1]) == 12
 
 
-async def _streams(url: str, n: int, max_tokens: int) -> list:
+async def _streams(url: str, n: int, max_tokens: int, results: list[StreamResult] | None = None) -> list:
     """n streams, started 8 every 50 ms: a burst of all n at once would exceed Ray's queue bound (requests
-    waiting for a replica to be picked count against max_queued_requests) and be refused with 429."""
+    waiting for a replica to be picked count against max_queued_requests) and be refused with 429. `results`
+    (n of them) are filled while the streams run."""
     body = {"prompt": "the quick brown fox", "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
             "stream": True}
+    results = results or [StreamResult() for _ in range(n)]
     tasks = []
     for i in range(n):
-        tasks.append(asyncio.create_task(sse_post(url + "/v1/completions", body, timeout=240)))
+        tasks.append(asyncio.create_task(sse_post(url + "/v1/completions", body, timeout=240, result=results[i])))
         if i % 8 == 7:
             await asyncio.sleep(0.05)
     return await asyncio.gather(*tasks)
@@ -195,8 +197,18 @@ def test_64_sse_streams_survive_a_killed_replica(ray_app: Deployed) -> None:
     assert len(victim_children) == 1, victim_children
 
     async def run() -> list:
-        task = asyncio.create_task(_streams(ray_app.http_url, 64, 256))
-        await asyncio.sleep(3.0)  # the streams are under way (each takes several seconds through Ray)
+        progress = [StreamResult() for _ in range(64)]
+        task = asyncio.create_task(_streams(ray_app.http_url, 64, 256, progress))
+        # Kill once every stream has its first token: each is then answered by a replica, so none is retried onto
+        # the survivor (whose queue a retried burst would overflow into 429s). A fixed 3 s sleep did that on a
+        # loaded machine (Counter({200: 54, 429: 10})). The deadline only bounds a hang.
+        def started(r: StreamResult) -> bool:
+            return r.num_tokens > 0 or r.status not in (0, 200) or r.exception is not None
+
+        deadline = time.monotonic() + 120
+        while not all(started(r) for r in progress) and not task.done():
+            assert time.monotonic() < deadline, "streams did not start within 120 s"
+            await asyncio.sleep(0.02)
         os.kill(victim, signal.SIGKILL)
         return await task
 

@@ -64,11 +64,14 @@ class _Reader:
 
 async def sse_post(url: str, body: dict[str, Any], headers: dict[str, str] | None = None, *,
                    read_rate: float | None = None, rcvbuf: int | None = None,
-                   disconnect_after_events: int | None = None, timeout: float = 300.0) -> StreamResult:
-    """POST a streaming request and read its SSE events."""
+                   disconnect_after_events: int | None = None, timeout: float = 300.0,
+                   result: StreamResult | None = None) -> StreamResult:
+    """POST a streaming request and read its SSE events. `result`, when given, is filled as events arrive (a
+    caller can watch a stream's progress while it runs) and returned."""
     u = urlsplit(url)
     host, port = u.hostname or "127.0.0.1", u.port or 80
-    res = StreamResult(t_start=time.monotonic())
+    res = result if result is not None else StreamResult()
+    res.t_start = time.monotonic()
     payload = json.dumps(body).encode()
     lines = [f"POST {u.path} HTTP/1.1", f"Host: {host}:{port}", "Content-Type: application/json",
              f"Content-Length: {len(payload)}", "Accept: text/event-stream", "Connection: close"]
