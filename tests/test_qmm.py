@@ -193,3 +193,13 @@ def test_row_ops_are_row_and_build_invariant_and_match_pytorch(op):
     else:
         ref = torch.log_softmax(x, dim=-1)
     assert torch.allclose(full, ref, rtol=1e-5, atol=1e-5), (full - ref).abs().max()
+
+
+@pytest.mark.parametrize("width", [200, 49152])  # a tail of 8; the default vocabulary
+def test_in_place_log_softmax_is_bitwise_the_out_of_place_one(width):
+    """The LM head runs log-softmax in place on its logits (one (R, V) buffer, not two): same bits, every build."""
+    x = torch.randn(9, width, generator=torch.Generator().manual_seed(9)) * 4
+    for isa in BUILDS:
+        y = x.clone()
+        OPS.qlog_softmax_(y, isa)
+        assert torch.equal(y, OPS.qlog_softmax(x, isa)), isa

@@ -17,7 +17,7 @@ from ..engine.engine import LLMEngine
 from ..engine.kv_cache import bytes_per_block
 from ..engine.model_thread import ModelThread
 from ..engine.selftest import SelfTestResult, run_selftest
-from ..memory import MemoryLimit, MemoryPlan, plan_memory, read_memory_limit, tensor_bytes
+from ..memory import MemoryLimit, MemoryPlan, plan_memory, read_memory_limit, release_free_memory, tensor_bytes
 from ..metrics import Metrics
 from ..models.loader import Fingerprint, LoadedModel, load_model
 from ..numerics import activate as activate_numerics
@@ -56,6 +56,7 @@ def _load_and_check(config: Config, hooks: EngineHooks,
                         max_model_len=ec.max_model_len, name=mc.name, cache_dir=mc.cache_dir,
                         attention=ec.attention, block_size=ec.block_size, numerics=ec.numerics)
     assert loaded.numerics is not None
+    release_free_memory()  # before the KV cache is allocated, so the peak never holds load-time garbage
     activate_numerics(loaded.numerics)
     log.info("model loaded", extra={"fields": {
         "numerics": loaded.numerics.mode, "numerics_id": loaded.numerics.numerics_id,
@@ -80,6 +81,7 @@ def _load_and_check(config: Config, hooks: EngineHooks,
                     extra={"fields": {"selftest": selftest.detail}})
     for hook in hooks.after_selftest:
         hook(engine)
+    release_free_memory()
     return loaded, engine, selftest, plan
 
 

@@ -36,6 +36,17 @@ class ModelRunner:
         self.model = model
         self.kv = kv
         self.device = model.device
+        # (R, V) log-probabilities of one LM-head call, reused by every step (grown to the most rows seen).
+        # Rows handed out in a step's SeqResults are views of it: valid until the next execute().
+        self._logprob_buf = torch.empty(0, model.args.vocab_size, dtype=torch.float32, device=self.device)
+
+    def _logprobs(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """(len(rows), V) log-probabilities of the given hidden rows, in the reused buffer."""
+        if self._logprob_buf.shape[0] < len(rows):
+            self._logprob_buf = torch.empty(len(rows), self.model.args.vocab_size, dtype=torch.float32,
+                                            device=self.device)
+        out = self._logprob_buf[:len(rows)]
+        return self.model.logprobs(hidden[torch.tensor(rows, device=self.device)], out=out).cpu()
 
     def _prepare(self, out: SchedulerOutput) -> tuple[ForwardBatch, list[tuple[int, int, int]]]:
         bs = self.kv.block_size
@@ -90,7 +101,7 @@ class ModelRunner:
         # Row counts are verified (RowTiler), so splitting rows over calls leaves every row's bits unchanged.
         for c in range(0, len(prompt_rows), MAX_HEAD_TILE):
             chunk = prompt_rows[c:c + MAX_HEAD_TILE]
-            lp = self.model.logprobs(hidden[torch.tensor([r for r, _, _ in chunk], device=self.device)]).cpu()
+            lp = self._logprobs(hidden, [r for r, _, _ in chunk])  # consumed before the next chunk overwrites it
             for row, (_, i, pp) in zip(lp, chunk):  # row: (V,)
                 seq = out.scheduled[i].seq
                 prompt_lps[i].append(token_logprob(row, seq.token_ids[pp], seq.params.prompt_logprobs))
@@ -98,7 +109,7 @@ class ModelRunner:
         has_nan: list[bool] = []
         sample_lp = None
         if sample_rows:
-            sample_lp = self.model.logprobs(hidden[torch.tensor(sample_rows, device=self.device)]).cpu()  # (S, V)
+            sample_lp = self._logprobs(hidden, sample_rows)  # (S, V)
             # Row-wise selections (exact, so batch-invariant), once per step rather than once per sequence.
             # One pass: max() propagates NaN and returns the first maximum's index, as argmax() does.
             best, best_ids = sample_lp.max(dim=1)  # (S,), (S,)

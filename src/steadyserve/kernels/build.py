@@ -120,8 +120,9 @@ def load() -> KernelStatus:
         build_dir = _cache_dir()
         if not _load_built(build_dir):
             _build(build_dir)
+        took = time.perf_counter() - t0
         _status = KernelStatus(True, NATIVE_KERNEL_ID,
-                               f"native kernels {NATIVE_KERNEL_ID}+{QMM_KERNEL_ID} from {build_dir} ({time.perf_counter() - t0:.1f} s)")
+                               f"native kernels {NATIVE_KERNEL_ID}+{QMM_KERNEL_ID} from {build_dir} ({took:.1f} s)")
     except Exception as e:  # no compiler, no ninja, a read-only cache...
         reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         _status = KernelStatus(False, PYTHON_KERNEL_ID, f"native kernels unavailable, using Python attention: {reason}")

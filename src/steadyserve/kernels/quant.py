@@ -89,9 +89,9 @@ class QMatrix:
     def nbytes(self) -> int:
         return sum(p.data.numel() for p in self.parts)
 
-    def __call__(self, x: torch.Tensor, isa: int = -1) -> torch.Tensor:
-        """x: (M, K) float32 -> (M, N) float32."""
-        y = torch.empty(x.shape[0], self.n, dtype=torch.float32)
+    def __call__(self, x: torch.Tensor, isa: int = -1, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x: (M, K) float32 -> (M, N) float32, written into `out` (M, N) when given."""
+        y = torch.empty(x.shape[0], self.n, dtype=torch.float32) if out is None else out
         col = 0
         for p in self.parts:
             torch.ops.steadyserve.qmatmul_(x, p.data, p.fmt, y, col, isa)

@@ -167,6 +167,32 @@ def convert_gguf(path: Path, cache_dir: str = "", with_weights: bool = True) -> 
     return out, False
 
 
+def _read_config(model_dir: Path, converted: bool) -> Any:
+    """The model's config. A directory we converted from a GGUF holds every field (save_pretrained of the
+    architecture's own class wrote them), so the generic class reads it. The architecture's class is only
+    needed for a user's directory, whose config.json may leave fields to that class's defaults: importing it
+    imports transformers' modelling stack (about 1000 modules, 74 MiB of a server's resident memory)."""
+    if converted:
+        from transformers import PretrainedConfig
+
+        return PretrainedConfig.from_dict(json.loads((model_dir / "config.json").read_text()))
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(model_dir))
+
+
+def _read_tokenizer(model_dir: Path, converted: bool) -> Any:
+    """The tokenizer. A converted directory holds a tokenizer.json that save_pretrained wrote, which the
+    generic fast tokenizer reads as AutoTokenizer would (the same class), without AutoTokenizer's imports."""
+    if converted:
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(model_dir))
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
 def _read_weights(model_dir: Path) -> tuple[dict[str, torch.Tensor], list[Path]]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -243,10 +269,9 @@ def load_model(path: str, device: str = "cpu", dtype: str = "auto", *, batch_inv
         model_dir = src
     if not (model_dir / "config.json").is_file():
         raise LoadError(f"{model_dir}: no config.json (not a Hugging Face model directory)")
-    from transformers import AutoConfig, AutoTokenizer
-
+    converted = src.is_file()
     try:
-        hf_config = AutoConfig.from_pretrained(str(model_dir))
+        hf_config = _read_config(model_dir, converted)
     except Exception as e:
         raise LoadError(f"{model_dir / 'config.json'}: {str(e).splitlines()[0]}") from None
     try:
@@ -265,7 +290,7 @@ def load_model(path: str, device: str = "cpu", dtype: str = "auto", *, batch_inv
     else:
         weights, files = _read_weights(model_dir)  # type: ignore[assignment]
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        tokenizer = _read_tokenizer(model_dir, converted)
     except Exception as e:
         raise LoadError(f"{model_dir}: cannot load tokenizer ({str(e).splitlines()[0]})") from None
     # Sliding-window models keep their full context: attention masks keys outside the window.

@@ -203,10 +203,12 @@ class Transformer:
     def _final_norm(self, x: torch.Tensor) -> torch.Tensor:
         return self._norm(x, self.final_norm)
 
-    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Row-wise: (R, hidden) -> (R, V) float32 log-probabilities."""
+    def _head(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Row-wise: (R, hidden) -> (R, V) float32 log-probabilities (into `out` on the native path)."""
         if isinstance(self.lm_head, QMatrix):
-            return torch.ops.steadyserve.qlog_softmax(self.lm_head(hidden.contiguous()), -1)
+            y = self.lm_head(hidden.contiguous(), out=out)  # (R, V) logits
+            torch.ops.steadyserve.qlog_softmax_(y, -1)  # in place: no second (R, V) buffer
+            return y
         logits = torch.cat([F.linear(hidden, part) for part in self.lm_head_parts], dim=1)  # (R, V)
         return torch.log_softmax(logits.float(), dim=-1)
 
@@ -231,8 +233,13 @@ class Transformer:
         return self.tiler(self._final_norm, x)
 
     @torch.inference_mode()
-    def logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(R, hidden) -> (R, V) float32 log-probabilities, in verified row counts."""
+    def logprobs(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """(R, hidden) -> (R, V) float32 log-probabilities, in verified row counts.
+
+        `out` (R, V), on the native path: the result is written there and returned (the caller's buffer, reused
+        step after step, so the largest tensor of a decode step is never allocated again)."""
+        if out is not None and isinstance(self.lm_head, QMatrix):
+            return self._head(hidden, out)  # native kernels: row-wise by construction, no tiler
         return self.head_tiler(self._head, hidden)
 
     def row_probes(self) -> tuple[list[RowProbe], list[RowProbe]]:

@@ -3,6 +3,8 @@
 //   qmatmul_(x, w, fmt, y, col0, isa)   y[:, col0 : col0 + N] = x · Wᵀ
 //   qdequant(w, fmt, K, rows, isa)      the fp32 values of the given weight rows (embedding lookups, tests)
 //   qrms_norm(x, weight, eps, isa), qsilu_mul(gate_up, isa), qlog_softmax(x, isa)
+//   qlog_softmax_(x, isa)               the same, in place: each output element is written after its row's
+//                                       max and sum were read, from the input element at the same index
 //
 // `isa` picks the build: -1 the best this CPU has (by CPUID), 0 scalar, 1 AVX2, 2 AVX-512;
 // the tests run all three and compare bits. Work is split over threads by output columns
@@ -159,6 +161,16 @@ at::Tensor qlog_softmax(const at::Tensor& x, int64_t isa) {
   return y;
 }
 
+void qlog_softmax_(at::Tensor& x, int64_t isa) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "qlog_softmax_: x must be contiguous (T, V) float32");
+  const int64_t T = x.size(0), V = x.size(1);
+  const int use = pick_isa(isa);
+  float* xp = x.data_ptr<float>();
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    kBuilds[use].log_softmax(xp, V, xp, t0, t1);
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(steadyserve, m) {
@@ -167,10 +179,12 @@ TORCH_LIBRARY_FRAGMENT(steadyserve, m) {
   m.def("qrms_norm(Tensor x, Tensor weight, float eps, int isa=-1) -> Tensor");
   m.def("qsilu_mul(Tensor gate_up, int isa=-1) -> Tensor");
   m.def("qlog_softmax(Tensor x, int isa=-1) -> Tensor");
+  m.def("qlog_softmax_(Tensor(a!) x, int isa=-1) -> ()");
   m.def("qmm_isa() -> int", TORCH_FN(qmm_isa));
   m.impl("qmatmul_", c10::DispatchKey::CPU, TORCH_FN(qmatmul_));
   m.impl("qdequant", c10::DispatchKey::CPU, TORCH_FN(qdequant));
   m.impl("qrms_norm", c10::DispatchKey::CPU, TORCH_FN(qrms_norm));
   m.impl("qsilu_mul", c10::DispatchKey::CPU, TORCH_FN(qsilu_mul));
   m.impl("qlog_softmax", c10::DispatchKey::CPU, TORCH_FN(qlog_softmax));
+  m.impl("qlog_softmax_", c10::DispatchKey::CPU, TORCH_FN(qlog_softmax_));
 }
