@@ -17,7 +17,7 @@ from ..engine.engine import LLMEngine
 from ..engine.kv_cache import bytes_per_block
 from ..engine.model_thread import ModelThread
 from ..engine.selftest import SelfTestResult, run_selftest
-from ..memory import MemoryLimit, MemoryPlan, plan_memory, read_memory_limit, release_free_memory, tensor_bytes
+from ..memory import MemoryLimit, MemoryPlan, plan_memory, read_memory_limit, release_free_memory
 from ..metrics import Metrics
 from ..models.loader import Fingerprint, LoadedModel, load_model
 from ..numerics import activate as activate_numerics
@@ -39,7 +39,7 @@ class EngineHooks:
 def _fit_memory(loaded: LoadedModel, ec: EngineConfig, limit: MemoryLimit) -> MemoryPlan:
     """Measure the weights and check (or, for auto / a fraction, derive) the KV budget against the limit,
     before the cache is allocated: a budget that cannot fit raises MemoryBudgetError here, not the OOM killer."""
-    plan = plan_memory(limit, tensor_bytes(loaded.model), ec.memory_overhead, ec.kv_cache_memory,
+    plan = plan_memory(limit, loaded.weights_bytes, ec.memory_overhead, ec.kv_cache_memory,
                        bytes_per_block(loaded.args, ec.block_size, loaded.dtype), on_host=loaded.device.type == "cpu")
     log.info("memory budget", extra={"fields": {
         "weights_bytes": plan.weights, "kv_cache_bytes": plan.kv, "kv_cache_memory": plan.kv_request,

@@ -28,6 +28,7 @@ import torch
 from .. import numerics as numerics_mod
 from ..kernels import build as kernels
 from ..kernels.quant import UnsupportedFormat
+from ..memory import tensor_bytes
 from ..numerics import Numerics, NumericsError
 from ..platform_info import numerics_for
 from .args import ModelArgs
@@ -76,7 +77,7 @@ class LoadedModel:
     load_seconds: float
     from_cache: bool  # a GGUF file whose converted config/tokenizer (and, host path, weights) were cached
     numerics: Numerics | None = None  # the path the model computes on, and its fingerprint id
-    weights_bytes: int = 0  # bytes of weights the model holds (stored blocks, or float32 on the host path)
+    weights_bytes: int = 0  # bytes of the model's tensors (tensor_bytes): stored blocks or float32, RoPE tables
     keepalive: Any = None  # the memory mapping the stored weights are views of (a numpy memmap of the GGUF)
 
 
@@ -317,4 +318,4 @@ def load_model(path: str, device: str = "cpu", dtype: str = "auto", *, batch_inv
                        name=name or (src.stem if src.is_file() else src.name),
                        weights_hash=_sha256_files(files), device=dev, dtype=dt, max_model_len=max_len,
                        load_seconds=time.perf_counter() - t0, from_cache=from_cache, numerics=num,
-                       weights_bytes=model.weights_bytes(), keepalive=keepalive)
+                       weights_bytes=tensor_bytes(model), keepalive=keepalive)

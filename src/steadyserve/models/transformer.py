@@ -146,26 +146,6 @@ class Transformer:
         self.sin = sin.to(device=device, dtype=dtype)
         self.scale = args.head_dim ** -0.5
 
-    def weights_bytes(self) -> int:
-        """Bytes of the weights this model holds: stored blocks on the native path, float tensors on the host path."""
-        seen: set[int] = set()
-        total = 0
-
-        def add(m: Matrix | torch.Tensor | None) -> None:
-            nonlocal total
-            tensors = [] if m is None else [p.data for p in m.parts] if isinstance(m, QMatrix) else [m]
-            for t in tensors:
-                if t.untyped_storage().data_ptr() not in seen:
-                    seen.add(t.untyped_storage().data_ptr())
-                    total += t.untyped_storage().nbytes()
-
-        for m in (self.embed, self.lm_head, self.final_norm):
-            add(m)
-        for lw in self.layers:
-            for m in vars(lw).values():
-                add(m)
-        return total
-
     def _qkv(self, lw: LayerWeights, x: torch.Tensor, cos: torch.Tensor,
              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Row-wise: norm, fused q|k|v projection, RoPE. x: (T, hidden) -> (T, H, D), (T, Hkv, D), (T, Hkv, D)."""
