@@ -26,6 +26,7 @@ from ..kernels.quant import QMatrix, QWeight
 from .args import ModelArgs, rope_tables
 from .attention import AttentionFn, write_kv
 from .layers import RowProbe, RowTiler, apply_rope, rms_norm
+from .native_forward import build_native_layers
 
 # Rows of one LM-head call at most: (64, V) float32 logits, and a calibration that stays cheap.
 MAX_HEAD_TILE = 64
@@ -145,6 +146,8 @@ class Transformer:
         self.cos = cos.to(device=device, dtype=dtype)  # (max_len, D)
         self.sin = sin.to(device=device, dtype=dtype)
         self.scale = args.head_dim ** -0.5
+        # Every layer in one native call where the layers are Llama's shape (native_forward.py): the same bits.
+        self.native_layers = build_native_layers(self)
 
     def _qkv(self, lw: LayerWeights, x: torch.Tensor, cos: torch.Tensor,
              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -204,6 +207,10 @@ class Transformer:
         else:
             x = F.embedding(batch.input_ids, self.embed)  # (T, hidden)
         cos, sin = self.cos[batch.positions], self.sin[batch.positions]  # (T, D)
+        if self.native_layers is not None:
+            x = self.native_layers.forward(x, cos, sin, k_cache, v_cache, batch.slot_blocks, batch.slot_offsets,
+                                           batch.block_tables, batch.seq_of, batch.positions)
+            return self._final_norm(x)
         for i, lw in enumerate(self.layers):
             q, k, v = self.tiler(partial(self._qkv, lw), x, cos, sin)  # (T, H, D), (T, Hkv, D), (T, Hkv, D)
             write_kv(k_cache[i], v_cache[i], k, v, batch.slot_blocks, batch.slot_offsets)

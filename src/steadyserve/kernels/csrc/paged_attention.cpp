@@ -34,6 +34,8 @@
 #include <limits>
 #include <vector>
 
+#include "ops.h"
+
 namespace {
 
 constexpr int kLanes = 16;  // accumulator lanes; part of the numerics, not a tuning knob
@@ -263,3 +265,11 @@ TORCH_LIBRARY(steadyserve, m) {
         "Tensor positions, Tensor(a!) out, float scale, int window) -> ()");
   m.impl("paged_attention", c10::DispatchKey::CPU, TORCH_FN(paged_attention));
 }
+
+namespace steady_ops {  // ops.h
+void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_tables, const at::Tensor& seq_of, const at::Tensor& positions,
+                     at::Tensor& out, double scale, int64_t window) {
+  ::paged_attention(q, k_cache, v_cache, block_tables, seq_of, positions, out, scale, window);
+}
+}  // namespace steady_ops

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "ops.h"
 #include "qmm.h"
 
 namespace {
@@ -188,3 +189,13 @@ TORCH_LIBRARY_FRAGMENT(steadyserve, m) {
   m.impl("qlog_softmax", c10::DispatchKey::CPU, TORCH_FN(qlog_softmax));
   m.impl("qlog_softmax_", c10::DispatchKey::CPU, TORCH_FN(qlog_softmax_));
 }
+
+namespace steady_ops {  // ops.h: the same functions, for native compositions (forward.cpp)
+void qmatmul_into(const at::Tensor& x, const at::Tensor& w, int64_t fmt, at::Tensor& y, int64_t col0, int64_t isa) {
+  ::qmatmul_(x, w, fmt, y, col0, isa);
+}
+at::Tensor qrms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, int64_t isa) {
+  return ::qrms_norm(x, weight, eps, isa);
+}
+at::Tensor qsilu_mul(const at::Tensor& gate_up, int64_t isa) { return ::qsilu_mul(gate_up, isa); }
+}  // namespace steady_ops

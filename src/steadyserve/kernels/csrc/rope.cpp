@@ -17,6 +17,8 @@
 
 #include <cstdint>
 
+#include "ops.h"
+
 namespace {
 
 // Rotates heads [0, num_heads) of each row of x in place. x: (T, >= num_heads * D) with
@@ -64,3 +66,9 @@ TORCH_LIBRARY_FRAGMENT(steadyserve, m) {
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin, int num_heads) -> ()");
   m.impl("rope_", c10::DispatchKey::CPU, TORCH_FN(rope_));
 }
+
+namespace steady_ops {  // ops.h
+void rope_inplace(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads) {
+  ::rope_(x, cos, sin, num_heads);
+}
+}  // namespace steady_ops

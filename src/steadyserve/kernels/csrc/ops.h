@@ -1,0 +1,25 @@
+// The kernels as C++ functions, for native code that composes them (forward.cpp). Each is the
+// function behind the torch op of the same name (qlinear.cpp, rope.cpp, paged_attention.cpp), so a
+// composition computes exactly what the same op calls from Python compute, with no dispatch between.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+namespace steady_ops {
+
+// y[:, col0 : col0 + N] = x · Wᵀ over a stored-format matrix (steadyserve::qmatmul_).
+void qmatmul_into(const at::Tensor& x, const at::Tensor& w, int64_t fmt, at::Tensor& y, int64_t col0, int64_t isa);
+// (T, D) -> (T, D), one fixed order per row (steadyserve::qrms_norm).
+at::Tensor qrms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, int64_t isa);
+// (T, 2I) -> (T, I): silu(gate) * up (steadyserve::qsilu_mul).
+at::Tensor qsilu_mul(const at::Tensor& gate_up, int64_t isa);
+// RoPE in place on heads [0, num_heads) of each row (steadyserve::rope_).
+void rope_inplace(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads);
+// Causal attention over the paged cache (steadyserve::paged_attention).
+void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_tables, const at::Tensor& seq_of, const at::Tensor& positions,
+                     at::Tensor& out, double scale, int64_t window);
+
+}  // namespace steady_ops

