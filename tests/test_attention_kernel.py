@@ -7,6 +7,7 @@ machines have a compiler): a missing kernel fails here rather than skipping.
 from __future__ import annotations
 
 import hashlib
+import shutil
 import subprocess
 import sys
 
@@ -159,6 +160,7 @@ def test_vector_width_does_not_change_the_bits(tmp_path) -> None:
     assert src != SOURCES[0].read_text(), "the kernel no longer uses target_clones: update this test"
     plain_src = tmp_path / "paged_attention.cpp"
     plain_src.write_text(src)
+    shutil.copy(SOURCES[0].parent / "ops.h", tmp_path)  # the header it includes
     have = open("/proc/cpuinfo").read()
     # The baseline build computes each fma with libm's fmaf; AVX2 and AVX-512 builds with the instruction.
     variants = {"default": [], "avx2+fma": ["-march=x86-64-v3"]}
