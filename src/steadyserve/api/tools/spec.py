@@ -51,6 +51,7 @@ class ToolRequest:
     tools: tuple[Tool, ...]  # in the order sent: tool_calls name them, the prompt lists them in this order
     choice: ToolChoice  # tool_choice; "auto" when tools are sent without it, as OpenAI defaults
     parallel: bool = True  # parallel_tool_calls: more than one call per turn (OpenAI's default: true)
+    schema_param: str = "tools[{i}].function.parameters"  # how refusals name tool i's schema (Responses: flat)
 
     @property
     def active(self) -> bool:
@@ -119,7 +120,8 @@ def parse_tool_choice(value: Any, names: set[str], param: str = "tool_choice") -
 
 
 def tool_request(tools: list[Tool], choice: ToolChoice | None, parallel: bool | None,
-                 choice_param: str = "tool_choice") -> ToolRequest | None:
+                 choice_param: str = "tool_choice", schema_param: str = "tools[{i}].function.parameters"
+                 ) -> ToolRequest | None:
     """The request's ToolRequest, or None when it sends no tools (a tool_choice other than none then refused)."""
     if len(tools) > MAX_TOOLS:
         raise InvalidRequest("tools", f"tools: at most {MAX_TOOLS} tools per request")
@@ -132,7 +134,8 @@ def tool_request(tools: list[Tool], choice: ToolChoice | None, parallel: bool | 
         if choice is not None and choice.mode != "none":
             raise InvalidRequest(choice_param, f"{choice_param} needs tools")
         return None
-    return ToolRequest(tuple(tools), choice or ToolChoice("auto"), True if parallel is None else parallel)
+    return ToolRequest(tuple(tools), choice or ToolChoice("auto"), True if parallel is None else parallel,
+                       schema_param)
 
 
 def arguments_object(raw: Any, param: str) -> Any:
