@@ -1,6 +1,6 @@
 """The Responses API's memory: stored responses, for `previous_response_id` and GET / DELETE /v1/responses/{id}.
 
-In memory and bounded: at most MAX_RESPONSES responses and MAX_BYTES of them (their JSON), the oldest evicted
+In memory and bounded: at most --responses-store-size responses (default MAX_RESPONSES) and MAX_BYTES of them (their JSON), the oldest evicted
 first. An evicted id is remembered (the last MAX_EVICTED of them) so that asking for it says it was evicted,
 not that it never existed; either way the answer is a 404. Nothing survives a restart, and replicas do not
 share it: a client that chains responses across replicas needs sticky routing (docs/deploy.md).

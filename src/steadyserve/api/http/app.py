@@ -106,7 +106,7 @@ def create_app(state: ServerState) -> FastAPI:
         """
         return await run(request, "chat")
 
-    add_responses_routes(app, state, ResponseStore())
+    add_responses_routes(app, state, ResponseStore(cfg.responses_store_size))
 
     def tokenize(body: Any) -> dict[str, Any]:
         req = validated(TokenizeRequest, body)

@@ -56,7 +56,7 @@ def add_responses_routes(app: FastAPI, state: ServerState, store: ResponseStore)
         function_call, function_call_output), `instructions`, `max_output_tokens`, `temperature`, `top_p`,
         `text.format` (json_schema), function `tools`, `previous_response_id` and `store`; streamed as the
         documented events with `stream: true`. Stored responses live in a bounded in-memory store (the last
-        1024, at most 64 MiB, oldest evicted first); an id not there is a 404."""
+        --responses-store-size, at most 64 MiB, oldest evicted first); an id not there is a 404."""
         body = await read_json(request, cfg.max_request_bytes)
         req, parsed, conversation = await state.run_tokenizer(prepare, state, store, body,
                                                               client_request_id(request.scope))

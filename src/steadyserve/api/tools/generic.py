@@ -17,11 +17,12 @@ from typing import Any
 from .formats import ToolFormat, call_name
 from .spec import ToolRequest, arguments_object
 
-INTRO = "You can call these functions (each with its JSON schema of arguments):"
-HOW = ('To call functions, answer with only a JSON object, {"tool_calls":[{"name":<function name>,'
-       '"arguments":<arguments object>}]}; otherwise answer in plain text.')
-HOW_ONE = ('To call a function, answer with only a JSON object, {"tool_calls":[{"name":<function name>,'
-           '"arguments":<arguments object>}]}, with exactly one call; otherwise answer in plain text.')
+# Short: the prompt is paid for in every request's tokens.
+INTRO = "Functions you can call (name, description, JSON schema of the arguments):"
+HOW = 'To call functions, reply with only {"tool_calls":[{"name":...,"arguments":{...}}]}; else reply in text.'
+HOW_ONE = 'To call a function, reply with only {"tool_calls":[{"name":...,"arguments":{...}}]} (one call); else ' \
+    'reply in text.'
+
 
 
 class GenericFormat(ToolFormat):
