@@ -1,7 +1,7 @@
 """How one model writes function calls: the grammar that constrains them, where they start in the output,
 how a conversation with calls is rendered, and how calls are parsed back.
 
-A format is chosen from the model's chat template (`format_for`): a template that writes Hermes/Qwen
+A format is chosen from the model's chat template (select.py's `format_for`): a template that writes Hermes/Qwen
 `<tool_call>` blocks gets the Hermes format, a Llama 3 template its JSON calls, and any other (SmolLM2's
 default among them) the generic format, which describes the tools in the system prompt. Every format's
 calls are JSON objects with the function's name and an arguments object, so one grammar shape serves all:
@@ -56,6 +56,11 @@ class ToolFormat:
     args_key = "arguments"  # the call object's key that holds the arguments
     call_depth = 1  # nesting depth of the call objects in the calls text
     first_char = "{"  # what a call starts with; a text answer under auto may not start with it
+
+    @staticmethod
+    def matches(template: str) -> bool:
+        """Whether a chat template writes calls in this format."""
+        return False
 
     # ---- decoding -------------------------------------------------------------------------------------------
     def call_schema(self, tool: Tool) -> dict[str, Any]:
@@ -131,20 +136,3 @@ def call_name(messages: list[dict[str, Any]], call_id: str | None) -> str:
 def _lit(s: str) -> str:
     """A lark string literal ('' for none)."""
     return json.dumps(s) if s else ""
-
-
-_FORMATS: dict[int, ToolFormat] = {}  # id(tokenizer) -> its format, decided once
-
-
-def format_for(tokenizer: Any) -> ToolFormat:
-    """The tool format of this model's chat template."""
-    key = id(tokenizer)
-    if key not in _FORMATS:
-        from .generic import GENERIC
-        from .hermes import HERMES
-        from .llama3 import LLAMA3
-
-        template = getattr(tokenizer, "chat_template", None) or ""
-        template = template if isinstance(template, str) else json.dumps(template)
-        _FORMATS[key] = next((f for f in (HERMES, LLAMA3) if f.matches(template)), GENERIC)  # type: ignore
-    return _FORMATS[key]
