@@ -161,3 +161,41 @@ def test_generic_prompt_lists_the_tools_and_renders_calls_and_results() -> None:
     native, kw = HERMES.template_input(msgs, req)
     assert kw["tools"][0]["function"]["name"] == "get_weather"
     assert native[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Rome"} and native[2]["name"] == "get_weather"
+
+
+# ---- parsing never crashes: any JSON in the tool fields is refused by name ------------------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from pydantic import ValidationError  # noqa: E402
+
+from steadyserve.api.http.responses import ResponsesRequest, input_messages, tools_of  # noqa: E402
+from steadyserve.api.http.schemas import ChatCompletionRequest  # noqa: E402
+from steadyserve.limits import InvalidRequest  # noqa: E402
+
+KEYS = ["type", "function", "name", "parameters", "description", "role", "content", "call_id", "arguments",
+        "output", "text", "tool_calls", "id"]
+values = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=8) | st.sampled_from(
+    ["function", "message", "function_call", "function_call_output", "auto", "required", "user", "input_text"]),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(KEYS), inner, max_size=4),
+    max_leaves=10)
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(tools=values, choice=values, items=values)
+def test_tool_fields_are_refused_by_name_and_never_crash(tools, choice, items) -> None:
+    body = {"messages": [{"role": "user", "content": "x"}], "tools": tools, "tool_choice": choice}
+    try:
+        ChatCompletionRequest.model_validate(body).tool_request()
+    except InvalidRequest as e:
+        assert e.param and e.param.startswith(("tools", "tool_choice")) and e.param in str(e), (e.param, str(e))
+    except ValidationError:
+        pass  # named by its location, as every field
+    try:
+        req = ResponsesRequest.model_validate({"input": items, "tools": tools, "tool_choice": choice})
+        tools_of(req)
+        input_messages(req.input)
+    except InvalidRequest as e:
+        assert e.param and e.param.startswith(("tools", "tool_choice", "input")) and e.param in str(e), e.param
+    except ValidationError:
+        pass
