@@ -249,3 +249,20 @@ def test_native_formats_render_and_parse_their_own_calls(native) -> None:
     streamed = list(chat(client, tool_choice="required", stream=True))
     args = "".join(tc.function.arguments or "" for ch in streamed for tc in ch.choices[0].delta.tool_calls or [])
     assert args == "".join(c.function.arguments for c in chat(client, tool_choice="required").choices[0].message.tool_calls)
+
+
+def test_websocket_streams_the_raw_output_and_parses_it_at_the_end(srv, client) -> None:
+    from websockets.sync.client import connect
+
+    body = {"messages": ASK, "tools": TOOLS, "tool_choice": "required", "max_tokens": MAX, "temperature": 0}
+    with connect(f"ws://127.0.0.1:{srv.http_port}/v1/stream", open_timeout=30) as ws:
+        ws.send(json.dumps(body))
+        msgs = []
+        while not msgs or msgs[-1]["type"] == "delta":
+            msgs.append(json.loads(ws.recv(timeout=60)))
+    final, raw = msgs[-1], "".join(m["text"] for m in msgs[:-1])
+    http = chat(client, tool_choice="required").choices[0].message.tool_calls
+    assert final["type"] == "final" and final["finish_reason"] == "tool_calls" and final["content"] is None
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in final["tool_calls"]] == \
+        [(c.function.name, c.function.arguments) for c in http]
+    assert raw.startswith('{"tool_calls":')
