@@ -166,6 +166,7 @@ def test_previous_response_id_store_get_delete_and_eviction(srv, client) -> None
     ({"reasoning": {"effort": "high"}}, "reasoning"),
     ({"background": True}, "background"),
     ({"include": ["message.output_text.logprobs"]}, "include"),
+    ({"truncation": "auto"}, "truncation"),
     ({"model": "other"}, "model"),
 ])
 def test_bad_fields_are_refused_by_name(srv, fields, param) -> None:

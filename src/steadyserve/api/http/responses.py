@@ -71,6 +71,9 @@ def refuse_unsupported(body: dict[str, Any]) -> None:
         value = body.get(name)
         if value is not None and value is not False:
             raise InvalidRequest(name, f"{name}: {why}; leave it out")
+    if body.get("truncation") not in (None, "disabled"):  # dropping earlier input to fit: not done here
+        raise InvalidRequest("truncation", 'truncation: only "disabled" is supported (an input over the context '
+                             "is refused with too_long)")
     include = body.get("include")
     if include:  # logprobs, encrypted reasoning, search results: none exists here
         raise InvalidRequest("include", "include: no extra output items are supported; leave it out")
