@@ -201,6 +201,15 @@ def test_grpc_takes_the_same_tools_and_parses_the_same_calls(srv, client) -> Non
     assert [(c.name, c.arguments) for c in final.tool_calls] == [(c.function.name, c.function.arguments) for c in http]
     raw = "".join(m.batch.text for m in out if m.HasField("batch"))
     assert raw.startswith('{"tool_calls":[{"name":')  # the generic format's text, streamed as generated
+    # A conversation with the call and its result: the same prompt as over HTTP.
+    c = final.tool_calls[0]
+    turns = pb.ChatMessages(messages=[msgs.messages[0], pb.ChatMessage(role="assistant", tool_calls=[c]),
+                                      pb.ChatMessage(role="tool", tool_call_id=c.id, content="sunny")])
+    after = grpc_generate(srv.grpc_addr, chat=turns, tools=grpc_tools(), params=pb.SamplingParameters(max_tokens=4))
+    http_after = chat(client, max_tokens=4, messages=ASK + [
+        {"role": "assistant", "tool_calls": [{"id": c.id, "type": "function", "function": {
+            "name": c.name, "arguments": c.arguments}}]}, {"role": "tool", "tool_call_id": c.id, "content": "sunny"}])
+    assert after[-1].final.usage.prompt_tokens == http_after.usage.prompt_tokens
     bad = pb.Tool(name="f", parameters_json='{"type": "bogus"}')
     with pytest.raises(grpc.RpcError) as e:
         grpc_generate(srv.grpc_addr, chat=msgs, tools=[bad])
