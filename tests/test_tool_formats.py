@@ -79,6 +79,9 @@ def test_grammar_takes_the_formats_calls_and_nothing_off_schema(name, ll_tokeniz
     auto = ToolRequest(TOOLS, ToolChoice("auto"), parallel=True)
     assert accepts(ll_tokenizer, tokenizer, fmt, auto, calls)
     assert accepts(ll_tokenizer, tokenizer, fmt, auto, "Sunny in Paris.")
+    assert accepts(ll_tokenizer, tokenizer, fmt, auto, "\n Sunny.")  # blanks first, then text
+    bad = calls.replace("Paris", "Berlin")
+    assert not accepts(ll_tokenizer, tokenizer, fmt, auto, " " + bad)  # no off-schema call behind a blank
     assert not accepts(ll_tokenizer, tokenizer, fmt, auto, calls.replace("Paris", "Berlin"))
 
 

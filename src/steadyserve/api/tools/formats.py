@@ -10,11 +10,12 @@ calls are JSON objects with the function's name and an arguments object, so one 
     call:  OPEN %json{the call objects' schemas} CLOSE
     start: calls                                 (tool_choice required or a named function)
     start: calls | text                          (auto: a text answer may start with anything but the
-                                                  first character of a call)
+                                                  first character of a call, blanks aside)
 
 The arguments are produced by constrained decoding (llguidance), so under `required` and a named function
-they always parse and validate against the tool's schema; under `auto` a call the model starts is held to
-the schema too, and a text answer is free apart from its first character.
+they always parse and validate against the tool's schema; under `auto` a call the model starts with is held
+to the schema too, and a text answer is free apart from its first character. (Hermes blocks that follow
+text under `auto` are parsed, but were not constrained.)
 """
 
 from __future__ import annotations
@@ -81,7 +82,9 @@ class ToolFormat:
             lines.insert(0, "start: calls")
         else:
             first = self.first_char.replace("\\", "\\\\").replace("/", "\\/").replace("]", "\\]")
-            lines = ["start: calls | text", *lines, f"text: /[^{first}](.|\\n)*/"]
+            # Blanks may come first, then anything but a call's first character: " {" cannot sneak a call
+            # past the grammar (the parser skips leading blanks).
+            lines = ["start: calls | text", *lines, f"text: /\\s*[^{first}\\s](.|\\n)*/"]
         return "\n".join(lines) + "\n"
 
     # ---- reading the output ---------------------------------------------------------------------------------
