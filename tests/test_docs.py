@@ -258,10 +258,10 @@ def test_console_blocks_only_hold_commands_the_suite_cannot_run() -> None:
 
 
 @pytest.fixture(scope="module")
-def docs_server(tiny_model: str):
+def docs_server(long_model: str):  # 4096 positions: the tool examples' prompts fit, as they do SmolLM2's
     from steadyserve.testing.server import ServerProcess
 
-    with ServerProcess(tiny_model) as s:
+    with ServerProcess(long_model) as s:
         yield s
 
 

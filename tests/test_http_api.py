@@ -448,7 +448,9 @@ BAD_INPUTS = [
     ("chat-logprobs-int", CH, {"messages": MSG, "logprobs": 5}, 400, "logprobs"),
     ("chat-temperature-negative", CH, {"messages": MSG, "temperature": -1}, 400, "temperature"),
     ("chat-n-0", CH, {"messages": MSG, "n": 0}, 400, "n"),
-    ("chat-tools", CH, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("chat-tools-bad-schema", CH, {"messages": MSG, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "wat"}}}]}, 400, "tools[0].function.parameters"),
+    ("chat-tools-not-function", CH, {"messages": MSG, "tools": [{"type": "code_interpreter"}]}, 400, "tools[0].type"),
     ("chat-tool-choice", CH, {"messages": MSG, "tool_choice": "auto"}, 400, "tool_choice"),
     ("chat-functions", CH, {"messages": MSG, "functions": [{"name": "f"}]}, 400, "functions"),
     ("chat-audio", CH, {"messages": MSG, "audio": {"voice": "alloy"}}, 400, "audio"),

@@ -43,6 +43,19 @@ def token_ids(n: int) -> list[int]:
     return [5 + i % 200 for i in range(n)]
 
 
+BOGUS_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}
+GOOD_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+def with_tools(msg: Any, tools: list[dict[str, Any]], function: str | None = None) -> Any:
+    """A gRPC Generate request with the HTTP body's tools (and a named tool_choice)."""
+    for t in tools:
+        msg.tools.add(name=t["function"]["name"], parameters_json=json.dumps(t["function"]["parameters"]))
+    if function is not None:
+        msg.tool_choice.function = function
+    return msg
+
+
 def rows(vocab_size: int, context: int, filling_chat: list[dict[str, str]]) -> list[Row]:
     long_ids = token_ids(context + 10)
     near_full = token_ids(context - 10)  # room for 10 tokens, not MAX_TOKENS_CAP
@@ -79,6 +92,16 @@ def rows(vocab_size: int, context: int, filling_chat: list[dict[str, str]]) -> l
         Row("prompt-plus-max-tokens-over-context", {"prompt": near_full, "max_tokens": MAX_TOKENS_CAP},
             generate_request(token_ids=near_full, max_tokens=MAX_TOKENS_CAP), "too_long", "max_tokens",
             "params.max_tokens"),
+        Row("tool-schema-bogus", {"messages": CHAT, "tools": [BOGUS_TOOL]},
+            with_tools(generate_request(messages=CHAT), [BOGUS_TOOL]), "invalid_value",
+            "tools[0].function.parameters", "tools[0].parameters_json"),
+        Row("tool-choice-unknown-function", {"messages": CHAT, "tools": [GOOD_TOOL], "tool_choice": {
+            "type": "function", "function": {"name": "nope"}}},
+            with_tools(generate_request(messages=CHAT), [GOOD_TOOL], "nope"), "invalid_value", "tool_choice",
+            "tool_choice.function"),
+        Row("tool-message-without-call-id", {"messages": [*CHAT, {"role": "tool", "content": "sunny"}]},
+            generate_request(messages=[*CHAT, {"role": "tool", "content": "sunny"}]), "invalid_value",
+            "messages[1].tool_call_id", "chat.messages[1].tool_call_id"),
         Row("stop-token-id-out-of-vocab", {"prompt": "hi", "stop_token_ids": [vocab_size]},
             generate_request("hi", stop_token_ids=[vocab_size]), "invalid", "stop_token_ids", "params.stop_token_ids"),
     ]

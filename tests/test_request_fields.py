@@ -12,18 +12,25 @@ import httpx
 import pytest
 from websockets.sync.client import connect
 
-from http_util import parse_stream
+from http_util import parse_stream, sse_events
+from steadyserve.api.http.responses import ResponsesRequest
 from steadyserve.api.http.schemas import ChatCompletionRequest, CompletionRequest
 from steadyserve.testing.server import ServerProcess
 
-C, CH = "/v1/completions", "/v1/chat/completions"
+C, CH, R = "/v1/completions", "/v1/chat/completions", "/v1/responses"
 BASE = {C: {"prompt": "The fox and the dog", "max_tokens": 6, "temperature": 0},
-        CH: {"messages": [{"role": "user", "content": "Name a fox."}], "max_tokens": 6, "temperature": 0}}
+        CH: {"messages": [{"role": "user", "content": "Name a fox."}], "max_tokens": 6, "temperature": 0},
+        R: {"input": "Name a fox.", "max_output_tokens": 6, "temperature": 0}}
+# Small tools: the generic format's prompt must fit the tiny model's 512-token context with a call after it.
+ARG = {"type": "object", "properties": {"x": {"type": "boolean"}}, "required": ["x"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": ARG}},
+         {"type": "function", "function": {"name": "g", "parameters": ARG}}]
+FLAT_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]  # the Responses API's shape
 
 
 @pytest.fixture(scope="module")
-def srv(tiny_model: str):
-    with ServerProcess(tiny_model, "--grpc-port", "-1", "--served-model-name", "tiny") as s:
+def srv(long_model: str):  # the tiny model with 4096 positions: room for the tools' prompt and a call
+    with ServerProcess(long_model, "--grpc-port", "-1", "--served-model-name", "tiny") as s:
         yield s
 
 
@@ -202,8 +209,114 @@ def check_max_completion_tokens(http, path):
     assert post(http, path, max_completion_tokens=2, max_tokens=5, ignore_eos=True)["usage"]["completion_tokens"] == 2
 
 
+def calls(body: dict) -> list[tuple[str, str]]:
+    """(name, arguments) of a chat message's or a response's calls."""
+    if "choices" in body:
+        return [(c["function"]["name"], c["function"]["arguments"])
+                for c in body["choices"][0]["message"].get("tool_calls") or []]
+    return [(o["name"], o["arguments"]) for o in body["output"] if o["type"] == "function_call"]
+
+
+def tools_of(path: str) -> list[dict]:
+    return FLAT_TOOLS if path == R else TOOLS
+
+
+def max_of(path: str, n: int) -> dict:
+    return {"max_output_tokens" if path == R else "max_tokens": n}
+
+
 def check_tools(http, path):
-    refused(http, path, "tools", [{"type": "function", "function": {"name": "f"}}])
+    body = post(http, path, tools=tools_of(path), tool_choice="required", **max_of(path, 120))
+    assert calls(body) and all(json.loads(a)["x"] in (True, False) for _, a in calls(body))
+    assert not calls(post(http, path))
+    refused(http, path, "tools", [{"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}]
+            if path == CH else [{"type": "function", "name": "f", "parameters": {"type": "bogus"}}])
+
+
+def check_tool_choice(http, path):
+    t = tools_of(path)
+    named = {"type": "function", "function": {"name": "g"}} if path == CH else {"type": "function", "name": "g"}
+    assert {n for n, _ in calls(post(http, path, tools=t, tool_choice=named, **max_of(path, 120)))} == {"g"}
+    none = post(http, path, tools=t, tool_choice="none")
+    usage = none["usage"]
+    assert not calls(none) and (usage.get("prompt_tokens") or usage.get("input_tokens")) < (
+        post(http, path, tools=t)["usage"].get("prompt_tokens") or post(http, path, tools=t)["usage"]["input_tokens"])
+    refused(http, path, "tool_choice", "sometimes")
+
+
+def check_parallel_tool_calls(http, path):
+    t = tools_of(path)
+    one = post(http, path, tools=t, tool_choice="required", parallel_tool_calls=False, **max_of(path, 120))
+    assert len(calls(one)) == 1
+    if path == CH:  # forcing "," after a call: a second call where parallel calls are allowed, else none
+        comma = {str(token_id(http, ",")): 100}
+        assert len(calls(post(http, path, tools=t, tool_choice="required", logit_bias=comma, max_tokens=200))) >= 2
+        assert len(calls(post(http, path, tools=t, tool_choice="required", logit_bias=comma, max_tokens=200,
+                              parallel_tool_calls=False))) == 1
+    else:
+        assert one["parallel_tool_calls"] is False
+
+
+# ---- the Responses API's own fields ------------------------------------------------------------------------------
+
+def output_text(body: dict) -> str:
+    return "".join(p["text"] for o in body["output"] if o["type"] == "message" for p in o["content"])
+
+
+def check_r_model(http, path):
+    assert post(http, path, model="tiny")["model"] == "tiny"
+    assert http.post(path, json={**BASE[path], "model": "other"}).status_code == 404
+
+
+def check_r_input(http, path):
+    other = post(http, path, input=[{"role": "user", "content": "Something else entirely."}])
+    assert other["usage"]["input_tokens"] != post(http, path)["usage"]["input_tokens"]
+
+
+def check_instructions(http, path):
+    assert post(http, path, instructions="Be brief.")["usage"]["input_tokens"] > post(http, path)["usage"]["input_tokens"]
+
+
+def check_max_output_tokens(http, path):
+    assert post(http, path, max_output_tokens=2)["usage"]["output_tokens"] == 2
+    refused(http, path, "max_output_tokens", 0)
+
+
+def check_r_temperature(http, path):
+    greedy = output_text(post(http, path))
+    assert any(output_text(post(http, path, temperature=2.0)) != greedy for _ in range(4))
+
+
+def check_r_top_p(http, path):
+    assert output_text(post(http, path, temperature=2.0, top_p=1e-6)) == output_text(post(http, path))
+
+
+def check_text(http, path):
+    fmt = {"format": {"type": "json_schema", "name": "t", "schema": ARG}}
+    assert json.loads(output_text(post(http, path, text=fmt, max_output_tokens=20)))["x"] in (True, False)
+
+
+def check_r_stream(http, path):
+    with http.stream("POST", path, json={**BASE[path], "stream": True}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        types = [json.loads(e)["type"] for e in sse_events(r.read())]
+    assert types[0] == "response.created" and types[-1] in ("response.completed", "response.incomplete")
+
+
+def check_store(http, path):
+    kept, not_kept = post(http, path), post(http, path, store=False)
+    assert http.get(f"{path}/{kept['id']}").status_code == 200
+    assert http.get(f"{path}/{not_kept['id']}").status_code == 404
+
+
+def check_previous_response_id(http, path):
+    first = post(http, path)
+    assert post(http, path, previous_response_id=first["id"])["usage"]["input_tokens"] > first["usage"]["input_tokens"]
+    assert http.post(path, json={**BASE[path], "previous_response_id": "resp_none"}).status_code == 404
+
+
+def check_metadata(http, path):
+    assert post(http, path, metadata={"k": "v"})["metadata"] == {"k": "v"}
 
 
 CHECKS: dict[tuple[str, str], Callable] = {
@@ -220,16 +333,26 @@ CHECKS: dict[tuple[str, str], Callable] = {
     (C, "best_of"): check_best_of, (C, "suffix"): check_suffix,
     (CH, "messages"): check_messages, (CH, "logprobs"): check_chat_logprobs, (CH, "top_logprobs"): check_top_logprobs,
     (CH, "max_completion_tokens"): check_max_completion_tokens, (CH, "tools"): check_tools,
+    (CH, "tool_choice"): check_tool_choice, (CH, "parallel_tool_calls"): check_parallel_tool_calls,
+    (R, "model"): check_r_model, (R, "input"): check_r_input, (R, "instructions"): check_instructions,
+    (R, "max_output_tokens"): check_max_output_tokens, (R, "temperature"): check_r_temperature,
+    (R, "top_p"): check_r_top_p, (R, "text"): check_text, (R, "tools"): check_tools,
+    (R, "tool_choice"): check_tool_choice, (R, "parallel_tool_calls"): check_parallel_tool_calls,
+    (R, "stream"): check_r_stream, (R, "store"): check_store, (R, "previous_response_id"): check_previous_response_id,
+    (R, "metadata"): check_metadata,
 }
 
 
 def test_every_schema_field_has_a_row() -> None:
-    fields = {(C, f) for f in CompletionRequest.model_fields} | {(CH, f) for f in ChatCompletionRequest.model_fields}
+    fields = {(C, f) for f in CompletionRequest.model_fields} | {(CH, f) for f in ChatCompletionRequest.model_fields} | \
+        {(R, f) for f in ResponsesRequest.model_fields}
     assert fields - set(CHECKS) == set(), "fields without a row: give each a check in CHECKS"
     assert set(CHECKS) - fields == set(), "rows for fields the schemas no longer have"
 
 
-@pytest.mark.parametrize("path,field", sorted(CHECKS), ids=[f"{'chat' if p == CH else 'completions'}-{f}"
-                                                            for p, f in sorted(CHECKS)])
+NAMES = {C: "completions", CH: "chat", R: "responses"}
+
+
+@pytest.mark.parametrize("path,field", sorted(CHECKS), ids=[f"{NAMES[p]}-{f}" for p, f in sorted(CHECKS)])
 def test_field_does_what_it_says(http, path, field) -> None:
     CHECKS[(path, field)](http, path)

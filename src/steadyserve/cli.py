@@ -75,6 +75,9 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tls-cert", default=d.tls_cert, help="PEM certificate: serve HTTPS and gRPC over TLS")
     g.add_argument("--tls-key", default=d.tls_key, help="PEM private key of --tls-cert")
     g.add_argument("--ready-file", default=d.ready_file, help="write bound ports as JSON here once serving")
+    g.add_argument("--responses-store-size", type=int, default=d.responses_store_size,
+                   help="responses /v1/responses keeps for previous_response_id and GET, in memory; the oldest "
+                        "is evicted first (default: %(default)s; also at most 64 MiB)")
 
 
 def config_from_args(a: argparse.Namespace) -> Config:
@@ -93,7 +96,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
                             max_request_bytes=parse_size(a.max_request_bytes, "--max-request-bytes"),
                             max_tokens_cap=a.max_tokens_cap, api_key=a.api_key, metrics_public=not a.metrics_auth,
                             log_format=a.log_format, tls_cert=a.tls_cert, tls_key=a.tls_key,
-                            ready_file=a.ready_file),
+                            ready_file=a.ready_file, responses_store_size=a.responses_store_size),
     )
     cfg.validate()
     return cfg

@@ -133,6 +133,7 @@ class ServerConfig:
     tls_cert: str = ""  # --tls-cert: PEM certificate for HTTP and gRPC
     tls_key: str = ""  # --tls-key: PEM private key
     ready_file: str = ""  # --ready-file: written with the bound ports once serving (for tests, scripts)
+    responses_store_size: int = 1024  # --responses-store-size: stored /v1/responses kept, oldest evicted first
 
     def validate(self) -> None:
         if not 0 <= self.http_port <= 65535:
@@ -147,6 +148,8 @@ class ServerConfig:
             raise ConfigError("--max-request-bytes must be at least 1024")
         if self.max_tokens_cap < 1:
             raise ConfigError("--max-tokens-cap must be at least 1")
+        if self.responses_store_size < 1:
+            raise ConfigError("--responses-store-size must be at least 1")
         if self.log_format not in ("text", "json"):
             raise ConfigError("--log-format must be text or json")
         if bool(self.tls_cert) != bool(self.tls_key):

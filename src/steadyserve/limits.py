@@ -22,7 +22,7 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed tak
 # ---- request limits -------------------------------------------------------------------------------------------
 MAX_REQUEST_ID_CHARS = 128  # a client's request id (x-request-id, gRPC request_id): printable, at most this long
 MAX_CHOICES = 128  # n and best_of
-CHAT_ROLES = ("system", "user", "assistant", "developer")  # who may speak in a chat request's messages
+CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")  # who may speak in a chat request's messages
 # Tokens generated when the request names no max_tokens (never more than --max-tokens-cap or the context leaves).
 DEFAULT_MAX_TOKENS = {"completion": 16, "chat": 512}
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..limits import CHAT_ROLES, InvalidRequest
+from .tools import ToolRequest, format_for
 
 
 def encode_prompt(tokenizer: Any, prompt: str | list[int], param: str = "prompt") -> list[int]:
@@ -27,22 +28,43 @@ def encode_prompt(tokenizer: Any, prompt: str | list[int], param: str = "prompt"
     return ids
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
-    """Render messages with the model's chat template, ready for the assistant's turn."""
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: ToolRequest | None = None) -> list[int]:
+    """Render messages with the model's chat template, ready for the assistant's turn. With tools, the model's
+    tool format (api/tools) decides how they and the conversation's calls are shown: through the template
+    (Hermes, Llama 3) or in the system prompt (the generic format)."""
     if not messages:
         raise InvalidRequest("messages", "messages must not be empty")
     for i, m in enumerate(messages):
-        if m.get("role") not in CHAT_ROLES:
-            raise InvalidRequest(f"messages[{i}].role", f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}")
-        if not isinstance(m.get("content"), str):
-            raise InvalidRequest(f"messages[{i}].content", f"messages[{i}].content must be a string")
+        check_message(m, f"messages[{i}]")
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequest("messages", "this model has no chat template; use /v1/completions")
+    rendered, kwargs = format_for(tokenizer).template_input(messages, tools)
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True, **kwargs)
     except Exception as e:  # template errors are the caller's messages' fault
         raise InvalidRequest("messages", f"cannot render messages with the chat template: {e}") from None
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def check_message(m: dict[str, Any], param: str) -> None:
+    """One message in OpenAI's shapes: a role and text content; an assistant's may carry `tool_calls` instead
+    of content, and a `tool` message answers a call by its `tool_call_id`."""
+    if m.get("role") not in CHAT_ROLES:
+        raise InvalidRequest(f"{param}.role", f"{param}.role must be one of {', '.join(CHAT_ROLES)}")
+    calls = m.get("tool_calls")
+    if calls and m["role"] != "assistant":
+        raise InvalidRequest(f"{param}.tool_calls", f"{param}.tool_calls: only assistant messages carry calls")
+    content = m.get("content")
+    if not isinstance(content, str) and not (content is None and calls):
+        raise InvalidRequest(f"{param}.content", f"{param}.content must be a string")
+    for j, tc in enumerate(calls or []):
+        fn = tc.get("function") if isinstance(tc, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
+            raise InvalidRequest(f"{param}.tool_calls[{j}]", f"{param}.tool_calls[{j}] must be "
+                                 '{"id", "type": "function", "function": {"name", "arguments"}}')
+    if m["role"] == "tool" and not isinstance(m.get("tool_call_id"), str):
+        raise InvalidRequest(f"{param}.tool_call_id", f"{param}.tool_call_id: a tool message names the call it "
+                             "answers")
 
 
 _TOKEN_TEXT: dict[int, dict[int, str]] = {}  # id(tokenizer) -> token id -> text; at most the vocabulary

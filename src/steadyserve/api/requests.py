@@ -23,6 +23,7 @@ from ..limits import DEFAULT_MAX_TOKENS, InvalidRequest, Refused, check_request_
 from .protocol import encode_prompt, render_chat
 from .state import ServerState
 from .streams import StreamHandle
+from .tools import ToolFormat, ToolRequest, format_for
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class RequestSpec:
     n: int = 1  # choices returned per prompt: the best n of num_samples by mean token logprob
     stream: bool = False  # the client asked for a stream of events rather than one response
     output: OutputOptions = OutputOptions()  # what the encoders add: logprobs, echo, usage
+    tools: ToolRequest | None = None  # chat: tools, tool_choice, parallel_tool_calls; None when none were sent
 
 
 @dataclass
@@ -70,6 +72,8 @@ class ValidatedRequest:
     n: int = 1  # choices returned per prompt
     stream: bool = False  # the client asked for a stream
     output: OutputOptions = OutputOptions()  # what the encoders add: logprobs, echo, usage
+    tools: ToolRequest | None = None  # the tools the model may call (None: none, or tool_choice none)
+    tool_format: ToolFormat | None = None  # with tools: how this model writes calls, to parse its output
 
     @property
     def engine_ids(self) -> list[str]:
@@ -100,7 +104,7 @@ def prompt_ids(state: ServerState, spec: RequestSpec) -> tuple[list[list[int]], 
     tok, context = state.loaded.tokenizer, state.loaded.max_model_len
     scoring = spec.kind == "score" or spec.requested_max_tokens == 0
     if spec.messages is not None:
-        ids = render_chat(tok, spec.messages)
+        ids = render_chat(tok, spec.messages, spec.tools)
         check_context(len(ids), "messages", context, scoring, verb="render to")
         return [ids], [""]
     if not spec.prompts:
@@ -155,6 +159,8 @@ def build(state: ServerState, spec: RequestSpec) -> ValidatedRequest:
     prompts, texts = prompt_ids(state, spec)
     if params.grammar is not None:  # compiled here, off the event loop; admission then finds it known
         state.engine.engine.grammars.check(params.grammar)
+    tools = spec.tools if spec.tools is not None and spec.tools.active else None
+    tool_format = tool_grammar(state, tools, params) if tools is not None else None
     k = spec.num_samples
     if len(prompts) * k > capacity:
         name = "best_of" if k > spec.n else "n"
@@ -175,7 +181,35 @@ def build(state: ServerState, spec: RequestSpec) -> ValidatedRequest:
             choice_params.append(p)
             choice_texts.append(text)
     return ValidatedRequest(state.new_request_id(spec.request_id or None), spec.kind, spec.transport, choices,
-                            choice_params, choice_texts, k, spec.n, spec.stream, spec.output)
+                            choice_params, choice_texts, k, spec.n, spec.stream, spec.output, tools, tool_format)
+
+
+def tool_grammar(state: ServerState, tools: ToolRequest, params: SamplingParams) -> ToolFormat:
+    """Constrain the output to this model's call format (api/tools): each tool's schema must compile (else a
+    400 naming that tool), then the whole grammar. Returns the format, for the encoders to parse the output."""
+    from ..engine.structured import json_schema_grammar
+
+    if params.grammar is not None:
+        raise InvalidRequest("response_format", "response_format cannot be combined with tools (unless "
+                             "tool_choice is none): the output follows the tools' grammar")
+    if params.ignore_eos:
+        raise InvalidRequest("ignore_eos", "ignore_eos cannot be combined with tools: a finished call ends with "
+                             "end-of-sequence")
+    grammars = state.engine.engine.grammars
+    for i, tool in enumerate(tools.tools):
+        param = tools.schema_param.format(i=i)
+        try:
+            why = grammars.error(json_schema_grammar(tool.parameters))
+        except Exception as e:  # the compiler's own message: a schema it cannot read at all
+            why = str(e) or type(e).__name__
+        if why:
+            raise InvalidRequest(param, f"{param}: tool {tool.name!r} has a schema this server cannot compile: {why}")
+    fmt = format_for(state.loaded.tokenizer)
+    params.grammar = fmt.grammar(tools)
+    why = grammars.error(params.grammar)
+    if why:
+        raise InvalidRequest("tools", f"tools: cannot compile the tools' grammar: {why}")
+    return fmt
 
 
 def derived_seed(seed: int | None, j: int) -> int | None:

@@ -29,7 +29,7 @@ SIZES = {
 }
 
 
-def _tokenizer(vocab_size: int):
+def _tokenizer(vocab_size: int, chat_template: str | None = None):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -42,20 +42,21 @@ def _tokenizer(vocab_size: int):
     tok.train_from_iterator([_CORPUS] * 4, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>",
                                    unk_token="<|endoftext|>", pad_token="<|endoftext|>")
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = chat_template or CHAT_TEMPLATE
     return fast
 
 
 def build_tiny_model(out_dir: str | Path, arch: str = "llama", size: str = "tiny", seed: int = 0,
-                     max_position_embeddings: int = 512) -> Path:
-    """Write a random model to out_dir and return it. arch: llama | qwen2 | mistral | llama3."""
+                     max_position_embeddings: int = 512, chat_template: str | None = None) -> Path:
+    """Write a random model to out_dir and return it. arch: llama | qwen2 | mistral | llama3.
+    `chat_template`: another template than the ChatML default (tests of templates that know tools)."""
     import torch
     from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
                               Qwen2ForCausalLM)
 
     out = Path(out_dir)
     hidden, inter, layers, heads, kv_heads, vocab = SIZES[size]
-    tokenizer = _tokenizer(vocab)
+    tokenizer = _tokenizer(vocab, chat_template)
     vocab = max(vocab, len(tokenizer))
     common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
                   num_attention_heads=heads, num_key_value_heads=kv_heads,

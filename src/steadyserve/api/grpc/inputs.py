@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import json
+
 from ...engine.sequence import SamplingParams
 from ...limits import InvalidRequest
 from ..requests import OutputOptions, RequestSpec
+from ..tools import ToolChoice, ToolRequest, parse_tool_choice, tool_from_fields, tool_request
 
 # The proto field each kind of `input` oneof arrives in; the HTTP API calls them prompt and messages.
 INPUT_FIELDS = {"text": "text", "tokens": "tokens.ids", "chat": "chat.messages"}
@@ -33,9 +36,44 @@ def input_spec(msg: Any) -> dict[str, Any]:
     if which == "tokens":
         return {"prompts": [list(msg.tokens.ids)]}
     if which == "chat":
-        return {"messages": [{"role": m.role, "content": m.content} for m in msg.chat.messages]}
+        return {"messages": [chat_message(m) for m in msg.chat.messages]}
     names = ", ".join(f.name for f in msg.DESCRIPTOR.oneofs_by_name["input"].fields)
     raise InvalidRequest("input", f"input: one of {names} must be set")
+
+
+def chat_message(m: Any) -> dict[str, Any]:
+    """A ChatMessage in the HTTP API's (OpenAI's) shape: calls and the call a tool turn answers, when set."""
+    d: dict[str, Any] = {"role": m.role, "content": m.content if m.content or not m.tool_calls else None}
+    if m.tool_calls:
+        d["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                           for c in m.tool_calls]
+    if m.tool_call_id:
+        d["tool_call_id"] = m.tool_call_id
+    return d
+
+
+def tools_spec(msg: Any) -> ToolRequest | None:
+    """tools, tool_choice and parallel_tool_calls as the HTTP API's ToolRequest (fields named as the proto's)."""
+    tools = []
+    for i, t in enumerate(msg.tools):
+        param = f"tools[{i}].parameters_json"
+        try:
+            schema = json.loads(t.parameters_json) if t.parameters_json else None
+        except json.JSONDecodeError as e:
+            raise InvalidRequest(param, f"{param} is not valid JSON: {e.msg}") from None
+        tools.append(tool_from_fields({"name": t.name, "description": t.description, "parameters": schema},
+                                      f"tools[{i}]"))
+    if tools and input_kind(msg) != "chat":
+        raise InvalidRequest("tools", "tools: only with chat input")
+    which = msg.tool_choice.WhichOneof("choice") if msg.HasField("tool_choice") else None
+    choice: ToolChoice | None = None
+    if which == "mode":
+        choice = parse_tool_choice(msg.tool_choice.mode, set(), "tool_choice.mode")
+    elif which == "function":
+        choice = parse_tool_choice({"type": "function", "name": msg.tool_choice.function}, {t.name for t in tools},
+                                   "tool_choice.function")
+    parallel = msg.parallel_tool_calls if msg.HasField("parallel_tool_calls") else None
+    return tool_request(tools, choice, parallel, "tool_choice", "tools[{i}].parameters_json")
 
 
 def score_spec(msg: Any) -> RequestSpec:
@@ -58,7 +96,7 @@ def generate_spec(msg: Any) -> RequestSpec:
                        requested_max_tokens=p.max_tokens if p.HasField("max_tokens") else None, stream=True,
                        output=OutputOptions(logprobs=p.HasField("logprobs"),
                                             top_logprobs=p.logprobs if p.HasField("logprobs") else 0),
-                       **input_spec(msg))
+                       tools=tools_spec(msg), **input_spec(msg))
 
 
 def tokenize_spec(msg: Any) -> RequestSpec:
@@ -77,7 +115,7 @@ def field_name(param: str | None, msg: Any, scoring: bool = False) -> str:
         return input_field + param[len("prompt"):]
     if param.startswith("messages"):
         return "chat." + param
-    if param in ("model", "request_id", "input"):
+    if param in ("model", "request_id", "input") or param.startswith(("tools", "tool_choice", "parallel_tool_calls")):
         return param
     if scoring:
         return SCORE_FIELDS.get(param, param)

@@ -25,6 +25,7 @@ from ..protocol import token_text
 from ..requests import RequestSpec, ValidatedRequest, admit, build, prompt_ids
 from ..state import ServerState
 from ..streams import END_MESSAGES, StreamHandle
+from ..tools import tool_calls_json
 from ..protos.steadyserve.v1 import inference_pb2 as pb
 from ..protos.steadyserve.v1 import inference_pb2_grpc as pb_grpc
 from . import ERROR_CODE_KEY, ERROR_FIELD_KEY, FINGERPRINT_KEY, PUSHBACK_KEY, REQUEST_ID_KEY, RETRY_AFTER_KEY
@@ -33,7 +34,8 @@ from .inputs import field_name, generate_spec, score_spec, tokenize_spec
 Code = grpc.StatusCode
 
 INLINE_TOKENIZE_CHARS = 2048  # shorter texts are tokenized on the loop (the high-rate Score path)
-FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
+FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT,
+          "tool_calls": pb.FINISH_REASON_TOOL_CALLS}
 
 
 # A client whose deadline passes cancels the call itself (RST_STREAM), a little before the server's
@@ -183,16 +185,30 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                         await self._end_with_problem(call, ev.error)
                     if ev.finished:
                         last = ev.last
-                        await write(pb.GenerateResponse(final=pb.GenerateFinal(
+                        final = pb.GenerateFinal(
                             finish_reason=FINISH.get(last.finish_reason or "", pb.FINISH_REASON_UNSPECIFIED),
                             usage=pb.Usage(prompt_tokens=last.num_prompt_tokens,
                                            completion_tokens=last.num_generated_tokens,
                                            cached_prompt_tokens=last.num_cached_tokens),
-                            request_id=req.request_id, fingerprint=self.fingerprint, model=self.state.model_name)))
+                            request_id=req.request_id, fingerprint=self.fingerprint, model=self.state.model_name)
+                        if req.tool_format is not None:
+                            self._tool_final(final, req, events.accs[0].text, last.finish_reason)
+                        await write(pb.GenerateResponse(final=final))
         except _ClientGone:
             return  # nobody to tell; leaving `events` counts why the stream ended
         except StreamStalled:
             await self._end_with_problem(call, ("stall", END_MESSAGES["stall"]))
+
+    @staticmethod
+    def _tool_final(final: pb.GenerateFinal, req: ValidatedRequest, text: str, reason: str | None) -> None:
+        """The output parsed as the HTTP API parses it: content, tool_calls and the tool_calls finish reason."""
+        parsed = req.tool_format.parse(text)  # type: ignore[union-attr]
+        for call in tool_calls_json(parsed, req.request_id, 0):
+            final.tool_calls.add(id=call["id"], name=call["function"]["name"], arguments=call["function"]["arguments"])
+        if parsed.content is not None:
+            final.content = parsed.content
+        if parsed.calls and reason == "stop":
+            final.finish_reason = pb.FINISH_REASON_TOOL_CALLS
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
         call = _Call(context, self.fingerprint)

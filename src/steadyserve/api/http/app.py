@@ -18,10 +18,13 @@ from ...platform_info import platform_info, row_tiles_of
 from ..events import RequestEvents, end_status, sum_usage
 from ..protocol import render_chat
 from ..requests import admit, check_model
+from ..responses_store import ResponseStore
 from ..state import ServerState
 from .errors import error_response, refusal_response
 from .inputs import build_from_body, client_request_id, read_json, validated
 from .openai_format import Formatter, formatters, full_body, mean_logprob
+from .responses import ResponsesRequest
+from .responses_routes import add_responses_routes
 from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .sse import SSEResponse, http_disconnect
 from .ws import websocket_stream
@@ -102,6 +105,8 @@ def create_app(state: ServerState) -> FastAPI:
         Streamed (`stream: true`, server-sent events) or whole; 429 with `Retry-After` at capacity.
         """
         return await run(request, "chat")
+
+    add_responses_routes(app, state, ResponseStore(cfg.responses_store_size))
 
     def tokenize(body: Any) -> dict[str, Any]:
         req = validated(TokenizeRequest, body)
@@ -193,7 +198,8 @@ def openapi_schema(app: FastAPI) -> dict[str, Any]:
     spec = get_openapi(title=app.title, version=app.version, routes=app.routes)
     schemas = spec.setdefault("components", {}).setdefault("schemas", {})
     for path, model in (("/v1/completions", CompletionRequest), ("/v1/chat/completions", ChatCompletionRequest),
-                        ("/tokenize", TokenizeRequest), ("/detokenize", DetokenizeRequest)):
+                        ("/v1/responses", ResponsesRequest), ("/tokenize", TokenizeRequest),
+                        ("/detokenize", DetokenizeRequest)):
         js = model.model_json_schema(ref_template="#/components/schemas/{model}")
         schemas.update(js.pop("$defs", {}))
         schemas[model.__name__] = js

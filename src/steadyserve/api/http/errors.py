@@ -14,6 +14,7 @@ REFUSAL_STATUS = {
     "draining": (503, "unavailable"),
     "dead": (503, "unavailable"),
     "model_not_found": (404, "invalid_request_error"),
+    "not_found": (404, "invalid_request_error"),  # a stored response (Responses API) that is not there
     "request_too_large": (413, "invalid_request_error"),
     "too_long": (400, "invalid_request_error"),
     "invalid": (400, "invalid_request_error"),

@@ -11,6 +11,7 @@ from ...engine.sequence import RequestOutput, TokenLogprob
 from ..events import Accumulated, sum_usage
 from ..protocol import token_text
 from ..requests import ValidatedRequest
+from ..tools import ToolCallStream, ToolFormat, tool_calls_json
 
 
 def _bytes_to_unicode_inverse() -> dict[str, int]:
@@ -90,7 +91,8 @@ class Formatter:
     """Builds response bodies for one choice (one engine request) of one endpoint kind."""
 
     def __init__(self, kind: str, request_id: str, model: str, fingerprint: str, tokenizer: Any,
-                 echo_prompt_ids: list[int] | None = None, echo_text: str = "", index: int = 0) -> None:
+                 echo_prompt_ids: list[int] | None = None, echo_text: str = "", index: int = 0,
+                 tool_format: ToolFormat | None = None) -> None:
         self.kind = kind  # "completion" | "chat"
         self.index = index  # the choice's index: its prompt's position in a batched request
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + request_id
@@ -103,6 +105,9 @@ class Formatter:
         self._offset = 0  # text offset for completion logprobs
         self._sent_role = False
         self._sent_echo = False
+        self.request_id = request_id
+        self.tool_format = tool_format  # chat with tools: the output is parsed into content and tool_calls
+        self.tool_stream = ToolCallStream(tool_format, request_id, index) if tool_format is not None else None
 
     def _envelope(self, chunk: bool) -> dict[str, Any]:
         obj = {"completion": "text_completion", "chat": "chat.completion.chunk" if chunk else "chat.completion"}
@@ -154,7 +159,14 @@ class Formatter:
     def full(self, acc: Accumulated, want_logprobs: bool) -> dict[str, Any]:
         body = self._envelope(chunk=False)
         lp = self._logprobs(acc.logprobs, acc.token_ids, want_logprobs, acc.prompt_logprobs)
-        if self.kind == "chat":
+        if self.kind == "chat" and self.tool_format is not None:
+            parsed = self.tool_format.parse(acc.text)
+            message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+            if parsed.calls:
+                message["tool_calls"] = tool_calls_json(parsed, self.request_id, self.index)
+            choice = {"index": self.index, "message": message, "logprobs": lp,
+                      "finish_reason": tool_finish(acc.finish_reason, bool(parsed.calls))}
+        elif self.kind == "chat":
             choice = {"index": self.index, "message": {"role": "assistant", "content": acc.text}, "logprobs": lp,
                       "finish_reason": acc.finish_reason}
         else:
@@ -191,11 +203,47 @@ class Formatter:
         body["choices"] = [choice]
         return body
 
+    def chunks(self, outs: list[RequestOutput], want_logprobs: bool) -> list[dict[str, Any]]:
+        """The SSE events for a batch of outputs: one chunk, or with tools the content and then one chunk per
+        tool_calls entry (a call's id and name, then its argument fragments), as OpenAI streams them. None at
+        all for a batch whose text is all held back (a call not yet named), unless it carries logprobs."""
+        if self.tool_stream is None or self.kind != "chat":
+            return [self.chunk(outs, want_logprobs)]
+        text = "".join(o.text_delta for o in outs)
+        finished = outs[-1].finished
+        content, entries = self.tool_stream.feed(text, finished)
+        ids = [t for o in outs for t in o.new_token_ids]
+        lp = self._logprobs([lp for o in outs for lp in o.logprobs], ids, want_logprobs)
+        bodies: list[dict[str, Any]] = []
+
+        def add(delta: dict[str, Any], logprobs: Any = None) -> None:
+            if not self._sent_role:
+                delta = {"role": "assistant", "content": None, **delta}
+                self._sent_role = True
+            body = self._envelope(chunk=True)
+            body["choices"] = [{"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": None}]
+            bodies.append(body)
+
+        if content or not self._sent_role or (lp is not None and lp["content"]):
+            add({"content": content} if content else {}, lp)
+        for entry in entries:
+            add({"tool_calls": [entry]})
+        if finished:
+            if not bodies:
+                add({})
+            bodies[-1]["choices"][0]["finish_reason"] = tool_finish(outs[-1].finish_reason, self.tool_stream.called)
+        return bodies
+
     def usage_chunk(self, acc: Accumulated) -> dict[str, Any]:
         body = self._envelope(chunk=True)
         body["choices"] = []
         body["usage"] = acc.usage()
         return body
+
+
+def tool_finish(reason: str | None, called: bool) -> str | None:
+    """OpenAI's finish reason with tools: a turn that ended with calls finished for `tool_calls`."""
+    return "tool_calls" if called and reason == "stop" else reason
 
 
 def mean_logprob(acc: Accumulated) -> float:
@@ -223,5 +271,6 @@ def formatters(req: ValidatedRequest, model: str, fingerprint: str, tokenizer: A
     # Echo: a text prompt as sent; token ids decoded (the builder has checked they are ids of this model).
     return [Formatter(req.kind, req.request_id, model, fingerprint, tokenizer,
                       echo_prompt_ids=ids if echo else None,
-                      echo_text=(text if text is not None else tokenizer.decode(ids)) if echo else "", index=i)
+                      echo_text=(text if text is not None else tokenizer.decode(ids)) if echo else "", index=i,
+                      tool_format=req.tool_format)
             for i, (ids, text) in enumerate(zip(req.prompts, req.echo_texts))]

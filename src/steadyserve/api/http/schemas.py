@@ -2,7 +2,7 @@
 
 Unknown fields are ignored, as OpenAI clients send fields we have no use for
 (`user`, `metadata`); fields that would change the result and that we do not
-implement (tools, audio, predicted outputs) are refused by name (UNSUPPORTED_FIELDS).
+implement (the deprecated `functions`, audio, predicted outputs) are refused by name (UNSUPPORTED_FIELDS).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, model_validator
 
 from ...engine.sequence import SamplingParams
+from ..tools import ToolRequest, parse_tool, parse_tool_choice, tool_request
 from ...limits import (CHAT_ROLES, MAX_CHOICES, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_STOP_STRINGS,
                        MAX_TEMPERATURE, SEED_MAX, SEED_MIN, InvalidRequest)
 
@@ -31,8 +32,8 @@ def shared_range(minimum: float | None = None, maximum: float | None = None, exc
 # never ignored. Fields that cannot change the result (`user`, `metadata`, `store`, `service_tier`) are ignored
 # like any other unknown field.
 UNSUPPORTED_FIELDS = {
-    "tool_choice": "tool calling is not supported", "functions": "function calling is not supported",
-    "function_call": "function calling is not supported", "audio": "audio output is not supported",
+    "functions": "the deprecated functions field is not supported: send tools",
+    "function_call": "the deprecated function_call field is not supported: send tool_choice", "audio": "audio output is not supported",
     "prediction": "predicted outputs are not supported", "reasoning_effort": "this model has no reasoning effort",
     "web_search_options": "web search is not supported",
 }
@@ -208,16 +209,49 @@ class TextPart(BaseModel):
     text: str = Field(description="the text")
 
 
+class FunctionCall(BaseModel):
+    """The function an assistant message called."""
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(description="the function's name")
+    arguments: str = Field(description="its arguments, a JSON object as a string (as the model wrote them)")
+
+
+class ToolCall(BaseModel):
+    """One call of an earlier assistant turn, as a response's `message.tool_calls` gave it."""
+    model_config = ConfigDict(extra="ignore")
+    id: str = Field(description="the call's id; the `tool` message with its result names it")
+    type: Literal["function"] = Field(default="function", description="only function calls exist")
+    function: FunctionCall = Field(description="the function called and its arguments")
+
+
 class ChatMessage(BaseModel):
     """One message of a conversation."""
     model_config = ConfigDict(extra="ignore")
     # Checked where gRPC's is (api/protocol.render_chat), so both refuse a role with the same message; the
     # schema still lists the roles.
     role: str = Field(description="who speaks", json_schema_extra={"enum": list(CHAT_ROLES)})
-    content: str | list[TextPart] = Field(description="a string, or a list of text parts that are joined")
+    content: str | list[TextPart] | None = Field(default=None, description="a string, or a list of text parts "
+                                                 "that are joined; an assistant message with tool_calls may omit it")
+    tool_calls: list[ToolCall] | None = Field(default=None, description="assistant: the calls it made")
+    tool_call_id: str | None = Field(default=None, description="tool: the id of the call this message answers")
+    name: str | None = Field(default=None, description="tool: the function's name (found from the call when "
+                             "absent); ignored on other roles")
 
-    def text(self) -> str:
+    def text(self) -> str | None:
+        if self.content is None:
+            return None
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The message as requests.build and the chat template take it (OpenAI's shape)."""
+        d: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            d["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
+        if self.name is not None and self.role == "tool":
+            d["name"] = self.name
+        return d
 
 
 class ChatCompletionRequest(_Common):
@@ -229,7 +263,15 @@ class ChatCompletionRequest(_Common):
                                            "many most likely alternatives per position")
     max_completion_tokens: StrictInt | None = Field(default=None, ge=0, description="the newer name of max_tokens; "
                                                     "wins when both are given")
-    tools: None = Field(default=None, description="not supported: must be absent or null")
+    tools: list[dict[str, Any]] | None = Field(default=None, description='functions the model may call: '
+                                               '[{"type": "function", "function": {"name", "description", '
+                                               '"parameters": JSON schema}}]; a call\'s arguments follow its '
+                                               'schema by constrained decoding')
+    tool_choice: str | dict[str, Any] | None = Field(default=None, description='"none", "auto" (the default '
+                                                     'with tools), "required", or {"type": "function", '
+                                                     '"function": {"name"}}')
+    parallel_tool_calls: StrictBool | None = Field(default=None, description="allow more than one call in a "
+                                                   "turn (default true)")
     response_format: dict[str, Any] | None = Field(default=None, description='structured output: {"type": '
                                                    '"json_object"}, or {"type": "json_schema", "json_schema": '
                                                    '{"name": ..., "schema": {...}}}: sampling follows the schema '
@@ -264,7 +306,13 @@ class ChatCompletionRequest(_Common):
         return self.n
 
     def message_dicts(self) -> list[dict[str, Any]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return [m.as_dict() for m in self.messages]
+
+    def tool_request(self) -> ToolRequest | None:
+        """tools, tool_choice and parallel_tool_calls, validated. Raises InvalidRequest naming the field."""
+        tools = [parse_tool(t, f"tools[{i}]") for i, t in enumerate(self.tools or [])]
+        choice = parse_tool_choice(self.tool_choice, {t.name for t in tools})
+        return tool_request(tools, choice, self.parallel_tool_calls)
 
 
 class TokenizeRequest(BaseModel):
@@ -285,7 +333,7 @@ class TokenizeRequest(BaseModel):
         return self
 
     def message_dicts(self) -> list[dict[str, Any]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages or []]
+        return [m.as_dict() for m in self.messages or []]
 
 
 class DetokenizeRequest(BaseModel):

@@ -92,7 +92,8 @@ class SSEResponse(Response):
                         # out first: the client sees what was produced, then why the stream ended.
                         before = pending[ev.index] + ev.outputs[:-1]
                         if any(o.new_token_ids or o.text_delta for o in before):
-                            await emit(sse_event(fmt.chunk(before, self.want_logprobs)))
+                            for body in fmt.chunks(before, self.want_logprobs):
+                                await emit(sse_event(body))
                         code, message = ev.error
                         await emit(sse_event(error_body(message, end_status(code).error_type, None, code)))
                         await emit(DONE)
@@ -101,7 +102,8 @@ class SSEResponse(Response):
                     # string) is sent with its logprobs if asked, else with the next batch.
                     if ev.finished or any(o.text_delta or o.prompt_logprobs is not None or
                                           (self.want_logprobs and o.logprobs) for o in ev.outputs):
-                        await emit(sse_event(fmt.chunk(pending[ev.index] + ev.outputs, self.want_logprobs)))
+                        for body in fmt.chunks(pending[ev.index] + ev.outputs, self.want_logprobs):
+                            await emit(sse_event(body))
                         pending[ev.index] = []
                     else:
                         pending[ev.index] += ev.outputs

@@ -4,6 +4,7 @@ Protocol (`WS /v1/stream`):
   client -> {"prompt": ...} or {"messages": [...]} plus sampling fields, once
   server -> {"type": "delta", "text", "token_ids", "logprobs"?, "system_fingerprint"} per batch
   server -> {"type": "final", "finish_reason", "usage", "system_fingerprint"}, then close 1000
+            (with tools: the deltas carry the raw output, the final also "content" and "tool_calls")
   errors -> {"type": "error", "error": {...}}, then close 1008 (bad request) or 1011 (server)
 """
 
@@ -19,8 +20,10 @@ from ...limits import RETRY_REASONS, InvalidRequest, Refused
 from ..events import RequestEvents, StreamStalled, end_status
 from ..requests import ValidatedRequest, admit
 from ..state import ServerState
+from ..tools import tool_calls_json
 from .errors import error_body, refusal_status
 from .inputs import build_from_body, client_request_id
+from .openai_format import tool_finish
 from .sse import guarded_send
 
 CLOSE_OK, CLOSE_BAD_REQUEST, CLOSE_SERVER_ERROR, CLOSE_TRY_LATER = 1000, 1008, 1011, 1013
@@ -126,6 +129,11 @@ async def websocket_stream(ws: WebSocket, state: ServerState) -> None:
                     final: dict[str, Any] = {"type": "final", "finish_reason": ev.last.finish_reason,
                                              "usage": acc.usage(), "system_fingerprint": fp,
                                              "request_id": req.request_id}
+                    if req.tool_format is not None:  # the raw text streamed; the final parses it, as gRPC's
+                        parsed = req.tool_format.parse(acc.text)
+                        final["content"] = parsed.content
+                        final["tool_calls"] = tool_calls_json(parsed, req.request_id, 0)
+                        final["finish_reason"] = tool_finish(ev.last.finish_reason, bool(parsed.calls))
                     if acc.prompt_logprobs is not None:
                         final["prompt_logprobs"] = [None if lp is None else _lp_json([lp])[0]
                                                     for lp in acc.prompt_logprobs]

@@ -24,51 +24,57 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1esteadyserve/v1/inference.proto\x12\x0esteadyserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"=\n\x0c\x43hatMessages\x12-\n\x08messages\x18\x01 \x03(\x0b\x32\x1b.steadyserve.v1.ChatMessage\"y\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x14\n\x07logprob\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\'\n\x03top\x18\x04 \x03(\x0b\x32\x1a.steadyserve.v1.TopLogprobB\n\n\x08_logprob\"=\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\x8c\x01\n\x0cScoreRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12*\n\x06tokens\x18\x02 \x01(\x0b\x32\x18.steadyserve.v1.TokenIdsH\x00\x12\x14\n\x0ctop_logprobs\x18\x03 \x01(\r\x12\r\n\x05model\x18\x04 \x01(\t\x12\x12\n\nrequest_id\x18\x05 \x01(\tB\x07\n\x05input\"\x9b\x01\n\rScoreResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\x06tokens\x18\x02 \x03(\x0b\x32\x1c.steadyserve.v1.TokenLogprob\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12$\n\x05usage\x18\x05 \x01(\x0b\x32\x15.steadyserve.v1.Usage\"\x8d\x02\n\x12SamplingParameters\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\rH\x04\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobs\"\xdb\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12*\n\x06tokens\x18\x02 \x01(\x0b\x32\x18.steadyserve.v1.TokenIdsH\x00\x12,\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x1c.steadyserve.v1.ChatMessagesH\x00\x12\x32\n\x06params\x18\x04 \x01(\x0b\x32\".steadyserve.v1.SamplingParameters\x12\r\n\x05model\x18\x05 \x01(\t\x12\x12\n\nrequest_id\x18\x06 \x01(\tB\x07\n\x05input\"]\n\nTokenBatch\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12.\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1c.steadyserve.v1.TokenLogprob\"\xa2\x01\n\rGenerateFinal\x12\x33\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1c.steadyserve.v1.FinishReason\x12$\n\x05usage\x18\x02 \x01(\x0b\x32\x15.steadyserve.v1.Usage\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x04 \x01(\t\x12\r\n\x05model\x18\x05 \x01(\t\"x\n\x10GenerateResponse\x12+\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x1a.steadyserve.v1.TokenBatchH\x00\x12.\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x1d.steadyserve.v1.GenerateFinalH\x00\x42\x07\n\x05\x65vent\"\x15\n\x13GetModelInfoRequest\"\x9d\x02\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x17\n\x0f\x62\x61tch_invariant\x18\x06 \x01(\x08\x12\x14\n\x0c\x61rchitecture\x18\x07 \x01(\t\x12\x12\n\nvocab_size\x18\x08 \x01(\r\x12\x16\n\x0emax_tokens_cap\x18\t \x01(\r\x12\x14\n\x0cmax_logprobs\x18\n \x01(\r\x12\x14\n\x0cweights_hash\x18\x0b \x01(\t\x12.\n\x08platform\x18\x0c \x01(\x0b\x32\x1c.steadyserve.v1.PlatformInfo\"\xa5\x02\n\x0cPlatformInfo\x12\x11\n\tcpu_model\x18\x01 \x01(\t\x12\x11\n\tcpu_flags\x18\x02 \x03(\t\x12\x10\n\x08num_cpus\x18\x03 \x01(\r\x12\x0b\n\x03isa\x18\x04 \x01(\t\x12\x15\n\rtorch_version\x18\x05 \x01(\t\x12\x13\n\x0bmkl_version\x18\x06 \x01(\t\x12\x10\n\x08mkl_cbwr\x18\x07 \x01(\t\x12\x1f\n\x17mkl_enable_instructions\x18\x08 \x01(\t\x12\x11\n\trow_tiles\x18\t \x03(\r\x12\x10\n\x08numerics\x18\n \x01(\t\x12\x13\n\x0bnumerics_id\x18\x0b \x01(\t\x12\x1a\n\x12memory_limit_bytes\x18\x0c \x01(\x04\x12\x1b\n\x13memory_limit_source\x18\r \x01(\t\"X\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12,\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x1c.steadyserve.v1.ChatMessagesH\x00\x42\x07\n\x05input\"M\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xc1\x02\n\tInference\x12\x44\n\x05Score\x12\x1c.steadyserve.v1.ScoreRequest\x1a\x1d.steadyserve.v1.ScoreResponse\x12O\n\x08Generate\x12\x1f.steadyserve.v1.GenerateRequest\x1a .steadyserve.v1.GenerateResponse0\x01\x12N\n\x0cGetModelInfo\x12#.steadyserve.v1.GetModelInfoRequest\x1a\x19.steadyserve.v1.ModelInfo\x12M\n\x08Tokenize\x12\x1f.steadyserve.v1.TokenizeRequest\x1a .steadyserve.v1.TokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1esteadyserve/v1/inference.proto\x12\x0esteadyserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"p\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12,\n\ntool_calls\x18\x03 \x03(\x0b\x32\x18.steadyserve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\":\n\nToolChoice\x12\x0e\n\x04mode\x18\x01 \x01(\tH\x00\x12\x12\n\x08\x66unction\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"=\n\x0c\x43hatMessages\x12-\n\x08messages\x18\x01 \x03(\x0b\x32\x1b.steadyserve.v1.ChatMessage\"y\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x14\n\x07logprob\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\'\n\x03top\x18\x04 \x03(\x0b\x32\x1a.steadyserve.v1.TopLogprobB\n\n\x08_logprob\"=\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\x8c\x01\n\x0cScoreRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12*\n\x06tokens\x18\x02 \x01(\x0b\x32\x18.steadyserve.v1.TokenIdsH\x00\x12\x14\n\x0ctop_logprobs\x18\x03 \x01(\r\x12\r\n\x05model\x18\x04 \x01(\t\x12\x12\n\nrequest_id\x18\x05 \x01(\tB\x07\n\x05input\"\x9b\x01\n\rScoreResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\x06tokens\x18\x02 \x03(\x0b\x32\x1c.steadyserve.v1.TokenLogprob\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12$\n\x05usage\x18\x05 \x01(\x0b\x32\x15.steadyserve.v1.Usage\"\x8d\x02\n\x12SamplingParameters\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\rH\x04\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobs\"\xeb\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12*\n\x06tokens\x18\x02 \x01(\x0b\x32\x18.steadyserve.v1.TokenIdsH\x00\x12,\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x1c.steadyserve.v1.ChatMessagesH\x00\x12\x32\n\x06params\x18\x04 \x01(\x0b\x32\".steadyserve.v1.SamplingParameters\x12\r\n\x05model\x18\x05 \x01(\t\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12#\n\x05tools\x18\x07 \x03(\x0b\x32\x14.steadyserve.v1.Tool\x12/\n\x0btool_choice\x18\x08 \x01(\x0b\x32\x1a.steadyserve.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\t \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x16\n\x14_parallel_tool_calls\"]\n\nTokenBatch\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12.\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1c.steadyserve.v1.TokenLogprob\"\xf2\x01\n\rGenerateFinal\x12\x33\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1c.steadyserve.v1.FinishReason\x12$\n\x05usage\x18\x02 \x01(\x0b\x32\x15.steadyserve.v1.Usage\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x04 \x01(\t\x12\r\n\x05model\x18\x05 \x01(\t\x12,\n\ntool_calls\x18\x06 \x03(\x0b\x32\x18.steadyserve.v1.ToolCall\x12\x14\n\x07\x63ontent\x18\x07 \x01(\tH\x00\x88\x01\x01\x42\n\n\x08_content\"x\n\x10GenerateResponse\x12+\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x1a.steadyserve.v1.TokenBatchH\x00\x12.\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x1d.steadyserve.v1.GenerateFinalH\x00\x42\x07\n\x05\x65vent\"\x15\n\x13GetModelInfoRequest\"\x9d\x02\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x17\n\x0f\x62\x61tch_invariant\x18\x06 \x01(\x08\x12\x14\n\x0c\x61rchitecture\x18\x07 \x01(\t\x12\x12\n\nvocab_size\x18\x08 \x01(\r\x12\x16\n\x0emax_tokens_cap\x18\t \x01(\r\x12\x14\n\x0cmax_logprobs\x18\n \x01(\r\x12\x14\n\x0cweights_hash\x18\x0b \x01(\t\x12.\n\x08platform\x18\x0c \x01(\x0b\x32\x1c.steadyserve.v1.PlatformInfo\"\xa5\x02\n\x0cPlatformInfo\x12\x11\n\tcpu_model\x18\x01 \x01(\t\x12\x11\n\tcpu_flags\x18\x02 \x03(\t\x12\x10\n\x08num_cpus\x18\x03 \x01(\r\x12\x0b\n\x03isa\x18\x04 \x01(\t\x12\x15\n\rtorch_version\x18\x05 \x01(\t\x12\x13\n\x0bmkl_version\x18\x06 \x01(\t\x12\x10\n\x08mkl_cbwr\x18\x07 \x01(\t\x12\x1f\n\x17mkl_enable_instructions\x18\x08 \x01(\t\x12\x11\n\trow_tiles\x18\t \x03(\r\x12\x10\n\x08numerics\x18\n \x01(\t\x12\x13\n\x0bnumerics_id\x18\x0b \x01(\t\x12\x1a\n\x12memory_limit_bytes\x18\x0c \x01(\x04\x12\x1b\n\x13memory_limit_source\x18\r \x01(\t\"X\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12,\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x1c.steadyserve.v1.ChatMessagesH\x00\x42\x07\n\x05input\"M\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\r*\x96\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x04\x32\xc1\x02\n\tInference\x12\x44\n\x05Score\x12\x1c.steadyserve.v1.ScoreRequest\x1a\x1d.steadyserve.v1.ScoreResponse\x12O\n\x08Generate\x12\x1f.steadyserve.v1.GenerateRequest\x1a .steadyserve.v1.GenerateResponse0\x01\x12N\n\x0cGetModelInfo\x12#.steadyserve.v1.GetModelInfoRequest\x1a\x19.steadyserve.v1.ModelInfo\x12M\n\x08Tokenize\x12\x1f.steadyserve.v1.TokenizeRequest\x1a .steadyserve.v1.TokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, __name__, _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2412
-  _globals['_FINISHREASON']._serialized_end=2532
+  _globals['_FINISHREASON']._serialized_start=2890
+  _globals['_FINISHREASON']._serialized_end=3040
   _globals['_TOKENIDS']._serialized_start=50
   _globals['_TOKENIDS']._serialized_end=73
   _globals['_CHATMESSAGE']._serialized_start=75
-  _globals['_CHATMESSAGE']._serialized_end=119
-  _globals['_CHATMESSAGES']._serialized_start=121
-  _globals['_CHATMESSAGES']._serialized_end=182
-  _globals['_TOKENLOGPROB']._serialized_start=184
-  _globals['_TOKENLOGPROB']._serialized_end=305
-  _globals['_TOPLOGPROB']._serialized_start=307
-  _globals['_TOPLOGPROB']._serialized_end=368
-  _globals['_USAGE']._serialized_start=370
-  _globals['_USAGE']._serialized_end=457
-  _globals['_SCOREREQUEST']._serialized_start=460
-  _globals['_SCOREREQUEST']._serialized_end=600
-  _globals['_SCORERESPONSE']._serialized_start=603
-  _globals['_SCORERESPONSE']._serialized_end=758
-  _globals['_SAMPLINGPARAMETERS']._serialized_start=761
-  _globals['_SAMPLINGPARAMETERS']._serialized_end=1030
-  _globals['_GENERATEREQUEST']._serialized_start=1033
-  _globals['_GENERATEREQUEST']._serialized_end=1252
-  _globals['_TOKENBATCH']._serialized_start=1254
-  _globals['_TOKENBATCH']._serialized_end=1347
-  _globals['_GENERATEFINAL']._serialized_start=1350
-  _globals['_GENERATEFINAL']._serialized_end=1512
-  _globals['_GENERATERESPONSE']._serialized_start=1514
-  _globals['_GENERATERESPONSE']._serialized_end=1634
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1636
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1657
-  _globals['_MODELINFO']._serialized_start=1660
-  _globals['_MODELINFO']._serialized_end=1945
-  _globals['_PLATFORMINFO']._serialized_start=1948
-  _globals['_PLATFORMINFO']._serialized_end=2241
-  _globals['_TOKENIZEREQUEST']._serialized_start=2243
-  _globals['_TOKENIZEREQUEST']._serialized_end=2331
-  _globals['_TOKENIZERESPONSE']._serialized_start=2333
-  _globals['_TOKENIZERESPONSE']._serialized_end=2410
-  _globals['_INFERENCE']._serialized_start=2535
-  _globals['_INFERENCE']._serialized_end=2856
+  _globals['_CHATMESSAGE']._serialized_end=187
+  _globals['_TOOL']._serialized_start=189
+  _globals['_TOOL']._serialized_end=255
+  _globals['_TOOLCHOICE']._serialized_start=257
+  _globals['_TOOLCHOICE']._serialized_end=315
+  _globals['_TOOLCALL']._serialized_start=317
+  _globals['_TOOLCALL']._serialized_end=372
+  _globals['_CHATMESSAGES']._serialized_start=374
+  _globals['_CHATMESSAGES']._serialized_end=435
+  _globals['_TOKENLOGPROB']._serialized_start=437
+  _globals['_TOKENLOGPROB']._serialized_end=558
+  _globals['_TOPLOGPROB']._serialized_start=560
+  _globals['_TOPLOGPROB']._serialized_end=621
+  _globals['_USAGE']._serialized_start=623
+  _globals['_USAGE']._serialized_end=710
+  _globals['_SCOREREQUEST']._serialized_start=713
+  _globals['_SCOREREQUEST']._serialized_end=853
+  _globals['_SCORERESPONSE']._serialized_start=856
+  _globals['_SCORERESPONSE']._serialized_end=1011
+  _globals['_SAMPLINGPARAMETERS']._serialized_start=1014
+  _globals['_SAMPLINGPARAMETERS']._serialized_end=1283
+  _globals['_GENERATEREQUEST']._serialized_start=1286
+  _globals['_GENERATEREQUEST']._serialized_end=1649
+  _globals['_TOKENBATCH']._serialized_start=1651
+  _globals['_TOKENBATCH']._serialized_end=1744
+  _globals['_GENERATEFINAL']._serialized_start=1747
+  _globals['_GENERATEFINAL']._serialized_end=1989
+  _globals['_GENERATERESPONSE']._serialized_start=1991
+  _globals['_GENERATERESPONSE']._serialized_end=2111
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2113
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2134
+  _globals['_MODELINFO']._serialized_start=2137
+  _globals['_MODELINFO']._serialized_end=2422
+  _globals['_PLATFORMINFO']._serialized_start=2425
+  _globals['_PLATFORMINFO']._serialized_end=2718
+  _globals['_TOKENIZEREQUEST']._serialized_start=2720
+  _globals['_TOKENIZEREQUEST']._serialized_end=2808
+  _globals['_TOKENIZERESPONSE']._serialized_start=2810
+  _globals['_TOKENIZERESPONSE']._serialized_end=2887
+  _globals['_INFERENCE']._serialized_start=3043
+  _globals['_INFERENCE']._serialized_end=3364
 # @@protoc_insertion_point(module_scope)
