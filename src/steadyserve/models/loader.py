@@ -33,7 +33,7 @@ from ..platform_info import numerics_for
 from .args import ModelArgs
 from .attention import AttentionFn, attention_invariant, attention_native, attention_plain
 from .layers import RowTiler
-from .registry import model_args
+from .registry import model_args, model_class
 from .transformer import Transformer
 
 log = logging.getLogger("steadyserve.loader")
@@ -274,8 +274,8 @@ def load_model(path: str, device: str = "cpu", dtype: str = "auto", *, batch_inv
     try:
         attn, kernel_id = select_attention("native" if native else attention, dev, dt, batch_invariant, block_size,
                                            args.head_dim)
-        model = Transformer(args, weights, dev, dt, RowTiler(row_tile, batch_invariant and not native), max_len,
-                            attn, kernel_id, native=native)
+        model = model_class(args)(args, weights, dev, dt, RowTiler(row_tile, batch_invariant and not native),
+                                  max_len, attn, kernel_id, native=native)
         weights.clear()  # what the model did not take (e.g. rotary buffers) must not pin the file mapping
     except UnsupportedFormat as e:
         raise LoadError(f"{src}: {e}") from None
