@@ -159,12 +159,43 @@ def convert_gguf(path: Path, cache_dir: str = "", with_weights: bool = True) -> 
     hf_config.architectures = [type(skeleton).__name__]
     hf_config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    _keep_tokenizer_pipeline(tokenizer, tmp, path)
     if with_weights:
         save_file({k: v.float().contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"))
     (tmp / "steadyserve.json").write_text(json.dumps({"source": str(path), "source_sha256_16": digest}))
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     return out, False
+
+
+_TOKENIZER_PROBE = "The quick brown fox: \u00dcberall fa\u00e7ade \u65e5\u672c\u8a9e \U0001f642\n  x  y"
+
+
+def _keep_tokenizer_pipeline(tokenizer: Any, out: Path, src: Path) -> None:
+    """The cached tokenizer must tokenize as the one transformers built from the GGUF.
+
+    Reloading by the saved class name can rebuild the pipeline instead of taking tokenizer.json as
+    saved: transformers' GemmaTokenizer puts its own pre-tokenizer over a byte-level ("gpt2")
+    vocabulary in a gemma3 file. Then the cache names the generic class, which takes tokenizer.json
+    verbatim; if even that differs, loading fails rather than serve another tokenization."""
+    from transformers import AutoTokenizer
+
+    want = tokenizer.encode(_TOKENIZER_PROBE, add_special_tokens=False)
+
+    def reloaded() -> list[int] | None:
+        try:
+            return AutoTokenizer.from_pretrained(str(out)).encode(_TOKENIZER_PROBE, add_special_tokens=False)
+        except Exception:  # a rebuilt pipeline can fail on the probe ("Unk token None not found")
+            return None
+
+    if reloaded() == want:
+        return
+    cfg_path = out / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["tokenizer_class"] = "TokenizersBackend"
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    if reloaded() != want:
+        raise LoadError(f"{src}: its tokenizer does not survive saving to the cache (tokens differ on a probe)")
 
 
 def _read_weights(model_dir: Path) -> tuple[dict[str, torch.Tensor], list[Path]]:

@@ -48,10 +48,10 @@ def _tokenizer(vocab_size: int):
 
 def build_tiny_model(out_dir: str | Path, arch: str = "llama", size: str = "tiny", seed: int = 0,
                      max_position_embeddings: int = 512) -> Path:
-    """Write a random model to out_dir and return it. arch: llama | qwen2 | mistral | llama3."""
+    """Write a random model to out_dir and return it. arch: llama | qwen2 | mistral | llama3 | qwen3 | gemma3."""
     import torch
-    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM)
+    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                              MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
     out = Path(out_dir)
     hidden, inter, layers, heads, kv_heads, vocab = SIZES[size]
@@ -73,6 +73,14 @@ def build_tiny_model(out_dir: str | Path, arch: str = "llama", size: str = "tiny
         cfg, cls = Qwen2Config(tie_word_embeddings=False, **common), Qwen2ForCausalLM
     elif arch == "mistral":
         cfg, cls = MistralConfig(tie_word_embeddings=False, sliding_window=None, **common), MistralForCausalLM
+    elif arch == "qwen3":  # q/k norm; head_dim 128, the Qwen3Config default a GGUF falls back on
+        cfg = Qwen3Config(tie_word_embeddings=False, head_dim=128, **{**common, "num_attention_heads": 2,
+                                                                        "num_key_value_heads": 1})
+        cls = Qwen3ForCausalLM
+    elif arch == "gemma3":  # six layers: five sliding (window 16) and one global, as sliding_window_pattern=6 says
+        cfg = Gemma3TextConfig(tie_word_embeddings=True, head_dim=hidden // heads, sliding_window=16,
+                               query_pre_attn_scalar=24, **{**common, "num_hidden_layers": 6})
+        cls = Gemma3ForCausalLM
     else:
         raise ValueError(f"unknown arch {arch!r}")
     torch.manual_seed(seed)
@@ -83,6 +91,8 @@ def build_tiny_model(out_dir: str | Path, arch: str = "llama", size: str = "tiny
                 p.normal_(0.0, 0.08 if size == "tiny" else 0.04)
             elif "bias" in name:
                 p.normal_(0.0, 0.05)
+            elif arch in ("qwen3", "gemma3"):  # norm weights too: Gemma's (1 + w) must be seen to be applied
+                p.normal_(0.0 if arch == "gemma3" else 1.0, 0.2)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return out

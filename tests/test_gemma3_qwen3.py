@@ -1,0 +1,140 @@
+"""Gemma 3 and Qwen3 on tiny random models: parity with transformers and batch invariance.
+
+Each tiny model is built from transformers' own config class with random weights (norm weights
+included, so Gemma's (1 + w) shows), saved as safetensors by transformers and as a Q8_0 GGUF by
+gguf-py's writer (steadyserve.testing.tiny_gguf, llama.cpp's conventions: Gemma's norms stored as
+1 + w). The reference for a GGUF is transformers loading that same file. The tiny Gemma 3 has five
+sliding layers (window 16, shorter than the prompts) and one global layer, each type with its own
+RoPE base. Then the engine invariance checks of test_engine_invariance run on them, each also
+against a TEST-ONLY drift that they must catch, and parity is shown to fail when a Gemma feature
+is switched off (the tests can fail).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from steadyserve.models import gemma3 as gemma3_mod
+from steadyserve.models import gguf as gguf_mod
+from steadyserve.models.extended import ExtendedTransformer
+from steadyserve.models.loader import load_model
+from steadyserve.testing import build_tiny_model
+from steadyserve.testing.drift import install_batch_drift
+from steadyserve.testing.tiny_gguf import write_tiny_gguf
+from test_engine_invariance import (PROCESSORS, chunked_vs_whole, engine_for, expect, probe_vs_batches,
+                                    score_vs_generate)
+from test_models_parity import check_parity, prompts_for
+
+ARCHS = ["gemma3", "qwen3"]
+
+
+def hf_gguf_model(path: str):
+    from transformers import AutoModelForCausalLM
+
+    p = Path(path)
+    return AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def tiny(models_dir: Path) -> dict[str, str]:
+    """arch -> HF directory, and arch + "-gguf" -> the same weights as a GGUF file."""
+    out = {}
+    for arch in ARCHS:
+        d = models_dir / f"tiny-{arch}"
+        if not d.exists():
+            build_tiny_model(d, arch=arch)
+        out[arch] = str(d)
+        g = models_dir / f"tiny-{arch}.gguf"
+        if not g.exists():
+            write_tiny_gguf(d, g)
+        out[f"{arch}-gguf"] = str(g)
+    return out
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("invariant", [True, False], ids=["invariant", "plain"])
+def test_tiny_parity_from_safetensors(tiny, arch, invariant):
+    loaded = load_model(tiny[arch], batch_invariant=invariant, max_model_len=512)
+    assert isinstance(loaded.model, ExtendedTransformer) and loaded.model.native == invariant
+    check_parity(f"tiny-{arch}-{'bi' if invariant else 'plain'}", loaded, tiny[arch],
+                 prompts_for(loaded.tokenizer, loaded.args.vocab_size))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tiny_parity_from_gguf(tiny, arch, tmp_path):
+    path = tiny[f"{arch}-gguf"]
+    loaded = load_model(path, max_model_len=512, cache_dir=str(tmp_path))
+    assert loaded.numerics is not None and loaded.numerics.mode == "portable"
+    assert {p.format_name for lw in loaded.model.layers for p in lw.wqkv.parts} == {"Q8_0"}  # type: ignore[union-attr]
+    check_parity(f"tiny-{arch}-gguf", loaded, path, prompts_for(loaded.tokenizer, loaded.args.vocab_size),
+                 ref=hf_gguf_model(path))
+
+
+def test_tiny_gemma3_has_the_features_under_test(tiny):
+    for path in (tiny["gemma3"], tiny["gemma3-gguf"]):
+        a = load_model(path, max_model_len=512).args
+        assert a.layer_windows == (16, 16, 16, 16, 16, 0), a.layer_windows  # prompts are up to 70 tokens
+        assert a.layer_rope[0] == "sliding_attention" and a.layer_rope[5] == "full_attention"
+        assert a.qk_norm and a.sandwich_norm and a.norm_offset == 1.0 and a.hidden_act == "gelu_tanh"
+        assert a.embed_scale == 8.0 and a.tie_word_embeddings
+        assert a.attn_scale != a.head_dim ** -0.5  # query_pre_attn_scalar differs from head_dim
+    cfg = load_model(tiny["gemma3"]).args.hf_config
+    theta = {k: v["rope_theta"] for k, v in cfg.rope_parameters.items()}
+    assert theta["sliding_attention"] != theta["full_attention"], theta
+
+
+@pytest.mark.parametrize("broken", ["no-window", "no-norm-shift"])
+def test_parity_fails_when_a_gemma_feature_is_dropped(tiny, broken, monkeypatch, tmp_path):
+    """The parity check has teeth: ignoring the window, or reading GGUF norms as if unshifted, is caught."""
+    path = tiny["gemma3-gguf"]
+    if broken == "no-window":
+        monkeypatch.setattr(gemma3_mod, "layer_windows", lambda cfg: (0,) * cfg.num_hidden_layers)
+    else:
+        monkeypatch.setattr(gguf_mod, "_NORM_SHIFTED_ARCHS", set())
+    loaded = load_model(path, max_model_len=512, cache_dir=str(tmp_path))
+    with pytest.raises(AssertionError, match="logprob diff"):
+        check_parity(f"tiny-gemma3-{broken}", loaded, path, prompts_for(loaded.tokenizer, loaded.args.vocab_size),
+                     ref=hf_gguf_model(path))
+
+
+# ---- batch invariance: the engine checks of test_engine_invariance, on these blocks ---------------------------
+
+@pytest.fixture(scope="module", params=[f"{a}-{s}" for a in ARCHS for s in ("hf", "gguf")])
+def bi_engine(request, tiny, tmp_path_factory):
+    arch, source = request.param.split("-")
+    path = tiny[arch] if source == "hf" else tiny[f"{arch}-gguf"]
+    loaded = load_model(path, max_model_len=512, cache_dir=str(tmp_path_factory.mktemp("cache")))
+    assert loaded.model.native
+    return engine_for(loaded)
+
+
+@pytest.fixture(params=["invariant", "broken"])
+def mode(request, bi_engine):
+    if request.param == "broken":
+        restore = install_batch_drift(bi_engine)
+        request.addfinalizer(restore)
+    return request.param, bi_engine
+
+
+def test_alone_vs_batched(mode):
+    name, engine = mode
+    expect(name, probe_vs_batches(engine, [2, 7, 33], name=name))
+
+
+def test_prefill_equals_decode(mode):
+    """score(prompt + completion) gives each completion token the logprob it got while decoded."""
+    name, engine = mode
+    expect(name, score_vs_generate(engine, ((5, 12), (40, 16)), name=name))
+
+
+def test_chunked_prefill_equals_whole(mode):
+    name, engine = mode
+    expect(name, chunked_vs_whole(engine, 7, 4, name))
+
+
+def test_structured_output_keeps_the_probe_invariant(mode):
+    name, engine = mode
+    expect(name, probe_vs_batches(engine, [7, 33], name=name, **PROCESSORS["grammar"]))
