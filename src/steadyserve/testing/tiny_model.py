@@ -56,6 +56,8 @@ def build_tiny_model(out_dir: str | Path, arch: str = "llama", size: str = "tiny
     out = Path(out_dir)
     hidden, inter, layers, heads, kv_heads, vocab = SIZES[size]
     tokenizer = _tokenizer(vocab)
+    if arch == "gemma3":  # transformers' GemmaTokenizer adds a <mask> token where a vocabulary lacks one
+        tokenizer.add_special_tokens({"mask_token": "<mask>"})
     vocab = max(vocab, len(tokenizer))
     common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
                   num_attention_heads=heads, num_key_value_heads=kv_heads,
