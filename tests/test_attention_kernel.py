@@ -65,6 +65,35 @@ def test_matches_float64_attention(window: int) -> None:
     assert err < 1e-5, f"max |native - float64 SDPA| = {err}"
 
 
+@pytest.mark.parametrize("fn", [attention_native, attention_invariant], ids=["native", "python"])
+@pytest.mark.parametrize("window", [24, 40])
+def test_a_window_only_masks_keys_in_the_same_reduction_order(fn, window: int) -> None:
+    """A sliding window (Gemma 3's local layers) changes which keys count, never the order of the sums.
+
+    Inside the window the output is bitwise the unwindowed one. Beyond it, the windowed output equals,
+    bitwise, the unwindowed output on a cache whose out-of-window keys score so low (k = -100 q) that
+    their exponentials are exact zeros: a masked key adds +0 to its lane and fma(0, v, a) = a. The
+    window starts mid-block and off the 16-lane grid (24), or on it (40)."""
+    k, v = paged_cache(8)
+    n = 70
+    tables = tables_for([n], 8)
+    seq_of, pos = prefill_batch([n])
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(n, HKV, 1, D, generator=g).expand(n, HKV, H // HKV, D).reshape(n, H, D).contiguous()
+    windowed, full = run(q, k, v, tables, seq_of, pos, window, fn), run(q, k, v, tables, seq_of, pos, 0, fn)
+    assert torch.equal(windowed[:window], full[:window])
+    assert not torch.equal(windowed[window:], full[window:])  # the window does bite beyond it
+    for p in (window, 47, 69):
+        k2 = k.clone()
+        for j in range(p - window + 1):  # every key the window excludes for position p
+            blk, off = int(tables[0, j // BS]), j % BS
+            k2[blk, :, :, off] = -100.0 * q[p].view(HKV, H // HKV, D)[:, 0]
+        one = (torch.tensor([0]), torch.tensor([p]))
+        assert torch.equal(run(q[p:p + 1], k, v, tables, *one, window, fn),
+                           run(q[p:p + 1], k2, v, tables, *one, 0, fn)), p
+        assert torch.equal(run(q[p:p + 1], k, v, tables, *one, window, fn), windowed[p:p + 1]), p  # decode == prefill
+
+
 def test_token_alone_equals_token_in_any_batch_bitwise() -> None:
     """Prefill of everything at once vs each token alone (= decode) vs other batch mates and orders."""
     k, v = paged_cache(40)
