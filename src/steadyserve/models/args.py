@@ -36,6 +36,7 @@ class ModelArgs:
     attn_scale: float = 0.0  # attention score scale; 0 means head_dim ** -0.5
     layer_windows: tuple[int, ...] = ()  # per layer: its sliding window, 0 = global; () = sliding_window for all
     layer_rope: tuple[str, ...] = ()  # per layer: its key in rope_parameters (Gemma 3's layer types); () = one RoPE
+    fused_weights: bool = False  # Phi-3: q|k|v and gate|up stored as one matrix each (qkv_proj, gate_up_proj)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -47,7 +48,7 @@ class ModelArgs:
         """Whether the block differs from Llama's, so extended.py must run it."""
         return (self.qk_norm or self.norm_offset != 0.0 or self.sandwich_norm or self.hidden_act != "silu"
                 or self.embed_scale != 1.0 or self.attn_scale != 0.0 or bool(self.layer_windows)
-                or bool(self.layer_rope))
+                or bool(self.layer_rope) or self.fused_weights)
 
     def window(self, layer: int) -> int:
         """The sliding window of `layer`, 0 for a global layer."""

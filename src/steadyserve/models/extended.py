@@ -1,4 +1,4 @@
-"""The block variants beyond Llama's: Gemma 3 and Qwen3, on the same weights, kernels and cache.
+"""The block variants beyond Llama's: Gemma 3, Qwen3 and Phi-3, on the same weights, kernels and cache.
 
 What differs from transformer.py's Llama block, each switched by a ModelArgs field:
 * q/k norm (Qwen3, Gemma 3): an RMSNorm over each q and k head, before RoPE;
@@ -11,7 +11,8 @@ What differs from transformer.py's Llama block, each switched by a ModelArgs fie
 * a scaled embedding (Gemma: sqrt(hidden), rounded to the model dtype as transformers does), an
   attention scale of its own (query_pre_attn_scalar ** -0.5);
 * per-layer sliding windows and RoPE tables (Gemma 3: local layers with a window and base 10k,
-  global layers with neither).
+  global layers with neither);
+* fused q|k|v and gate|up matrices (Phi-3), cut into row ranges at load (views of the same rows).
 
 It is a subclass so that the Llama path and its bits stay exactly as they are. Every new step is
 row-wise and either a native kernel (norms, GELU) or one exact IEEE operation per element (the
@@ -35,6 +36,22 @@ from .layers import RowTiler, apply_rope
 from .transformer import ForwardBatch, LayerWeights, Transformer
 
 
+def _split(weights: dict[str, torch.Tensor | QWeight], fused: str, names: list[str], sizes: list[int]) -> None:
+    """Replace `fused`.weight/.bias by consecutive row ranges named `names`: views, no value changes."""
+    for kind in ("weight", "bias"):
+        t = weights.pop(f"{fused}.{kind}", None)
+        if t is None:
+            continue
+        if (t.n if isinstance(t, QWeight) else t.shape[0]) != sum(sizes):
+            raise ValueError(f"{fused}.{kind}: {sum(sizes)} rows expected")
+        start = 0
+        for name, size in zip(names, sizes):
+            rows = slice(start, start + size)
+            weights[f"{name}.{kind}"] = (QWeight(t.data[rows], t.fmt, t.k, f"{t.name}[{start}:{start + size}]")
+                                         if isinstance(t, QWeight) else t[rows])
+            start += size
+
+
 @dataclass
 class ExtendedLayerWeights(LayerWeights):
     q_norm: torch.Tensor | None = None  # (D,), shared by every q head
@@ -51,6 +68,11 @@ class ExtendedTransformer(Transformer):
                  native: bool = False) -> None:
         if args.hidden_act not in ("silu", "gelu_tanh"):
             raise ValueError(f"unsupported hidden activation {args.hidden_act!r}")
+        h, hkv, d = args.num_heads, args.num_kv_heads, args.head_dim
+        for i in range(args.num_layers):  # Phi-3's fused matrices, cut into the names the builder fuses again
+            a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+            _split(weights, a + "qkv_proj", [a + "q_proj", a + "k_proj", a + "v_proj"], [h * d, hkv * d, hkv * d])
+            _split(weights, m + "gate_up_proj", [m + "gate_proj", m + "up_proj"], [args.intermediate_size] * 2)
         if args.norm_offset:  # (offset + w) in float32, once: transformers' `1.0 + weight.float()`
             for name in [n for n in weights if n.endswith("norm.weight")]:
                 t = weights[name]

@@ -34,11 +34,13 @@ _QK_NORM_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k
 # is Gemma's norm on the attention output.
 _ARCH_LAYER_NAMES = {
     "qwen3": {**_LAYER_NAMES, **_QK_NORM_NAMES},
+    "phi3": {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},  # fused
     "gemma3": {**_LAYER_NAMES, **_QK_NORM_NAMES, "post_attention_norm": "post_attention_layernorm",
                "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
 }
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_SKIPPED = {"rope_freqs"}  # RoPE tables: computed from the config (args.rope_tables)
+# RoPE tables: computed from the config (args.rope_tables); Phi-3's LongRoPE factors are in it too
+_SKIPPED = {"rope_freqs", "rope_factors_long", "rope_factors_short"}
 _PERMUTED_ARCHS = {"llama"}  # whose converter interleaves q/k rows (llama.cpp's convert_hf_to_gguf)
 # llama.cpp's converter stores Gemma's RMSNorm weights as 1 + w (they scale by (1 + w)); transformers'
 # GGUF loader subtracts the 1 again (Gemma2TensorProcessor: `weights - 1` on every "norm.weight").

@@ -13,6 +13,7 @@ from .extended import ExtendedTransformer
 from .gemma3 import gemma3_args
 from .llama import llama_args
 from .mistral import mistral_args
+from .phi3 import phi3_args
 from .qwen2 import qwen2_args
 from .qwen3 import qwen3_args
 from .transformer import Transformer
@@ -24,6 +25,7 @@ ARCHITECTURES: dict[str, ArgsFromConfig] = {
     "Qwen2ForCausalLM": qwen2_args,
     "Qwen3ForCausalLM": qwen3_args,
     "Gemma3ForCausalLM": gemma3_args,
+    "Phi3ForCausalLM": phi3_args,
 }
 
 

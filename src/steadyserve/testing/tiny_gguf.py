@@ -16,7 +16,7 @@ import numpy as np
 
 # HF architecture -> GGUF architecture name (gguf.MODEL_ARCH_NAMES), for those this writer knows.
 GGUF_ARCH = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-             "Gemma3ForCausalLM": "gemma3"}
+             "Gemma3ForCausalLM": "gemma3", "Phi3ForCausalLM": "phi3"}
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:

@@ -48,10 +48,12 @@ def _tokenizer(vocab_size: int):
 
 def build_tiny_model(out_dir: str | Path, arch: str = "llama", size: str = "tiny", seed: int = 0,
                      max_position_embeddings: int = 512) -> Path:
-    """Write a random model to out_dir and return it. arch: llama | qwen2 | mistral | llama3 | qwen3 | gemma3."""
+    """Write a random model to out_dir and return it. arch: llama | qwen2 | mistral | llama3 | qwen3 | gemma3
+    | phi3 | phi3-longrope."""
     import torch
     from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                              MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+                              MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                              Qwen3Config, Qwen3ForCausalLM)
 
     out = Path(out_dir)
     hidden, inter, layers, heads, kv_heads, vocab = SIZES[size]
@@ -83,6 +85,14 @@ def build_tiny_model(out_dir: str | Path, arch: str = "llama", size: str = "tiny
         cfg = Gemma3TextConfig(tie_word_embeddings=True, head_dim=hidden // heads, sliding_window=16,
                                query_pre_attn_scalar=24, **{**common, "num_hidden_layers": 6})
         cls = Gemma3ForCausalLM
+    elif arch == "phi3":  # fused q|k|v and gate|up, a sliding window on every layer
+        cfg, cls = Phi3Config(tie_word_embeddings=False, sliding_window=24, **common), Phi3ForCausalLM
+    elif arch == "phi3-longrope":  # LongRoPE; served up to original_max_position_embeddings (models/phi3.py)
+        half = hidden // heads // 2
+        cfg = Phi3Config(tie_word_embeddings=False, original_max_position_embeddings=128, rope_scaling={
+            "rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(half)],
+            "long_factor": [2.0 + 0.5 * i for i in range(half)]}, **common)
+        cls = Phi3ForCausalLM
     else:
         raise ValueError(f"unknown arch {arch!r}")
     torch.manual_seed(seed)

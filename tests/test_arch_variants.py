@@ -1,11 +1,12 @@
-"""Gemma 3 and Qwen3 on tiny random models: parity with transformers and batch invariance.
+"""Gemma 3, Qwen3 and Phi-3 on tiny random models: parity with transformers and batch invariance.
 
 Each tiny model is built from transformers' own config class with random weights (norm weights
 included, so Gemma's (1 + w) shows), saved as safetensors by transformers and as a Q8_0 GGUF by
 gguf-py's writer (steadyserve.testing.tiny_gguf, llama.cpp's conventions: Gemma's norms stored as
 1 + w). The reference for a GGUF is transformers loading that same file. The tiny Gemma 3 has five
 sliding layers (window 16, shorter than the prompts) and one global layer, each type with its own
-RoPE base. Then the engine invariance checks of test_engine_invariance run on them, each also
+RoPE base; the tiny Phi-3 has fused matrices and a window of 24 on every layer, and a second one
+LongRoPE (HF only: transformers reads no LongRoPE from a GGUF). Then the engine invariance checks of test_engine_invariance (and the prefix cache's) run on them, each also
 against a TEST-ONLY drift that they must catch, and parity is shown to fail when a Gemma feature
 is switched off (the tests can fail).
 """
@@ -17,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import test_prefix_cache_engine as prefix_cache
+from steadyserve.engine.block_manager import BlockManager
 from steadyserve.models import gemma3 as gemma3_mod
 from steadyserve.models import gguf as gguf_mod
 from steadyserve.models.extended import ExtendedTransformer
@@ -28,7 +31,7 @@ from test_engine_invariance import (PROCESSORS, chunked_vs_whole, engine_for, ex
                                     score_vs_generate)
 from test_models_parity import check_parity, prompts_for
 
-ARCHS = ["gemma3", "qwen3"]
+ARCHS = ["gemma3", "qwen3", "phi3"]
 
 
 def hf_gguf_model(path: str):
@@ -51,10 +54,14 @@ def tiny(models_dir: Path) -> dict[str, str]:
         if not g.exists():
             write_tiny_gguf(d, g)
         out[f"{arch}-gguf"] = str(g)
+    d = models_dir / "tiny-phi3-longrope"
+    if not d.exists():
+        build_tiny_model(d, arch="phi3-longrope")
+    out["phi3-longrope"] = str(d)
     return out
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + ["phi3-longrope"])
 @pytest.mark.parametrize("invariant", [True, False], ids=["invariant", "plain"])
 def test_tiny_parity_from_safetensors(tiny, arch, invariant):
     loaded = load_model(tiny[arch], batch_invariant=invariant, max_model_len=512)
@@ -104,7 +111,7 @@ def test_parity_fails_when_a_gemma_feature_is_dropped(tiny, broken, monkeypatch,
 
 @pytest.fixture(scope="module", params=[f"{a}-{s}" for a in ARCHS for s in ("hf", "gguf")])
 def bi_engine(request, tiny, tmp_path_factory):
-    arch, source = request.param.split("-")
+    arch, source = request.param.rsplit("-", 1)
     path = tiny[arch] if source == "hf" else tiny[f"{arch}-gguf"]
     loaded = load_model(path, max_model_len=512, cache_dir=str(tmp_path_factory.mktemp("cache")))
     assert loaded.model.native
@@ -138,3 +145,24 @@ def test_chunked_prefill_equals_whole(mode):
 def test_structured_output_keeps_the_probe_invariant(mode):
     name, engine = mode
     expect(name, probe_vs_batches(engine, [7, 33], name=name, **PROCESSORS["grammar"]))
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["invariant", "broken"])
+def test_prefix_cache_gives_the_uncached_bits(bi_engine, broken, monkeypatch):
+    """test_prefix_cache_engine's shared-prefix case on these blocks; the broken variant hashes a block
+    without its prefix (a TEST-ONLY fault) and must be caught."""
+    loaded = bi_engine.loaded
+    reference = prefix_cache.make_engine(loaded, caching=False)
+    if broken:
+        monkeypatch.setattr(BlockManager, "_prefix_hashes", prefix_cache._block_only)
+    engine = prefix_cache.make_engine(loaded, caching=True)
+    prefix_cache.test_shared_prefixes_give_the_uncached_bits(("broken" if broken else "invariant", engine), reference)
+
+
+def test_phi3_longrope_is_served_up_to_its_original_length(tiny):
+    """Past original_max_position_embeddings transformers re-rotates every position with long_factor;
+    a table by position cannot, so the context stops there (models/phi3.py)."""
+    loaded = load_model(tiny["phi3-longrope"], max_model_len=512)
+    assert loaded.max_model_len == 128 and loaded.args.hf_config.max_position_embeddings == 512
+    phi3 = load_model(tiny["phi3"], max_model_len=512)
+    assert phi3.args.sliding_window == 24 and phi3.max_model_len == 512
