@@ -1,4 +1,5 @@
-"""Gemma 3, Qwen3 and Phi-3 on tiny random models: parity with transformers and batch invariance.
+"""Gemma 3, Qwen3, Phi-3, OLMo 2, SmolLM3 and Granite on tiny random models: parity with transformers and
+batch invariance.
 
 Each tiny model is built from transformers' own config class with random weights (norm weights
 included, so Gemma's (1 + w) shows), saved as safetensors by transformers and as a Q8_0 GGUF by
@@ -6,13 +7,16 @@ gguf-py's writer (steadyserve.testing.tiny_gguf, llama.cpp's conventions: Gemma'
 1 + w). The reference for a GGUF is transformers loading that same file. The tiny Gemma 3 has five
 sliding layers (window 16, shorter than the prompts) and one global layer, each type with its own
 RoPE base; the tiny Phi-3 has fused matrices and a window of 24 on every layer, and a second one
-LongRoPE (HF only: transformers reads no LongRoPE from a GGUF). Then the engine invariance checks of test_engine_invariance (and the prefix cache's) run on them, each also
+LongRoPE (HF only: transformers reads no LongRoPE from a GGUF). OLMo 2, SmolLM3 and Granite are
+HF directories only: transformers has no GGUF config map for them, so there is no GGUF reference
+(and steadyserve's GGUF loading takes its config from transformers). Then the engine invariance checks of test_engine_invariance (and the prefix cache's) run on them, each also
 against a TEST-ONLY drift that they must catch, and parity is shown to fail when a Gemma feature
 is switched off (the tests can fail).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -20,7 +24,7 @@ import torch
 
 import test_prefix_cache_engine as prefix_cache
 from steadyserve.engine.block_manager import BlockManager
-from steadyserve.models import gemma3 as gemma3_mod
+from steadyserve.models import registry
 from steadyserve.models import gguf as gguf_mod
 from steadyserve.models.extended import ExtendedTransformer
 from steadyserve.models.loader import load_model
@@ -31,7 +35,8 @@ from test_engine_invariance import (PROCESSORS, chunked_vs_whole, engine_for, ex
                                     score_vs_generate)
 from test_models_parity import check_parity, prompts_for
 
-ARCHS = ["gemma3", "qwen3", "phi3"]
+ARCHS = ["gemma3", "qwen3", "phi3"]  # safetensors and GGUF
+HF_ONLY = ["phi3-longrope", "olmo2", "smollm3", "granite"]  # transformers reads none of these from a GGUF
 
 
 def hf_gguf_model(path: str):
@@ -54,14 +59,15 @@ def tiny(models_dir: Path) -> dict[str, str]:
         if not g.exists():
             write_tiny_gguf(d, g)
         out[f"{arch}-gguf"] = str(g)
-    d = models_dir / "tiny-phi3-longrope"
-    if not d.exists():
-        build_tiny_model(d, arch="phi3-longrope")
-    out["phi3-longrope"] = str(d)
+    for arch in HF_ONLY:
+        d = models_dir / f"tiny-{arch}"
+        if not d.exists():
+            build_tiny_model(d, arch=arch)
+        out[arch] = str(d)
     return out
 
 
-@pytest.mark.parametrize("arch", ARCHS + ["phi3-longrope"])
+@pytest.mark.parametrize("arch", ARCHS + HF_ONLY)
 @pytest.mark.parametrize("invariant", [True, False], ids=["invariant", "plain"])
 def test_tiny_parity_from_safetensors(tiny, arch, invariant):
     loaded = load_model(tiny[arch], batch_invariant=invariant, max_model_len=512)
@@ -93,23 +99,39 @@ def test_tiny_gemma3_has_the_features_under_test(tiny):
     assert theta["sliding_attention"] != theta["full_attention"], theta
 
 
-@pytest.mark.parametrize("broken", ["no-window", "no-norm-shift"])
-def test_parity_fails_when_a_gemma_feature_is_dropped(tiny, broken, monkeypatch, tmp_path):
-    """The parity check has teeth: ignoring the window, or reading GGUF norms as if unshifted, is caught."""
-    path = tiny["gemma3-gguf"]
-    if broken == "no-window":
-        monkeypatch.setattr(gemma3_mod, "layer_windows", lambda cfg: (0,) * cfg.num_hidden_layers)
+# A feature switched off in the adapter: (model key, architecture, ModelArgs fields to override).
+BROKEN = {"gemma3-no-window": ("gemma3-gguf", "Gemma3ForCausalLM", {"layer_windows": (0,) * 6}),
+          "gemma3-one-rope-base": ("gemma3", "Gemma3ForCausalLM", {"layer_rope": ("sliding_attention",) * 6}),
+          "gemma3-no-embed-scale": ("gemma3", "Gemma3ForCausalLM", {"embed_scale": 1.0}),
+          "qwen3-no-qk-norm": ("qwen3", "Qwen3ForCausalLM", {"qk_norm": False}),
+          "phi3-no-window": ("phi3", "Phi3ForCausalLM", {"sliding_window": 0}),
+          "olmo2-no-output-norms": ("olmo2", "Olmo2ForCausalLM", {"sandwich_norm": False}),
+          "smollm3-rope-everywhere": ("smollm3", "SmolLM3ForCausalLM", {"layer_use_rope": ()}),
+          "granite-no-logit-divisor": ("granite", "GraniteForCausalLM", {"logits_divisor": 1.0})}
+
+
+@pytest.mark.parametrize("broken", sorted(BROKEN) + ["gemma3-gguf-no-norm-shift"])
+def test_parity_fails_when_a_feature_is_dropped(tiny, broken, monkeypatch, tmp_path):
+    """The parity check has teeth: each feature, switched off, is caught (and so is reading Gemma's GGUF
+    norms without undoing llama.cpp's 1 + w)."""
+    if broken in BROKEN:
+        key, arch, override = BROKEN[broken]
+        adapter = registry.ARCHITECTURES[arch]
+        monkeypatch.setitem(registry.ARCHITECTURES, arch, lambda cfg: dataclasses.replace(adapter(cfg), **override))
     else:
+        key = "gemma3-gguf"
         monkeypatch.setattr(gguf_mod, "_NORM_SHIFTED_ARCHS", set())
+    path = tiny[key]
     loaded = load_model(path, max_model_len=512, cache_dir=str(tmp_path))
-    with pytest.raises(AssertionError, match="logprob diff"):
-        check_parity(f"tiny-gemma3-{broken}", loaded, path, prompts_for(loaded.tokenizer, loaded.args.vocab_size),
-                     ref=hf_gguf_model(path))
+    with pytest.raises(AssertionError, match="logprob diff|greedy continuations differ"):
+        check_parity(f"tiny-{broken}", loaded, path, prompts_for(loaded.tokenizer, loaded.args.vocab_size),
+                     ref=hf_gguf_model(path) if path.endswith(".gguf") else None)
 
 
 # ---- batch invariance: the engine checks of test_engine_invariance, on these blocks ---------------------------
 
-@pytest.fixture(scope="module", params=[f"{a}-{s}" for a in ARCHS for s in ("hf", "gguf")])
+@pytest.fixture(scope="module", params=[f"{a}-{s}" for a in ARCHS for s in ("hf", "gguf")]
+                + [f"{a}-hf" for a in HF_ONLY if a != "phi3-longrope"])
 def bi_engine(request, tiny, tmp_path_factory):
     arch, source = request.param.rsplit("-", 1)
     path = tiny[arch] if source == "hf" else tiny[f"{arch}-gguf"]
@@ -166,3 +188,11 @@ def test_phi3_longrope_is_served_up_to_its_original_length(tiny):
     assert loaded.max_model_len == 128 and loaded.args.hf_config.max_position_embeddings == 512
     phi3 = load_model(tiny["phi3"], max_model_len=512)
     assert phi3.args.sliding_window == 24 and phi3.max_model_len == 512
+
+
+def test_tiny_variants_have_the_features_under_test(tiny):
+    olmo = load_model(tiny["olmo2"]).args
+    assert not olmo.pre_norm and olmo.sandwich_norm and olmo.qk_norm and not olmo.qk_norm_per_head
+    assert load_model(tiny["smollm3"]).args.layer_use_rope == (True, True, True, False)
+    g = load_model(tiny["granite"]).args
+    assert (g.embed_scale, g.residual_scale, g.attn_scale, g.logits_divisor) == (4.0, 0.5, 0.2, 2.5)

@@ -37,6 +37,11 @@ class ModelArgs:
     layer_windows: tuple[int, ...] = ()  # per layer: its sliding window, 0 = global; () = sliding_window for all
     layer_rope: tuple[str, ...] = ()  # per layer: its key in rope_parameters (Gemma 3's layer types); () = one RoPE
     fused_weights: bool = False  # Phi-3: q|k|v and gate|up stored as one matrix each (qkv_proj, gate_up_proj)
+    pre_norm: bool = True  # norms before attention and MLP; OLMo 2 has only the ones after (sandwich_norm)
+    qk_norm_per_head: bool = True  # q/k norm per head (Qwen3, Gemma 3), or over all heads at once (OLMo 2)
+    layer_use_rope: tuple[bool, ...] = ()  # per layer: whether it rotates q and k (SmolLM3: not every 4th); () = all
+    residual_scale: float = 1.0  # Granite: each block's output is multiplied by this before its residual add
+    logits_divisor: float = 1.0  # Granite: logits are divided by this before the log-softmax
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -48,7 +53,8 @@ class ModelArgs:
         """Whether the block differs from Llama's, so extended.py must run it."""
         return (self.qk_norm or self.norm_offset != 0.0 or self.sandwich_norm or self.hidden_act != "silu"
                 or self.embed_scale != 1.0 or self.attn_scale != 0.0 or bool(self.layer_windows)
-                or bool(self.layer_rope) or self.fused_weights)
+                or bool(self.layer_rope) or self.fused_weights or not self.pre_norm or not self.qk_norm_per_head
+                or bool(self.layer_use_rope) or self.residual_scale != 1.0 or self.logits_divisor != 1.0)
 
     def window(self, layer: int) -> int:
         """The sliding window of `layer`, 0 for a global layer."""

@@ -1,4 +1,5 @@
-"""The block variants beyond Llama's: Gemma 3, Qwen3 and Phi-3, on the same weights, kernels and cache.
+"""The block variants beyond Llama's (Gemma 3, Qwen3, Phi-3, OLMo 2, SmolLM3, Granite), on the same weights,
+kernels and cache.
 
 What differs from transformer.py's Llama block, each switched by a ModelArgs field:
 * q/k norm (Qwen3, Gemma 3): an RMSNorm over each q and k head, before RoPE;
@@ -12,7 +13,9 @@ What differs from transformer.py's Llama block, each switched by a ModelArgs fie
   attention scale of its own (query_pre_attn_scalar ** -0.5);
 * per-layer sliding windows and RoPE tables (Gemma 3: local layers with a window and base 10k,
   global layers with neither);
-* fused q|k|v and gate|up matrices (Phi-3), cut into row ranges at load (views of the same rows).
+* fused q|k|v and gate|up matrices (Phi-3), cut into row ranges at load (views of the same rows);
+* OLMo 2: norms only after attention and MLP, q/k norm over all heads at once; SmolLM3: layers
+  without RoPE; Granite: embedding, residual, attention and logit multipliers (elementwise, exact).
 
 It is a subclass so that the Llama path and its bits stay exactly as they are. Every new step is
 row-wise and either a native kernel (norms, GELU) or one exact IEEE operation per element (the
@@ -93,11 +96,15 @@ class ExtendedTransformer(Transformer):
             if args.qk_norm and (e["q_norm"] is None or e["k_norm"] is None):
                 raise KeyError(f"{p}self_attn.q_norm.weight / k_norm.weight")
             if args.sandwich_norm:
-                # Gemma's post_attention_layernorm norms the attention output; the MLP's input norm is
-                # pre_feedforward_layernorm, which takes the slot the Llama block reads as its pre-MLP norm.
+                # post_attention_layernorm norms the attention output here (Gemma, OLMo 2). Gemma's MLP input
+                # norm, pre_feedforward_layernorm, takes the slot the Llama block reads as its pre-MLP norm.
                 e["attn_out_norm"] = vec(p + "post_attention_layernorm.weight")
                 e["mlp_out_norm"] = vec(p + "post_feedforward_layernorm.weight")
-                weights[p + "post_attention_layernorm.weight"] = weights.pop(p + "pre_feedforward_layernorm.weight")
+                if args.pre_norm:
+                    weights[p + "post_attention_layernorm.weight"] = weights.pop(p + "pre_feedforward_layernorm.weight")
+            if not args.pre_norm:  # OLMo 2: no norm before attention or MLP; placeholders the block never reads
+                for name in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+                    weights[p + name] = torch.ones(args.hidden_size)
             extra.append(e)
         super().__init__(args, weights, device, dtype, tiler, max_len, attention, kernel_id, native)
         self.layers = [ExtendedLayerWeights(**{f.name: getattr(lw, f.name) for f in fields(LayerWeights)}, **e)
@@ -110,24 +117,28 @@ class ExtendedTransformer(Transformer):
                 cos, sin = rope_tables(args, max_len, kind)
                 self.rope[kind] = (cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype))
         self.windows = [args.window(i) for i in range(args.num_layers)]
+        self.use_rope = list(args.layer_use_rope) or [True] * args.num_layers  # SmolLM3's NoPE layers: False
         if args.attn_scale:
             self.scale = args.attn_scale
         # transformers multiplies by the scale as a tensor cast to the weights' dtype
         self.embed_scale = torch.tensor(args.embed_scale, dtype=torch.float32).to(device=device, dtype=dtype)
 
-    def _qkv(self, lw: LayerWeights, x: torch.Tensor, cos: torch.Tensor,
-             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _qkv(self, lw: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             rope: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Row-wise: norm, fused q|k|v projection, q/k norm, RoPE. x: (T, hidden) -> (T, H, D), (T, Hkv, D) x 2."""
         assert isinstance(lw, ExtendedLayerWeights)
         a = self.args
         h, hkv, d = a.num_heads, a.num_kv_heads, a.head_dim
-        qkv = self._linear(self._norm(x, lw.input_norm), lw.wqkv, lw.bqkv)  # (T, (H + 2*Hkv) * D)
+        qkv = self._linear(self._norm(x, lw.input_norm) if a.pre_norm else x, lw.wqkv, lw.bqkv)  # (T, (H+2Hkv)*D)
         t = qkv.shape[0]
-        if lw.q_norm is not None and lw.k_norm is not None:  # each head its own row of the norm kernel
-            qkv[:, :h * d] = self._norm(qkv[:, :h * d].reshape(t * h, d), lw.q_norm).view(t, h * d)
-            qkv[:, h * d:(h + hkv) * d] = self._norm(qkv[:, h * d:(h + hkv) * d].reshape(t * hkv, d),
+        if lw.q_norm is not None and lw.k_norm is not None:  # per head: each head its own row of the norm kernel
+            qh, kh = (h, hkv) if a.qk_norm_per_head else (1, 1)
+            qkv[:, :h * d] = self._norm(qkv[:, :h * d].reshape(t * qh, -1), lw.q_norm).view(t, h * d)
+            qkv[:, h * d:(h + hkv) * d] = self._norm(qkv[:, h * d:(h + hkv) * d].reshape(t * kh, -1),
                                                      lw.k_norm).view(t, hkv * d)
         v = qkv[:, (h + hkv) * d:].view(-1, hkv, d)
+        if not rope:
+            return qkv[:, :h * d].view(-1, h, d), qkv[:, h * d:(h + hkv) * d].view(-1, hkv, d), v
         if self.native_rope:  # q and k heads in place, one pass; the same bits as apply_rope
             torch.ops.steadyserve.rope_(qkv, cos, sin, h + hkv)
             return qkv[:, :h * d].view(-1, h, d), qkv[:, h * d:(h + hkv) * d].view(-1, hkv, d), v
@@ -149,12 +160,24 @@ class ExtendedTransformer(Transformer):
         o = self._linear(attn.reshape(attn.shape[0], -1), lw.wo, lw.bo)  # (T, hidden)
         if lw.attn_out_norm is not None:
             o = self._norm(o, lw.attn_out_norm)
-        x = x + o
-        gate_up = self._linear(self._norm(x, lw.post_norm), lw.w_gate_up, lw.b_gate_up)  # (T, 2 * inter)
+        rs = self.args.residual_scale
+        x = x + (o * rs if rs != 1.0 else o)  # Granite's residual multiplier: one exact multiply per element
+        pre = self._norm(x, lw.post_norm) if self.args.pre_norm else x
+        gate_up = self._linear(pre, lw.w_gate_up, lw.b_gate_up)  # (T, 2 * inter)
         m = self._linear(self._gated_act(gate_up), lw.w_down, lw.b_down)  # (T, hidden)
         if lw.mlp_out_norm is not None:
             m = self._norm(m, lw.mlp_out_norm)
-        return x + m
+        return x + (m * rs if rs != 1.0 else m)
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Row-wise: (R, hidden) -> (R, V) float32 log-probabilities, logits divided first (Granite)."""
+        div = self.args.logits_divisor
+        if div == 1.0:
+            return super()._head(hidden)
+        if isinstance(self.lm_head, QMatrix):
+            return torch.ops.steadyserve.qlog_softmax(self.lm_head(hidden.contiguous()) / div, -1)
+        logits = torch.cat([F.linear(hidden, part) for part in self.lm_head_parts], dim=1)  # (R, V)
+        return torch.log_softmax(logits.float() / div, dim=-1)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -168,7 +191,7 @@ class ExtendedTransformer(Transformer):
         trig = {kind: (cos[batch.positions], sin[batch.positions]) for kind, (cos, sin) in self.rope.items()}
         for i, lw in enumerate(self.layers):
             cos, sin = trig[self.layer_rope[i]]  # (T, D)
-            q, k, v = self.tiler(partial(self._qkv, lw), x, cos, sin)  # (T, H, D), (T, Hkv, D), (T, Hkv, D)
+            q, k, v = self.tiler(partial(self._qkv, lw, rope=self.use_rope[i]), x, cos, sin)  # (T,H,D), (T,Hkv,D) x2
             write_kv(k_cache[i], v_cache[i], k, v, batch.slot_blocks, batch.slot_offsets)
             attn = self.attention(q, k_cache[i], v_cache[i], batch.block_tables, batch.seq_of, batch.positions,
                                   self.scale, self.windows[i])  # (T, H, D)

@@ -29,7 +29,7 @@ _LAYER_NAMES = {
 }
 _QK_NORM_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 # Per GGUF architecture, where its names differ from or add to Llama's (gguf-py's TensorNameMap;
-# tests/test_gemma3.py checks these against it). Gemma's ffn_norm is the MLP's input norm, like
+# tests/test_gemma3_real.py checks these against it). Gemma's ffn_norm is the MLP's input norm, like
 # Llama's, but transformers names it pre_feedforward_layernorm, since post_attention_layernorm
 # is Gemma's norm on the attention output.
 _ARCH_LAYER_NAMES = {

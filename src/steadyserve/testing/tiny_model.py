@@ -49,11 +49,12 @@ def _tokenizer(vocab_size: int):
 def build_tiny_model(out_dir: str | Path, arch: str = "llama", size: str = "tiny", seed: int = 0,
                      max_position_embeddings: int = 512) -> Path:
     """Write a random model to out_dir and return it. arch: llama | qwen2 | mistral | llama3 | qwen3 | gemma3
-    | phi3 | phi3-longrope."""
+    | phi3 | phi3-longrope | olmo2 | smollm3 | granite."""
     import torch
-    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                              MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
-                              Qwen3Config, Qwen3ForCausalLM)
+    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, GraniteConfig, GraniteForCausalLM, LlamaConfig,
+                              LlamaForCausalLM, MistralConfig, MistralForCausalLM, Olmo2Config, Olmo2ForCausalLM,
+                              Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM, SmolLM3Config, SmolLM3ForCausalLM)
 
     out = Path(out_dir)
     hidden, inter, layers, heads, kv_heads, vocab = SIZES[size]
@@ -93,6 +94,15 @@ def build_tiny_model(out_dir: str | Path, arch: str = "llama", size: str = "tiny
             "rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(half)],
             "long_factor": [2.0 + 0.5 * i for i in range(half)]}, **common)
         cls = Phi3ForCausalLM
+    elif arch == "olmo2":  # norms after attention and MLP only; q/k norm over all heads
+        cfg, cls = Olmo2Config(tie_word_embeddings=False, **common), Olmo2ForCausalLM
+    elif arch == "smollm3":  # four layers: the fourth skips RoPE (no_rope_layer_interval=4)
+        cfg = SmolLM3Config(tie_word_embeddings=True, **{**common, "num_hidden_layers": 4})
+        cls = SmolLM3ForCausalLM
+    elif arch == "granite":  # the four multipliers, none of them 1
+        cfg = GraniteConfig(tie_word_embeddings=True, embedding_multiplier=4.0, residual_multiplier=0.5,
+                            attention_multiplier=0.2, logits_scaling=2.5, **common)
+        cls = GraniteForCausalLM
     else:
         raise ValueError(f"unknown arch {arch!r}")
     torch.manual_seed(seed)
@@ -103,7 +113,7 @@ def build_tiny_model(out_dir: str | Path, arch: str = "llama", size: str = "tiny
                 p.normal_(0.0, 0.08 if size == "tiny" else 0.04)
             elif "bias" in name:
                 p.normal_(0.0, 0.05)
-            elif arch in ("qwen3", "gemma3"):  # norm weights too: Gemma's (1 + w) must be seen to be applied
+            elif arch in ("qwen3", "gemma3", "olmo2"):  # norm weights too: Gemma's (1 + w) must be seen to be applied
                 p.normal_(0.0 if arch == "gemma3" else 1.0, 0.2)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
