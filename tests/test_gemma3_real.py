@@ -118,3 +118,14 @@ def test_gemma3_270m_serves_over_http_with_the_engines_bits(gemma):
     assert body["system_fingerprint"].endswith("-bi")
     assert choice["text"] == loaded.tokenizer.decode(local.token_ids)
     assert choice["logprobs"]["token_logprobs"] == local.logprob_values  # the same bits as in-process
+
+
+def test_a_known_model_name_resolves_and_an_unknown_one_is_refused_with_the_list(tmp_path):
+    from steadyserve.models import known
+    from steadyserve.models.loader import LoadError
+
+    with pytest.raises(LoadError, match=r"gemma4-9000: no such file or directory, and not a model name .*"
+                                        r"\(known: gemma3-270m, smollm2\)"):
+        load_model("gemma4-9000", cache_dir=str(tmp_path))
+    assert known.resolve("gemma3-270m") == gemma_path()
+    assert not known.looks_like_a_name("./gemma3-270m") and not known.looks_like_a_name("x.gguf")

@@ -30,6 +30,7 @@ from ..kernels import build as kernels
 from ..kernels.quant import UnsupportedFormat
 from ..numerics import Numerics, NumericsError
 from ..platform_info import numerics_for
+from . import known
 from .args import ModelArgs
 from .attention import AttentionFn, attention_invariant, attention_native, attention_plain
 from .layers import RowTiler
@@ -258,6 +259,11 @@ def load_model(path: str, device: str = "cpu", dtype: str = "auto", *, batch_inv
                attention: str = "auto", block_size: int = 32, numerics: str = "auto") -> LoadedModel:
     """Load and build the model. Raises LoadError with a one-line message."""
     t0 = time.perf_counter()
+    if known.looks_like_a_name(path):  # `--model gemma3-270m`: a packaged model (models/known.py)
+        try:
+            path = str(known.resolve(path))
+        except LookupError as e:
+            raise LoadError(str(e)) from None
     src = Path(path or default_model_path())
     if not src.exists():
         raise LoadError(f"{src}: no such file or directory")
