@@ -4,13 +4,18 @@ transformers loading the GGUF is the reference: it dequantizes every tensor with
 llama.cpp's 1 + w on the norms, as steadyserve does. steadyserve computes on the stored blocks (Q5_0,
 Q8_0, Q4_K, Q6_K) with its native kernels. One prompt is longer than the 512-token sliding window,
 so the local layers really drop keys. Also: our GGUF name table agrees with gguf-py's, and the model
-is served over HTTP with the bits the engine computes in-process.
+is served by name over HTTP and gRPC with the bits the engine computes in-process, and passes
+`steadyserve validate`.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -101,23 +106,41 @@ def test_gemma3_270m_prompt_logprobs_match_transformers_on_the_same_gguf(gemma, 
     assert done["g"].token_ids == greedy[0, len(prompts[0]):].tolist(), tok.decode(done["g"].token_ids)
 
 
-def test_gemma3_270m_serves_over_http_with_the_engines_bits(gemma):
+def test_gemma3_270m_serves_over_http_and_grpc_with_the_engines_bits_and_validates(gemma):
+    """Served by name (--model gemma3-270m): HTTP generation and gRPC scoring give the in-process engine's
+    bits, and `steadyserve validate` (identical probes among background traffic, both transports) passes."""
+    from steadyserve.client import Client, logprobs_f32
+
     path, loaded = gemma
     prompt = "The capital of France is"
     engine = LLMEngine(loaded, EngineConfig(kv_cache_memory=64 * 1024**2, threads=THREADS, batch_invariant=True))
-    local = run_requests(engine, [Request("g", loaded.tokenizer.encode(prompt),
-                                          SamplingParams(max_tokens=8, temperature=0, logprobs=0))])["g"]
-    with ServerProcess(str(path), "--max-model-len", str(MAX_LEN), "--kv-cache-memory", "96MiB",
+    ids = loaded.tokenizer.encode(prompt)
+    local = run_requests(engine, [Request("g", ids, SamplingParams(max_tokens=8, temperature=0, logprobs=0)),
+                                  Request("s", ids, SamplingParams(max_tokens=0, prompt_logprobs=0))])
+    with ServerProcess("gemma3-270m", "--max-model-len", str(MAX_LEN), "--kv-cache-memory", "96MiB",
                        threads=THREADS) as srv:
         r = httpx.post(f"{srv.http_url}/v1/completions", timeout=120,
                        json={"prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 1})
         assert r.status_code == 200, r.text
         body = r.json()
+        with Client(srv.grpc_addr) as client:
+            scored = client.score(prompt, timeout=120)
+        v = subprocess.run([sys.executable, "-m", "steadyserve.cli", "validate", "--http", srv.http_url, "--grpc",
+                            srv.grpc_addr, "-n", "24", "-c", "8", "--background", "1", "--max-tokens", "8", "--json"],
+                           capture_output=True, text=True, timeout=900)
     choice = body["choices"][0]
     print(f"\nGEMMA3-270M over HTTP: {prompt!r} -> {choice['text']!r}; fingerprint {body['system_fingerprint']}")
     assert body["system_fingerprint"].endswith("-bi")
-    assert choice["text"] == loaded.tokenizer.decode(local.token_ids)
-    assert choice["logprobs"]["token_logprobs"] == local.logprob_values  # the same bits as in-process
+    assert choice["text"] == loaded.tokenizer.decode(local["g"].token_ids)
+    assert choice["logprobs"]["token_logprobs"] == local["g"].logprob_values  # the same bits as in-process
+    values = local["s"].prompt_logprob_values
+    assert logprobs_f32(scored) == struct.pack(f"<{len(values)}f", *values)  # gRPC: the same bits too
+    assert v.returncode == 0, v.stdout + v.stderr
+    rep = json.loads(v.stdout)
+    assert rep["passed"] and rep["errors"] == 0, rep
+    print("GEMMA3-270M validate: " + ", ".join(
+        f"{k}: {g['distinct_vectors']} vector(s) over {sorted(g['by_transport'])}"
+        for k, kind in rep["kinds"].items() for g in kind["fingerprints"].values()))
 
 
 def test_a_known_model_name_resolves_and_an_unknown_one_is_refused_with_the_list(tmp_path):
