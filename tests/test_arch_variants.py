@@ -77,12 +77,16 @@ def test_tiny_parity_from_safetensors(tiny, arch, invariant):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_tiny_parity_from_gguf(tiny, arch, tmp_path):
+@pytest.mark.parametrize("numerics", ["portable", "host"])
+def test_tiny_parity_from_gguf(tiny, arch, numerics, tmp_path):
+    """Portable: the stored Q8_0 blocks; host: the GGUF dequantized to float32 safetensors by transformers
+    (Gemma's norms then already have the 1 subtracted, and the HF-directory path adds it back)."""
     path = tiny[f"{arch}-gguf"]
-    loaded = load_model(path, max_model_len=512, cache_dir=str(tmp_path))
-    assert loaded.numerics is not None and loaded.numerics.mode == "portable"
-    assert {p.format_name for lw in loaded.model.layers for p in lw.wqkv.parts} == {"Q8_0"}  # type: ignore[union-attr]
-    check_parity(f"tiny-{arch}-gguf", loaded, path, prompts_for(loaded.tokenizer, loaded.args.vocab_size),
+    loaded = load_model(path, max_model_len=512, cache_dir=str(tmp_path), numerics=numerics)
+    assert loaded.numerics is not None and loaded.numerics.mode == numerics
+    if numerics == "portable":
+        assert {p.format_name for lw in loaded.model.layers for p in lw.wqkv.parts} == {"Q8_0"}  # type: ignore[union-attr]
+    check_parity(f"tiny-{arch}-gguf-{numerics}", loaded, path, prompts_for(loaded.tokenizer, loaded.args.vocab_size),
                  ref=hf_gguf_model(path))
 
 
