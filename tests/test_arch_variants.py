@@ -1,4 +1,4 @@
-"""Gemma 3, Qwen3, Phi-3, OLMo 2, SmolLM3 and Granite on tiny random models: parity with transformers and
+"""Gemma 3 and 2, Qwen3, Phi-3, OLMo 2, SmolLM3 and Granite on tiny random models: parity with transformers and
 batch invariance.
 
 Each tiny model is built from transformers' own config class with random weights (norm weights
@@ -6,7 +6,8 @@ included, so Gemma's (1 + w) shows), saved as safetensors by transformers and as
 gguf-py's writer (steadyserve.testing.tiny_gguf, llama.cpp's conventions: Gemma's norms stored as
 1 + w). The reference for a GGUF is transformers loading that same file. The tiny Gemma 3 has five
 sliding layers (window 16, shorter than the prompts) and one global layer, each type with its own
-RoPE base; the tiny Phi-3 has fused matrices and a window of 24 on every layer, and a second one
+RoPE base; the tiny Gemma 2 alternates local and global layers and soft-caps scores (2.0) and
+logits (3.0) hard enough to matter (its GGUF gets transformers' defaults, 50 and 30); the tiny Phi-3 has fused matrices and a window of 24 on every layer, and a second one
 LongRoPE (HF only: transformers reads no LongRoPE from a GGUF). OLMo 2, SmolLM3 and Granite are
 HF directories only: transformers has no GGUF config map for them, so there is no GGUF reference
 (and steadyserve's GGUF loading takes its config from transformers). Then the engine invariance checks of test_engine_invariance (and the prefix cache's) run on them, each also
@@ -35,7 +36,7 @@ from test_engine_invariance import (PROCESSORS, chunked_vs_whole, engine_for, ex
                                     score_vs_generate)
 from test_models_parity import check_parity, prompts_for
 
-ARCHS = ["gemma3", "qwen3", "phi3"]  # safetensors and GGUF
+ARCHS = ["gemma3", "gemma2", "qwen3", "phi3"]  # safetensors and GGUF
 HF_ONLY = ["phi3-longrope", "olmo2", "smollm3", "granite"]  # transformers reads none of these from a GGUF
 
 
@@ -107,6 +108,8 @@ def test_tiny_gemma3_has_the_features_under_test(tiny):
 BROKEN = {"gemma3-no-window": ("gemma3-gguf", "Gemma3ForCausalLM", {"layer_windows": (0,) * 6}),
           "gemma3-one-rope-base": ("gemma3", "Gemma3ForCausalLM", {"layer_rope": ("sliding_attention",) * 6}),
           "gemma3-no-embed-scale": ("gemma3", "Gemma3ForCausalLM", {"embed_scale": 1.0}),
+          "gemma2-no-attn-softcap": ("gemma2", "Gemma2ForCausalLM", {"attn_softcap": 0.0}),
+          "gemma2-no-final-softcap": ("gemma2", "Gemma2ForCausalLM", {"final_softcap": 0.0}),
           "qwen3-no-qk-norm": ("qwen3", "Qwen3ForCausalLM", {"qk_norm": False}),
           "phi3-no-window": ("phi3", "Phi3ForCausalLM", {"sliding_window": 0}),
           "olmo2-no-output-norms": ("olmo2", "Olmo2ForCausalLM", {"sandwich_norm": False}),
@@ -195,6 +198,9 @@ def test_phi3_longrope_is_served_up_to_its_original_length(tiny):
 
 
 def test_tiny_variants_have_the_features_under_test(tiny):
+    g2 = load_model(tiny["gemma2"]).args
+    assert (g2.attn_softcap, g2.final_softcap, g2.layer_windows) == (2.0, 3.0, (16, 0, 16, 0))
+    assert not g2.qk_norm and g2.sandwich_norm and g2.norm_offset == 1.0
     olmo = load_model(tiny["olmo2"]).args
     assert not olmo.pre_norm and olmo.sandwich_norm and olmo.qk_norm and not olmo.qk_norm_per_head
     assert load_model(tiny["smollm3"]).args.layer_use_rope == (True, True, True, False)

@@ -94,6 +94,36 @@ def test_a_window_only_masks_keys_in_the_same_reduction_order(fn, window: int) -
         assert torch.equal(run(q[p:p + 1], k, v, tables, *one, window, fn), windowed[p:p + 1]), p  # decode == prefill
 
 
+@pytest.mark.parametrize("fn", [attention_native, attention_invariant], ids=["native", "python"])
+def test_soft_capped_scores_match_float64_and_keep_prefill_equal_to_decode(fn) -> None:
+    """Gemma 2's tanh(s / cap) * cap on the scaled scores; a cap of 3 bites on these scores."""
+    k, v = paged_cache(40)
+    lengths = [70, 33]
+    tables = tables_for(lengths, 40)
+    seq_of, pos = prefill_batch(lengths)
+    q = torch.randn(len(pos), H, D, generator=torch.Generator().manual_seed(2)) * 2
+    out = fn(q, k, v, tables, seq_of, pos, D ** -0.5, 24, 3.0)
+    ref = attention_plain(q.double(), k.double(), v.double(), tables, seq_of, pos, D ** -0.5, 24, 3.0)
+    uncapped = attention_plain(q.double(), k.double(), v.double(), tables, seq_of, pos, D ** -0.5, 24)
+    assert (ref - uncapped).abs().max() > 1e-2  # the cap changes the result
+    assert (out.double() - ref).abs().max() < 1e-5
+    for i in (0, 50, 69, 70, 102):  # each token alone (= decode) gives its bits from the whole batch
+        one = fn(q[i:i + 1], k, v, tables, seq_of[i:i + 1], pos[i:i + 1], D ** -0.5, 24, 3.0)
+        assert torch.equal(one, out[i:i + 1]), i
+
+
+def test_native_softcap_op_is_elementwise_and_close_to_tanh() -> None:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 1000, generator=g) * 50  # 1000 = 62 * 16 + 8: a tail
+    y = x.clone()
+    torch.ops.steadyserve.softcap_(y, 30.0)
+    assert (y - torch.tanh(x / 30.0) * 30.0).abs().max() < 1e-5 * 30
+    for rows in (slice(0, 1), slice(3, 8)):
+        part = x[rows].clone()
+        torch.ops.steadyserve.softcap_(part, 30.0)
+        assert torch.equal(part, y[rows])
+
+
 def test_token_alone_equals_token_in_any_batch_bitwise() -> None:
     """Prefill of everything at once vs each token alone (= decode) vs other batch mates and orders."""
     k, v = paged_cache(40)

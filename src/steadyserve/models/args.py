@@ -42,6 +42,8 @@ class ModelArgs:
     layer_use_rope: tuple[bool, ...] = ()  # per layer: whether it rotates q and k (SmolLM3: not every 4th); () = all
     residual_scale: float = 1.0  # Granite: each block's output is multiplied by this before its residual add
     logits_divisor: float = 1.0  # Granite: logits are divided by this before the log-softmax
+    attn_softcap: float = 0.0  # Gemma 2: scaled scores become tanh(s / cap) * cap; 0 = none
+    final_softcap: float = 0.0  # Gemma 2: logits become tanh(l / cap) * cap; 0 = none
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -54,7 +56,8 @@ class ModelArgs:
         return (self.qk_norm or self.norm_offset != 0.0 or self.sandwich_norm or self.hidden_act != "silu"
                 or self.embed_scale != 1.0 or self.attn_scale != 0.0 or bool(self.layer_windows)
                 or bool(self.layer_rope) or self.fused_weights or not self.pre_norm or not self.qk_norm_per_head
-                or bool(self.layer_use_rope) or self.residual_scale != 1.0 or self.logits_divisor != 1.0)
+                or bool(self.layer_use_rope) or self.residual_scale != 1.0 or self.logits_divisor != 1.0
+                or self.attn_softcap != 0.0 or self.final_softcap != 0.0)
 
     def window(self, layer: int) -> int:
         """The sliding window of `layer`, 0 for a global layer."""

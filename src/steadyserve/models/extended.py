@@ -1,4 +1,4 @@
-"""The block variants beyond Llama's (Gemma 3, Qwen3, Phi-3, OLMo 2, SmolLM3, Granite), on the same weights,
+"""The block variants beyond Llama's (Gemma 2 and 3, Qwen3, Phi-3, OLMo 2, SmolLM3, Granite), on the same weights,
 kernels and cache.
 
 What differs from transformer.py's Llama block, each switched by a ModelArgs field:
@@ -14,6 +14,8 @@ What differs from transformer.py's Llama block, each switched by a ModelArgs fie
 * per-layer sliding windows and RoPE tables (Gemma 3: local layers with a window and base 10k,
   global layers with neither);
 * fused q|k|v and gate|up matrices (Phi-3), cut into row ranges at load (views of the same rows);
+* Gemma 2: soft-capped attention scores (in the attention kernels) and logits (the attention
+  extension's softcap_, the same deterministic tanh);
 * OLMo 2: norms only after attention and MLP, q/k norm over all heads at once; SmolLM3: layers
   without RoPE; Granite: embedding, residual, attention and logit multipliers (elementwise, exact).
 
@@ -32,6 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..kernels.build import NATIVE_KERNEL_ID
 from ..kernels.quant import QMatrix, QWeight
 from .args import ModelArgs, rope_tables
 from .attention import AttentionFn, write_kv
@@ -170,14 +173,25 @@ class ExtendedTransformer(Transformer):
         return x + (m * rs if rs != 1.0 else m)
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Row-wise: (R, hidden) -> (R, V) float32 log-probabilities, logits divided first (Granite)."""
-        div = self.args.logits_divisor
-        if div == 1.0:
+        """Row-wise: (R, hidden) -> (R, V) float32 log-probabilities; logits soft-capped (Gemma 2) or
+        divided (Granite) first."""
+        div, cap = self.args.logits_divisor, self.args.final_softcap
+        if div == 1.0 and not cap:
             return super()._head(hidden)
         if isinstance(self.lm_head, QMatrix):
-            return torch.ops.steadyserve.qlog_softmax(self.lm_head(hidden.contiguous()) / div, -1)
-        logits = torch.cat([F.linear(hidden, part) for part in self.lm_head_parts], dim=1)  # (R, V)
-        return torch.log_softmax(logits.float() / div, dim=-1)
+            logits = self.lm_head(hidden.contiguous())  # (R, V) float32
+        else:
+            logits = torch.cat([F.linear(hidden, part) for part in self.lm_head_parts], dim=1).float()  # (R, V)
+        if cap:
+            if self.kernel_id == NATIVE_KERNEL_ID:  # the attention extension's deterministic tanh, elementwise
+                torch.ops.steadyserve.softcap_(logits, cap)
+            else:
+                logits = torch.tanh(logits / cap) * cap
+        if div != 1.0:
+            logits = logits / div
+        if isinstance(self.lm_head, QMatrix):
+            return torch.ops.steadyserve.qlog_softmax(logits, -1)
+        return torch.log_softmax(logits, dim=-1)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -193,7 +207,8 @@ class ExtendedTransformer(Transformer):
             cos, sin = trig[self.layer_rope[i]]  # (T, D)
             q, k, v = self.tiler(partial(self._qkv, lw, rope=self.use_rope[i]), x, cos, sin)  # (T,H,D), (T,Hkv,D) x2
             write_kv(k_cache[i], v_cache[i], k, v, batch.slot_blocks, batch.slot_offsets)
+            softcap = (self.args.attn_softcap,) if self.args.attn_softcap else ()
             attn = self.attention(q, k_cache[i], v_cache[i], batch.block_tables, batch.seq_of, batch.positions,
-                                  self.scale, self.windows[i])  # (T, H, D)
+                                  self.scale, self.windows[i], *softcap)  # (T, H, D)
             x = self.tiler(partial(self._out_mlp, lw), x, attn)  # (T, hidden)
         return self.tiler(self._final_norm, x)

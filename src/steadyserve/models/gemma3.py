@@ -1,10 +1,10 @@
-"""Gemma 3 (text-only, Gemma3ForCausalLM): the block is extended.py's, configured as transformers does.
+"""Gemma 3 (text-only, Gemma3ForCausalLM) and Gemma 2: extended.py's block, configured as transformers does.
 
 Local (sliding-window) layers and global ones follow `config.layer_types` (transformers derives it
 from `sliding_window_pattern` when a config only gives the pattern), each type with its own
 rope_parameters entry; norms scale by (1 + w); the MLP is GELU-tanh; the embedding is scaled by
-sqrt(hidden); scores by query_pre_attn_scalar ** -0.5. Soft-capping (Gemma 2, off in Gemma 3) and
-bidirectional attention are refused by name rather than ignored.
+sqrt(hidden); scores by query_pre_attn_scalar ** -0.5; Gemma 2 soft-caps scores and logits (Gemma 3's
+config may too; it is honoured wherever set). Bidirectional attention is refused by name.
 """
 
 from __future__ import annotations
@@ -22,17 +22,26 @@ def layer_windows(cfg: Any) -> tuple[int, ...]:
     return tuple(window if t == "sliding_attention" else 0 for t in cfg.layer_types)
 
 
-def gemma3_args(cfg: Any) -> ModelArgs:
-    for name in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if getattr(cfg, name, None):
-            raise ValueError(f"Gemma3ForCausalLM: {name}={getattr(cfg, name)} is not supported")
+def _gemma_args(cfg: Any, arch: str, **fields: Any) -> ModelArgs:
+    """What Gemma 2 and 3 share: (1 + w) sandwich norms, GELU-tanh, the scaled embedding and score scale."""
     if getattr(cfg, "use_bidirectional_attention", False):
-        raise ValueError("Gemma3ForCausalLM: use_bidirectional_attention is not supported")
+        raise ValueError(f"{arch}: use_bidirectional_attention is not supported")
     act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", "gelu_pytorch_tanh")
     if act not in _ACTIVATIONS:
-        raise ValueError(f"Gemma3ForCausalLM: hidden_activation {act!r} is not supported")
+        raise ValueError(f"{arch}: hidden_activation {act!r} is not supported")
     bias = bool(getattr(cfg, "attention_bias", False))
-    return common_args(cfg, "Gemma3ForCausalLM", qkv_bias=bias, o_bias=bias,
-                       qk_norm=True, norm_offset=1.0, sandwich_norm=True, hidden_act=_ACTIVATIONS[act],
-                       embed_scale=cfg.hidden_size ** 0.5, attn_scale=float(cfg.query_pre_attn_scalar) ** -0.5,
-                       layer_windows=layer_windows(cfg), layer_rope=tuple(cfg.layer_types))
+    return common_args(cfg, arch, qkv_bias=bias, o_bias=bias, norm_offset=1.0, sandwich_norm=True,
+                       hidden_act=_ACTIVATIONS[act], embed_scale=cfg.hidden_size ** 0.5,
+                       attn_scale=float(cfg.query_pre_attn_scalar) ** -0.5, layer_windows=layer_windows(cfg),
+                       attn_softcap=float(getattr(cfg, "attn_logit_softcapping", None) or 0.0),
+                       final_softcap=float(getattr(cfg, "final_logit_softcapping", None) or 0.0), **fields)
+
+
+def gemma3_args(cfg: Any) -> ModelArgs:
+    """Gemma 3 adds q/k norm and a RoPE per layer type (local and global bases)."""
+    return _gemma_args(cfg, "Gemma3ForCausalLM", qk_norm=True, layer_rope=tuple(cfg.layer_types))
+
+
+def gemma2_args(cfg: Any) -> ModelArgs:
+    """Gemma 2: alternating local and global layers with one RoPE, and soft-capped scores and logits."""
+    return _gemma_args(cfg, "Gemma2ForCausalLM")

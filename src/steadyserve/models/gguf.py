@@ -35,6 +35,8 @@ _QK_NORM_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k
 _ARCH_LAYER_NAMES = {
     "qwen3": {**_LAYER_NAMES, **_QK_NORM_NAMES},
     "phi3": {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},  # fused
+    "gemma2": {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
+               "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
     "gemma3": {**_LAYER_NAMES, **_QK_NORM_NAMES, "post_attention_norm": "post_attention_layernorm",
                "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
 }
@@ -45,7 +47,7 @@ _PERMUTED_ARCHS = {"llama"}  # whose converter interleaves q/k rows (llama.cpp's
 # llama.cpp's converter stores Gemma's RMSNorm weights as 1 + w (they scale by (1 + w)); transformers'
 # GGUF loader subtracts the 1 again (Gemma2TensorProcessor: `weights - 1` on every "norm.weight").
 # That float32 round trip is what the reference computes with, so it is done here the same way.
-_NORM_SHIFTED_ARCHS = {"gemma3"}
+_NORM_SHIFTED_ARCHS = {"gemma2", "gemma3"}
 
 
 def hf_name(name: str, arch: str = "llama") -> str | None:

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from .args import ModelArgs
 from .extended import ExtendedTransformer
-from .gemma3 import gemma3_args
+from .gemma3 import gemma2_args, gemma3_args
 from .granite import granite_args
 from .llama import llama_args
 from .mistral import mistral_args
@@ -27,6 +27,7 @@ ARCHITECTURES: dict[str, ArgsFromConfig] = {
     "MistralForCausalLM": mistral_args,
     "Qwen2ForCausalLM": qwen2_args,
     "Qwen3ForCausalLM": qwen3_args,
+    "Gemma2ForCausalLM": gemma2_args,
     "Gemma3ForCausalLM": gemma3_args,
     "Phi3ForCausalLM": phi3_args,
     "Olmo2ForCausalLM": olmo2_args,

@@ -16,7 +16,7 @@ import numpy as np
 
 # HF architecture -> GGUF architecture name (gguf.MODEL_ARCH_NAMES), for those this writer knows.
 GGUF_ARCH = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-             "Gemma3ForCausalLM": "gemma3", "Phi3ForCausalLM": "phi3"}
+             "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3", "Phi3ForCausalLM": "phi3"}
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -51,7 +51,7 @@ def write_tiny_gguf(hf_dir: str | Path, out: str | Path, quant: str = "Q8_0") ->
     w.add_rope_dimension_count(head_dim)
     rope = cfg.rope_parameters
     w.add_rope_freq_base(float((rope["full_attention"] if "full_attention" in rope else rope)["rope_theta"]))
-    if arch == "gemma3":
+    if arch in ("gemma2", "gemma3"):
         w.add_sliding_window(cfg.sliding_window)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if quant == "Q8_0" else gguf.LlamaFileType.ALL_F32)
     _add_tokenizer(w, hf_dir)
@@ -67,7 +67,7 @@ def write_tiny_gguf(hf_dir: str | Path, out: str | Path, quant: str = "Q8_0") ->
         t = t.astype(np.float32)
         if arch == "llama" and name.endswith(("attn_q", "attn_k")):
             t = _permute(t, cfg.num_attention_heads if name.endswith("attn_q") else cfg.num_key_value_heads)
-        if arch == "gemma3" and name.endswith("norm"):
+        if arch in ("gemma2", "gemma3") and name.endswith("norm"):
             t = t + np.float32(1.0)  # llama.cpp stores Gemma's norms as 1 + w
         if t.ndim == 2 and t.shape[1] % 32 == 0:
             w.add_tensor(f"{name}.{kind}", gguf.quants.quantize(t, qtype), raw_dtype=qtype)

@@ -49,9 +49,9 @@ def _tokenizer(vocab_size: int):
 def build_tiny_model(out_dir: str | Path, arch: str = "llama", size: str = "tiny", seed: int = 0,
                      max_position_embeddings: int = 512) -> Path:
     """Write a random model to out_dir and return it. arch: llama | qwen2 | mistral | llama3 | qwen3 | gemma3
-    | phi3 | phi3-longrope | olmo2 | smollm3 | granite."""
+    | phi3 | phi3-longrope | olmo2 | smollm3 | granite | gemma2."""
     import torch
-    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, GraniteConfig, GraniteForCausalLM, LlamaConfig,
+    from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GraniteConfig, GraniteForCausalLM, LlamaConfig,
                               LlamaForCausalLM, MistralConfig, MistralForCausalLM, Olmo2Config, Olmo2ForCausalLM,
                               Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
                               Qwen3ForCausalLM, SmolLM3Config, SmolLM3ForCausalLM)
@@ -59,7 +59,7 @@ def build_tiny_model(out_dir: str | Path, arch: str = "llama", size: str = "tiny
     out = Path(out_dir)
     hidden, inter, layers, heads, kv_heads, vocab = SIZES[size]
     tokenizer = _tokenizer(vocab)
-    if arch == "gemma3":  # transformers' GemmaTokenizer adds a <mask> token where a vocabulary lacks one
+    if arch in ("gemma2", "gemma3"):  # transformers' GemmaTokenizer adds a <mask> token where a vocabulary lacks one
         tokenizer.add_special_tokens({"mask_token": "<mask>"})
     vocab = max(vocab, len(tokenizer))
     common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
@@ -94,6 +94,11 @@ def build_tiny_model(out_dir: str | Path, arch: str = "llama", size: str = "tiny
             "rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(half)],
             "long_factor": [2.0 + 0.5 * i for i in range(half)]}, **common)
         cls = Phi3ForCausalLM
+    elif arch == "gemma2":  # four layers, local and global alternating; caps small enough to bite here
+        cfg = Gemma2Config(tie_word_embeddings=True, head_dim=hidden // heads, sliding_window=16,
+                           query_pre_attn_scalar=24, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+                           **{**common, "num_hidden_layers": 4})
+        cls = Gemma2ForCausalLM
     elif arch == "olmo2":  # norms after attention and MLP only; q/k norm over all heads
         cfg, cls = Olmo2Config(tie_word_embeddings=False, **common), Olmo2ForCausalLM
     elif arch == "smollm3":  # four layers: the fourth skips RoPE (no_rope_layer_interval=4)
@@ -113,8 +118,8 @@ def build_tiny_model(out_dir: str | Path, arch: str = "llama", size: str = "tiny
                 p.normal_(0.0, 0.08 if size == "tiny" else 0.04)
             elif "bias" in name:
                 p.normal_(0.0, 0.05)
-            elif arch in ("qwen3", "gemma3", "olmo2"):  # norm weights too: Gemma's (1 + w) must be seen to be applied
-                p.normal_(0.0 if arch == "gemma3" else 1.0, 0.2)
+            elif arch in ("qwen3", "gemma2", "gemma3", "olmo2"):  # norm weights too: Gemma's (1 + w) must show
+                p.normal_(0.0 if arch.startswith("gemma") else 1.0, 0.2)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return out
