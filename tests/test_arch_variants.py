@@ -206,3 +206,30 @@ def test_tiny_variants_have_the_features_under_test(tiny):
     assert load_model(tiny["smollm3"]).args.layer_use_rope == (True, True, True, False)
     g = load_model(tiny["granite"]).args
     assert (g.embed_scale, g.residual_scale, g.attn_scale, g.logits_divisor) == (4.0, 0.5, 0.2, 2.5)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_gguf_chat_template_renders_as_transformers_renders_it(tiny, arch, tmp_path):
+    """The template, BOS/EOS and special tokens come from the GGUF's metadata through transformers."""
+    from transformers import AutoTokenizer
+
+    from steadyserve.api.protocol import render_chat
+
+    path = Path(tiny[f"{arch}-gguf"])
+    loaded = load_model(str(path), max_model_len=512, cache_dir=str(tmp_path))
+    ref = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "The quick brown fox?"}]
+    want = ref(ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+               add_special_tokens=False)["input_ids"]
+    assert render_chat(loaded.tokenizer, messages) == list(want)
+    assert (loaded.tokenizer.bos_token_id, loaded.tokenizer.eos_token_id) == (ref.bos_token_id, ref.eos_token_id)
+    assert loaded.tokenizer.encode("The quick brown fox") == ref.encode("The quick brown fox")
+
+
+def test_an_unsupported_architecture_is_refused_with_its_name_and_the_supported_list():
+    from transformers import GPT2Config
+
+    cfg = GPT2Config(architectures=["GPT2LMHeadModel"])
+    with pytest.raises(ValueError, match=r"unsupported architecture \['GPT2LMHeadModel'\]; supported: ") as e:
+        registry.model_args(cfg)
+    assert all(name in str(e.value) for name in registry.ARCHITECTURES), str(e.value)
