@@ -8,7 +8,8 @@ gguf-py's writer (steadyserve.testing.tiny_gguf, llama.cpp's conventions: Gemma'
 sliding layers (window 16, shorter than the prompts) and one global layer, each type with its own
 RoPE base; the tiny Gemma 2 alternates local and global layers and soft-caps scores (2.0) and
 logits (3.0) hard enough to matter (its GGUF gets transformers' defaults, 50 and 30); the tiny Phi-3 has fused matrices and a window of 24 on every layer, and a second one
-LongRoPE (HF only: transformers reads no LongRoPE from a GGUF). OLMo 2, SmolLM3 and Granite are
+LongRoPE (HF only: transformers reads no LongRoPE from a GGUF); a Gemma 3 with linear RoPE scaling on
+its global layers only (as Gemma 3 4B and up) is HF only too, for the same reason. OLMo 2, SmolLM3 and Granite are
 HF directories only: transformers has no GGUF config map for them, so there is no GGUF reference
 (and steadyserve's GGUF loading takes its config from transformers). Then the engine invariance checks of test_engine_invariance (and the prefix cache's) run on them, each also
 against a TEST-ONLY drift that they must catch, and parity is shown to fail when a Gemma feature
@@ -37,7 +38,7 @@ from test_engine_invariance import (PROCESSORS, chunked_vs_whole, engine_for, ex
 from test_models_parity import check_parity, prompts_for
 
 ARCHS = ["gemma3", "gemma2", "qwen3", "phi3"]  # safetensors and GGUF
-HF_ONLY = ["phi3-longrope", "olmo2", "smollm3", "granite"]  # transformers reads none of these from a GGUF
+HF_ONLY = ["gemma3-linear", "phi3-longrope", "olmo2", "smollm3", "granite"]  # transformers reads none of these from a GGUF
 
 
 def hf_gguf_model(path: str):
@@ -138,7 +139,7 @@ def test_parity_fails_when_a_feature_is_dropped(tiny, broken, monkeypatch, tmp_p
 # ---- batch invariance: the engine checks of test_engine_invariance, on these blocks ---------------------------
 
 @pytest.fixture(scope="module", params=[f"{a}-{s}" for a in ARCHS for s in ("hf", "gguf")]
-                + [f"{a}-hf" for a in HF_ONLY if a != "phi3-longrope"])
+                + [f"{a}-hf" for a in HF_ONLY if a not in ("phi3-longrope", "gemma3-linear")])
 def bi_engine(request, tiny, tmp_path_factory):
     arch, source = request.param.rsplit("-", 1)
     path = tiny[arch] if source == "hf" else tiny[f"{arch}-gguf"]
@@ -198,6 +199,8 @@ def test_phi3_longrope_is_served_up_to_its_original_length(tiny):
 
 
 def test_tiny_variants_have_the_features_under_test(tiny):
+    lin = load_model(tiny["gemma3-linear"]).args.hf_config.rope_parameters
+    assert lin["full_attention"]["rope_type"] == "linear" and lin["sliding_attention"]["rope_type"] == "default"
     g2 = load_model(tiny["gemma2"]).args
     assert (g2.attn_softcap, g2.final_softcap, g2.layer_windows) == (2.0, 3.0, (16, 0, 16, 0))
     assert not g2.qk_norm and g2.sandwich_norm and g2.norm_offset == 1.0

@@ -49,7 +49,7 @@ def _tokenizer(vocab_size: int):
 def build_tiny_model(out_dir: str | Path, arch: str = "llama", size: str = "tiny", seed: int = 0,
                      max_position_embeddings: int = 512) -> Path:
     """Write a random model to out_dir and return it. arch: llama | qwen2 | mistral | llama3 | qwen3 | gemma3
-    | phi3 | phi3-longrope | olmo2 | smollm3 | granite | gemma2."""
+    | phi3 | phi3-longrope | olmo2 | smollm3 | granite | gemma2 | gemma3-linear."""
     import torch
     from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GraniteConfig, GraniteForCausalLM, LlamaConfig,
                               LlamaForCausalLM, MistralConfig, MistralForCausalLM, Olmo2Config, Olmo2ForCausalLM,
@@ -59,7 +59,7 @@ def build_tiny_model(out_dir: str | Path, arch: str = "llama", size: str = "tiny
     out = Path(out_dir)
     hidden, inter, layers, heads, kv_heads, vocab = SIZES[size]
     tokenizer = _tokenizer(vocab)
-    if arch in ("gemma2", "gemma3"):  # transformers' GemmaTokenizer adds a <mask> token where a vocabulary lacks one
+    if arch.startswith("gemma"):  # transformers' GemmaTokenizer adds a <mask> token where a vocabulary lacks one
         tokenizer.add_special_tokens({"mask_token": "<mask>"})
     vocab = max(vocab, len(tokenizer))
     common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
@@ -94,6 +94,11 @@ def build_tiny_model(out_dir: str | Path, arch: str = "llama", size: str = "tiny
             "rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(half)],
             "long_factor": [2.0 + 0.5 * i for i in range(half)]}, **common)
         cls = Phi3ForCausalLM
+    elif arch == "gemma3-linear":  # Gemma 3 4B and up: linear RoPE scaling (factor 8) on the global layers only
+        cfg = Gemma3TextConfig(tie_word_embeddings=True, head_dim=hidden // heads, sliding_window=16,
+                               query_pre_attn_scalar=24, rope_scaling={"rope_type": "linear", "factor": 8.0},
+                               **{**common, "num_hidden_layers": 6})
+        cls = Gemma3ForCausalLM
     elif arch == "gemma2":  # four layers, local and global alternating; caps small enough to bite here
         cfg = Gemma2Config(tie_word_embeddings=True, head_dim=hidden // heads, sliding_window=16,
                            query_pre_attn_scalar=24, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
@@ -118,7 +123,7 @@ def build_tiny_model(out_dir: str | Path, arch: str = "llama", size: str = "tiny
                 p.normal_(0.0, 0.08 if size == "tiny" else 0.04)
             elif "bias" in name:
                 p.normal_(0.0, 0.05)
-            elif arch in ("qwen3", "gemma2", "gemma3", "olmo2"):  # norm weights too: Gemma's (1 + w) must show
+            elif arch in ("qwen3", "gemma2", "gemma3", "gemma3-linear", "olmo2"):  # norm weights too: Gemma's (1 + w) must show
                 p.normal_(0.0 if arch.startswith("gemma") else 1.0, 0.2)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
