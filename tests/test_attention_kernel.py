@@ -66,6 +66,65 @@ def test_matches_float64_attention(window: int) -> None:
     assert err < 1e-5, f"max |native - float64 SDPA| = {err}"
 
 
+@pytest.mark.parametrize("fn", [attention_native, attention_invariant], ids=["native", "python"])
+@pytest.mark.parametrize("window", [24, 40])
+def test_a_window_only_masks_keys_in_the_same_reduction_order(fn, window: int) -> None:
+    """A sliding window (Gemma 3's local layers) changes which keys count, never the order of the sums.
+
+    Inside the window the output is bitwise the unwindowed one. Beyond it, the windowed output equals,
+    bitwise, the unwindowed output on a cache whose out-of-window keys score so low (k = -100 q) that
+    their exponentials are exact zeros: a masked key adds +0 to its lane and fma(0, v, a) = a. The
+    window starts mid-block and off the 16-lane grid (24), or on it (40)."""
+    k, v = paged_cache(8)
+    n = 70
+    tables = tables_for([n], 8)
+    seq_of, pos = prefill_batch([n])
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(n, HKV, 1, D, generator=g).expand(n, HKV, H // HKV, D).reshape(n, H, D).contiguous()
+    windowed, full = run(q, k, v, tables, seq_of, pos, window, fn), run(q, k, v, tables, seq_of, pos, 0, fn)
+    assert torch.equal(windowed[:window], full[:window])
+    assert not torch.equal(windowed[window:], full[window:])  # the window does bite beyond it
+    for p in (window, 47, 69):
+        k2 = k.clone()
+        for j in range(p - window + 1):  # every key the window excludes for position p
+            blk, off = int(tables[0, j // BS]), j % BS
+            k2[blk, :, :, off] = -100.0 * q[p].view(HKV, H // HKV, D)[:, 0]
+        one = (torch.tensor([0]), torch.tensor([p]))
+        assert torch.equal(run(q[p:p + 1], k, v, tables, *one, window, fn),
+                           run(q[p:p + 1], k2, v, tables, *one, 0, fn)), p
+        assert torch.equal(run(q[p:p + 1], k, v, tables, *one, window, fn), windowed[p:p + 1]), p  # decode == prefill
+
+
+@pytest.mark.parametrize("fn", [attention_native, attention_invariant], ids=["native", "python"])
+def test_soft_capped_scores_match_float64_and_keep_prefill_equal_to_decode(fn) -> None:
+    """Gemma 2's tanh(s / cap) * cap on the scaled scores; a cap of 3 bites on these scores."""
+    k, v = paged_cache(40)
+    lengths = [70, 33]
+    tables = tables_for(lengths, 40)
+    seq_of, pos = prefill_batch(lengths)
+    q = torch.randn(len(pos), H, D, generator=torch.Generator().manual_seed(2)) * 2
+    out = fn(q, k, v, tables, seq_of, pos, D ** -0.5, 24, 3.0)
+    ref = attention_plain(q.double(), k.double(), v.double(), tables, seq_of, pos, D ** -0.5, 24, 3.0)
+    uncapped = attention_plain(q.double(), k.double(), v.double(), tables, seq_of, pos, D ** -0.5, 24)
+    assert (ref - uncapped).abs().max() > 1e-2  # the cap changes the result
+    assert (out.double() - ref).abs().max() < 1e-5
+    for i in (0, 50, 69, 70, 102):  # each token alone (= decode) gives its bits from the whole batch
+        one = fn(q[i:i + 1], k, v, tables, seq_of[i:i + 1], pos[i:i + 1], D ** -0.5, 24, 3.0)
+        assert torch.equal(one, out[i:i + 1]), i
+
+
+def test_native_softcap_op_is_elementwise_and_close_to_tanh() -> None:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 1000, generator=g) * 50  # 1000 = 62 * 16 + 8: a tail
+    y = x.clone()
+    torch.ops.steadyserve.softcap_(y, 30.0)
+    assert (y - torch.tanh(x / 30.0) * 30.0).abs().max() < 1e-5 * 30
+    for rows in (slice(0, 1), slice(3, 8)):
+        part = x[rows].clone()
+        torch.ops.steadyserve.softcap_(part, 30.0)
+        assert torch.equal(part, y[rows])
+
+
 def test_token_alone_equals_token_in_any_batch_bitwise() -> None:
     """Prefill of everything at once vs each token alone (= decode) vs other batch mates and orders."""
     k, v = paged_cache(40)

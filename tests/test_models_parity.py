@@ -93,9 +93,10 @@ def until_near_tie(margins: list[float]) -> int:
 
 
 def check_parity(name: str, loaded: LoadedModel, hf_path: str, prompts: list[list[int]],
-                 selftest: bool = True) -> None:
+                 selftest: bool = True, ref=None) -> float:
+    """Assert parity with transformers (`ref`, default: hf_path loaded by it); return the max logprob diff."""
     engine = make_engine(loaded, selftest)
-    ref = hf_model(hf_path)
+    ref = ref if ref is not None else hf_model(hf_path)
     reqs = []
     for i, p in enumerate(prompts):
         reqs.append(Request(f"score{i}", p, SamplingParams(max_tokens=0, prompt_logprobs=0)))
@@ -126,6 +127,7 @@ def check_parity(name: str, loaded: LoadedModel, hf_path: str, prompts: list[lis
     print(f"\nPARITY {name}: max |logprob diff| {worst:.3g} over {len(prompts)} prompts; greedy tokens identical "
           f"for {compared} of {GREEDY} (cut at the first top-2 margin < {NEAR_TIE})")
     assert sum(compared) > 0, f"{name}: every prompt hit a near-tie at its first token; nothing was compared"
+    return worst
 
 
 ARCHS = ["llama", "qwen2", "llama3", "mistral"]

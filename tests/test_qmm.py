@@ -167,11 +167,11 @@ def test_formats_without_a_kernel_are_refused_by_name():
         OPS.qmatmul_(torch.zeros(1, 256), torch.zeros(4, 84, dtype=torch.uint8), 10, torch.empty(1, 4), 0, -1)
 
 
-@pytest.mark.parametrize("op", ["rms_norm", "silu_mul", "log_softmax"])
+@pytest.mark.parametrize("op", ["rms_norm", "silu_mul", "gelu_tanh_mul", "log_softmax"])
 def test_row_ops_are_row_and_build_invariant_and_match_pytorch(op):
     g = torch.Generator().manual_seed(8)
     width = 200 if op == "log_softmax" else 96  # log-softmax takes any width: a tail of 8
-    x = torch.randn(70, width * (2 if op == "silu_mul" else 1), generator=g) * 3
+    x = torch.randn(70, width * (2 if op.endswith("_mul") else 1), generator=g) * 3
     w = torch.randn(width, generator=g)
 
     def run(rows: torch.Tensor, isa: int = -1) -> torch.Tensor:
@@ -179,6 +179,8 @@ def test_row_ops_are_row_and_build_invariant_and_match_pytorch(op):
             return OPS.qrms_norm(rows.contiguous(), w, 1e-5, isa)
         if op == "silu_mul":
             return OPS.qsilu_mul(rows.contiguous(), isa)
+        if op == "gelu_tanh_mul":
+            return OPS.qgelu_tanh_mul(rows.contiguous(), isa)
         return OPS.qlog_softmax(rows.contiguous(), isa)
 
     full = run(x)
@@ -190,6 +192,8 @@ def test_row_ops_are_row_and_build_invariant_and_match_pytorch(op):
         ref = torch.nn.functional.rms_norm(x, (width,), w, 1e-5)
     elif op == "silu_mul":
         ref = torch.nn.functional.silu(x[:, :width]) * x[:, width:]
+    elif op == "gelu_tanh_mul":  # Gemma's MLP: transformers' gelu_pytorch_tanh
+        ref = torch.nn.functional.gelu(x[:, :width], approximate="tanh") * x[:, width:]
     else:
         ref = torch.log_softmax(x, dim=-1)
     assert torch.allclose(full, ref, rtol=1e-5, atol=1e-5), (full - ref).abs().max()

@@ -17,6 +17,15 @@ them. Every block is in exactly one state:
   * cached: ref_count == 0, still holds a hashed prefix, reclaimable;
   * free:   ref_count == 0, no hash.
 
+Sliding windows. When every layer of the model has one (Mistral v0.1, Phi-3-mini), a
+block all of whose slots lie before the lowest key any later query can attend to
+(position - window + 1, for the largest window) is released at once, as a
+finished sequence's blocks are: it becomes free, or cached if it holds a hashed
+prefix, and admission counts it free. Its block-table entry becomes RELEASED;
+the model runner reads that as block 0, which the attention kernels never touch
+for it (the native one starts at the window; the Python one masks it). With a
+global layer anywhere (Gemma 2 and 3), nothing is ever out of every window.
+
 Cached and free blocks are both in the free queue, which is in eviction order:
 free blocks first, then cached ones, least recently released first.
 Allocation takes the head and forgets its hash, so the cache lives inside the
@@ -33,13 +42,19 @@ from collections import OrderedDict
 from .sequence import Sequence
 
 
+RELEASED = -1  # a block-table entry whose block was released out of the window
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True, root: str = "") -> None:
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True, root: str = "",
+                 window: int = 0) -> None:
+        """`window`: the largest sliding window when every layer has one, else 0 (blocks stay held)."""
         if num_blocks < 1:
             raise ValueError("the KV cache has no blocks: raise --kv-cache-memory")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.prefix_caching = prefix_caching
+        self.window = window
         self._root = hashlib.sha256(f"steadyserve-prefix:{root}".encode()).digest()  # the chain's start
         self._ref = [0] * num_blocks  # sequences holding each block
         self._hash: list[bytes | None] = [None] * num_blocks  # prefix hash a block holds, if any
@@ -154,13 +169,30 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Release seq's blocks, last first: unhashed ones become free, hashed ones cached."""
         for block_id in reversed(seq.block_table):
-            self._ref[block_id] -= 1
-            assert self._ref[block_id] >= 0, block_id
-            if self._ref[block_id] == 0:
-                self._free[block_id] = None
-                if self._hash[block_id] is None:
-                    self._free.move_to_end(block_id, last=False)  # used before any cached block is evicted
+            if block_id != RELEASED:
+                self._release(block_id)
         seq.block_table = []
+
+    def release_out_of_window(self, seq: Sequence) -> int:
+        """Release the blocks no later query of seq can attend to (see the module docstring); how many."""
+        if not self.window:
+            return 0
+        dead = max(0, seq.num_computed_tokens - self.window + 1) // self.block_size  # blocks [0, dead)
+        released = 0
+        for i in range(min(dead, len(seq.block_table))):
+            if seq.block_table[i] != RELEASED:
+                self._release(seq.block_table[i])
+                seq.block_table[i] = RELEASED
+                released += 1
+        return released
+
+    def _release(self, block_id: int) -> None:
+        self._ref[block_id] -= 1
+        assert self._ref[block_id] >= 0, block_id
+        if self._ref[block_id] == 0:
+            self._free[block_id] = None
+            if self._hash[block_id] is None:
+                self._free.move_to_end(block_id, last=False)  # used before any cached block is evicted
 
     def _take(self, block_id: int) -> None:
         if self._ref[block_id] == 0:

@@ -74,7 +74,10 @@ class LLMEngine:
         self.kv = allocate_kv_cache(loaded.args, cfg.kv_cache_memory, cfg.block_size, loaded.dtype, loaded.device)
         # The prefix cache's hashes start from what determines a block's contents besides its tokens.
         root = f"{loaded.weights_hash}-{loaded.dtype}-{loaded.model.kernel_id}-{cfg.batch_invariant}"
-        self.block_manager = BlockManager(self.kv.num_blocks, cfg.block_size, cfg.prefix_caching, root)
+        # Blocks leave every layer's window only when every layer has one (block_manager.py).
+        windows = [loaded.args.window(i) for i in range(loaded.args.num_layers)]
+        window = max(windows) if all(windows) else 0
+        self.block_manager = BlockManager(self.kv.num_blocks, cfg.block_size, cfg.prefix_caching, root, window)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.runner = ModelRunner(loaded.model, self.kv)
         self.eos_token_ids = _eos_ids(loaded)
@@ -197,9 +200,11 @@ class LLMEngine:
                                 error=f"{type(e).__name__}: {e}", num_batch_seqs=num_batch_seqs)
 
     def _count(self, seq: Sequence, num_new_tokens: int) -> None:
-        """The tokens just computed, and the full blocks they complete, published to the prefix cache."""
+        """The tokens just computed, the full blocks they complete published to the prefix cache, and the
+        blocks they leave behind every layer's window released."""
         seq.num_computed_tokens += num_new_tokens
         self.block_manager.cache_full_blocks(seq, num_new_tokens)
+        self.block_manager.release_out_of_window(seq)
 
     def _sample(self, seq: Sequence, result: SeqResult) -> int:
         st: _SeqState = seq.state

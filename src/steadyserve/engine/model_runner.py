@@ -63,7 +63,8 @@ class ModelRunner:
             ids.extend(seq.token_ids[start:start + n])
             positions.extend(range(start, start + n))
             seq_of.extend([i] * n)
-            tables.append(seq.block_table + [0] * (max_blocks - len(seq.block_table)))
+            # a block released out of the window (RELEASED, -1) is read as block 0: no kernel attends to it
+            tables.append([max(b, 0) for b in seq.block_table] + [0] * (max_blocks - len(seq.block_table)))
             spans.append((row0, n, start))
         dev = self.device
         pos = torch.tensor(positions, dtype=torch.int64)

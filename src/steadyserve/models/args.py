@@ -26,11 +26,42 @@ class ModelArgs:
     mlp_bias: bool = False
     sliding_window: int = 0  # Mistral v0.1: keys older than this are not attended; 0 = none
     hf_config: Any = field(default=None, compare=False, repr=False)  # kept for RoPE init
+    # The block variants below run in extended.py (Gemma 3, Qwen3); their defaults are the Llama block,
+    # which transformer.py runs unchanged.
+    qk_norm: bool = False  # an RMSNorm over each q and each k head, before RoPE
+    norm_offset: float = 0.0  # every norm scales by (norm_offset + w): Gemma's (1 + w)
+    sandwich_norm: bool = False  # Gemma: norms on the attention and MLP outputs too, before each residual add
+    hidden_act: str = "silu"  # the gated MLP's activation: "silu" or "gelu_tanh"
+    embed_scale: float = 1.0  # the embedding rows are multiplied by this (Gemma: sqrt(hidden))
+    attn_scale: float = 0.0  # attention score scale; 0 means head_dim ** -0.5
+    layer_windows: tuple[int, ...] = ()  # per layer: its sliding window, 0 = global; () = sliding_window for all
+    layer_rope: tuple[str, ...] = ()  # per layer: its key in rope_parameters (Gemma 3's layer types); () = one RoPE
+    fused_weights: bool = False  # Phi-3: q|k|v and gate|up stored as one matrix each (qkv_proj, gate_up_proj)
+    pre_norm: bool = True  # norms before attention and MLP; OLMo 2 has only the ones after (sandwich_norm)
+    qk_norm_per_head: bool = True  # q/k norm per head (Qwen3, Gemma 3), or over all heads at once (OLMo 2)
+    layer_use_rope: tuple[bool, ...] = ()  # per layer: whether it rotates q and k (SmolLM3: not every 4th); () = all
+    residual_scale: float = 1.0  # Granite: each block's output is multiplied by this before its residual add
+    logits_divisor: float = 1.0  # Granite: logits are divided by this before the log-softmax
+    attn_softcap: float = 0.0  # Gemma 2: scaled scores become tanh(s / cap) * cap; 0 = none
+    final_softcap: float = 0.0  # Gemma 2: logits become tanh(l / cap) * cap; 0 = none
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_attention_heads ({self.num_heads}) is not a multiple of "
                              f"num_key_value_heads ({self.num_kv_heads})")
+
+    @property
+    def extended(self) -> bool:
+        """Whether the block differs from Llama's, so extended.py must run it."""
+        return (self.qk_norm or self.norm_offset != 0.0 or self.sandwich_norm or self.hidden_act != "silu"
+                or self.embed_scale != 1.0 or self.attn_scale != 0.0 or bool(self.layer_windows)
+                or bool(self.layer_rope) or self.fused_weights or not self.pre_norm or not self.qk_norm_per_head
+                or bool(self.layer_use_rope) or self.residual_scale != 1.0 or self.logits_divisor != 1.0
+                or self.attn_softcap != 0.0 or self.final_softcap != 0.0)
+
+    def window(self, layer: int) -> int:
+        """The sliding window of `layer`, 0 for a global layer."""
+        return self.layer_windows[layer] if self.layer_windows else self.sliding_window
 
     @property
     def num_params(self) -> int:
@@ -43,14 +74,20 @@ class ModelArgs:
         return self.num_layers * per_layer + emb + h
 
 
-def rope_tables(args: ModelArgs, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(args: ModelArgs, max_len: int, layer_type: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables (max_len, head_dim) in float32, as transformers computes them.
 
     A table lookup by absolute position makes RoPE independent of how tokens are
-    batched: the same position always reads the same row.
+    batched: the same position always reads the same row. Models whose RoPE differs
+    per layer type (Gemma 3: local and global bases) keep one rope_parameters entry
+    per type; `layer_type` picks one (default: layer 0's).
     """
     cfg = args.hf_config
+    if layer_type is None and args.layer_rope:
+        layer_type = args.layer_rope[0]
     params = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
+    if layer_type is not None:
+        params = dict(params[layer_type])
     rope_type = params.get("rope_type", params.get("type", "default"))
     scaling = 1.0
     if rope_type == "default":
@@ -62,7 +99,8 @@ def rope_tables(args: ModelArgs, max_len: int) -> tuple[torch.Tensor, torch.Tens
 
         if rope_type not in ROPE_INIT_FUNCTIONS:
             raise ValueError(f"unsupported rope_type {rope_type!r}")
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, torch.device("cpu"))
+        extra = {"layer_type": layer_type} if layer_type is not None else {}
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, torch.device("cpu"), **extra)
         inv_freq = inv_freq.float()
     pos = torch.arange(max_len, dtype=torch.float32)
     freqs = pos[:, None] * inv_freq[None, :]  # (L, D/2)

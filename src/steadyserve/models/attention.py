@@ -14,7 +14,8 @@
 
 All take q: (T, H, D); k_cache: (NB, Hkv, D, Bs); v_cache: (NB, Hkv, Bs, D);
 block_tables: (S, NBmax) int64, one row per sequence; seq_of: (T,) int64,
-each token's row in block_tables; positions: (T,) int64. They return (T, H, D).
+each token's row in block_tables; positions: (T,) int64; softcap > 0: Gemma 2's soft-capping of the
+scaled scores, tanh(s / cap) * cap (0: none). They return (T, H, D).
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float,
-                        int], torch.Tensor]
+# (q, k_cache, v_cache, block_tables, seq_of, positions, scale, window[, softcap]) -> (T, H, D)
+AttentionFn = Callable[..., torch.Tensor]
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -40,7 +41,8 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 
 def attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     seq_of: torch.Tensor, positions: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+                     seq_of: torch.Tensor, positions: torch.Tensor, scale: float, window: int = 0,
+                     softcap: float = 0.0) -> torch.Tensor:
     """The C++ kernel (kernels/csrc/paged_attention.cpp): reads the paged cache in place.
 
     q: (T, H, D); block_tables: (S, NBmax), one row per sequence (padded with
@@ -49,14 +51,18 @@ def attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     fixed by construction and documented in the source.
     """
     out = torch.empty_like(q)
-    torch.ops.steadyserve.paged_attention(q.contiguous(), k_cache, v_cache, block_tables, seq_of, positions, out,
-                                          scale, window)
+    if softcap:
+        torch.ops.steadyserve.paged_attention(q.contiguous(), k_cache, v_cache, block_tables, seq_of, positions, out,
+                                              scale, window, softcap)
+    else:  # the call as it always was
+        torch.ops.steadyserve.paged_attention(q.contiguous(), k_cache, v_cache, block_tables, seq_of, positions, out,
+                                              scale, window)
     return out
 
 
 def attention_invariant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                         seq_of: torch.Tensor, positions: torch.Tensor, scale: float,
-                        window: int = 0) -> torch.Tensor:
+                        window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Causal attention of each token over its own sequence's cached keys (Python fallback).
 
     Same arguments as attention_native. Returns (T, H, D).
@@ -84,6 +90,8 @@ def attention_invariant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         if window:
             masked |= key_pos[None, :] <= positions[:, None] - window
         s = torch.bmm(qg, kb).view(t, hkv * rep, bs)
+        if softcap:  # elementwise on a (T, H, Bs) tensor: Bs % 16 == 0 keeps every row in PyTorch's vector loop
+            s = torch.tanh(s / softcap) * softcap
         s = s.masked_fill(masked[:, None, :], float("-inf")).view(t * hkv, rep, bs)
         m_new = torch.maximum(m, s.amax(-1, keepdim=True))
         # A row whose keys are all masked so far (only possible with a window)
@@ -98,7 +106,8 @@ def attention_invariant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 
 def attention_plain(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                    seq_of: torch.Tensor, positions: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+                    seq_of: torch.Tensor, positions: torch.Tensor, scale: float, window: int = 0,
+                    softcap: float = 0.0) -> torch.Tensor:
     """The usual way: gather each token's keys, one padded SDPA call. Not batch-invariant."""
     t, h, d = q.shape
     nb, hkv, _, bs = k_cache.shape
@@ -110,6 +119,11 @@ def attention_plain(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     allowed = key_pos[None, :] <= positions[:, None]
     if window:
         allowed &= key_pos[None, :] > positions[:, None] - window
+    if softcap:  # SDPA has no soft-capping: the scores by hand
+        qg = q.view(t, hkv, h // hkv, d)
+        s = torch.einsum("tgrd,tgkd->tgrk", qg, keys) * scale
+        s = (torch.tanh(s / softcap) * softcap).masked_fill(~allowed[:, None, None, :], float("-inf"))
+        return torch.einsum("tgrk,tgkd->tgrd", torch.softmax(s, dim=-1), values).reshape(t, h, d)
     out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=allowed[:, None, None, :],
                                          scale=scale, enable_gqa=True)
     return out.view(t, h, d)

@@ -27,19 +27,38 @@ _LAYER_NAMES = {
     "attn_output": "self_attn.o_proj",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+_QK_NORM_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+# Per GGUF architecture, where its names differ from or add to Llama's (gguf-py's TensorNameMap;
+# tests/test_gemma3_real.py checks these against it). Gemma's ffn_norm is the MLP's input norm, like
+# Llama's, but transformers names it pre_feedforward_layernorm, since post_attention_layernorm
+# is Gemma's norm on the attention output.
+_ARCH_LAYER_NAMES = {
+    "qwen3": {**_LAYER_NAMES, **_QK_NORM_NAMES},
+    "phi3": {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},  # fused
+    "gemma2": {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
+               "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
+    "gemma3": {**_LAYER_NAMES, **_QK_NORM_NAMES, "post_attention_norm": "post_attention_layernorm",
+               "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
+}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_SKIPPED = {"rope_freqs"}  # RoPE tables: computed from the config (args.rope_tables)
+# RoPE tables: computed from the config (args.rope_tables); Phi-3's LongRoPE factors are in it too
+_SKIPPED = {"rope_freqs", "rope_factors_long", "rope_factors_short"}
 _PERMUTED_ARCHS = {"llama"}  # whose converter interleaves q/k rows (llama.cpp's convert_hf_to_gguf)
+# llama.cpp's converter stores Gemma's RMSNorm weights as 1 + w (they scale by (1 + w)); transformers'
+# GGUF loader subtracts the 1 again (Gemma2TensorProcessor: `weights - 1` on every "norm.weight").
+# That float32 round trip is what the reference computes with, so it is done here the same way.
+_NORM_SHIFTED_ARCHS = {"gemma2", "gemma3"}
 
 
-def hf_name(name: str) -> str | None:
-    """The Hugging Face name of GGUF tensor `name`; None for tensors the model does not use."""
+def hf_name(name: str, arch: str = "llama") -> str | None:
+    """The Hugging Face name of GGUF tensor `name` in a file of `arch`; None for tensors the model does not use."""
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
     if m:
         layer, base, kind = m.groups()
-        if base not in _LAYER_NAMES:
+        names = _ARCH_LAYER_NAMES.get(arch, _LAYER_NAMES)
+        if base not in names:
             raise UnsupportedFormat(f"{name}: tensor {base!r} is not part of a supported architecture")
-        return f"model.layers.{layer}.{_LAYER_NAMES[base]}.{kind}"
+        return f"model.layers.{layer}.{names[base]}.{kind}"
     base, _, kind = name.rpartition(".")
     if base in _SKIPPED:
         return None
@@ -68,7 +87,7 @@ def read_tensors(path: Path, num_heads: int, num_kv_heads: int) -> tuple[dict[st
     arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
     out: dict[str, QWeight | torch.Tensor] = {}
     for t in reader.tensors:
-        name = hf_name(t.name)
+        name = hf_name(t.name, arch)
         if name is None:
             continue
         fmt = int(t.tensor_type)
@@ -77,6 +96,8 @@ def read_tensors(path: Path, num_heads: int, num_kv_heads: int) -> tuple[dict[st
             if fmt != 0:
                 raise UnsupportedFormat(f"{t.name}: 1-D tensors must be F32, not {t.tensor_type.name}")
             out[name] = torch.from_numpy(np.array(t.data, dtype=np.float32).reshape(-1))
+            if arch in _NORM_SHIFTED_ARCHS and t.name.endswith("norm.weight"):
+                out[name] = out[name] - 1.0  # float32, as transformers' loader (see _NORM_SHIFTED_ARCHS)
             continue
         if fmt not in FORMATS:
             raise UnsupportedFormat(f"{t.name}: GGUF type {t.tensor_type.name} has no native kernel "

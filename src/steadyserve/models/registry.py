@@ -9,16 +9,36 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from .args import ModelArgs
+from .extended import ExtendedTransformer
+from .gemma3 import gemma2_args, gemma3_args
+from .granite import granite_args
 from .llama import llama_args
 from .mistral import mistral_args
+from .olmo2 import olmo2_args
+from .phi3 import phi3_args
 from .qwen2 import qwen2_args
+from .qwen3 import qwen3_args
+from .smollm3 import smollm3_args
+from .transformer import Transformer
 
 ArgsFromConfig = Callable[[Any], ModelArgs]
 ARCHITECTURES: dict[str, ArgsFromConfig] = {
     "LlamaForCausalLM": llama_args,
     "MistralForCausalLM": mistral_args,
     "Qwen2ForCausalLM": qwen2_args,
+    "Qwen3ForCausalLM": qwen3_args,
+    "Gemma2ForCausalLM": gemma2_args,
+    "Gemma3ForCausalLM": gemma3_args,
+    "Phi3ForCausalLM": phi3_args,
+    "Olmo2ForCausalLM": olmo2_args,
+    "SmolLM3ForCausalLM": smollm3_args,
+    "GraniteForCausalLM": granite_args,
 }
+
+
+def model_class(args: ModelArgs) -> type[Transformer]:
+    """The class that runs `args`' block: the Llama one unchanged, or extended.py's variants."""
+    return ExtendedTransformer if args.extended else Transformer
 
 
 def supported() -> list[str]:

@@ -48,15 +48,20 @@ def _tokenizer(vocab_size: int, chat_template: str | None = None):
 
 def build_tiny_model(out_dir: str | Path, arch: str = "llama", size: str = "tiny", seed: int = 0,
                      max_position_embeddings: int = 512, chat_template: str | None = None) -> Path:
-    """Write a random model to out_dir and return it. arch: llama | qwen2 | mistral | llama3.
+    """Write a random model to out_dir and return it. arch: llama | qwen2 | mistral | llama3 | qwen3 | gemma3
+    | phi3 | phi3-longrope | olmo2 | smollm3 | granite | gemma2 | gemma3-linear.
     `chat_template`: another template than the ChatML default (tests of templates that know tools)."""
     import torch
-    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM)
+    from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GraniteConfig, GraniteForCausalLM, LlamaConfig,
+                              LlamaForCausalLM, MistralConfig, MistralForCausalLM, Olmo2Config, Olmo2ForCausalLM,
+                              Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM, SmolLM3Config, SmolLM3ForCausalLM)
 
     out = Path(out_dir)
     hidden, inter, layers, heads, kv_heads, vocab = SIZES[size]
     tokenizer = _tokenizer(vocab, chat_template)
+    if arch.startswith("gemma"):  # transformers' GemmaTokenizer adds a <mask> token where a vocabulary lacks one
+        tokenizer.add_special_tokens({"mask_token": "<mask>"})
     vocab = max(vocab, len(tokenizer))
     common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
                   num_attention_heads=heads, num_key_value_heads=kv_heads,
@@ -74,6 +79,41 @@ def build_tiny_model(out_dir: str | Path, arch: str = "llama", size: str = "tiny
         cfg, cls = Qwen2Config(tie_word_embeddings=False, **common), Qwen2ForCausalLM
     elif arch == "mistral":
         cfg, cls = MistralConfig(tie_word_embeddings=False, sliding_window=None, **common), MistralForCausalLM
+    elif arch == "qwen3":  # q/k norm; head_dim 128, the Qwen3Config default a GGUF falls back on
+        cfg = Qwen3Config(tie_word_embeddings=False, head_dim=128, **{**common, "num_attention_heads": 2,
+                                                                        "num_key_value_heads": 1})
+        cls = Qwen3ForCausalLM
+    elif arch == "gemma3":  # six layers: five sliding (window 16) and one global, as sliding_window_pattern=6 says
+        cfg = Gemma3TextConfig(tie_word_embeddings=True, head_dim=hidden // heads, sliding_window=16,
+                               query_pre_attn_scalar=24, **{**common, "num_hidden_layers": 6})
+        cls = Gemma3ForCausalLM
+    elif arch == "phi3":  # fused q|k|v and gate|up, a sliding window on every layer
+        cfg, cls = Phi3Config(tie_word_embeddings=False, sliding_window=24, **common), Phi3ForCausalLM
+    elif arch == "phi3-longrope":  # LongRoPE; served up to original_max_position_embeddings (models/phi3.py)
+        half = hidden // heads // 2
+        cfg = Phi3Config(tie_word_embeddings=False, original_max_position_embeddings=128, rope_scaling={
+            "rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(half)],
+            "long_factor": [2.0 + 0.5 * i for i in range(half)]}, **common)
+        cls = Phi3ForCausalLM
+    elif arch == "gemma3-linear":  # Gemma 3 4B and up: linear RoPE scaling (factor 8) on the global layers only
+        cfg = Gemma3TextConfig(tie_word_embeddings=True, head_dim=hidden // heads, sliding_window=16,
+                               query_pre_attn_scalar=24, rope_scaling={"rope_type": "linear", "factor": 8.0},
+                               **{**common, "num_hidden_layers": 6})
+        cls = Gemma3ForCausalLM
+    elif arch == "gemma2":  # four layers, local and global alternating; caps small enough to bite here
+        cfg = Gemma2Config(tie_word_embeddings=True, head_dim=hidden // heads, sliding_window=16,
+                           query_pre_attn_scalar=24, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+                           **{**common, "num_hidden_layers": 4})
+        cls = Gemma2ForCausalLM
+    elif arch == "olmo2":  # norms after attention and MLP only; q/k norm over all heads
+        cfg, cls = Olmo2Config(tie_word_embeddings=False, **common), Olmo2ForCausalLM
+    elif arch == "smollm3":  # four layers: the fourth skips RoPE (no_rope_layer_interval=4)
+        cfg = SmolLM3Config(tie_word_embeddings=True, **{**common, "num_hidden_layers": 4})
+        cls = SmolLM3ForCausalLM
+    elif arch == "granite":  # the four multipliers, none of them 1
+        cfg = GraniteConfig(tie_word_embeddings=True, embedding_multiplier=4.0, residual_multiplier=0.5,
+                            attention_multiplier=0.2, logits_scaling=2.5, **common)
+        cls = GraniteForCausalLM
     else:
         raise ValueError(f"unknown arch {arch!r}")
     torch.manual_seed(seed)
@@ -84,6 +124,8 @@ def build_tiny_model(out_dir: str | Path, arch: str = "llama", size: str = "tiny
                 p.normal_(0.0, 0.08 if size == "tiny" else 0.04)
             elif "bias" in name:
                 p.normal_(0.0, 0.05)
+            elif arch in ("qwen3", "gemma2", "gemma3", "gemma3-linear", "olmo2"):  # norm weights too: Gemma's (1 + w) must show
+                p.normal_(0.0 if arch.startswith("gemma") else 1.0, 0.2)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return out

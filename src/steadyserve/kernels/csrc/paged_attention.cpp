@@ -7,7 +7,8 @@
 // The reduction order, for the token at absolute position p and one query head:
 //   1. score[j] = s_D * scale, where s_0 = 0 and s_{d+1} = fma(q[d], k_j[d], s_d) (one
 //      rounding per step, d ascending), for every key j in [first, p], where first = 0,
-//      or p - window + 1 with a sliding window.
+//      or p - window + 1 with a sliding window. With soft-capping (Gemma 2), score[j] =
+//      softcap(score[j]) = tanh(score[j] / cap) * cap, tanh from exp_det16 (softcap16).
 //   2. m = max_j score[j]   (exact in any order).
 //   3. e[j] = exp_det16(score[j] - m), a polynomial exp made of IEEE mul/add only.
 //   4. l = sum_j e[j] over 16 lanes: lane i sums the keys with j % 16 == i in
@@ -73,6 +74,21 @@ STEADY_INLINE void exp_det16(float* x, float m) {
   std::memcpy(x, &e, sizeof e);
 }
 
+// x[i] = tanh(x[i] / cap) * cap for 16 lanes (Gemma 2's soft-capping), from IEEE operations only:
+// tanh|t| = (1 - e) / (1 + e) with e = exp(-2|t|) <= 1, the sign restored exactly. Elementwise.
+STEADY_INLINE void softcap16(float* x, float cap) {
+  float t[kLanes], e[kLanes];
+  for (int l = 0; l < kLanes; ++l) {
+    t[l] = x[l] / cap;
+    e[l] = -2.0f * std::fabs(t[l]);
+  }
+  exp_det16(e, 0.0f);
+  for (int l = 0; l < kLanes; ++l) {
+    const float th = (1.0f - e[l]) / (1.0f + e[l]);
+    x[l] = (t[l] < 0.0f ? -th : th) * cap;
+  }
+}
+
 struct Problem {
   const float* q;        // (T, H, D)
   const float* k;        // (NB, Hkv, D, Bs)
@@ -84,6 +100,7 @@ struct Problem {
   int64_t h, hkv, d, bs, nb_max;
   float scale;
   int64_t window;
+  float softcap;  // 0: none
 };
 
 // Scores of N consecutive keys of one block (N a multiple of 16) for G query heads:
@@ -91,7 +108,7 @@ struct Problem {
 // keys outside [first, p]. More keys per pass only means more independent chains.
 template <int G, int N>
 STEADY_INLINE void score_keys(const float* qg, const float* kb, int64_t D, int64_t Bs, int64_t key0, int64_t first,
-                       int64_t p, float scale, float* out, int64_t stride) {
+                       int64_t p, float scale, float softcap, float* out, int64_t stride) {
   float s[G][N] = {};
   for (int64_t dd = 0; dd < D; ++dd) {
     const float* kr = kb + dd * Bs;
@@ -101,6 +118,17 @@ STEADY_INLINE void score_keys(const float* qg, const float* kb, int64_t D, int64
     }
   }
   const float neg_inf = -std::numeric_limits<float>::infinity();
+  if (softcap > 0.0f) {
+    for (int r = 0; r < G; ++r) {
+      for (int l = 0; l < N; ++l) s[r][l] = s[r][l] * scale;
+      for (int c = 0; c < N; c += kLanes) softcap16(&s[r][c], softcap);
+      for (int l = 0; l < N; ++l) {
+        const int64_t j = key0 + l;
+        out[r * stride + l] = (j >= first && j <= p) ? s[r][l] : neg_inf;
+      }
+    }
+    return;
+  }
   for (int r = 0; r < G; ++r)
     for (int l = 0; l < N; ++l) {
       const int64_t j = key0 + l;
@@ -128,10 +156,10 @@ void attend_one(const Problem& P, int64_t t, int64_t g, float* scores, int64_t s
     if (off == Bs) off = 0, ++blk;
     const float* kb = P.k + ((table[blk] * P.hkv + g) * D) * Bs + off;  // row d at kb + d * Bs
     if (W && off + 2 * kLanes <= Bs && c + kLanes <= p) {
-      score_keys<G, 2 * kLanes>(qg, kb, D, Bs, c, first, p, P.scale, scores + (c - c0), stride);
+      score_keys<G, 2 * kLanes>(qg, kb, D, Bs, c, first, p, P.scale, P.softcap, scores + (c - c0), stride);
       c += 2 * kLanes, off += 2 * kLanes;
     } else {
-      score_keys<G, kLanes>(qg, kb, D, Bs, c, first, p, P.scale, scores + (c - c0), stride);
+      score_keys<G, kLanes>(qg, kb, D, Bs, c, first, p, P.scale, P.softcap, scores + (c - c0), stride);
       c += kLanes, off += kLanes;
     }
   }
@@ -205,7 +233,7 @@ AttendFn attend_for_shape(int64_t group, int64_t bs, int64_t d) {
 
 void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_of, const at::Tensor& positions,
-                     at::Tensor& out, double scale, int64_t window) {
+                     at::Tensor& out, double scale, int64_t window, double softcap) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
               v_cache.scalar_type() == at::kFloat, "paged_attention: float32 only");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_of.scalar_type() == at::kLong &&
@@ -237,6 +265,7 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   P.out = out.data_ptr<float>();
   P.scale = static_cast<float>(scale);
   P.window = window;
+  P.softcap = static_cast<float>(softcap);
   const int64_t group = P.h / P.hkv;
   const AttendFn attend = attend_for_shape(group, P.bs, P.d);
   // Units (token, kv head) are dealt round-robin, not in contiguous ranges: in a causal
@@ -258,12 +287,38 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   });
 }
 
+// x = tanh(x / cap) * cap in place (Gemma 2's final-logit soft-capping), with softcap16: the same
+// bits for an element wherever it sits, so a row's bits do not depend on the rows around it.
+STEADY_CLONES
+void softcap_rows(float* x, int64_t n, float cap) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) softcap16(x + i, cap);
+  if (i < n) {
+    float tail[kLanes] = {};
+    std::memcpy(tail, x + i, sizeof(float) * (n - i));
+    softcap16(tail, cap);
+    std::memcpy(x + i, tail, sizeof(float) * (n - i));
+  }
+}
+
+void softcap_(at::Tensor& x, double cap) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "softcap_: x must be contiguous (T, V) float32");
+  TORCH_CHECK(cap > 0, "softcap_: cap must be positive");
+  const int64_t T = x.size(0), V = x.size(1);
+  float* xp = x.data_ptr<float>();
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) softcap_rows(xp + t * V, V, static_cast<float>(cap));
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(steadyserve, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_of, "
-        "Tensor positions, Tensor(a!) out, float scale, int window) -> ()");
+        "Tensor positions, Tensor(a!) out, float scale, int window, float softcap=0.0) -> ()");
   m.impl("paged_attention", c10::DispatchKey::CPU, TORCH_FN(paged_attention));
+  m.def("softcap_(Tensor(a!) x, float cap) -> ()");
+  m.impl("softcap_", c10::DispatchKey::CPU, TORCH_FN(softcap_));
 }
 
 namespace steady_ops {  // ops.h

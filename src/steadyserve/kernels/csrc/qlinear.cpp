@@ -2,7 +2,7 @@
 //
 //   qmatmul_(x, w, fmt, y, col0, isa)   y[:, col0 : col0 + N] = x · Wᵀ
 //   qdequant(w, fmt, K, rows, isa)      the fp32 values of the given weight rows (embedding lookups, tests)
-//   qrms_norm(x, weight, eps, isa), qsilu_mul(gate_up, isa), qlog_softmax(x, isa)
+//   qrms_norm(x, weight, eps, isa), qsilu_mul(gate_up, isa), qgelu_tanh_mul(gate_up, isa), qlog_softmax(x, isa)
 //   qlog_softmax_(x, isa)               the same, in place: each output element is written after its row's
 //                                       max and sum were read, from the input element at the same index
 //
@@ -61,11 +61,12 @@ struct Build {
   decltype(&scalar::rms_norm) rms_norm;
   decltype(&scalar::silu_mul) silu_mul;
   decltype(&scalar::log_softmax) log_softmax;
+  decltype(&scalar::gelu_tanh_mul) gelu_tanh_mul;
 };
 const Build kBuilds[3] = {
-    {scalar::matmul, scalar::dequant_rows, scalar::rms_norm, scalar::silu_mul, scalar::log_softmax},
-    {avx2::matmul, avx2::dequant_rows, avx2::rms_norm, avx2::silu_mul, avx2::log_softmax},
-    {avx512::matmul, avx512::dequant_rows, avx512::rms_norm, avx512::silu_mul, avx512::log_softmax},
+    {scalar::matmul, scalar::dequant_rows, scalar::rms_norm, scalar::silu_mul, scalar::log_softmax, scalar::gelu_tanh_mul},
+    {avx2::matmul, avx2::dequant_rows, avx2::rms_norm, avx2::silu_mul, avx2::log_softmax, avx2::gelu_tanh_mul},
+    {avx512::matmul, avx512::dequant_rows, avx512::rms_norm, avx512::silu_mul, avx512::log_softmax, avx512::gelu_tanh_mul},
 };
 
 // Output columns per task: a multiple of every build's panel width, so a task boundary never
@@ -134,20 +135,24 @@ at::Tensor qrms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, 
   return y;
 }
 
-at::Tensor qsilu_mul(const at::Tensor& gate_up, int64_t isa) {
+at::Tensor gated_act(const at::Tensor& gate_up, int64_t isa, bool gelu) {
+  const char* name = gelu ? "qgelu_tanh_mul" : "qsilu_mul";
   TORCH_CHECK(gate_up.scalar_type() == at::kFloat && gate_up.dim() == 2 && gate_up.is_contiguous(),
-              "qsilu_mul: gate_up must be contiguous (T, 2 * I) float32");
+              name, ": gate_up must be contiguous (T, 2 * I) float32");
   const int64_t T = gate_up.size(0), I2 = gate_up.size(1);
-  TORCH_CHECK(I2 % 32 == 0, "qsilu_mul: I (half the width) must be a multiple of 16");
+  TORCH_CHECK(I2 % 32 == 0, name, ": I (half the width) must be a multiple of 16");
   at::Tensor y = at::empty({T, I2 / 2}, gate_up.options());
   const int use = pick_isa(isa);
   const float* gp = gate_up.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
-    kBuilds[use].silu_mul(gp, I2 / 2, yp, t0, t1);
-  });
+  const auto fn = gelu ? kBuilds[use].gelu_tanh_mul : kBuilds[use].silu_mul;
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) { fn(gp, I2 / 2, yp, t0, t1); });
   return y;
 }
+
+at::Tensor qsilu_mul(const at::Tensor& gate_up, int64_t isa) { return gated_act(gate_up, isa, false); }
+
+at::Tensor qgelu_tanh_mul(const at::Tensor& gate_up, int64_t isa) { return gated_act(gate_up, isa, true); }
 
 at::Tensor qlog_softmax(const at::Tensor& x, int64_t isa) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "qlog_softmax: x must be contiguous (T, V) float32");
@@ -181,6 +186,7 @@ TORCH_LIBRARY_FRAGMENT(steadyserve, m) {
   m.def("qsilu_mul(Tensor gate_up, int isa=-1) -> Tensor");
   m.def("qlog_softmax(Tensor x, int isa=-1) -> Tensor");
   m.def("qlog_softmax_(Tensor(a!) x, int isa=-1) -> ()");
+  m.def("qgelu_tanh_mul(Tensor gate_up, int isa=-1) -> Tensor");
   m.def("qmm_isa() -> int", TORCH_FN(qmm_isa));
   m.impl("qmatmul_", c10::DispatchKey::CPU, TORCH_FN(qmatmul_));
   m.impl("qdequant", c10::DispatchKey::CPU, TORCH_FN(qdequant));
@@ -188,6 +194,7 @@ TORCH_LIBRARY_FRAGMENT(steadyserve, m) {
   m.impl("qsilu_mul", c10::DispatchKey::CPU, TORCH_FN(qsilu_mul));
   m.impl("qlog_softmax", c10::DispatchKey::CPU, TORCH_FN(qlog_softmax));
   m.impl("qlog_softmax_", c10::DispatchKey::CPU, TORCH_FN(qlog_softmax_));
+  m.impl("qgelu_tanh_mul", c10::DispatchKey::CPU, TORCH_FN(qgelu_tanh_mul));
 }
 
 namespace steady_ops {  // ops.h: the same functions, for native compositions (forward.cpp)

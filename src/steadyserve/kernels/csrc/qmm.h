@@ -80,6 +80,8 @@ constexpr int64_t kScratchRows = 8;  // dequantized weight rows a thread keeps a
                 int64_t t0, int64_t t1);                                                             \
   /* y[t, i] = silu(g[t, i]) * u[t, i] with g = gu[t, :I], u = gu[t, I:], rows [t0, t1) */           \
   void silu_mul(const float* gu, int64_t I, float* y, int64_t t0, int64_t t1);                     \
+  /* y[t, i] = gelu_tanh(g[t, i]) * u[t, i], the same halves as silu_mul, rows [t0, t1) */         \
+  void gelu_tanh_mul(const float* gu, int64_t I, float* y, int64_t t0, int64_t t1);                \
   /* y[t] = (x[t] - max) - log(sum exp(x[t] - max)), rows [t0, t1); y may be x (each y[k] is written after */ \
   /* the row's max and sum were read, from x[k] alone) */                                                  \
   void log_softmax(const float* x, int64_t V, float* y, int64_t t0, int64_t t1);                     \

@@ -356,6 +356,23 @@ void silu_mul(const float* gu, int64_t I_, float* y, int64_t t0, int64_t t1) {
   }
 }
 
+// GELU (tanh approximation) · mul, as Gemma's MLP uses it: gelu(g) = 0.5 g (1 + tanh(u)) with
+// u = sqrt(2/pi) (g + 0.044715 g^3). 0.5 (1 + tanh(u)) is exactly sigmoid(2u), so this computes
+// g / (1 + exp(-2u)) with the same deterministic exp as silu_mul (libm's and Sleef's tanh may
+// differ between machines and builds; this does not). Elementwise, so no reduction order.
+void gelu_tanh_mul(const float* gu, int64_t I_, float* y, int64_t t0, int64_t t1) {
+  const F one = fset1(1.0f), kappa = fset1(0.044715f), minus_two_beta = fset1(-1.5957691216057308f);
+  for (int64_t t = t0; t < t1; ++t) {
+    const float* g = gu + t * 2 * I_;
+    const float* u = g + I_;
+    for (int64_t k = 0; k < I_; k += 16) {
+      const F gv = fload(g + k);
+      const F inner = fmul(fadd(gv, fmul(kappa, fmul(fmul(gv, gv), gv))), minus_two_beta);  // -2u
+      fstore(y + t * I_ + k, fmul(fdiv(gv, fadd(one, fexp(inner))), fload(u + k)));
+    }
+  }
+}
+
 void log_softmax(const float* x, int64_t V, float* y, int64_t t0, int64_t t1) {
   const int64_t full = V - V % 16;
   for (int64_t t = t0; t < t1; ++t) {

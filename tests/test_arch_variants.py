@@ -1,0 +1,238 @@
+"""Gemma 3 and 2, Qwen3, Phi-3, OLMo 2, SmolLM3 and Granite on tiny random models: parity with transformers and
+batch invariance.
+
+Each tiny model is built from transformers' own config class with random weights (norm weights
+included, so Gemma's (1 + w) shows), saved as safetensors by transformers and as a Q8_0 GGUF by
+gguf-py's writer (steadyserve.testing.tiny_gguf, llama.cpp's conventions: Gemma's norms stored as
+1 + w). The reference for a GGUF is transformers loading that same file. The tiny Gemma 3 has five
+sliding layers (window 16, shorter than the prompts) and one global layer, each type with its own
+RoPE base; the tiny Gemma 2 alternates local and global layers and soft-caps scores (2.0) and
+logits (3.0) hard enough to matter (its GGUF gets transformers' defaults, 50 and 30); the tiny Phi-3 has fused matrices and a window of 24 on every layer, and a second one
+LongRoPE (HF only: transformers reads no LongRoPE from a GGUF); a Gemma 3 with linear RoPE scaling on
+its global layers only (as Gemma 3 4B and up) is HF only too, for the same reason. OLMo 2, SmolLM3 and Granite are
+HF directories only: transformers has no GGUF config map for them, so there is no GGUF reference
+(and steadyserve's GGUF loading takes its config from transformers). Then the engine invariance checks of test_engine_invariance (and the prefix cache's) run on them, each also
+against a TEST-ONLY drift that they must catch, and parity is shown to fail when a Gemma feature
+is switched off (the tests can fail).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+import test_prefix_cache_engine as prefix_cache
+from steadyserve.engine.block_manager import BlockManager
+from steadyserve.models import registry
+from steadyserve.models import gguf as gguf_mod
+from steadyserve.models.extended import ExtendedTransformer
+from steadyserve.models.loader import load_model
+from steadyserve.testing import build_tiny_model
+from steadyserve.testing.drift import install_batch_drift
+from steadyserve.testing.tiny_gguf import write_tiny_gguf
+from test_engine_invariance import (PROCESSORS, chunked_vs_whole, engine_for, expect, probe_vs_batches,
+                                    score_vs_generate)
+from test_models_parity import check_parity, prompts_for
+
+ARCHS = ["gemma3", "gemma2", "qwen3", "phi3"]  # safetensors and GGUF
+HF_ONLY = ["gemma3-linear", "phi3-longrope", "olmo2", "smollm3", "granite"]  # transformers reads none of these from a GGUF
+
+
+def hf_gguf_model(path: str):
+    from transformers import AutoModelForCausalLM
+
+    p = Path(path)
+    return AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def tiny(models_dir: Path) -> dict[str, str]:
+    """arch -> HF directory, and arch + "-gguf" -> the same weights as a GGUF file."""
+    out = {}
+    for arch in ARCHS:
+        d = models_dir / f"tiny-{arch}"
+        if not d.exists():
+            build_tiny_model(d, arch=arch)
+        out[arch] = str(d)
+        g = models_dir / f"tiny-{arch}.gguf"
+        if not g.exists():
+            write_tiny_gguf(d, g)
+        out[f"{arch}-gguf"] = str(g)
+    for arch in HF_ONLY:
+        d = models_dir / f"tiny-{arch}"
+        if not d.exists():
+            build_tiny_model(d, arch=arch)
+        out[arch] = str(d)
+    return out
+
+
+@pytest.mark.parametrize("arch", ARCHS + HF_ONLY)
+@pytest.mark.parametrize("invariant", [True, False], ids=["invariant", "plain"])
+def test_tiny_parity_from_safetensors(tiny, arch, invariant):
+    loaded = load_model(tiny[arch], batch_invariant=invariant, max_model_len=512)
+    assert isinstance(loaded.model, ExtendedTransformer) and loaded.model.native == invariant
+    check_parity(f"tiny-{arch}-{'bi' if invariant else 'plain'}", loaded, tiny[arch],
+                 prompts_for(loaded.tokenizer, loaded.args.vocab_size))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("numerics", ["portable", "host"])
+def test_tiny_parity_from_gguf(tiny, arch, numerics, tmp_path):
+    """Portable: the stored Q8_0 blocks; host: the GGUF dequantized to float32 safetensors by transformers
+    (Gemma's norms then already have the 1 subtracted, and the HF-directory path adds it back)."""
+    path = tiny[f"{arch}-gguf"]
+    loaded = load_model(path, max_model_len=512, cache_dir=str(tmp_path), numerics=numerics)
+    assert loaded.numerics is not None and loaded.numerics.mode == numerics
+    if numerics == "portable":
+        assert {p.format_name for lw in loaded.model.layers for p in lw.wqkv.parts} == {"Q8_0"}  # type: ignore[union-attr]
+    check_parity(f"tiny-{arch}-gguf-{numerics}", loaded, path, prompts_for(loaded.tokenizer, loaded.args.vocab_size),
+                 ref=hf_gguf_model(path))
+
+
+def test_tiny_gemma3_has_the_features_under_test(tiny):
+    for path in (tiny["gemma3"], tiny["gemma3-gguf"]):
+        a = load_model(path, max_model_len=512).args
+        assert a.layer_windows == (16, 16, 16, 16, 16, 0), a.layer_windows  # prompts are up to 70 tokens
+        assert a.layer_rope[0] == "sliding_attention" and a.layer_rope[5] == "full_attention"
+        assert a.qk_norm and a.sandwich_norm and a.norm_offset == 1.0 and a.hidden_act == "gelu_tanh"
+        assert a.embed_scale == 8.0 and a.tie_word_embeddings
+        assert a.attn_scale != a.head_dim ** -0.5  # query_pre_attn_scalar differs from head_dim
+    cfg = load_model(tiny["gemma3"]).args.hf_config
+    theta = {k: v["rope_theta"] for k, v in cfg.rope_parameters.items()}
+    assert theta["sliding_attention"] != theta["full_attention"], theta
+
+
+# A feature switched off in the adapter: (model key, architecture, ModelArgs fields to override).
+BROKEN = {"gemma3-no-window": ("gemma3-gguf", "Gemma3ForCausalLM", {"layer_windows": (0,) * 6}),
+          "gemma3-one-rope-base": ("gemma3", "Gemma3ForCausalLM", {"layer_rope": ("sliding_attention",) * 6}),
+          "gemma3-no-embed-scale": ("gemma3", "Gemma3ForCausalLM", {"embed_scale": 1.0}),
+          "gemma2-no-attn-softcap": ("gemma2", "Gemma2ForCausalLM", {"attn_softcap": 0.0}),
+          "gemma2-no-final-softcap": ("gemma2", "Gemma2ForCausalLM", {"final_softcap": 0.0}),
+          "qwen3-no-qk-norm": ("qwen3", "Qwen3ForCausalLM", {"qk_norm": False}),
+          "phi3-no-window": ("phi3", "Phi3ForCausalLM", {"sliding_window": 0}),
+          "olmo2-no-output-norms": ("olmo2", "Olmo2ForCausalLM", {"sandwich_norm": False}),
+          "smollm3-rope-everywhere": ("smollm3", "SmolLM3ForCausalLM", {"layer_use_rope": ()}),
+          "granite-no-logit-divisor": ("granite", "GraniteForCausalLM", {"logits_divisor": 1.0})}
+
+
+@pytest.mark.parametrize("broken", sorted(BROKEN) + ["gemma3-gguf-no-norm-shift"])
+def test_parity_fails_when_a_feature_is_dropped(tiny, broken, monkeypatch, tmp_path):
+    """The parity check has teeth: each feature, switched off, is caught (and so is reading Gemma's GGUF
+    norms without undoing llama.cpp's 1 + w)."""
+    if broken in BROKEN:
+        key, arch, override = BROKEN[broken]
+        adapter = registry.ARCHITECTURES[arch]
+        monkeypatch.setitem(registry.ARCHITECTURES, arch, lambda cfg: dataclasses.replace(adapter(cfg), **override))
+    else:
+        key = "gemma3-gguf"
+        monkeypatch.setattr(gguf_mod, "_NORM_SHIFTED_ARCHS", set())
+    path = tiny[key]
+    loaded = load_model(path, max_model_len=512, cache_dir=str(tmp_path))
+    with pytest.raises(AssertionError, match="logprob diff|greedy continuations differ"):
+        check_parity(f"tiny-{broken}", loaded, path, prompts_for(loaded.tokenizer, loaded.args.vocab_size),
+                     ref=hf_gguf_model(path) if path.endswith(".gguf") else None)
+
+
+# ---- batch invariance: the engine checks of test_engine_invariance, on these blocks ---------------------------
+
+@pytest.fixture(scope="module", params=[f"{a}-{s}" for a in ARCHS for s in ("hf", "gguf")]
+                + [f"{a}-hf" for a in HF_ONLY if a not in ("phi3-longrope", "gemma3-linear")])
+def bi_engine(request, tiny, tmp_path_factory):
+    arch, source = request.param.rsplit("-", 1)
+    path = tiny[arch] if source == "hf" else tiny[f"{arch}-gguf"]
+    loaded = load_model(path, max_model_len=512, cache_dir=str(tmp_path_factory.mktemp("cache")))
+    assert loaded.model.native
+    return engine_for(loaded)
+
+
+@pytest.fixture(params=["invariant", "broken"])
+def mode(request, bi_engine):
+    if request.param == "broken":
+        restore = install_batch_drift(bi_engine)
+        request.addfinalizer(restore)
+    return request.param, bi_engine
+
+
+def test_alone_vs_batched(mode):
+    name, engine = mode
+    expect(name, probe_vs_batches(engine, [2, 7, 33], name=name))
+
+
+def test_prefill_equals_decode(mode):
+    """score(prompt + completion) gives each completion token the logprob it got while decoded."""
+    name, engine = mode
+    expect(name, score_vs_generate(engine, ((5, 12), (40, 16)), name=name))
+
+
+def test_chunked_prefill_equals_whole(mode):
+    name, engine = mode
+    expect(name, chunked_vs_whole(engine, 7, 4, name))
+
+
+def test_structured_output_keeps_the_probe_invariant(mode):
+    name, engine = mode
+    expect(name, probe_vs_batches(engine, [7, 33], name=name, **PROCESSORS["grammar"]))
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["invariant", "broken"])
+def test_prefix_cache_gives_the_uncached_bits(bi_engine, broken, monkeypatch):
+    """test_prefix_cache_engine's shared-prefix case on these blocks; the broken variant hashes a block
+    without its prefix (a TEST-ONLY fault) and must be caught."""
+    loaded = bi_engine.loaded
+    reference = prefix_cache.make_engine(loaded, caching=False)
+    if broken:
+        monkeypatch.setattr(BlockManager, "_prefix_hashes", prefix_cache._block_only)
+    engine = prefix_cache.make_engine(loaded, caching=True)
+    prefix_cache.test_shared_prefixes_give_the_uncached_bits(("broken" if broken else "invariant", engine), reference)
+
+
+def test_phi3_longrope_is_served_up_to_its_original_length(tiny):
+    """Past original_max_position_embeddings transformers re-rotates every position with long_factor;
+    a table by position cannot, so the context stops there (models/phi3.py)."""
+    loaded = load_model(tiny["phi3-longrope"], max_model_len=512)
+    assert loaded.max_model_len == 128 and loaded.args.hf_config.max_position_embeddings == 512
+    phi3 = load_model(tiny["phi3"], max_model_len=512)
+    assert phi3.args.sliding_window == 24 and phi3.max_model_len == 512
+
+
+def test_tiny_variants_have_the_features_under_test(tiny):
+    lin = load_model(tiny["gemma3-linear"]).args.hf_config.rope_parameters
+    assert lin["full_attention"]["rope_type"] == "linear" and lin["sliding_attention"]["rope_type"] == "default"
+    g2 = load_model(tiny["gemma2"]).args
+    assert (g2.attn_softcap, g2.final_softcap, g2.layer_windows) == (2.0, 3.0, (16, 0, 16, 0))
+    assert not g2.qk_norm and g2.sandwich_norm and g2.norm_offset == 1.0
+    olmo = load_model(tiny["olmo2"]).args
+    assert not olmo.pre_norm and olmo.sandwich_norm and olmo.qk_norm and not olmo.qk_norm_per_head
+    assert load_model(tiny["smollm3"]).args.layer_use_rope == (True, True, True, False)
+    g = load_model(tiny["granite"]).args
+    assert (g.embed_scale, g.residual_scale, g.attn_scale, g.logits_divisor) == (4.0, 0.5, 0.2, 2.5)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_gguf_chat_template_renders_as_transformers_renders_it(tiny, arch, tmp_path):
+    """The template, BOS/EOS and special tokens come from the GGUF's metadata through transformers."""
+    from transformers import AutoTokenizer
+
+    from steadyserve.api.protocol import render_chat
+
+    path = Path(tiny[f"{arch}-gguf"])
+    loaded = load_model(str(path), max_model_len=512, cache_dir=str(tmp_path))
+    ref = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "The quick brown fox?"}]
+    want = ref(ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+               add_special_tokens=False)["input_ids"]
+    assert render_chat(loaded.tokenizer, messages) == list(want)
+    assert (loaded.tokenizer.bos_token_id, loaded.tokenizer.eos_token_id) == (ref.bos_token_id, ref.eos_token_id)
+    assert loaded.tokenizer.encode("The quick brown fox") == ref.encode("The quick brown fox")
+
+
+def test_an_unsupported_architecture_is_refused_with_its_name_and_the_supported_list():
+    from transformers import GPT2Config
+
+    cfg = GPT2Config(architectures=["GPT2LMHeadModel"])
+    with pytest.raises(ValueError, match=r"unsupported architecture \['GPT2LMHeadModel'\]; supported: ") as e:
+        registry.model_args(cfg)
+    assert all(name in str(e.value) for name in registry.ARCHITECTURES), str(e.value)
