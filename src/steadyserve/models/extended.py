@@ -172,14 +172,14 @@ class ExtendedTransformer(Transformer):
             m = self._norm(m, lw.mlp_out_norm)
         return x + (m * rs if rs != 1.0 else m)
 
-    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Row-wise: (R, hidden) -> (R, V) float32 log-probabilities; logits soft-capped (Gemma 2) or
-        divided (Granite) first."""
+    def _head(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Row-wise: (R, hidden) -> (R, V) float32 log-probabilities (into `out` on the native path);
+        logits soft-capped (Gemma 2) or divided (Granite) first."""
         div, cap = self.args.logits_divisor, self.args.final_softcap
         if div == 1.0 and not cap:
-            return super()._head(hidden)
+            return super()._head(hidden, out)
         if isinstance(self.lm_head, QMatrix):
-            logits = self.lm_head(hidden.contiguous())  # (R, V) float32
+            logits = self.lm_head(hidden.contiguous(), out=out)  # (R, V) float32
         else:
             logits = torch.cat([F.linear(hidden, part) for part in self.lm_head_parts], dim=1).float()  # (R, V)
         if cap:
@@ -188,9 +188,10 @@ class ExtendedTransformer(Transformer):
             else:
                 logits = torch.tanh(logits / cap) * cap
         if div != 1.0:
-            logits = logits / div
+            logits = logits.div_(div) if isinstance(self.lm_head, QMatrix) else logits / div  # in place: the same bits
         if isinstance(self.lm_head, QMatrix):
-            return torch.ops.steadyserve.qlog_softmax(logits, -1)
+            torch.ops.steadyserve.qlog_softmax_(logits, -1)  # in place, in the caller's buffer
+            return logits
         return torch.log_softmax(logits, dim=-1)
 
     @torch.inference_mode()

@@ -131,7 +131,7 @@ class NativeLayers : public torch::CustomClassHolder {
       write_kv(kc, vc, qkv, qd, qd + kvd, hkv_, d_, blocks, offsets);
       at::Tensor q = qkv.narrow(1, 0, qd).contiguous().view({T, h_, d_});  // (T, H, D)
       at::Tensor attn = at::empty_like(q);
-      steady_ops::paged_attention(q, kc, vc, block_tables, seq_of, positions, attn, scale_, window_);
+      steady_ops::paged_attention(q, kc, vc, block_tables, seq_of, positions, attn, scale_, window_, 0.0);
       x = x + linear(L.wo, attn.view({T, qd}));
       at::Tensor gate_up = linear(L.w_gate_up, steady_ops::qrms_norm(x, L.post_norm, eps_, -1));  // (T, 2 I)
       x = x + linear(L.w_down, steady_ops::qsilu_mul(gate_up, -1));

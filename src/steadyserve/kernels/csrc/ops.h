@@ -17,9 +17,9 @@ at::Tensor qrms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, 
 at::Tensor qsilu_mul(const at::Tensor& gate_up, int64_t isa);
 // RoPE in place on heads [0, num_heads) of each row (steadyserve::rope_).
 void rope_inplace(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads);
-// Causal attention over the paged cache (steadyserve::paged_attention).
+// Causal attention over the paged cache (steadyserve::paged_attention); softcap 0 for none.
 void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_of, const at::Tensor& positions,
-                     at::Tensor& out, double scale, int64_t window);
+                     at::Tensor& out, double scale, int64_t window, double softcap);
 
 }  // namespace steady_ops

@@ -324,7 +324,7 @@ TORCH_LIBRARY(steadyserve, m) {
 namespace steady_ops {  // ops.h
 void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_of, const at::Tensor& positions,
-                     at::Tensor& out, double scale, int64_t window) {
-  ::paged_attention(q, k_cache, v_cache, block_tables, seq_of, positions, out, scale, window);
+                     at::Tensor& out, double scale, int64_t window, double softcap) {
+  ::paged_attention(q, k_cache, v_cache, block_tables, seq_of, positions, out, scale, window, softcap);
 }
 }  // namespace steady_ops
