@@ -23,19 +23,21 @@ from steadyserve.models import load_model
 def _requests(vocab: int) -> list[Request]:
     rng = random.Random(5)
     reqs = []
-    for i, n in enumerate((1, 7, 40, 65)):  # one token; within a block; several blocks; past a block edge
+    # One token; within a block; several blocks; past a block edge; past NativeLayers' 128-row MLP slice.
+    for i, n in enumerate((1, 7, 40, 65, 300)):
         params = SamplingParams(max_tokens=12, temperature=0.0 if i % 2 else 0.8, seed=i, logprobs=3,
                                 prompt_logprobs=2, ignore_eos=True)
         reqs.append(Request(f"r{i}", [rng.randrange(3, vocab) for _ in range(n)], params))
     return reqs
 
 
-def _run(loaded, fused: bool, saved) -> tuple[dict, torch.Tensor, torch.Tensor]:
-    """The requests on a fresh engine (no prefix cache carried over), with or without the native layers."""
+def _run(loaded, fused: bool, saved, step_tokens: int) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """The requests on a fresh engine (no prefix cache carried over), with or without the native layers.
+    step_tokens 32: long prompts prefill in chunks beside other sequences' decodes; 512: whole prompts in
+    one step, the 300-token one past the MLP's row slice."""
     loaded.model.native_layers = saved if fused else None
-    # Steps of at most 32 tokens: long prompts prefill in chunks beside other sequences' decodes.
-    engine = LLMEngine(loaded, EngineConfig(kv_cache_memory=16 * 1024**2, max_num_seqs=4, max_num_batched_tokens=32,
-                                            threads=2))
+    engine = LLMEngine(loaded, EngineConfig(kv_cache_memory=16 * 1024**2, max_num_seqs=5,
+                                            max_num_batched_tokens=step_tokens, threads=2))
     done = run_requests(engine, _requests(loaded.args.vocab_size))
     out = {rid: (c.token_ids, [(lp.logprob, list(lp.top)) for lp in c.logprobs], c.prompt_logprob_values)
            for rid, c in done.items()}
@@ -47,14 +49,15 @@ def _check_bitwise(path: str) -> None:
     saved = loaded.model.native_layers
     assert saved is not None, "the native path of a plain Llama-shaped model runs its layers in one call"
     assert saved.num_layers() == loaded.args.num_layers
-    try:
-        fused, k1, v1 = _run(loaded, True, saved)
-        per_op, k2, v2 = _run(loaded, False, saved)
-    finally:
-        loaded.model.native_layers = saved
-    assert fused == per_op
-    assert torch.equal(k1, k2) and torch.equal(v1, v2)
-    assert all(len(tokens) == 12 for tokens, _, _ in fused.values())
+    for step_tokens in (32, 512):
+        try:
+            fused, k1, v1 = _run(loaded, True, saved, step_tokens)
+            per_op, k2, v2 = _run(loaded, False, saved, step_tokens)
+        finally:
+            loaded.model.native_layers = saved
+        assert fused == per_op, step_tokens
+        assert torch.equal(k1, k2) and torch.equal(v1, v2), step_tokens
+        assert all(len(tokens) == 12 for tokens, _, _ in fused.values())
 
 
 def test_native_layers_match_the_per_op_path_tiny_llama(tiny_model: str) -> None:

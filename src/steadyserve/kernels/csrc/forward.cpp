@@ -16,12 +16,19 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
 #include "ops.h"
 
 namespace {
+
+// Rows per pass through the MLP. A prefill of 2048 tokens would otherwise hold (2048, 2 I) and (2048, I)
+// float32 temporaries at once (37 MiB for SmolLM2), the largest of the step; slices bound them. Every kernel
+// here computes a row the same way whatever the number of rows in the call (the matmul family's contract,
+// tests/test_qmm.py), so slicing changes memory and never a bit.
+constexpr int64_t kMlpRows = 128;
 
 // One weight matrix, stacked by rows from parts that may each have their own stored format.
 struct Matrix {
@@ -133,8 +140,11 @@ class NativeLayers : public torch::CustomClassHolder {
       at::Tensor attn = at::empty_like(q);
       steady_ops::paged_attention(q, kc, vc, block_tables, seq_of, positions, attn, scale_, window_, 0.0);
       x = x + linear(L.wo, attn.view({T, qd}));
-      at::Tensor gate_up = linear(L.w_gate_up, steady_ops::qrms_norm(x, L.post_norm, eps_, -1));  // (T, 2 I)
-      x = x + linear(L.w_down, steady_ops::qsilu_mul(gate_up, -1));
+      for (int64_t r0 = 0; r0 < T; r0 += kMlpRows) {  // x is ours now: each slice of rows is updated in place
+        at::Tensor rows = x.narrow(0, r0, std::min(kMlpRows, T - r0));
+        at::Tensor gate_up = linear(L.w_gate_up, steady_ops::qrms_norm(rows, L.post_norm, eps_, -1));  // (n, 2 I)
+        rows.add_(linear(L.w_down, steady_ops::qsilu_mul(gate_up, -1)));
+      }
     }
     return x;
   }
