@@ -72,3 +72,20 @@ def test_out_of_range_processors_are_refused_by_name(kw, param) -> None:
     with pytest.raises(InvalidRequest) as e:
         SamplingParams(**kw).validate()
     assert e.value.param == param
+
+
+def test_draw_follows_the_distribution_never_draws_a_zero_and_repeats_by_seed() -> None:
+    """The seeded draw (inverse CDF, one uniform per token): right frequencies, impossible tokens never drawn,
+    the same tokens for the same seed, and other tokens for another seed."""
+    from steadyserve.engine.sampler import draw, make_generator
+
+    probs = torch.tensor([0.5, 0.0, 0.3, 0.2, 0.0])
+    g = make_generator(7, torch.device("cpu"))
+    counts = torch.bincount(torch.tensor([draw(probs, g) for _ in range(20000)]), minlength=5).double() / 20000
+    assert counts[1] == 0 and counts[4] == 0
+    assert torch.allclose(counts, probs.double(), atol=0.015), counts
+    seq = lambda seed: [draw(probs, g) for g in [make_generator(seed, torch.device("cpu"))] for _ in range(64)]  # noqa: E731
+    assert seq(3) == seq(3) and seq(3) != seq(4)
+    one_hot = torch.zeros(49152)
+    one_hot[49151] = 1.0  # the last token: the running sum reaches the total only there
+    assert draw(one_hot, g) == 49151
