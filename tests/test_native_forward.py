@@ -31,13 +31,13 @@ def _requests(vocab: int) -> list[Request]:
     return reqs
 
 
-def _run(loaded, fused: bool, saved, step_tokens: int) -> tuple[dict, torch.Tensor, torch.Tensor]:
+def _run(loaded, fused: bool, saved, step_tokens: int, threads: int = 2) -> tuple[dict, torch.Tensor, torch.Tensor]:
     """The requests on a fresh engine (no prefix cache carried over), with or without the native layers.
     step_tokens 32: long prompts prefill in chunks beside other sequences' decodes; 512: whole prompts in
     one step, the 300-token one past the MLP's row slice."""
     loaded.model.native_layers = saved if fused else None
     engine = LLMEngine(loaded, EngineConfig(kv_cache_memory=16 * 1024**2, max_num_seqs=5,
-                                            max_num_batched_tokens=step_tokens, threads=2))
+                                            max_num_batched_tokens=step_tokens, threads=threads))
     done = run_requests(engine, _requests(loaded.args.vocab_size))
     out = {rid: (c.token_ids, [(lp.logprob, list(lp.top)) for lp in c.logprobs], c.prompt_logprob_values)
            for rid, c in done.items()}
@@ -50,13 +50,16 @@ def _check_bitwise(path: str) -> None:
     assert saved is not None, "the native path of a plain Llama-shaped model runs its layers in one call"
     assert saved.num_layers() == loaded.args.num_layers
     for step_tokens in (32, 512):
+        threads = torch.get_num_threads()
         try:
             fused, k1, v1 = _run(loaded, True, saved, step_tokens)
             per_op, k2, v2 = _run(loaded, False, saved, step_tokens)
+            one_thread, k3, v3 = _run(loaded, True, saved, step_tokens, threads=1)  # threads split columns only
         finally:
             loaded.model.native_layers = saved
-        assert fused == per_op, step_tokens
-        assert torch.equal(k1, k2) and torch.equal(v1, v2), step_tokens
+            torch.set_num_threads(threads)
+        assert fused == per_op == one_thread, step_tokens
+        assert torch.equal(k1, k2) and torch.equal(v1, v2) and torch.equal(k1, k3) and torch.equal(v1, v3), step_tokens
         assert all(len(tokens) == 12 for tokens, _, _ in fused.values())
 
 

@@ -197,10 +197,7 @@ class ExtendedTransformer(Transformer):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """As Transformer.forward, with each layer's own RoPE table and window. Returns (T, hidden)."""
-        if isinstance(self.embed, QMatrix):
-            x = self.embed.rows(batch.input_ids)  # (T, hidden), dequantized rows
-        else:
-            x = F.embedding(batch.input_ids, self.embed)  # (T, hidden)
+        x = self._embed(batch.input_ids)  # (T, hidden)
         if self.args.embed_scale != 1.0:
             x = x * self.embed_scale  # one exact multiply per element
         trig = {kind: (cos[batch.positions], sin[batch.positions]) for kind, (cos, sin) in self.rope.items()}

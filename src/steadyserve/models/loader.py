@@ -215,13 +215,11 @@ def _keep_tokenizer_pipeline(tokenizer: Any, out: Path, src: Path) -> None:
     saved: transformers' GemmaTokenizer puts its own pre-tokenizer over a byte-level ("gpt2")
     vocabulary in a gemma3 file. Then the cache names the generic class, which takes tokenizer.json
     verbatim; if even that differs, loading fails rather than serve another tokenization."""
-    from transformers import AutoTokenizer
-
     want = tokenizer.encode(_TOKENIZER_PROBE, add_special_tokens=False)
 
-    def reloaded() -> list[int] | None:
+    def reloaded() -> list[int] | None:  # as load_model will read it back
         try:
-            return AutoTokenizer.from_pretrained(str(out)).encode(_TOKENIZER_PROBE, add_special_tokens=False)
+            return _read_tokenizer(out, converted=True).encode(_TOKENIZER_PROBE, add_special_tokens=False)
         except Exception:  # a rebuilt pipeline can fail on the probe ("Unk token None not found")
             return None
 

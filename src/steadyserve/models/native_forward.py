@@ -28,8 +28,6 @@ def build_native_layers(model: Any) -> Any | None:
     a = model.args
     if not (model.native and model.native_rope and a.architecture in PLAIN_LAYER_ARCHITECTURES):
         return None
-    if not hasattr(torch.classes.steadyserve, "NativeLayers"):  # an extension built before it existed
-        return None
     layers = torch.classes.steadyserve.NativeLayers(a.num_heads, a.num_kv_heads, a.head_dim, float(a.rms_norm_eps),
                                                     float(model.scale), int(a.sliding_window or 0))
     empty = torch.empty(0)

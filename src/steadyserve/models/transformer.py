@@ -195,6 +195,12 @@ class Transformer:
         logits = torch.cat([F.linear(hidden, part) for part in self.lm_head_parts], dim=1)  # (R, V)
         return torch.log_softmax(logits.float(), dim=-1)
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(T,) token ids -> (T, hidden): dequantized rows of the stored table, or an embedding lookup."""
+        if isinstance(self.embed, QMatrix):
+            return self.embed.rows(input_ids)
+        return F.embedding(input_ids, self.embed)
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """Run the layers over a step's tokens, filling the KV cache.
@@ -202,10 +208,7 @@ class Transformer:
         k_cache: (L, NB, Hkv, D, Bs); v_cache: (L, NB, Hkv, Bs, D).
         Returns the final-normed hidden states, (T, hidden).
         """
-        if isinstance(self.embed, QMatrix):
-            x = self.embed.rows(batch.input_ids)  # (T, hidden), dequantized rows
-        else:
-            x = F.embedding(batch.input_ids, self.embed)  # (T, hidden)
+        x = self._embed(batch.input_ids)  # (T, hidden)
         cos, sin = self.cos[batch.positions], self.sin[batch.positions]  # (T, D)
         if self.native_layers is not None:
             x = self.native_layers.forward(x, cos, sin, k_cache, v_cache, batch.slot_blocks, batch.slot_offsets,

@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ...limits import Refused, check_token_ids
 from ...platform_info import platform_info, row_tiles_of
-from ..events import RequestEvents, end_status, sum_usage
+from ..events import sum_usage
 from ..protocol import render_chat
 from ..requests import admit, check_model
 from ..responses_store import ResponseStore
@@ -26,7 +26,7 @@ from .openai_format import Formatter, formatters, full_body, mean_logprob
 from .responses import ResponsesRequest
 from .responses_routes import add_responses_routes
 from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from .sse import SSEResponse, http_disconnect
+from .sse import SSEResponse, collect_events
 from .ws import websocket_stream
 
 
@@ -67,13 +67,9 @@ def create_app(state: ServerState) -> FastAPI:
     async def collect(request: Request, handles: list, fmts: list[Formatter], want_lp: bool, n: int,
                       keep: int) -> Response:
         """Every choice's outputs, then one body; the first choice that fails decides the error instead."""
-        async with RequestEvents(handles, disconnected=http_disconnect(request.receive)) as events:
-            async for _ in events:
-                pass
-        if events.error is not None:
-            code, message = events.error
-            end = end_status(code)
-            return error_response(end.http, message, end.error_type, None, code)
+        events = await collect_events(request.receive, handles)
+        if isinstance(events, Response):
+            return events
         accs = events.accs
         if keep == n:
             return JSONResponse(full_body(fmts, accs, want_lp, n))

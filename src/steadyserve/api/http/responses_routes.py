@@ -20,11 +20,10 @@ from ..requests import ValidatedRequest, admit, build
 from ..responses_store import ResponseStore
 from ..state import ServerState
 from ..streams import StreamHandle
-from .errors import error_response
 from .inputs import client_request_id, find_surrogate, read_json, validated
 from .responses import ResponsesRequest, responses_spec
 from .responses_format import EventWriter, ResponseBuilder, conversation_output, sse
-from .sse import guarded_send, http_disconnect
+from .sse import collect_events, guarded_send, http_disconnect
 
 
 def prepare(state: ServerState, store: ResponseStore, body: Any, request_id: str
@@ -66,13 +65,9 @@ def add_responses_routes(app: FastAPI, state: ServerState, store: ResponseStore)
         keep = store if parsed.store else None
         if parsed.stream:
             return ResponsesSSE(handles, builder, keep, conversation, cfg.stall_timeout)
-        async with RequestEvents(handles, disconnected=http_disconnect(request.receive)) as events:
-            async for _ in events:
-                pass
-        if events.error is not None:
-            code, message = events.error
-            end = end_status(code)
-            return error_response(end.http, message, end.error_type, None, code)
+        events = await collect_events(request.receive, handles)
+        if isinstance(events, Response):
+            return events
         out = builder.final(events.accs[0])
         if keep is not None:
             keep.put(out, conversation + conversation_output(out))

@@ -18,7 +18,7 @@ from starlette.types import Receive, Scope, Send
 
 from ..events import RequestEvents, StreamStalled, end_status, sum_usage
 from ..streams import StreamHandle
-from .errors import error_body
+from .errors import error_body, error_response
 from .openai_format import Formatter
 
 
@@ -46,6 +46,19 @@ async def http_disconnect(receive: Receive) -> None:
     """Returns when the client hangs up (the ASGI disconnect message)."""
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+async def collect_events(receive: Receive, handles: list[StreamHandle]) -> RequestEvents | Response:
+    """A non-streamed request's events to their end: the finished RequestEvents (its accumulators), or
+    the error response of the first choice that failed, with the status its end code maps to."""
+    async with RequestEvents(handles, disconnected=http_disconnect(receive)) as events:
+        async for _ in events:
+            pass
+    if events.error is not None:
+        code, message = events.error
+        end = end_status(code)
+        return error_response(end.http, message, end.error_type, None, code)
+    return events
 
 
 class SSEResponse(Response):
