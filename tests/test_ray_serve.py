@@ -215,13 +215,15 @@ def test_64_sse_streams_survive_a_killed_replica(ray_app: Deployed) -> None:
     results = asyncio.run(run())
     statuses = Counter(r.status for r in results)
     truncated = [r for r in results if r.truncated or r.exception]
+    # A stream killed after its finish chunk but before [DONE] ends with the error: it counts as lost.
     lost = [r for r in results if r.error and r.error.get("code") == "replica_lost"]
-    finished = [r for r in results if r.finish_reason == "length" and r.num_tokens > 0]
+    finished = [r for r in results if r.finish_reason == "length" and r.num_tokens > 0 and not r.error]
     print(f"64 streams, replica {victim} killed: statuses {dict(statuses)}, finished {len(finished)}, "
           f"ended with replica_lost {len(lost)}, truncated {len(truncated)}")
     assert statuses == {200: 64}, statuses
     assert not truncated, [(r.exception, r.events[-1:]) for r in truncated[:3]]
     assert all(r.done for r in results)  # data: [DONE] on every stream
+    assert not [r.events[-2:] for r in results if r.num_events_after_done], "events after [DONE]"
     assert lost, "no stream was on the killed replica: the kill came too late to test anything"
     assert len(lost) + len(finished) == 64
     # The killed replica's engine does not outlive it (parent-death signal), and Ray replaces the replica.
@@ -348,3 +350,30 @@ def test_a_downscaled_replica_drains_and_autoscaling_adds_one_under_load(ray_app
     finally:
         ray_app.deploy(2)  # fixed again; with two replicas running this starts nothing
         ray_app.wait_replicas(2)
+
+
+def test_a_stream_lost_after_its_done_gets_no_error_event_and_one_lost_before_does() -> None:
+    """The ingress's SSE relay (no cluster): a replica that dies after [DONE] was relayed adds nothing; one that
+    dies before it ends the stream with a replica_lost error event and [DONE]."""
+    from steadyserve.ray.ingress import relay_events as relay
+
+    async def replica(chunks: list[bytes]):
+        for c in chunks:
+            yield c
+        raise ConnectionError("replica died")
+
+    async def relayed(chunks: list[bytes]) -> StreamResult:
+        body = b"".join([c async for c in relay(replica(chunks))])
+        from steadyserve.tools.sse_client import _on_event
+        res = StreamResult(status=200)
+        for event in body.split(b"\n\n"):
+            if event:
+                _on_event(event, res)
+        return res
+
+    last = b'data: {"choices": [{"index": 0, "text": "x", "finish_reason": "length"}]}\n\n'
+    whole = asyncio.run(relayed([b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n', last, b"data: [DONE]\n\n"]))
+    assert whole.done and whole.finish_reason == "length" and whole.error is None
+    assert whole.num_events_after_done == 0
+    cut = asyncio.run(relayed([b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n', last]))
+    assert cut.done and cut.error["code"] == "replica_lost" and cut.num_events_after_done == 0

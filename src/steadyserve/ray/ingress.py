@@ -47,6 +47,9 @@ def _overloaded(e: Exception) -> Response:
                     headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
+_DONE = b"data: [DONE]\n\n"  # the last event of every OpenAI-style stream
+
+
 def _lost(why: str) -> Response:
     return Response(_error_json(_LOST.format(why=why), "unavailable", "replica_lost"), status_code=503,
                     media_type="application/json", headers={"Retry-After": str(RETRY_AFTER_S)})
@@ -93,6 +96,31 @@ def _grpc_refusal(grpc_context: Any, e: Exception) -> None:
         grpc_context.set_trailing_metadata([(ERROR_CODE_KEY, "replica_lost")])
 
 
+async def relay_events(stream: Any) -> AsyncIterator[bytes]:
+    """The body of a server-sent-events response, relayed whole-event by whole-event; a replica lost
+    mid-stream ends it with an error event and [DONE]. One lost after its [DONE] was relayed (the replica
+    died before Ray saw its generator end) has nothing to add: the client already has the whole stream, and
+    SSE clients ignore what follows [DONE]."""
+    finished = complete = False
+    try:
+        async for chunk in stream:
+            yield chunk
+            complete = chunk.endswith(_DONE)
+        finished = True
+    except Exception as e:
+        finished = True
+        if complete:
+            log.info("replica lost after its stream's [DONE]", extra={"fields": {"error": repr(e)}})
+            return
+        log.warning("replica lost mid-stream; ending the stream with an error event",
+                    extra={"fields": {"error": repr(e)}})
+        yield b"data: " + _error_json(_LOST.format(why=type(e).__name__), "server_error", "replica_lost") \
+            + b"\n\n" + _DONE
+    finally:
+        if not finished:  # the client went away: stop the request on the replica
+            stream.cancel()
+
+
 # serve.ingress copies the class when it is decorated: everything its methods use is defined above it.
 @serve.ingress(app)
 class Ingress:
@@ -135,31 +163,12 @@ class Ingress:
         status, out = head["status"], head["headers"]
         media = next((v for k, v in out if k.lower() == "content-type"), "")
         if media.startswith("text/event-stream"):
-            return StreamingResponse(self._events(stream), status_code=status, headers=dict(out))
+            return StreamingResponse(relay_events(stream), status_code=status, headers=dict(out))
         try:  # a whole JSON body is small: collect it, so a replica lost halfway still gets a clean 503
             content = b"".join([chunk async for chunk in stream])
         except Exception as e:
             return _lost(type(e).__name__)
         return Response(content, status_code=status, headers=dict(out))
-
-    @staticmethod
-    async def _events(stream: Any) -> AsyncIterator[bytes]:
-        """The body of a server-sent-events response, relayed whole-event by whole-event; a replica lost
-        mid-stream ends it with an error event and [DONE]."""
-        finished = False
-        try:
-            async for chunk in stream:
-                yield chunk
-            finished = True
-        except Exception as e:
-            finished = True
-            log.warning("replica lost mid-stream; ending the stream with an error event",
-                        extra={"fields": {"error": repr(e)}})
-            yield b"data: " + _error_json(_LOST.format(why=type(e).__name__), "server_error", "replica_lost") \
-                + b"\n\n" + b"data: [DONE]\n\n"
-        finally:
-            if not finished:  # the client went away: stop the request on the replica
-                stream.cancel()
 
     @app.websocket("/{path:path}")
     async def forward_ws(self, path: str, ws: WebSocket) -> None:

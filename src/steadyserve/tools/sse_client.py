@@ -22,6 +22,7 @@ class StreamResult:
     headers: dict[str, str] = field(default_factory=dict)
     events: list[dict[str, Any]] = field(default_factory=list)
     done: bool = False  # saw data: [DONE]
+    num_events_after_done: int = 0  # events a server sent after [DONE] (a client ignores them; none is right)
     finish_reason: str | None = None
     error: dict[str, Any] | None = None  # an error event, or the error body of a non-200
     t_start: float = 0.0
@@ -171,6 +172,8 @@ def _on_event(event: bytes, res: StreamResult) -> None:
         if not line.startswith(b"data:"):
             continue
         data = line[5:].strip()
+        if res.done:
+            res.num_events_after_done += 1
         if data == b"[DONE]":
             res.done = True
             continue
