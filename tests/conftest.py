@@ -59,6 +59,24 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
                         "add it to SKIP_ALLOW_LIST in tests/conftest.py with the reason.")
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector):
+    """A skip raised while collecting (a module-level importorskip) skips the whole module before any test
+    report exists: it is listed, and strict runs fail it, like a run-time skip."""
+    outcome = yield
+    rep = outcome.get_result()
+    if not rep.skipped:
+        return
+    reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
+    allowed = _allowed(rep.nodeid)
+    _skipped.append((rep.nodeid, reason, allowed))
+    if strict_skips() and allowed is None:
+        rep.outcome = "failed"
+        rep.longrepr = (f"SKIP IS AN ERROR here (CI / make test): {rep.nodeid} skipped while collecting: "
+                        f"{reason}\nFix the environment (the reason says how), or add it to SKIP_ALLOW_LIST "
+                        "in tests/conftest.py with why it cannot run on any CI machine.")
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     tr = terminalreporter
     tr.section("skips")

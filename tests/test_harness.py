@@ -25,9 +25,20 @@ def test_skips():
 '''
 
 
-def run_pytest(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+IMPORT_SKIPPING = '''
+import pytest
+
+pytest.importorskip("no_such_module_anywhere")
+
+
+def test_never_collected():
+    assert False
+'''
+
+
+def run_pytest(tmp_path: Path, source: str = SKIPPING, **env: str) -> subprocess.CompletedProcess:
     """A pytest session over one file that skips, with this suite's conftest hooks loaded as a plugin."""
-    (tmp_path / "test_sample.py").write_text(SKIPPING)
+    (tmp_path / "test_sample.py").write_text(source)
     clean = {k: v for k, v in os.environ.items() if k not in ("CI", "STEADYSERVE_STRICT_SKIPS")}
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:randomly",
                            "-p", "no:cacheprovider", str(tmp_path / "test_sample.py")],
@@ -45,6 +56,16 @@ def test_a_skip_is_an_error_in_ci_and_always_reported(tmp_path: Path):
         assert strict.returncode == 1, strict.stdout
         assert "1 failed, 1 passed" in strict.stdout and "SKIP IS AN ERROR" in strict.stdout, strict.stdout
         assert "no widget on this machine" in strict.stdout
+
+
+def test_a_module_skipped_while_collecting_is_reported_and_an_error_in_ci(tmp_path: Path):
+    """A module-level importorskip skips before any test report exists; the hook on collection sees it."""
+    relaxed = run_pytest(tmp_path, IMPORT_SKIPPING)
+    assert relaxed.returncode == 5 and "1 skipped" in relaxed.stdout, relaxed.stdout  # 5: no test ran
+    assert "1 test(s) skipped" in relaxed.stdout and "no_such_module_anywhere" in relaxed.stdout
+    strict = run_pytest(tmp_path, IMPORT_SKIPPING, CI="true")
+    assert strict.returncode == 2, strict.stdout  # 2: a collection error
+    assert "SKIP IS AN ERROR" in strict.stdout and "skipped while collecting" in strict.stdout, strict.stdout
 
 
 def _steadyserve_pids(marker: str) -> list[int]:

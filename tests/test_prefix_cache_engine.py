@@ -110,10 +110,12 @@ def test_shared_prefixes_give_the_uncached_bits(mode, reference):
     expect(name, diffs)
 
 
-def test_multi_turn_reuses_generated_tokens_and_scoring_still_computes_every_token(mode, reference):
+def test_multi_turn_reuses_generated_tokens_and_scoring_still_computes_every_token(loaded, reference):
     """Turn 2 resends turn 1's prompt and answer: blocks holding generated tokens are hit too. A request
-    asking for prompt logprobs takes no hits (they come from hidden states the cache does not keep)."""
-    name, engine = mode
+    asking for prompt logprobs takes no hits (they come from hidden states the cache does not keep).
+    The engine as served only: the broken hash cannot confuse these requests (no block repeats at another
+    position), so a broken run would assert nothing the shared-prefix test above does not."""
+    engine = make_engine(loaded, caching=True)
     vocab = engine.loaded.args.vocab_size
     rng = random.Random(5)
     turn1 = req("t1", tokens(rng, vocab, 50), n=40)
@@ -124,8 +126,6 @@ def test_multi_turn_reuses_generated_tokens_and_scoring_still_computes_every_tok
     got.update(run_requests(engine, [scored]))
     assert got["t2"].num_cached_tokens == 2 * BS  # 90 tokens computed in turn 1 -> two full blocks
     assert got["score"].num_cached_tokens == 0 and got["score"].prompt_logprob_values
-    # The broken hash cannot confuse these (no block repeats at another position): the shared test has
-    # the teeth; here both modes must match the reference.
     for rid, r in (("t2", turn2), ("score", scored)):
         assert diff(got[rid], alone(reference, r)) == 0.0, rid
 

@@ -190,6 +190,20 @@ async def _streams(url: str, n: int, max_tokens: int, results: list[StreamResult
     return await asyncio.gather(*tasks)
 
 
+def _started(r: StreamResult) -> bool:
+    """The stream has its first token, or has already ended another way."""
+    return r.num_tokens > 0 or r.status not in (0, 200) or r.exception is not None
+
+
+async def _until_all_started(progress: list[StreamResult], task: asyncio.Task, timeout: float = 120) -> None:
+    """Wait on the streams themselves, not a timer: a fixed sleep is too short on a loaded machine and
+    too long on a fast one (the streams may be over). The deadline only bounds a hang."""
+    deadline = time.monotonic() + timeout
+    while not all(_started(r) for r in progress) and not task.done():
+        assert time.monotonic() < deadline, f"streams did not start within {timeout} s"
+        await asyncio.sleep(0.02)
+
+
 def test_64_sse_streams_survive_a_killed_replica(ray_app: Deployed) -> None:
     """SIGKILL one replica's worker mid-stream: every stream finishes or ends with an explicit error event."""
     victim = ray_app.cluster.replica_pids()[0]
@@ -201,14 +215,8 @@ def test_64_sse_streams_survive_a_killed_replica(ray_app: Deployed) -> None:
         task = asyncio.create_task(_streams(ray_app.http_url, 64, 256, progress))
         # Kill once every stream has its first token: each is then answered by a replica, so none is retried onto
         # the survivor (whose queue a retried burst would overflow into 429s). A fixed 3 s sleep did that on a
-        # loaded machine (Counter({200: 54, 429: 10})). The deadline only bounds a hang.
-        def started(r: StreamResult) -> bool:
-            return r.num_tokens > 0 or r.status not in (0, 200) or r.exception is not None
-
-        deadline = time.monotonic() + 120
-        while not all(started(r) for r in progress) and not task.done():
-            assert time.monotonic() < deadline, "streams did not start within 120 s"
-            await asyncio.sleep(0.02)
+        # loaded machine (Counter({200: 54, 429: 10})).
+        await _until_all_started(progress, task)
         os.kill(victim, signal.SIGKILL)
         return await task
 
@@ -295,8 +303,9 @@ def test_a_downscaled_replica_drains_and_autoscaling_adds_one_under_load(ray_app
         async def downscale() -> tuple[list, Counter]:
             """24 streams, then the downscale, while new requests keep arriving (one every 50 ms): Ray must
             stop routing to the leaving replica before it drains, so every new request is served too."""
-            task = asyncio.create_task(_streams(ray_app.http_url, 24, 256))
-            await asyncio.sleep(2.0)
+            progress = [StreamResult() for _ in range(24)]
+            task = asyncio.create_task(_streams(ray_app.http_url, 24, 256, progress))
+            await _until_all_started(progress, task)  # every stream is on a replica when the downscale starts
             deploy = asyncio.create_task(asyncio.to_thread(ray_app.deploy, 1))
             statuses: Counter = Counter()
             async with httpx.AsyncClient(timeout=120) as client:

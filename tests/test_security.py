@@ -156,32 +156,41 @@ def test_grpc_api_key_metadata(plain):
 
 
 def test_key_comparison_is_constant_time(monkeypatch):
-    """Both front ends compare the key with hmac.compare_digest (constant-time), never with ==."""
+    """Both front ends let hmac.compare_digest (constant-time) alone decide whether a key matches, never ==:
+    with compare_digest made to answer True for every key, a wrong key gets in; made to answer False, the right
+    key does not. An extra == before or beside it would change one of those answers."""
     from steadyserve.api.grpc import interceptor as gi
     from steadyserve.api.http import envelope as http_app
 
     calls = []
-    real = hmac.compare_digest
-
-    def spy(a, b):
-        calls.append((a, b))
-        return real(a, b)
-
-    monkeypatch.setattr(http_app.hmac, "compare_digest", spy)
-    monkeypatch.setattr(gi.hmac, "compare_digest", spy)
     state = SimpleNamespace(config=SimpleNamespace(server=SimpleNamespace(api_key="secret", metrics_public=True)),
                             fingerprint="fp", metrics=None)
-    env = http_app.Envelope(None, state)
-    assert env._authorized({"type": "http", "path": "/v1/completions",
-                            "headers": [(b"authorization", b"Bearer secret")]})
-    assert not env._authorized({"type": "http", "path": "/v1/completions",
-                                "headers": [(b"authorization", b"Bearer secreT")]})
-    assert not env._authorized({"type": "http", "path": "/v1/completions", "headers": []})
-    icpt = gi.ServerInterceptor(state)
-    details = SimpleNamespace(invocation_metadata=(("authorization", "Bearer secret"),))
-    assert icpt._authorized(details, "steadyserve.v1.Inference")
-    assert not icpt._authorized(SimpleNamespace(invocation_metadata=()), "steadyserve.v1.Inference")
-    assert len(calls) == 5 and all(b == b"secret" for _, b in calls)
+
+    def http_ok(key: bytes | None) -> bool:
+        headers = [(b"authorization", b"Bearer " + key)] if key is not None else []
+        return http_app.Envelope(None, state)._authorized({"type": "http", "path": "/v1/completions",
+                                                          "headers": headers})
+
+    def grpc_ok(key: str | None) -> bool:
+        md = (("authorization", f"Bearer {key}"),) if key is not None else ()
+        return gi.ServerInterceptor(state)._authorized(SimpleNamespace(invocation_metadata=md),
+                                                       "steadyserve.v1.Inference")
+
+    for verdict in (True, False):
+        def spy(a, b, verdict=verdict):
+            calls.append((a, b))
+            return verdict
+
+        monkeypatch.setattr(http_app.hmac, "compare_digest", spy)
+        monkeypatch.setattr(gi.hmac, "compare_digest", spy)
+        for key in ("secret", "secreT", "wrong key"):
+            assert http_ok(key.encode()) is verdict, (key, verdict)
+            assert grpc_ok(key) is verdict, (key, verdict)
+    assert len(calls) == 12 and all(b == b"secret" for _, b in calls)
+    monkeypatch.undo()  # the real compare_digest: the right key only
+    assert http_ok(b"secret") and grpc_ok("secret")
+    assert not http_ok(None) and not http_ok(b"") and not http_ok(b"secreT")
+    assert not grpc_ok(None) and not grpc_ok("") and not grpc_ok("secreT")
 
 
 # ---- TLS, env-var key, --metrics-auth ------------------------------------------------------------------

@@ -18,6 +18,7 @@ from steadyserve.engine.offline import run_requests
 from steadyserve.engine.sequence import Request, SamplingParams
 from steadyserve.engine.structured import json_schema_grammar
 from steadyserve.models.loader import load_model
+from steadyserve.testing.drift import install_batch_drift
 from steadyserve.testing.server import ServerProcess
 
 # Bounded: every value has a bounded length, so a random model must finish the object within max_tokens.
@@ -52,19 +53,34 @@ def test_every_sampled_output_parses_and_validates(engine) -> None:
     assert len({c.text for c in done.values()}) > 5  # constrained, still sampled
 
 
-def test_the_grammar_leaves_the_request_invariant_and_others_untouched(engine) -> None:
+def _grammar_among_plain(engine, prompt: list[int], plain: list[Request]) -> list[str]:
+    """Run the structured request alone, the plain ones alone, then all mixed in one batch; name every
+    request whose tokens or logprobs differ between the two."""
+    alone = run_requests(engine, [structured("s", prompt, seed=3)])
+    alone.update(run_requests(engine, [Request(r.request_id, r.prompt_token_ids, r.params) for r in plain]))
+    mixed = run_requests(engine, plain[:3] + [structured("s", prompt, seed=3)] + plain[3:])
+    return [rid for rid, c in alone.items()
+            if (mixed[rid].token_ids, mixed[rid].logprob_values) != (c.token_ids, c.logprob_values)]
+
+
+@pytest.mark.parametrize("drift", [False, True], ids=["invariant", "broken"])
+def test_the_grammar_leaves_the_request_invariant_and_others_untouched(engine, drift: bool) -> None:
+    """Broken: a TEST-ONLY batch drift (testing/drift.py) makes each row depend on its batch; the same
+    comparison must then name every request, the structured one included."""
     rng = random.Random(1)
     vocab = engine.loaded.args.vocab_size
     prompt = [rng.randrange(vocab) for _ in range(40)]
     plain = [Request(f"p{i}", [rng.randrange(vocab) for _ in range(9)],
                      SamplingParams(max_tokens=8, temperature=0, logprobs=0, ignore_eos=True)) for i in range(6)]
+    restore = install_batch_drift(engine) if drift else (lambda: None)
+    try:
+        differing = _grammar_among_plain(engine, prompt, plain)
+    finally:
+        restore()
+    assert differing == (["s"] + [r.request_id for r in plain] if drift else []), differing
+    if drift:
+        return
     alone = run_requests(engine, [structured("s", prompt, seed=3)])["s"]
-    plain_alone = run_requests(engine, [Request(r.request_id, r.prompt_token_ids, r.params) for r in plain])
-    mixed = run_requests(engine, plain[:3] + [structured("s", prompt, seed=3)] + plain[3:])
-    assert mixed["s"].token_ids == alone.token_ids and mixed["s"].logprob_values == alone.logprob_values
-    for r in plain:
-        assert mixed[r.request_id].token_ids == plain_alone[r.request_id].token_ids
-        assert mixed[r.request_id].logprob_values == plain_alone[r.request_id].logprob_values
     # The mask does something: unconstrained, the same seed samples text that is not this schema's JSON.
     free = run_requests(engine, [Request("f", prompt, SamplingParams(max_tokens=64, temperature=1.0, seed=3))])["f"]
     assert free.token_ids != alone.token_ids
