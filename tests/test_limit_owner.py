@@ -35,3 +35,29 @@ def test_the_openapi_schema_still_shows_the_ranges(model: type) -> None:
     assert props["repetition_penalty"]["exclusiveMinimum"] == 0 and props["repetition_penalty"]["maximum"] == 10
     assert props["seed"]["maximum"] == 2**64 - 1
     assert props["presence_penalty"]["minimum"] == -2
+    if model is ChatCompletionRequest:
+        assert props["top_logprobs"]["maximum"] == 20 and props["max_completion_tokens"]["minimum"] == 0
+    assert props["max_tokens"]["minimum"] == 0
+
+
+@pytest.mark.parametrize("value", [-1, 21])
+def test_chat_top_logprobs_has_one_range_check_and_is_named_as_sent(value: int) -> None:
+    """Not pydantic's le/ge: the range of the completions' logprobs (limits.MAX_LOGPROBS), named top_logprobs
+    (without logprobs: true it is refused for that first)."""
+    with pytest.raises(InvalidRequest) as e:
+        request_spec({"messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": value},
+                     "chat", "http", "r")
+    assert (e.value.param, e.value.reason, str(e.value)) == \
+        ("top_logprobs", "invalid_value", "top_logprobs must be in 0..20")
+    with pytest.raises(InvalidRequest) as completions:
+        SamplingParams(max_tokens=16, logprobs=value).validate()
+    assert str(completions.value) == "logprobs must be in 0..20"
+
+
+@pytest.mark.parametrize("kind, field", [("completion", "max_tokens"), ("chat", "max_tokens"),
+                                         ("chat", "max_completion_tokens")])
+def test_a_negative_max_tokens_passes_the_schema_for_requests_build_to_refuse(kind: str, field: str) -> None:
+    """resolve_max_tokens owns max_tokens' range (>= 0, >= 1 for chat, <= --max-tokens-cap)."""
+    body = {"prompt": "a"} if kind == "completion" else {"messages": [{"role": "user", "content": "a"}]}
+    spec = request_spec({**body, field: -1}, kind, "http", "r")
+    assert spec.requested_max_tokens == -1 and spec.max_tokens_param == field

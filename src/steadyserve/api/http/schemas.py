@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt
 from ...engine.sequence import SamplingParams
 from ..tools import ToolRequest, parse_tool, parse_tool_choice, tool_request
 from ...limits import (CHAT_ROLES, MAX_CHOICES, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_STOP_STRINGS,
-                       MAX_TEMPERATURE, SEED_MAX, SEED_MIN, InvalidRequest)
+                       MAX_TEMPERATURE, SEED_MAX, SEED_MIN, InvalidRequest, check_range)
 
 # A JSON number (ints too), never a numeric string or a bool. NaN/Infinity fail the range checks.
 Number = Annotated[float, Strict()]
@@ -83,9 +83,9 @@ class _Common(BaseModel):
 
     model: str | None = Field(default=None, description="the served model's id (GET /v1/models); any other is a 404, "
                               "leaving it out means the served model")
-    max_tokens: StrictInt | None = Field(default=None, ge=0, description="most tokens to generate; default 16 for "
+    max_tokens: StrictInt | None = Field(default=None, description="most tokens to generate; default 16 for "
                                          "completions, 512 for chat, never more than the context leaves; at most "
-                                         "--max-tokens-cap")
+                                         "--max-tokens-cap", json_schema_extra=shared_range(0))
     temperature: Number = Field(default=1.0, description="sampling temperature; 0 is greedy",
                                 json_schema_extra=shared_range(0.0, MAX_TEMPERATURE))
     top_p: Number = Field(default=1.0, description="nucleus sampling: keep the most likely tokens "
@@ -259,10 +259,11 @@ class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(description="the conversation, rendered with the model's chat template",
                                         json_schema_extra={"minItems": 1})  # checked by requests.build
     logprobs: StrictBool = Field(default=False, description="return the logprob of each generated token")
-    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS, description="with logprobs: this "
-                                           "many most likely alternatives per position")
-    max_completion_tokens: StrictInt | None = Field(default=None, ge=0, description="the newer name of max_tokens; "
-                                                    "wins when both are given")
+    top_logprobs: StrictInt | None = Field(default=None, description="with logprobs: this many most likely "
+                                           "alternatives per position",
+                                           json_schema_extra=shared_range(0, MAX_LOGPROBS))
+    max_completion_tokens: StrictInt | None = Field(default=None, description="the newer name of max_tokens; "
+                                                    "wins when both are given", json_schema_extra=shared_range(0))
     tools: list[dict[str, Any]] | None = Field(default=None, description='functions the model may call: '
                                                '[{"type": "function", "function": {"name", "description", '
                                                '"parameters": JSON schema}}]; a call\'s arguments follow its '
@@ -289,6 +290,8 @@ class ChatCompletionRequest(_Common):
             raise InvalidRequest("ignore_eos", "ignore_eos cannot be combined with response_format: a finished "
                                  "structure ends with end-of-sequence")
         mt = self.requested_max_tokens
+        if self.top_logprobs is not None:  # its one check, the completions' logprobs range, named as sent
+            check_range("top_logprobs", self.top_logprobs, 0, MAX_LOGPROBS)
         return SamplingParams(
             max_tokens=mt if mt is not None else default_max_tokens,
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
