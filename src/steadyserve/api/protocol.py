@@ -12,13 +12,16 @@ from ..limits import CHAT_ROLES, InvalidRequest
 from .tools import ToolRequest, format_for
 
 
-def encode_prompt(tokenizer: Any, prompt: str | list[int], param: str = "prompt") -> list[int]:
-    """A string is tokenized (with the model's BOS policy); a list is taken as token ids (range-checked by the
-    caller, requests.check_token_ids, as is the length)."""
+def encode_prompt(tokenizer: Any, prompt: str | list[int], param: str = "prompt", *,
+                  add_special_tokens: bool = True, allow_empty: bool = False) -> list[int]:
+    """The one text -> token ids path (generation, Score, gRPC Tokenize and HTTP /tokenize). A string is
+    tokenized (with the model's BOS policy, unless add_special_tokens=False); a list is taken as token ids
+    (range-checked by the caller, requests.check_token_ids, as is the length). Only /tokenize allows an empty
+    string: it answers what the text encodes to, and generation needs at least one token."""
     if isinstance(prompt, str):
-        if not prompt:
+        if not prompt and not allow_empty:
             raise InvalidRequest(param, f"{param} must not be empty")
-        ids = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        ids = list(tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
     else:
         if not prompt:
             raise InvalidRequest(param, f"{param} must not be empty")

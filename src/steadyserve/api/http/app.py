@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ...limits import Refused, check_token_ids
 from ...platform_info import platform_info, row_tiles_of
 from ..events import sum_usage
-from ..protocol import render_chat
+from ..protocol import encode_prompt, render_chat
 from ..requests import admit, check_model
 from ..responses_store import ResponseStore
 from ..state import ServerState
@@ -111,7 +111,7 @@ def create_app(state: ServerState) -> FastAPI:
         if req.messages is not None:
             ids = render_chat(tok, req.message_dicts())
         else:
-            ids = list(tok(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"])
+            ids = encode_prompt(tok, req.prompt, add_special_tokens=req.add_special_tokens, allow_empty=True)
         return {"count": len(ids), "max_model_len": state.loaded.max_model_len, "tokens": ids}
 
     def detokenize(body: Any) -> dict[str, Any]:
