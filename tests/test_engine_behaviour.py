@@ -77,14 +77,14 @@ def test_larger_than_the_whole_cache_is_refused_at_once(loaded):
 
 
 @pytest.mark.parametrize("prompt, params, param, reason", [
-    ([], SamplingParams(), "prompt", "invalid"),
+    ([], SamplingParams(), "prompt", "invalid_value"),
     # The token range is the request builder's check (steadyserve.limits.check_token_ids), reason and all.
     ([1, 10 ** 6], SamplingParams(), "prompt[1]", "invalid_value"),
-    ([1], SamplingParams(temperature=-1), "temperature", "invalid"),
-    ([1], SamplingParams(top_p=0), "top_p", "invalid"),
-    ([1], SamplingParams(max_tokens=0), "max_tokens", "invalid"),
-    ([1], SamplingParams(logprobs=21), "logprobs", "invalid"),
-    ([1], SamplingParams(stop=[""]), "stop", "invalid"),
+    ([1], SamplingParams(temperature=-1), "temperature", "invalid_value"),
+    ([1], SamplingParams(top_p=0), "top_p", "invalid_value"),
+    ([1], SamplingParams(max_tokens=0), "max_tokens", "invalid_value"),
+    ([1], SamplingParams(logprobs=21), "logprobs", "invalid_value"),
+    ([1], SamplingParams(stop=[""]), "stop", "invalid_value"),
 ])
 def test_invalid_requests(engine, prompt, params, param, reason):
     with pytest.raises(Refused) as e:

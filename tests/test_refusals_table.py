@@ -103,7 +103,7 @@ def rows(vocab_size: int, context: int, filling_chat: list[dict[str, str]]) -> l
             generate_request(messages=[*CHAT, {"role": "tool", "content": "sunny"}]), "invalid_value",
             "messages[1].tool_call_id", "chat.messages[1].tool_call_id"),
         Row("stop-token-id-out-of-vocab", {"prompt": "hi", "stop_token_ids": [vocab_size]},
-            generate_request("hi", stop_token_ids=[vocab_size]), "invalid", "stop_token_ids", "params.stop_token_ids"),
+            generate_request("hi", stop_token_ids=[vocab_size]), "invalid_value", "stop_token_ids", "params.stop_token_ids"),
     ]
 
 

@@ -24,7 +24,7 @@ from .model_runner import ModelRunner, SeqResult
 from .sampler import NumericalError, make_generator, process_row, sample, token_logprob
 from .scheduler import ScheduledSeq, Scheduler
 from .stop import end_token_ids, final_reason, stop_reason
-from ..limits import InvalidRequest, Refused, check_token_ids
+from ..limits import Refused, check_token_ids
 from .sequence import Request, RequestOutput, Sequence, TokenLogprob
 from .structured import Grammars
 
@@ -87,18 +87,16 @@ class LLMEngine:
 
     # ---- admission -------------------------------------------------------
     def check(self, request: Request) -> None:
-        """Refuse at once what can never run. Raises Refused (reasons: too_long | invalid).
+        """Refuse at once what can never run. Raises Refused (reasons: too_long | invalid_value, the request
+        builder's reason for a field's value, so a client sees one code whichever side refused).
 
         The server runs it once per request, on the event loop at submit (AsyncEngine.submit_all); offline
         callers get it from add_request."""
         p = request.params
-        try:
-            p.validate()
-        except InvalidRequest as e:  # the engine's own reason for a field out of range
-            raise Refused("invalid", str(e), e.param) from None
+        p.validate()  # InvalidRequest: a Refused with the builder's reason, invalid_value
         n = len(request.prompt_token_ids)
         if n == 0:
-            raise Refused("invalid", "the prompt is empty", "prompt")
+            raise Refused("invalid_value", "the prompt is empty", "prompt")
         vocab = self.loaded.args.vocab_size
         # The request builder's own token-range and grammar checks (steadyserve.limits, Grammars.check): a
         # server request passed them already, an offline one gets the same reason, field and message.
@@ -107,11 +105,11 @@ class LLMEngine:
             self.grammars.check(p.grammar)
         bad_bias = next((t for t in p.logit_bias if not 0 <= t < vocab), None)
         if bad_bias is not None:
-            raise Refused("invalid", f"logit_bias: {bad_bias} is not a token id of this model "
+            raise Refused("invalid_value", f"logit_bias: {bad_bias} is not a token id of this model "
                           f"(0..{vocab - 1})", "logit_bias")
         bad_stop = next((t for t in p.stop_token_ids if not 0 <= t < vocab), None)
         if bad_stop is not None:
-            raise Refused("invalid", f"stop_token_ids: {bad_stop} is not a token id of this model "
+            raise Refused("invalid_value", f"stop_token_ids: {bad_stop} is not a token id of this model "
                           f"(0..{vocab - 1})", "stop_token_ids")
         total = n + p.max_tokens
         if total > self.max_model_len:
