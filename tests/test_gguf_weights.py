@@ -112,3 +112,36 @@ def test_a_converted_ggufs_light_config_and_tokenizer_equal_transformers_auto_cl
     assert (tl.bos_token_id, tl.eos_token_id, tl.pad_token_id) == (ta.bos_token_id, ta.eos_token_id, ta.pad_token_id)
     assert tl.get_added_vocab() == ta.get_added_vocab()
     assert tl.backend_tokenizer.to_str() == ta.backend_tokenizer.to_str()
+
+
+def test_olmo2_smollm3_granite_names_map_and_olmo2_has_no_pre_norms():
+    assert hf_name("blk.1.post_ffw_norm.weight", "olmo2") == "model.layers.1.post_feedforward_layernorm.weight"
+    assert hf_name("blk.1.attn_q_norm.weight", "olmo2") == "model.layers.1.self_attn.q_norm.weight"
+    assert hf_name("blk.1.ffn_norm.weight", "granite") == "model.layers.1.post_attention_layernorm.weight"
+    assert hf_name("rope_freqs.weight", "smollm3") is None
+    with pytest.raises(ValueError, match=r"blk\.0\.attn_norm\.weight: tensor 'attn_norm'"):
+        hf_name("blk.0.attn_norm.weight", "olmo2")
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "mamba"])
+def test_a_gguf_of_an_unsupported_architecture_is_refused_with_its_name_and_the_supported_list(arch, tmp_path):
+    """Refused from the metadata alone, before any tensor is read or anything is cached (transformers reads a
+    gpt2 file; steadyserve does not serve it)."""
+    import gguf
+    import numpy as np
+
+    from steadyserve.models.gguf_config import supported_gguf
+
+    path = tmp_path / f"tiny-{arch}.gguf"
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(LoadError, match=rf"unsupported GGUF architecture '{arch}'; supported: ") as e:
+        load_model(str(path), cache_dir=str(tmp_path / "cache"))
+    assert str(path) in str(e.value) and all(name in str(e.value) for name in supported_gguf())
+    assert {"olmo2", "smollm3", "granite", "qwen3", "gemma3", "phi3"} <= set(supported_gguf())
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.json"))
