@@ -67,7 +67,8 @@ def supported_gguf() -> list[str]:
 def gguf_arch(architecture: str) -> GgufArch:
     """The entry for `general.architecture`; GgufConfigError naming it and the supported list otherwise."""
     if architecture not in GGUF_ARCHITECTURES:
-        raise GgufConfigError(f"unsupported GGUF architecture {architecture!r}; supported: {', '.join(supported_gguf())}")
+        raise GgufConfigError(f"unsupported GGUF architecture {architecture!r}; "
+                              f"supported: {', '.join(supported_gguf())}")
     return GGUF_ARCHITECTURES[architecture]
 
 

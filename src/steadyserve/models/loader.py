@@ -134,11 +134,9 @@ CONVERTER_VERSION = 3
 
 
 def convert_gguf(path: Path, cache_dir: str = "", with_weights: bool = True) -> tuple[Path, bool]:
-    """A GGUF file's config and tokenizer, and with_weights its tensors dequantized to float32
-    safetensors, in a cached HF directory. Returns (dir, was_cached).
-
-    The config comes from transformers' GGUF loader, or from gguf_config.py for the architectures
-    transformers has no map for; a file of any other architecture is refused by name."""
+    """A GGUF file's config and tokenizer, and with_weights its tensors dequantized to float32 safetensors, in a
+    cached HF directory. Returns (dir, was_cached). The config comes from transformers' GGUF loader, or from
+    gguf_config.py where transformers has no map; a file of any other architecture is refused by name."""
     digest = _sha256_files([path])[:16]
     kind = "" if with_weights else "-meta"
     out = cache_root(cache_dir) / "gguf" / f"{path.stem}-{digest}-c{CONVERTER_VERSION}{kind}"
@@ -149,19 +147,17 @@ def convert_gguf(path: Path, cache_dir: str = "", with_weights: bool = True) -> 
     from .gguf_config import GgufConfigError, gguf_arch, read_metadata
 
     try:
-        try:
-            metadata, names = read_metadata(path)
-        except Exception as e:  # truncated or foreign files fail deep inside the readers
-            raise LoadError(f"{path}: not a readable GGUF model ({type(e).__name__}: {_first_line(e)})") from None
-        entry = gguf_arch(str(metadata.get("general.architecture", "?")))
+        metadata, names = read_metadata(path)
+        entry = gguf_arch(str(metadata.get("general.architecture", "?")))  # refused here, before any tensor
         convert = _convert_own if entry.own_map else _convert_with_transformers
         hf_config, tensors, tokenizer = convert(path, metadata, names, with_weights)
     except GgufConfigError as e:
         raise LoadError(f"{path}: {e}") from None
     except LoadError:
         raise
-    except Exception as e:
-        raise LoadError(f"{path}: not a readable GGUF model ({type(e).__name__}: {_first_line(e)})") from None
+    except Exception as e:  # truncated or foreign files fail deep inside the readers
+        why = str(e).splitlines()[0] if str(e) else ""
+        raise LoadError(f"{path}: not a readable GGUF model ({type(e).__name__}: {why})") from None
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -176,14 +172,10 @@ def convert_gguf(path: Path, cache_dir: str = "", with_weights: bool = True) -> 
     return out, False
 
 
-def _first_line(e: Exception) -> str:
-    return str(e).splitlines()[0] if str(e) else ""
-
-
 def _convert_with_transformers(path: Path, metadata: dict[str, Any], names: tuple[str, ...],
                                with_weights: bool) -> tuple[Any, dict[str, torch.Tensor], Any]:
-    """Config, tensors and tokenizer as transformers' GGUF loader reads them (with the config fields it
-    drops put back: gguf_config.fix_transformers_config)."""
+    """Config, tensors and tokenizer as transformers' GGUF loader reads them, plus what it drops
+    (gguf_config.fix_transformers_config)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
@@ -203,9 +195,9 @@ def _convert_with_transformers(path: Path, metadata: dict[str, Any], names: tupl
 
 def _convert_own(path: Path, metadata: dict[str, Any], names: tuple[str, ...],
                  with_weights: bool) -> tuple[Any, dict[str, torch.Tensor], Any]:
-    """Config from gguf_config.py, tensors dequantized by our own reader (gguf.read_float32), and the
-    tokenizer as transformers converts a GGUF vocabulary (its conversion does not depend on the
-    architecture), through the generic class: transformers picks no class for a file it cannot read."""
+    """Config from gguf_config.py, tensors dequantized by our own reader (gguf.read_float32), and the tokenizer
+    as transformers converts a GGUF vocabulary (whatever the architecture), in the generic class (transformers
+    picks no class for a file it cannot read)."""
     import transformers
     from transformers import AutoConfig
 
@@ -213,9 +205,9 @@ def _convert_own(path: Path, metadata: dict[str, Any], names: tuple[str, ...],
     from .gguf_config import own_config
 
     cfg_dict = own_config(metadata, names)
+    heads = (cfg_dict["num_attention_heads"], cfg_dict["num_key_value_heads"])
+    tensors = read_float32(path, *heads) if with_weights else {}
     hf_config = AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
-    args = model_args(hf_config)
-    tensors = read_float32(path, args.num_heads, args.num_kv_heads) if with_weights else {}
     tokenizer = transformers.TokenizersBackend.from_pretrained(str(path.parent), gguf_file=path.name)
     return hf_config, tensors, tokenizer
 

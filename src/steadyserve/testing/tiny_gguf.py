@@ -106,7 +106,8 @@ def _add_hparams(w, cfg, raw: dict, arch: str) -> None:
         if arch == "granite":  # each only when nonzero, as GraniteModel writes them
             for value, add in ((cfg.attention_multiplier, w.add_attention_scale),
                                (cfg.embedding_multiplier, w.add_embedding_scale),
-                               (cfg.residual_multiplier, w.add_residual_scale), (cfg.logits_scaling, w.add_logit_scale)):
+                               (cfg.residual_multiplier, w.add_residual_scale),
+                               (cfg.logits_scaling, w.add_logit_scale)):
                 if value:
                     add(float(value))
         return

@@ -48,8 +48,8 @@ def _tokenizer(vocab_size: int, chat_template: str | None = None):
 
 def build_tiny_model(out_dir: str | Path, arch: str = "llama", size: str = "tiny", seed: int = 0,
                      max_position_embeddings: int = 512, chat_template: str | None = None) -> Path:
-    """Write a random model to out_dir and return it. arch: llama | qwen2 | mistral | llama3 | qwen3 | qwen3-hd48 | gemma3
-    | phi3 | phi3-longrope | olmo2 | smollm3 | granite | gemma2 | gemma3-linear.
+    """Write a random model to out_dir and return it. arch: llama | qwen2 | mistral | llama3 | qwen3 | qwen3-hd48
+    | gemma3 | phi3 | phi3-longrope | olmo2 | smollm3 | granite | gemma2 | gemma3-linear.
     `chat_template`: another template than the ChatML default (tests of templates that know tools)."""
     import torch
     from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GraniteConfig, GraniteForCausalLM, LlamaConfig,
