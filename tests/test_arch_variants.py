@@ -244,6 +244,17 @@ def test_prefix_cache_gives_the_uncached_bits(bi_engine, broken, monkeypatch):
     prefix_cache.test_shared_prefixes_give_the_uncached_bits(("broken" if broken else "invariant", engine), reference)
 
 
+@pytest.mark.parametrize("numerics", ["portable", "host"])
+def test_qwen3_head_dim_comes_from_key_length(tiny, numerics, monkeypatch, tmp_path):
+    """Without taking head_dim from qwen3.attention.key_length (transformers' map ignores it: 128), the head_dim-48
+    file does not load; with it, it is at parity (test_tiny_parity_from_gguf)."""
+    from steadyserve.models.loader import LoadError
+
+    monkeypatch.setattr(gguf_config, "fix_transformers_config", lambda md, cfg: cfg)
+    with pytest.raises(LoadError, match="weights do not match config.json"):
+        load_model(tiny["qwen3-hd48-gguf"], max_model_len=512, cache_dir=str(tmp_path), numerics=numerics)
+
+
 def test_phi3_longrope_is_served_up_to_its_original_length(tiny):
     """Past original_max_position_embeddings transformers re-rotates every position with long_factor;
     a table by position cannot, so the context stops there (models/phi3.py)."""
