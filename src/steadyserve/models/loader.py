@@ -208,7 +208,8 @@ def _convert_own(path: Path, metadata: dict[str, Any], names: tuple[str, ...],
     heads = (cfg_dict["num_attention_heads"], cfg_dict["num_key_value_heads"])
     tensors = read_float32(path, *heads) if with_weights else {}
     hf_config = AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
-    tokenizer = transformers.TokenizersBackend.from_pretrained(str(path.parent), gguf_file=path.name)
+    generic = getattr(transformers, "TokenizersBackend", None) or transformers.PreTrainedTokenizerFast  # v5, v4
+    tokenizer = generic.from_pretrained(str(path.parent), gguf_file=path.name)
     return hf_config, tensors, tokenizer
 
 
