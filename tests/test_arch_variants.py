@@ -9,9 +9,11 @@ sliding layers (window 16, shorter than the prompts) and one global layer, each 
 RoPE base; the tiny Gemma 2 alternates local and global layers and soft-caps scores (2.0) and
 logits (3.0) hard enough to matter (its GGUF gets transformers' defaults, 50 and 30); the tiny Phi-3 has fused matrices and a window of 24 on every layer, and a second one
 LongRoPE (HF only: transformers reads no LongRoPE from a GGUF); a Gemma 3 with linear RoPE scaling on
-its global layers only (as Gemma 3 4B and up) is HF only too, for the same reason. OLMo 2, SmolLM3 and Granite are
-HF directories only: transformers has no GGUF config map for them, so there is no GGUF reference
-(and steadyserve's GGUF loading takes its config from transformers). Then the engine invariance checks of test_engine_invariance (and the prefix cache's) run on them, each also
+its global layers only (as Gemma 3 4B and up) is HF only too, for the same reason. transformers cannot read an
+OLMo 2, SmolLM3 or Granite GGUF (it has no config map for them; steadyserve's is models/gguf_config.py), nor a
+Qwen3 one whose head_dim is not 128 (it ignores attention.key_length): for those the writer also saves the HF
+model with the weights the file stores (each matrix through Q8_0 and back), and transformers on that directory is
+the reference on the same weights. Then the engine invariance checks of test_engine_invariance (and the prefix cache's) run on them, each also
 against a TEST-ONLY drift that they must catch, and parity is shown to fail when a Gemma feature
 is switched off (the tests can fail).
 """
@@ -28,6 +30,7 @@ import test_prefix_cache_engine as prefix_cache
 from steadyserve.engine.block_manager import BlockManager
 from steadyserve.models import registry
 from steadyserve.models import gguf as gguf_mod
+from steadyserve.models import gguf_config
 from steadyserve.models.extended import ExtendedTransformer
 from steadyserve.models.loader import load_model
 from steadyserve.testing import build_tiny_model
@@ -35,10 +38,11 @@ from steadyserve.testing.drift import install_batch_drift
 from steadyserve.testing.tiny_gguf import write_tiny_gguf
 from test_engine_invariance import (PROCESSORS, chunked_vs_whole, engine_for, expect, probe_vs_batches,
                                     score_vs_generate)
-from test_models_parity import check_parity, prompts_for
+from test_models_parity import check_parity, hf_model, prompts_for
 
-ARCHS = ["gemma3", "gemma2", "qwen3", "phi3"]  # safetensors and GGUF
-HF_ONLY = ["gemma3-linear", "phi3-longrope", "olmo2", "smollm3", "granite"]  # transformers reads none of these from a GGUF
+ARCHS = ["gemma3", "gemma2", "qwen3", "phi3"]  # safetensors and GGUF; the GGUF's reference: transformers reading it
+OWN_GGUF = ["olmo2", "smollm3", "granite", "qwen3-hd48"]  # safetensors and GGUF; the GGUF's reference: its weights, HF
+HF_ONLY = ["gemma3-linear", "phi3-longrope"]  # transformers reads neither LongRoPE nor linear scaling from a GGUF
 
 
 def hf_gguf_model(path: str):
@@ -48,19 +52,27 @@ def hf_gguf_model(path: str):
     return AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32).eval()
 
 
+def gguf_reference(tiny: dict[str, str], arch: str):
+    """transformers on the weights of tiny[arch + "-gguf"]: reading the file, or the HF directory of what it stores."""
+    return hf_gguf_model(tiny[f"{arch}-gguf"]) if arch in ARCHS else hf_model(tiny[f"{arch}-stored"])
+
+
 @pytest.fixture(scope="module")
 def tiny(models_dir: Path) -> dict[str, str]:
-    """arch -> HF directory, and arch + "-gguf" -> the same weights as a GGUF file."""
+    """arch -> HF directory, arch + "-gguf" -> the same weights as a GGUF file, and for OWN_GGUF
+    arch + "-stored" -> the HF directory of the weights that file stores."""
     out = {}
-    for arch in ARCHS:
+    for arch in ARCHS + OWN_GGUF:
         d = models_dir / f"tiny-{arch}"
         if not d.exists():
             build_tiny_model(d, arch=arch)
         out[arch] = str(d)
-        g = models_dir / f"tiny-{arch}.gguf"
+        g, stored = models_dir / f"tiny-{arch}.gguf", models_dir / f"tiny-{arch}-stored"
         if not g.exists():
-            write_tiny_gguf(d, g)
+            write_tiny_gguf(d, g, reference_dir=stored if arch in OWN_GGUF else None)
         out[f"{arch}-gguf"] = str(g)
+        if arch in OWN_GGUF:
+            out[f"{arch}-stored"] = str(stored)
     for arch in HF_ONLY:
         d = models_dir / f"tiny-{arch}"
         if not d.exists():
@@ -69,7 +81,7 @@ def tiny(models_dir: Path) -> dict[str, str]:
     return out
 
 
-@pytest.mark.parametrize("arch", ARCHS + HF_ONLY)
+@pytest.mark.parametrize("arch", ARCHS + OWN_GGUF + HF_ONLY)
 @pytest.mark.parametrize("invariant", [True, False], ids=["invariant", "plain"])
 def test_tiny_parity_from_safetensors(tiny, arch, invariant):
     loaded = load_model(tiny[arch], batch_invariant=invariant, max_model_len=512)
@@ -78,18 +90,51 @@ def test_tiny_parity_from_safetensors(tiny, arch, invariant):
                  prompts_for(loaded.tokenizer, loaded.args.vocab_size))
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + OWN_GGUF)
 @pytest.mark.parametrize("numerics", ["portable", "host"])
 def test_tiny_parity_from_gguf(tiny, arch, numerics, tmp_path):
     """Portable: the stored Q8_0 blocks; host: the GGUF dequantized to float32 safetensors by transformers
-    (Gemma's norms then already have the 1 subtracted, and the HF-directory path adds it back)."""
+    (Gemma's norms then already have the 1 subtracted, and the HF-directory path adds it back), or for
+    OWN_GGUF by gguf-py through steadyserve's own reader, with the config from models/gguf_config.py."""
     path = tiny[f"{arch}-gguf"]
     loaded = load_model(path, max_model_len=512, cache_dir=str(tmp_path), numerics=numerics)
     assert loaded.numerics is not None and loaded.numerics.mode == numerics
     if numerics == "portable":
         assert {p.format_name for lw in loaded.model.layers for p in lw.wqkv.parts} == {"Q8_0"}  # type: ignore[union-attr]
     check_parity(f"tiny-{arch}-gguf-{numerics}", loaded, path, prompts_for(loaded.tokenizer, loaded.args.vocab_size),
-                 ref=hf_gguf_model(path))
+                 ref=gguf_reference(tiny, arch))
+
+
+def as_stored(args):
+    """args with every float field rounded to float32, as GGUF metadata stores it (rms_norm_eps 1e-5 is read back
+    as 9.99999975e-06, by transformers' GGUF loader too)."""
+    import numpy as np
+
+    return dataclasses.replace(args, **{f.name: float(np.float32(getattr(args, f.name)))
+                                        for f in dataclasses.fields(args) if isinstance(getattr(args, f.name), float)})
+
+
+@pytest.mark.parametrize("arch", OWN_GGUF)
+def test_own_gguf_config_gives_the_hf_directorys_model(tiny, arch, tmp_path):
+    """The config mapped from the GGUF's metadata (llama.cpp's keys) is the HF directory's: every model
+    argument (floats as the file stores them, float32), the RoPE tables, and the tokenizer's ids, chat
+    prompt and special tokens."""
+    from steadyserve.api.protocol import render_chat
+    from steadyserve.models.args import rope_tables
+
+    hf = load_model(tiny[arch], max_model_len=512)
+    for numerics in ("portable", "host"):
+        g = load_model(tiny[f"{arch}-gguf"], max_model_len=512, cache_dir=str(tmp_path), numerics=numerics)
+        assert g.args == as_stored(hf.args), (g.args, hf.args)
+        assert all(torch.equal(a, b) for a, b in zip(rope_tables(g.args, 64), rope_tables(hf.args, 64)))
+    if arch == "qwen3-hd48":
+        assert hf.args.head_dim == 48 != hf.args.hidden_size // hf.args.num_heads
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "The quick brown fox?"}]
+    assert render_chat(g.tokenizer, messages) == render_chat(hf.tokenizer, messages)
+    for text in ("The quick brown fox", "Überall façade 🙂 <|im_start|>x"):
+        assert g.tokenizer.encode(text) == hf.tokenizer.encode(text)
+    assert (g.tokenizer.bos_token_id, g.tokenizer.eos_token_id, g.tokenizer.pad_token_id) == \
+        (hf.tokenizer.bos_token_id, hf.tokenizer.eos_token_id, hf.tokenizer.pad_token_id)
 
 
 def test_tiny_gemma3_has_the_features_under_test(tiny):
@@ -118,28 +163,38 @@ BROKEN = {"gemma3-no-window": ("gemma3-gguf", "Gemma3ForCausalLM", {"layer_windo
           "granite-no-logit-divisor": ("granite", "GraniteForCausalLM", {"logits_divisor": 1.0})}
 
 
-@pytest.mark.parametrize("broken", sorted(BROKEN) + ["gemma3-gguf-no-norm-shift"])
+# A GGUF reading step switched off: (architecture, module, attribute, value).
+BROKEN_GGUF = {"gemma3-gguf-no-norm-shift": ("gemma3", gguf_mod, "_NORM_SHIFTED_ARCHS", set()),
+               "granite-gguf-rows-not-unpermuted": ("granite", gguf_mod, "_PERMUTED_ARCHS", {"llama"}),
+               "smollm3-gguf-no-nope-step": ("smollm3", gguf_config, "_SMOLLM3_NO_ROPE_STEP", 10**6)}
+
+
+@pytest.mark.parametrize("broken", sorted(BROKEN) + sorted(BROKEN_GGUF))
 def test_parity_fails_when_a_feature_is_dropped(tiny, broken, monkeypatch, tmp_path):
-    """The parity check has teeth: each feature, switched off, is caught (and so is reading Gemma's GGUF
-    norms without undoing llama.cpp's 1 + w)."""
+    """The parity check has teeth: each feature, switched off, is caught (and so is reading a GGUF without
+    undoing llama.cpp's 1 + w on Gemma's norms or its q/k row interleaving on Granite's, or without its
+    hardcoded SmolLM3 no-RoPE step)."""
+    ref = None
     if broken in BROKEN:
         key, arch, override = BROKEN[broken]
         adapter = registry.ARCHITECTURES[arch]
         monkeypatch.setitem(registry.ARCHITECTURES, arch, lambda cfg: dataclasses.replace(adapter(cfg), **override))
+        if key.endswith("-gguf"):
+            ref = gguf_reference(tiny, key.removesuffix("-gguf"))
     else:
-        key = "gemma3-gguf"
-        monkeypatch.setattr(gguf_mod, "_NORM_SHIFTED_ARCHS", set())
+        arch, module, attribute, value = BROKEN_GGUF[broken]
+        monkeypatch.setattr(module, attribute, value)
+        key, ref = f"{arch}-gguf", gguf_reference(tiny, arch)
     path = tiny[key]
-    loaded = load_model(path, max_model_len=512, cache_dir=str(tmp_path))
+    numerics = "host" if broken == "granite-gguf-rows-not-unpermuted" else "portable"  # read_float32 undoes it too
+    loaded = load_model(path, max_model_len=512, cache_dir=str(tmp_path), numerics=numerics)
     with pytest.raises(AssertionError, match="logprob diff|greedy continuations differ"):
-        check_parity(f"tiny-{broken}", loaded, path, prompts_for(loaded.tokenizer, loaded.args.vocab_size),
-                     ref=hf_gguf_model(path) if path.endswith(".gguf") else None)
+        check_parity(f"tiny-{broken}", loaded, path, prompts_for(loaded.tokenizer, loaded.args.vocab_size), ref=ref)
 
 
 # ---- batch invariance: the engine checks of test_engine_invariance, on these blocks ---------------------------
 
-@pytest.fixture(scope="module", params=[f"{a}-{s}" for a in ARCHS for s in ("hf", "gguf")]
-                + [f"{a}-hf" for a in HF_ONLY if a not in ("phi3-longrope", "gemma3-linear")])
+@pytest.fixture(scope="module", params=[f"{a}-{s}" for a in ARCHS + OWN_GGUF for s in ("hf", "gguf")])
 def bi_engine(request, tiny, tmp_path_factory):
     arch, source = request.param.rsplit("-", 1)
     path = tiny[arch] if source == "hf" else tiny[f"{arch}-gguf"]
@@ -187,6 +242,17 @@ def test_prefix_cache_gives_the_uncached_bits(bi_engine, broken, monkeypatch):
         monkeypatch.setattr(BlockManager, "_prefix_hashes", prefix_cache._block_only)
     engine = prefix_cache.make_engine(loaded, caching=True)
     prefix_cache.test_shared_prefixes_give_the_uncached_bits(("broken" if broken else "invariant", engine), reference)
+
+
+@pytest.mark.parametrize("numerics", ["portable", "host"])
+def test_qwen3_head_dim_comes_from_key_length(tiny, numerics, monkeypatch, tmp_path):
+    """Without taking head_dim from qwen3.attention.key_length (transformers' map ignores it: 128), the head_dim-48
+    file does not load; with it, it is at parity (test_tiny_parity_from_gguf)."""
+    from steadyserve.models.loader import LoadError
+
+    monkeypatch.setattr(gguf_config, "fix_transformers_config", lambda md, cfg: cfg)
+    with pytest.raises(LoadError, match="weights do not match config.json"):
+        load_model(tiny["qwen3-hd48-gguf"], max_model_len=512, cache_dir=str(tmp_path), numerics=numerics)
 
 
 def test_phi3_longrope_is_served_up_to_its_original_length(tiny):

@@ -38,7 +38,7 @@ LONG = ("The printing press was invented in the fifteenth century. It changed ho
         "hand, and a single book could take months. ") * 14
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "qwen3", "llama"])
+@pytest.mark.parametrize("arch", ["gemma3", "gemma2", "qwen3", "llama", "olmo2", "smollm3", "granite"])
 def test_gguf_names_agree_with_gguf_pys_tensor_map(arch):
     import gguf
 

@@ -112,3 +112,78 @@ def test_a_converted_ggufs_light_config_and_tokenizer_equal_transformers_auto_cl
     assert (tl.bos_token_id, tl.eos_token_id, tl.pad_token_id) == (ta.bos_token_id, ta.eos_token_id, ta.pad_token_id)
     assert tl.get_added_vocab() == ta.get_added_vocab()
     assert tl.backend_tokenizer.to_str() == ta.backend_tokenizer.to_str()
+
+
+def test_olmo2_smollm3_granite_names_map_and_olmo2_has_no_pre_norms():
+    assert hf_name("blk.1.post_ffw_norm.weight", "olmo2") == "model.layers.1.post_feedforward_layernorm.weight"
+    assert hf_name("blk.1.attn_q_norm.weight", "olmo2") == "model.layers.1.self_attn.q_norm.weight"
+    assert hf_name("blk.1.ffn_norm.weight", "granite") == "model.layers.1.post_attention_layernorm.weight"
+    assert hf_name("rope_freqs.weight", "smollm3") is None
+    with pytest.raises(ValueError, match=r"blk\.0\.attn_norm\.weight: tensor 'attn_norm'"):
+        hf_name("blk.0.attn_norm.weight", "olmo2")
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "mamba"])
+def test_a_gguf_of_an_unsupported_architecture_is_refused_with_its_name_and_the_supported_list(arch, tmp_path):
+    """Refused from the metadata alone, before any tensor is read or anything is cached (transformers reads a
+    gpt2 file; steadyserve does not serve it)."""
+    import gguf
+    import numpy as np
+
+    from steadyserve.models.gguf_config import supported_gguf
+
+    path = tmp_path / f"tiny-{arch}.gguf"
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(LoadError, match=rf"unsupported GGUF architecture '{arch}'; supported: ") as e:
+        load_model(str(path), cache_dir=str(tmp_path / "cache"))
+    assert str(path) in str(e.value) and all(name in str(e.value) for name in supported_gguf())
+    assert {"olmo2", "smollm3", "granite", "qwen3", "gemma3", "phi3"} <= set(supported_gguf())
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.json"))
+
+
+def _metadata(arch: str, **extra) -> dict:
+    """The keys llama.cpp's converter writes for a small llama-shaped model of `arch`."""
+    md = {"general.architecture": arch, f"{arch}.context_length": 256, f"{arch}.embedding_length": 64,
+          f"{arch}.block_count": 8, f"{arch}.feed_forward_length": 128, f"{arch}.attention.head_count": 4,
+          f"{arch}.attention.head_count_kv": 2, f"{arch}.attention.layer_norm_rms_epsilon": 1e-6,
+          "tokenizer.ggml.tokens": 300, "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2}
+    return {**md, **extra}
+
+
+def test_the_own_gguf_map_uses_llama_cpps_defaults_where_a_key_is_absent():
+    """No multiplier keys on a Granite file means none applied (and 1/sqrt(head_dim) as the score scale), no
+    rope.freq_base means llama.cpp's 10000; SmolLM3's no-RoPE step is llama.cpp's literal 4."""
+    from transformers import AutoConfig
+
+    from steadyserve.models.gguf_config import own_config
+    from steadyserve.models.registry import model_args
+
+    names = ("token_embd.weight", "output.weight")
+    cfg = own_config(_metadata("granite"), names)
+    assert (cfg["embedding_multiplier"], cfg["residual_multiplier"], cfg["logits_scaling"]) == (1.0, 1.0, 1.0)
+    assert cfg["attention_multiplier"] == 16 ** -0.5 and cfg["rope_parameters"]["rope_theta"] == 10000.0
+    assert not cfg["tie_word_embeddings"] and cfg["vocab_size"] == 300 and cfg["bos_token_id"] == 1
+    smol = own_config(_metadata("smollm3", **{"smollm3.rope.freq_base": 5e6}), ("token_embd.weight",))
+    hf = AutoConfig.for_model(smol.pop("model_type"), **smol)
+    assert model_args(hf).layer_use_rope == (True, True, True, False) * 2 and model_args(hf).tie_word_embeddings
+    assert hf.rope_parameters["rope_theta"] == 5e6
+
+
+def test_the_own_gguf_map_refuses_what_it_cannot_read_naming_it():
+    from steadyserve.models.gguf_config import GgufConfigError, own_config
+
+    md = _metadata("olmo2")
+    del md["olmo2.block_count"]
+    with pytest.raises(GgufConfigError, match=r"'olmo2': metadata key 'olmo2.block_count' is missing"):
+        own_config(md, ())
+    with pytest.raises(GgufConfigError, match=r"sliding window \(an OLMo 3 file\)"):
+        own_config(_metadata("olmo2", **{"olmo2.attention.sliding_window": 4096}), ())
+    with pytest.raises(GgufConfigError, match=r"rope.scaling.type 'longrope' is not supported"):
+        own_config(_metadata("granite", **{"granite.rope.scaling.type": "longrope",
+                                           "granite.rope.scaling.factor": 2.0}), ())

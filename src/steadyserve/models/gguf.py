@@ -6,7 +6,8 @@ are translated to the Hugging Face names the model builder uses. llama.cpp's con
 the rows of Llama's q and k projections for its RoPE layout; they are permuted back here as
 whole rows, which moves bytes and changes no value (transformers' GGUF loader does the same on
 the dequantized values). The config and tokenizer come from the file's metadata through
-transformers (loader.gguf_metadata_dir).
+transformers, or gguf_config.py where transformers has no map (loader.convert_gguf). The host
+path's float32 weights come from here too (read_float32), for the files transformers cannot read.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 
 from ..kernels.quant import FORMATS, QWeight, UnsupportedFormat
+from .gguf_config import GGUF_ARCHITECTURES
 
 # GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.").
 _LAYER_NAMES = {
@@ -39,11 +41,17 @@ _ARCH_LAYER_NAMES = {
                "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
     "gemma3": {**_LAYER_NAMES, **_QK_NORM_NAMES, "post_attention_norm": "post_attention_layernorm",
                "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
+    # OLMo 2 has no norm before attention or the MLP, only after each (and its q/k norms span all heads)
+    "olmo2": {**{k: v for k, v in _LAYER_NAMES.items() if k not in ("attn_norm", "ffn_norm")}, **_QK_NORM_NAMES,
+              "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
+    "smollm3": _LAYER_NAMES,  # Llama's names (its rope_freqs and attn_rot_embd are not written for it)
+    "granite": _LAYER_NAMES,
 }
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # RoPE tables: computed from the config (args.rope_tables); Phi-3's LongRoPE factors are in it too
 _SKIPPED = {"rope_freqs", "rope_factors_long", "rope_factors_short"}
-_PERMUTED_ARCHS = {"llama"}  # whose converter interleaves q/k rows (llama.cpp's convert_hf_to_gguf)
+# whose converter interleaves q/k rows (llama.cpp's convert_hf_to_gguf: LlamaModel and its subclasses)
+_PERMUTED_ARCHS = {arch for arch, entry in GGUF_ARCHITECTURES.items() if entry.permuted}
 # llama.cpp's converter stores Gemma's RMSNorm weights as 1 + w (they scale by (1 + w)); transformers'
 # GGUF loader subtracts the 1 again (Gemma2TensorProcessor: `weights - 1` on every "norm.weight").
 # That float32 round trip is what the reference computes with, so it is done here the same way.
@@ -122,6 +130,33 @@ def read_tensors(path: Path, num_heads: int, num_kv_heads: int) -> tuple[dict[st
     mapping = reader.data
     del reader
     return out, mapping
+
+
+def read_float32(path: Path, num_heads: int, num_kv_heads: int) -> dict[str, torch.Tensor]:
+    """The host path's weights for a file transformers cannot read: every tensor as float32 under its HF
+    name, dequantized by gguf-py (numpy: no native kernel needed, as the host path must not), with the
+    same name map, q/k row order and norm shift as read_tensors. transformers' loader dequantizes with
+    the same gguf-py function, so these are the values it would compute with."""
+    from gguf import GGUFReader, dequantize
+
+    reader = GGUFReader(str(path))
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    out: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        name = hf_name(t.name, arch)
+        if name is None:
+            continue
+        dims = [int(d) for d in t.shape]  # ggml order: dims[0] is the row length K
+        values = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        shape = (-1,) if len(dims) == 1 or (len(dims) == 2 and dims[1] == 1) else (int(np.prod(dims[1:])), dims[0])
+        w = torch.from_numpy(values.reshape(shape).copy())
+        if arch in _NORM_SHIFTED_ARCHS and t.name.endswith("norm.weight"):
+            w = w - 1.0
+        if arch in _PERMUTED_ARCHS and (".attn_q." in t.name or ".attn_k." in t.name):
+            w = w[unpermute_order(w.shape[0], num_heads if ".attn_q." in t.name else num_kv_heads)].contiguous()
+        out[name] = w
+    del reader
+    return out
 
 
 def _readonly_view(raw: np.ndarray) -> torch.Tensor:

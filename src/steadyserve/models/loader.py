@@ -128,39 +128,39 @@ def _sha256_files(paths: list[Path]) -> str:
 
 # Part of a conversion's cache key: bumped whenever what a conversion writes changes, so that no machine
 # keeps serving an older conversion (2: the tokenizer is checked against a probe and may name the generic
-# class; configs and tokenizers are read back through the generic classes).
-CONVERTER_VERSION = 2
+# class; configs and tokenizers are read back through the generic classes. 3: a Qwen3 file's head_dim is
+# its attention.key_length, not transformers' 128; OLMo 2, SmolLM3 and Granite files convert).
+CONVERTER_VERSION = 3
 
 
 def convert_gguf(path: Path, cache_dir: str = "", with_weights: bool = True) -> tuple[Path, bool]:
-    """A GGUF file's config and tokenizer, and with_weights its tensors dequantized to float32
-    safetensors, in a cached HF directory. Returns (dir, was_cached)."""
+    """A GGUF file's config and tokenizer, and with_weights its tensors dequantized to float32 safetensors, in a
+    cached HF directory. Returns (dir, was_cached). The config comes from transformers' GGUF loader, or from
+    gguf_config.py where transformers has no map; a file of any other architecture is refused by name."""
     digest = _sha256_files([path])[:16]
     kind = "" if with_weights else "-meta"
     out = cache_root(cache_dir) / "gguf" / f"{path.stem}-{digest}-c{CONVERTER_VERSION}{kind}"
     if (out / "steadyserve.json").is_file():
         return out, True
     from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from .gguf_config import GgufConfigError, gguf_arch, read_metadata
 
     try:
-        meta = load_gguf_checkpoint(str(path), return_tensors=False)
-        cfg_dict = dict(meta["config"])
-        hf_config = AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
-        with torch.device("meta"):  # only for transformers' tensor-name map; no weights
-            skeleton = AutoModelForCausalLM.from_config(hf_config)
-        tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"] \
-            if with_weights else {}
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        metadata, names = read_metadata(path)
+        entry = gguf_arch(str(metadata.get("general.architecture", "?")))  # refused here, before any tensor
+        convert = _convert_own if entry.own_map else _convert_with_transformers
+        hf_config, tensors, tokenizer = convert(path, metadata, names, with_weights)
+    except GgufConfigError as e:
+        raise LoadError(f"{path}: {e}") from None
     except LoadError:
         raise
     except Exception as e:  # truncated or foreign files fail deep inside the readers
-        raise LoadError(f"{path}: not a readable GGUF model ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+        why = str(e).splitlines()[0] if str(e) else ""
+        raise LoadError(f"{path}: not a readable GGUF model ({type(e).__name__}: {why})") from None
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    hf_config.architectures = [type(skeleton).__name__]
     hf_config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     _keep_tokenizer_pipeline(tokenizer, tmp, path)
@@ -170,6 +170,47 @@ def convert_gguf(path: Path, cache_dir: str = "", with_weights: bool = True) -> 
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     return out, False
+
+
+def _convert_with_transformers(path: Path, metadata: dict[str, Any], names: tuple[str, ...],
+                               with_weights: bool) -> tuple[Any, dict[str, torch.Tensor], Any]:
+    """Config, tensors and tokenizer as transformers' GGUF loader reads them, plus what it drops
+    (gguf_config.fix_transformers_config)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from .gguf_config import fix_transformers_config
+
+    meta = load_gguf_checkpoint(str(path), return_tensors=False)
+    cfg_dict = fix_transformers_config(metadata, dict(meta["config"]))
+    hf_config = AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
+    with torch.device("meta"):  # only for transformers' tensor-name map; no weights
+        skeleton = AutoModelForCausalLM.from_config(hf_config)
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"] \
+        if with_weights else {}
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    hf_config.architectures = [type(skeleton).__name__]
+    return hf_config, tensors, tokenizer
+
+
+def _convert_own(path: Path, metadata: dict[str, Any], names: tuple[str, ...],
+                 with_weights: bool) -> tuple[Any, dict[str, torch.Tensor], Any]:
+    """Config from gguf_config.py, tensors dequantized by our own reader (gguf.read_float32), and the tokenizer
+    as transformers converts a GGUF vocabulary (whatever the architecture), in the generic class (transformers
+    picks no class for a file it cannot read)."""
+    import transformers
+    from transformers import AutoConfig
+
+    from .gguf import read_float32
+    from .gguf_config import own_config
+
+    cfg_dict = own_config(metadata, names)
+    heads = (cfg_dict["num_attention_heads"], cfg_dict["num_key_value_heads"])
+    tensors = read_float32(path, *heads) if with_weights else {}
+    hf_config = AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
+    generic = getattr(transformers, "TokenizersBackend", None) or transformers.PreTrainedTokenizerFast  # v5, v4
+    tokenizer = generic.from_pretrained(str(path.parent), gguf_file=path.name)
+    return hf_config, tensors, tokenizer
 
 
 def _read_config(model_dir: Path, converted: bool) -> Any:

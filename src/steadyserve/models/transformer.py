@@ -142,6 +142,8 @@ class Transformer:
                 b_gate_up=cat([m + "gate_proj.bias", m + "up_proj.bias"]),
                 w_down=mat([m + "down_proj.weight"]), b_down=maybe(m + "down_proj.bias"),
             ))
+        for i, lw in enumerate(self.layers):
+            _check_attention_shapes(args, lw, i)
         cos, sin = rope_tables(args, max_len)
         self.cos = cos.to(device=device, dtype=dtype)  # (max_len, D)
         self.sin = sin.to(device=device, dtype=dtype)
@@ -258,3 +260,14 @@ class Transformer:
         """Find the row counts that keep every row bitwise the same (see RowTiler)."""
         layer, head = self.row_probes()
         return self.tiler.calibrate(layer), self.head_tiler.calibrate(head)
+
+
+def _check_attention_shapes(args: ModelArgs, lw: LayerWeights, layer: int) -> None:
+    """Refuse weights whose attention widths are not the config's: the forward takes views of the fused q|k|v
+    by heads and head_dim, so a wrong head_dim (a GGUF's key_length ignored) would compute garbage, not fail."""
+    h, hkv, d = args.num_heads, args.num_kv_heads, args.head_dim
+    rows = lw.wqkv.n if isinstance(lw.wqkv, QMatrix) else lw.wqkv.shape[0]
+    cols = lw.wo.k if isinstance(lw.wo, QMatrix) else lw.wo.shape[1]
+    if (rows, cols) != ((h + 2 * hkv) * d, h * d):
+        raise ValueError(f"layer {layer}: q|k|v has {rows} rows and o_proj {cols} columns, but {h} heads, {hkv} kv "
+                         f"heads and head_dim {d} make {(h + 2 * hkv) * d} and {h * d}")

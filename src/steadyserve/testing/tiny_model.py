@@ -48,8 +48,8 @@ def _tokenizer(vocab_size: int, chat_template: str | None = None):
 
 def build_tiny_model(out_dir: str | Path, arch: str = "llama", size: str = "tiny", seed: int = 0,
                      max_position_embeddings: int = 512, chat_template: str | None = None) -> Path:
-    """Write a random model to out_dir and return it. arch: llama | qwen2 | mistral | llama3 | qwen3 | gemma3
-    | phi3 | phi3-longrope | olmo2 | smollm3 | granite | gemma2 | gemma3-linear.
+    """Write a random model to out_dir and return it. arch: llama | qwen2 | mistral | llama3 | qwen3 | qwen3-hd48
+    | gemma3 | phi3 | phi3-longrope | olmo2 | smollm3 | granite | gemma2 | gemma3-linear.
     `chat_template`: another template than the ChatML default (tests of templates that know tools)."""
     import torch
     from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GraniteConfig, GraniteForCausalLM, LlamaConfig,
@@ -83,6 +83,8 @@ def build_tiny_model(out_dir: str | Path, arch: str = "llama", size: str = "tiny
         cfg = Qwen3Config(tie_word_embeddings=False, head_dim=128, **{**common, "num_attention_heads": 2,
                                                                         "num_key_value_heads": 1})
         cls = Qwen3ForCausalLM
+    elif arch == "qwen3-hd48":  # head_dim 48: neither hidden / heads (16) nor the 128 transformers' GGUF map assumes
+        cfg, cls = Qwen3Config(tie_word_embeddings=False, head_dim=48, **common), Qwen3ForCausalLM
     elif arch == "gemma3":  # six layers: five sliding (window 16) and one global, as sliding_window_pattern=6 says
         cfg = Gemma3TextConfig(tie_word_embeddings=True, head_dim=hidden // heads, sliding_window=16,
                                query_pre_attn_scalar=24, **{**common, "num_hidden_layers": 6})
@@ -124,7 +126,7 @@ def build_tiny_model(out_dir: str | Path, arch: str = "llama", size: str = "tiny
                 p.normal_(0.0, 0.08 if size == "tiny" else 0.04)
             elif "bias" in name:
                 p.normal_(0.0, 0.05)
-            elif arch in ("qwen3", "gemma2", "gemma3", "gemma3-linear", "olmo2"):  # norm weights too: Gemma's (1 + w) must show
+            elif arch in ("qwen3", "qwen3-hd48", "gemma2", "gemma3", "gemma3-linear", "olmo2"):  # norm weights too: Gemma's (1 + w) must show
                 p.normal_(0.0 if arch.startswith("gemma") else 1.0, 0.2)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
