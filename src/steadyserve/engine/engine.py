@@ -94,7 +94,7 @@ class LLMEngine:
         self.block_manager = BlockManager(self.kv.num_blocks, cfg.block_size, cfg.prefix_caching, root, window)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.runner = ModelRunner(loaded.model, self.kv)
-        self.speculator = Speculator(cfg.speculation)
+        self.speculator = Speculator(cfg.speculation, _cheap_rows(loaded.model))
         self.eos_token_ids = _eos_ids(loaded)
         self._seq_ids = itertools.count()
         # Test-only fault injection: called with each sequence in update; may raise.
@@ -165,7 +165,7 @@ class LLMEngine:
         bm = self.block_manager
         queried0, hit0 = bm.num_queried_tokens, bm.num_hit_tokens
         if self.speculator.enabled:  # drafts first: the scheduler sizes each sequence's step with its draft
-            self.speculator.draft([(s, s.state.drafter) for s in self.scheduler.running], self.scheduler.num_running)
+            self.speculator.draft([(s, s.state.drafter) for s in self.scheduler.running])
         sched = self.scheduler.schedule()  # 1. schedule
         now = time.monotonic()
         for item in sched.scheduled:  # queue wait ends when a request is first scheduled, not computed
@@ -322,6 +322,16 @@ class LLMEngine:
                              finish_reason=finish_reason, error=error, num_prompt_tokens=seq.num_prompt_tokens,
                              num_generated_tokens=seq.num_generated_tokens, num_batch_seqs=num_batch_seqs,
                              num_cached_tokens=min(seq.num_cached_tokens, seq.num_prompt_tokens))
+
+
+def _cheap_rows(model) -> int:  # noqa: ANN001 - a Transformer
+    """Rows a step computes for little more than the cost of one (speculation.Speculator): on the native
+    path the rows the matrix kernels multiply with weights dequantized in registers (kSmallM of
+    kernels/csrc/qmm_scalar.cpp, qmm_avx2.cpp, qmm_avx512.cpp); MKL's and CUDA's kernels are memory-bound
+    for a few rows more."""
+    if model.native:
+        return (1, 2, 4)[torch.ops.steadyserve.qmm_isa()]
+    return 16 if model.device.type == "cuda" else 4
 
 
 def _eos_ids(loaded: LoadedModel) -> set[int]:

@@ -17,24 +17,19 @@ sequence (Acceptance) and for the step (Speculator.draft), and counts for metric
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable
-
 from .sequence import Sequence
 
 MODES = ("off", "ngram")  # --speculation
-# Draft tokens per verification at most. A verification computes 1 + k rows for the sequence; on the
-# portable path of SmolLM2-135M (AMD EPYC, 2 threads) up to 5 rows of a chunk and of the LM head cost
-# little more than one, while a decode step costs a full pass over the weights.
-MAX_DRAFT_TOKENS = 4
+# Draft tokens per verification at most (fewer where the step's cheap rows are fewer, see Speculator).
+MAX_DRAFT_TOKENS = 7
 NGRAM_MAX = 4  # the longest suffix looked up; longer matches are tried first
 NGRAM_MIN = 2  # the shortest: a single-token match guesses too often to pay
-# No drafting while more sequences than this are running: the step already computes that many rows, and
-# extra rows are no longer nearly free (the matrix kernels leave their memory-bound regime).
-MAX_DRAFT_SEQS = 4
 # Acceptance below which a sequence stops drafting for a while (an EMA of accepted / drafted tokens). A
-# rejected draft wastes its rows only, so the bar is low; a sequence whose output stops following its
-# input stops paying even that.
+# rejected draft wastes only rows that were nearly free, so the bar is low (at 4 cheap rows, 3 drafts of
+# which 1 is accepted in 2 verifications pay); a sequence whose output stops following its input stops
+# paying even that.
 MIN_ACCEPTANCE = 0.3
+FIRST_ACCEPTANCE = 0.5  # a new sequence's EMA: its first verification that accepts nothing pauses it
 EMA_WEIGHT = 0.5  # weight of the latest verification in the EMA
 MIN_PAUSE, MAX_PAUSE = 4, 256  # decode steps without drafting after low acceptance; doubles while it stays low
 
@@ -86,7 +81,7 @@ class NgramIndex:
 class Acceptance:
     """One sequence's record: whether drafting still pays for it, and its counts."""
 
-    rate: float = 1.0  # EMA of accepted / drafted over its verifications; optimistic at first
+    rate: float = FIRST_ACCEPTANCE  # EMA of accepted / drafted over its verifications
     pause: int = 0  # decode steps left without drafting
     next_pause: int = MIN_PAUSE  # the pause the next low acceptance imposes (doubles, up to MAX_PAUSE)
     drafted: int = 0  # draft tokens verified, in all
@@ -129,14 +124,20 @@ class SpeculationCounts:
 
 
 class Speculator:
-    """Drafts for the running sequences before the scheduler sizes a step, and records the outcomes."""
+    """Drafts for the running sequences before the scheduler sizes a step, and records the outcomes.
 
-    def __init__(self, mode: str, max_draft_tokens: int = MAX_DRAFT_TOKENS, max_seqs: int = MAX_DRAFT_SEQS) -> None:
+    Never slower: a step computes up to `cheap_rows` rows (tokens) for about the cost of one, because the
+    matrix kernels read each weight once per tile of that many rows (kSmallM of kernels/csrc/qmm_avx512.cpp:
+    4; on SmolLM2-135M, AMD EPYC, 2 threads, 1 row 4.4 ms, 4 rows 6.5 ms, 5 rows 11.4 ms). Drafts only fill
+    the rows the step leaves spare below that, oldest sequence first: one stream drafts cheap_rows - 1
+    tokens, a busy batch none, so large batches run exactly as without speculation."""
+
+    def __init__(self, mode: str, cheap_rows: int = 4, max_draft_tokens: int = MAX_DRAFT_TOKENS) -> None:
         if mode not in MODES:
             raise ValueError(f"speculation mode must be one of {MODES}, not {mode!r}")
         self.enabled = mode == "ngram"
-        self.max_draft_tokens = max_draft_tokens  # k
-        self.max_seqs = max_seqs  # no drafting above this many running sequences
+        self.cheap_rows = cheap_rows  # rows a step may reach with its drafts
+        self.max_draft_tokens = max_draft_tokens  # k, per sequence
         self.counts = SpeculationCounts()  # of the current step; reset by take_counts
         self.total_drafted = 0  # since start
         self.total_accepted = 0
@@ -144,21 +145,22 @@ class Speculator:
     def new_drafter(self) -> SeqDrafter | None:
         return SeqDrafter() if self.enabled else None
 
-    def draft(self, running: Iterable[tuple[Sequence, SeqDrafter | None]], num_running: int) -> None:
+    def draft(self, running: list[tuple[Sequence, SeqDrafter | None]]) -> None:
         """Set each running sequence's draft_token_ids for this step ([] where it does not draft).
 
         A sequence drafts when it is decoding (exactly its last token left to compute, prompt logprobs
-        done), its acceptance allows, and at least 2 more tokens may be generated (the draft plus the
-        token sampled after it stay within max_tokens)."""
-        busy = num_running > self.max_seqs
+        done), its acceptance allows, at least 2 more tokens may be generated (the draft plus the token
+        sampled after it stay within max_tokens), and the step has spare cheap rows."""
+        spare = self.cheap_rows - sum(seq.num_uncomputed_tokens for seq, _ in running)
         for seq, drafter in running:
             seq.draft_token_ids = []
-            if busy or drafter is None or seq.num_uncomputed_tokens != 1 or not seq.prompt_logprobs_done:
+            if spare < 1 or drafter is None or seq.num_uncomputed_tokens != 1 or not seq.prompt_logprobs_done:
                 continue
-            room = seq.params.max_tokens - seq.num_generated_tokens - 1
+            room = min(seq.params.max_tokens - seq.num_generated_tokens - 1, self.max_draft_tokens, spare)
             if room < 1 or not drafter.acceptance.allows():
                 continue
-            seq.draft_token_ids = drafter.index.propose(seq.token_ids, min(self.max_draft_tokens, room))
+            seq.draft_token_ids = drafter.index.propose(seq.token_ids, room)
+            spare -= len(seq.draft_token_ids)
 
     def record(self, drafter: SeqDrafter | None, drafted: int, accepted: int) -> None:
         """One verification's outcome: `drafted` draft tokens computed, the first `accepted` taken."""
