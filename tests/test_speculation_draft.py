@@ -193,13 +193,15 @@ def test_truncate_releases_blocks_past_the_tokens_unhashed():
     bm = BlockManager(num_blocks=6, block_size=4, prefix_caching=True)
     seq = decoding(0, [1, 2, 3, 4, 5, 6], [])  # 6 tokens, 5 computed
     bm.grow(seq, 1)  # 2 blocks
+    bm.cache_full_blocks(seq, 5)  # block 0 (tokens 1-4) published
     bm.grow(seq, 6)  # a verification of the last token + 5 drafts: positions 5..10, 3 blocks
     assert len(seq.block_table) == 3
-    # One draft token accepted: 2 computed (the last token and it), one more sampled.
+    # Block 1 (positions 4-7) now holds draft K/V in every slot, but only one draft token is accepted:
+    # 2 computed (the last token and it), one more sampled, so block 1 is not full of computed tokens.
     seq.token_ids += [7, 8]
     seq.num_computed_tokens += 2
     bm.cache_full_blocks(seq, 2)
     assert bm.truncate(seq) == 1
     assert len(seq.block_table) == bm.blocks_for(seq.num_tokens) == 2
-    assert bm.num_cached_blocks == 1  # block 0 (tokens 1-4) only: block 1 is not full of computed tokens
+    assert bm.num_cached_blocks == 1  # block 0 only
     assert bm.num_free_blocks == 4
