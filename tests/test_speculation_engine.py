@@ -193,7 +193,7 @@ def test_logits_processors_penalties_and_grammar_stay_exact(loaded):
     off_engine = make(loaded, "off")
     for name, kw in PROCESSORS.items():
         reqs = [Request(f"{name}-{r.request_id}", r.prompt_token_ids, r.params) for r in
-                requests(0.0, **kw)[:3] + requests(0.5, **kw)[:3]]
+                requests(0.0, **kw)[:3] + requests(0.5, **kw)[:2]]
         assert differences(one_by_one(off_engine, reqs), one_by_one(on, reqs)) == [], name
     assert_speculated(on)
 
@@ -377,3 +377,25 @@ def test_random_prompts_many_seeds(loaded):
     on = make(loaded, "ngram", cheap_rows=32)
     assert differences(off, run_requests(on, reqs)) == []
     assert_speculated(on, rejections=False)
+
+
+def test_the_selftest_passes_with_speculation_on(loaded):
+    from steadyserve.engine.selftest import run_selftest
+
+    result = run_selftest(make(loaded, "ngram"))
+    assert result.passed, result.detail
+
+
+def test_abort_mid_generation_frees_every_block(loaded):
+    on = make(loaded, "ngram", cheap_rows=8)
+    for r in requests(0.0, max_tokens=60)[:3]:
+        on.add_request(r)
+    multi = 0
+    for _ in range(12):
+        outs, _ = on.step()
+        multi += sum(len(o.new_token_ids) > 1 for o in outs)  # a verification's tokens arrive together
+    assert multi > 0
+    for r in requests(0.0)[:3]:
+        out = on.abort_request(r.request_id)
+        assert out is not None and out.finish_reason == "abort"
+    assert not on.has_work() and on.block_manager.num_free_blocks == on.block_manager.num_blocks
