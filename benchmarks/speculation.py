@@ -5,7 +5,8 @@ One run, one process, one machine: the default SmolLM2-135M-Instruct GGUF loaded
 - c=1, input-grounded tasks: rename a function and repeat the code, correct a JSON document, summarise a
   passage quoting it. Decode tok/s: tokens after the first / time of the steps after the first token.
 - c=1, free-form chat (nothing in the prompt to copy): the same figure.
-- c=64: 64 chat and grounded requests at once, generated tokens / wall time of the whole run.
+- c=64: 64 chat and grounded requests at once, generated tokens / wall time of the whole run (best of
+  --repeats, alternating).
 Every request's tokens and logprobs must be bitwise equal between the two engines (the exactness
 claim; the run fails otherwise). Ratios and the issue's targets (grounded >= 2x, chat >= 0.95x,
 c=64 >= 0.97x) are in the JSON. Timings are this machine's: nothing here is asserted in the test suite.
@@ -174,10 +175,17 @@ def main() -> int:
     texts = list(GROUNDED.values()) + list(CHAT.values())
     reqs = [(f"c64-{i}", prompt_ids(tok, texts[i % len(texts)] + f" (request {i})")) for i in range(64)]
     outs = {}
+    best = {"off": 0.0, "ngram": 0.0}
+    drafted0 = engines["ngram"].speculator.total_drafted
+    for r in range(a.repeats):  # alternating, as at c=1
+        for mode in ("off", "ngram"):
+            done, secs, made = run_many(engines[mode], [(f"{rid}-{r}", ids) for rid, ids in reqs], a.c64_max_tokens)
+            outs[mode] = {rid.rsplit("-", 1)[0]: c for rid, c in done.items()}
+            best[mode] = max(best[mode], made / secs)
+            if mode == "ngram":
+                res["c64"]["drafted"] = engines[mode].speculator.total_drafted - drafted0
     for mode in ("off", "ngram"):
-        done, secs, made = run_many(engines[mode], reqs, a.c64_max_tokens)
-        outs[mode] = done
-        res["c64"][f"{mode}_tok_s"] = round(made / secs, 1)
+        res["c64"][f"{mode}_tok_s"] = round(best[mode], 1)
     res["c64"]["identical"] = all(same(outs["off"][rid], outs["ngram"][rid]) for rid, _ in reqs)
     res["identical"] &= res["c64"]["identical"]
     print(f"c=64 off {res['c64']['off_tok_s']} ngram {res['c64']['ngram_tok_s']} tok/s", file=sys.stderr)
