@@ -3,7 +3,7 @@
 One run, one process, one machine: the default SmolLM2-135M-Instruct GGUF loaded once, two engines on it
 (the same flags but --speculation), each request run through one and then the other, greedy:
 - c=1, input-grounded tasks: rename a function and repeat the code, correct a JSON document, summarise a
-  passage quoting it. Decode tok/s: tokens after the first / time of the steps after the first token.
+  passage quoting it, list a passage's quotations. Decode tok/s: tokens after the first / time of the steps after the first token.
 - c=1, free-form chat (nothing in the prompt to copy): the same figure.
 - c=64: 64 chat and grounded requests at once, generated tokens / wall time of the whole run (best of
   --repeats, alternating).
@@ -76,6 +76,7 @@ GROUNDED = {
     "correct_json": f"This JSON document has syntax errors. Output the corrected document only.\n\n{JSON_DOC}",
     "quote_summary": f"Summarise this passage in three sentences, quoting what each person said word for "
                      f"word.\n\n{PASSAGE}",
+    "quote_list": f"List every quotation in this passage, each on its own line, with who said it.\n\n{PASSAGE}",
 }
 CHAT = {
     "story": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
