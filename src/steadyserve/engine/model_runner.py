@@ -2,9 +2,11 @@
 
 Memory: full-vocabulary rows exist for at most one LM-head tile of prompt rows
 at a time (reduced at once to each token's logprob and top alternatives) plus
-one row per sampling sequence. A step scoring 512 prompt tokens of a 49k
-vocabulary would otherwise hold 100 MB of log-probs, and a burst of scoring
-requests would push RSS past the model + KV + 500 MiB bound.
+one row per position that picks a token (each sampling sequence's next token,
+and each draft token of a speculative verification: a few per step at most).
+A step scoring 512 prompt tokens of a 49k vocabulary would otherwise hold
+100 MB of log-probs, and a burst of scoring requests would push RSS past the
+model + KV + 500 MiB bound.
 """
 
 from __future__ import annotations
