@@ -207,3 +207,22 @@ def test_truncate_releases_blocks_past_the_tokens_unhashed():
     assert len(seq.block_table) == bm.blocks_for(seq.num_tokens) == 2
     assert bm.num_cached_blocks == 1  # block 0 only
     assert bm.num_free_blocks == 4
+
+
+# ---- the flag ------------------------------------------------------------------------------------------
+
+def test_the_flag_maps_onto_its_config_field_and_is_checked():
+    import pytest
+
+    from steadyserve.cli import build_parser, config_from_args
+    from steadyserve.config import ConfigError, EngineConfig
+
+    parse = build_parser().parse_args
+    assert config_from_args(parse(["serve"])).engine.speculation == "off" == EngineConfig().speculation
+    assert config_from_args(parse(["serve", "--speculation", "ngram"])).engine.speculation == "ngram"
+    with pytest.raises(SystemExit):
+        parse(["serve", "--speculation", "eagle"])
+    with pytest.raises(ConfigError, match="--speculation ngram needs --batch-invariant"):
+        config_from_args(parse(["serve", "--speculation", "ngram", "--no-batch-invariant"]))
+    with pytest.raises(ConfigError, match="--speculation must be off or ngram"):
+        EngineConfig(speculation="medusa").validate()

@@ -113,6 +113,9 @@ class EngineConfig:
                               "the plain (variant) path is --numerics host --no-batch-invariant")
         if self.speculation not in ("off", "ngram"):
             raise ConfigError(f"--speculation must be off or ngram, not {self.speculation!r}")
+        if self.speculation != "off" and not self.batch_invariant:
+            raise ConfigError("--speculation ngram needs --batch-invariant: its output equals --speculation off "
+                              "because a verified chunk's rows are bitwise those of one-token steps")
         if self.attention not in ("auto", "native", "python"):
             raise ConfigError(f"--attention must be auto, native or python, not {self.attention!r}")
 
