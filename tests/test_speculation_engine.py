@@ -399,3 +399,15 @@ def test_abort_mid_generation_frees_every_block(loaded):
         out = on.abort_request(r.request_id)
         assert out is not None and out.finish_reason == "abort"
     assert not on.has_work() and on.block_manager.num_free_blocks == on.block_manager.num_blocks
+
+
+def test_inter_token_latency_counts_every_token_of_a_verification():
+    from steadyserve.engine.sequence import RequestOutput
+    from steadyserve.metrics import Metrics
+
+    m = Metrics("m", "fp", "cpu", "float32", True)
+    m.on_output(RequestOutput("a", [1], "x", []), arrival=0.0)  # the first token: TTFT
+    m.on_output(RequestOutput("a", [2, 3, 4], "yzw", []), arrival=0.0)  # one verification, 3 tokens
+    reg = m.registry
+    assert reg.get_sample_value("steadyserve_inter_token_latency_seconds_count") == 3
+    assert reg.get_sample_value("steadyserve_inter_token_latency_seconds_bucket", {"le": "0.001"}) >= 2

@@ -76,7 +76,8 @@ class Metrics:
         p = "steadyserve_"
         self.ttft = Histogram(p + "time_to_first_token_seconds", "Arrival to first generated token.",
                               buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram(p + "inter_token_latency_seconds", "Time between tokens of one request.",
+        self.itl = Histogram(p + "inter_token_latency_seconds", "Time between tokens of one request (0 between "
+                             "the tokens of one speculative verification, which arrive together).",
                              buckets=FAST_BUCKETS + (5, 10), registry=r)
         self.duration = Histogram(p + "request_duration_seconds", "Arrival to finish.", buckets=LATENCY_BUCKETS,
                                   registry=r)
@@ -177,6 +178,8 @@ class Metrics:
                 self.ttft.observe(now - arrival)
             else:
                 self.itl.observe(now - last)
+            for _ in out.new_token_ids[1:]:  # a speculative verification's tokens arrive together
+                self.itl.observe(0.0)
             self._last_token_time[out.request_id] = now
         if out.finished:
             self._last_token_time.pop(out.request_id, None)
