@@ -411,3 +411,18 @@ def test_inter_token_latency_counts_every_token_of_a_verification():
     reg = m.registry
     assert reg.get_sample_value("steadyserve_inter_token_latency_seconds_count") == 3
     assert reg.get_sample_value("steadyserve_inter_token_latency_seconds_bucket", {"le": "0.001"}) >= 2
+
+
+def test_host_numerics_too(tiny_model):
+    """--numerics host (float32 weights, MKL, calibrated row counts): chunks are as exact there."""
+    from steadyserve.engine.selftest import run_selftest
+
+    host = load_model(tiny_model, numerics="host")
+    assert not host.model.native and host.model.tiler.enabled
+    off = make(host, "off")
+    assert run_selftest(off).passed  # calibrates the row counts, as the server does at start-up
+    on = make(host, "ngram")
+    reqs = requests(0.0)[:4] + requests(0.3)[:4]
+    reqs = [Request(f"{r.request_id}-{i}", r.prompt_token_ids, r.params) for i, r in enumerate(reqs)]
+    assert differences(one_by_one(off, reqs), one_by_one(on, reqs)) == []
+    assert_speculated(on, rejections=False)
