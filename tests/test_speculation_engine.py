@@ -128,9 +128,11 @@ def record_verifications(engine: LLMEngine) -> list[tuple[str, int, int, int, st
     real = engine._verify
 
     def verify(seq: Sequence, draft: list[int], result, emitted: _Emitted) -> str | None:
-        before = seq.num_generated_tokens
-        reason = real(seq, draft, result, emitted)
-        seen.append((seq.request_id, before, len(draft), len(emitted.tokens), reason))
+        before, reason = seq.num_generated_tokens, "error"
+        try:
+            reason = real(seq, draft, result, emitted)
+        finally:
+            seen.append((seq.request_id, before, len(draft), len(emitted.tokens), reason))
         return reason
 
     engine._verify = verify  # type: ignore[method-assign]
@@ -426,3 +428,41 @@ def test_host_numerics_too(tiny_model):
     reqs = [Request(f"{r.request_id}-{i}", r.prompt_token_ids, r.params) for i, r in enumerate(reqs)]
     assert differences(one_by_one(off, reqs), one_by_one(on, reqs)) == []
     assert_speculated(on, rejections=False)
+
+
+def test_a_nan_inside_a_draft_fails_the_request_after_the_same_tokens(loaded):
+    """A NaN in the row of generated token K: off emits tokens 0..K-1 over earlier steps then fails; a
+    verification that reaches row K emits what came before it in its error output: the same in all."""
+    K = 9
+
+    def poison(engine: LLMEngine) -> None:
+        real = engine.runner.execute
+
+        def execute(sched):
+            results = real(sched)
+            for item, r in zip(sched.scheduled, results):
+                if item.seq.request_id != "r0" or r.sample_row is None:
+                    continue
+                rows = [r.sample_row, *r.draft_rows]
+                j = K - item.seq.num_generated_tokens  # the row that picks generated token K
+                if 0 <= j < len(rows):
+                    row = rows[j] = rows[j].clone()
+                    row[(int(row.argmax()) + 1) % row.shape[0]] = float("nan")
+                    if j == 0:
+                        r.sample_row, r.sample_has_nan = row, True
+                    else:
+                        r.draft_rows[j - 1], r.draft_has_nan[j - 1] = row, True
+            return results
+
+        engine.runner.execute = execute  # type: ignore[method-assign]
+
+    off_engine, on = make(loaded, "off"), make(loaded, "ngram", cheap_rows=16)
+    poison(off_engine)
+    poison(on)
+    seen = record_verifications(on)
+    reqs = requests(0.0)[:3]  # r0 first: the oldest drafts first
+    off, got = run_requests(off_engine, reqs), run_requests(on, reqs)
+    assert off["r0"].finish_reason == "error" and "NaN" in off["r0"].error and len(off["r0"].token_ids) == K
+    assert differences(off, got) == []
+    # The NaN row was a draft row of a verification, not its first.
+    assert any(rid == "r0" and before < K <= before + drafted for rid, before, drafted, _, _ in seen), seen

@@ -287,10 +287,12 @@ class LLMEngine:
         """Append one chosen token to the sequence and to `emitted`; returns why it stops there, if it does."""
         st: _SeqState = seq.state
         seq.token_ids.append(tok)
-        emitted.tokens.append(tok)
-        if seq.params.logprobs is not None:
-            emitted.logprobs.append(token_logprob(row, tok, seq.params.logprobs))
-        emitted.text += "" if tok in st.end_ids else st.detok.add(tok)  # an end token never becomes text
+        lp = token_logprob(row, tok, seq.params.logprobs) if seq.params.logprobs is not None else None
+        text = "" if tok in st.end_ids else st.detok.add(tok)  # an end token never becomes text
+        emitted.tokens.append(tok)  # only once nothing about it can fail: an error output carries what came before
+        emitted.text += text
+        if lp is not None:
+            emitted.logprobs.append(lp)
         return stop_reason(tok, st.end_ids, st.detok.stopped, seq.num_generated_tokens, seq.params.max_tokens,
                            seq.num_tokens, self.max_model_len)
 
