@@ -18,7 +18,7 @@ from steadyserve.engine.sequence import Request, SamplingParams
 from steadyserve.engine.structured import json_schema_grammar
 from steadyserve.models.loader import load_model
 
-from speculation_util import (assert_speculated, counts, differences, greedy_and_seeded, make, one_by_one,
+from speculation_util import (PROMPTS, assert_speculated, counts, differences, greedy_and_seeded, make, one_by_one,
                               record_verifications, requests)
 
 
@@ -200,4 +200,37 @@ def test_host_numerics_too(tiny_model):
     reqs = requests(0.0)[:4] + requests(0.3)[:4]
     reqs = [Request(f"{r.request_id}-{i}", r.prompt_token_ids, r.params) for i, r in enumerate(reqs)]
     assert differences(one_by_one(off, reqs), one_by_one(on, reqs)) == []
+    assert_speculated(on, rejections=False)
+
+
+def test_sliding_window_blocks_released_under_drafts(models_dir):
+    """The tiny Phi-3 (a window of 24 on every layer): blocks leave the window while drafts run past it."""
+    from steadyserve.testing import build_tiny_model
+
+    d = models_dir / "tiny-phi3"
+    if not d.exists():
+        build_tiny_model(d, arch="phi3")
+    phi3 = load_model(str(d), max_model_len=512)
+    reqs = [Request(f"w{i}", p * 3, SamplingParams(max_tokens=120, temperature=t, seed=i, logprobs=1, ignore_eos=True))
+            for i, (p, t) in enumerate([([3, 1, 4, 1, 5], 0.0), ([9, 2, 6], 0.0), ([2, 7, 1, 8], 0.3)])]
+    kw = dict(block_size=16, kv_cache_memory=16 * 1024**2)
+    off = make(phi3, "off", **kw)
+    on = make(phi3, "ngram", **kw)
+    assert on.block_manager.window == 24
+    assert differences(one_by_one(off, reqs), one_by_one(on, reqs)) == []
+    assert_speculated(on, rejections=False)
+    assert on.block_manager.num_free_blocks == on.kv.num_blocks
+
+
+def test_prompt_and_max_tokens_filling_the_context(loaded):
+    """Drafts near the end of the context: prompt + max_tokens == max_model_len."""
+    ctx = 96
+    reqs = [Request(f"c{i}", p[:40], SamplingParams(max_tokens=ctx - len(p[:40]), temperature=t, seed=3,
+                                                     logprobs=0, ignore_eos=True))
+            for i, (p, t) in enumerate([(PROMPTS[0] * 2, 0.0), (PROMPTS[2] * 4, 0.0), (PROMPTS[1], 0.3)])]
+    off, on = make(loaded, "off", max_model_len=ctx), make(loaded, "ngram", max_model_len=ctx)
+    got = one_by_one(on, reqs)
+    assert differences(one_by_one(off, reqs), got) == []
+    assert all(c.finish_reason == "length" and c.num_prompt_tokens + c.num_generated_tokens == ctx
+               for c in got.values())
     assert_speculated(on, rejections=False)
