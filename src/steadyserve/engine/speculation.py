@@ -17,6 +17,7 @@ sequence (Acceptance) and for the step (Speculator.draft), and counts for metric
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
 from .sequence import Sequence
 
 MODES = ("off", "ngram")  # --speculation
@@ -128,9 +129,10 @@ class SpeculationCounts:
 class Speculator:
     """Drafts for the running sequences before the scheduler sizes a step, and records the outcomes.
 
-    Never slower: a step computes up to `cheap_rows` rows (tokens) for about the cost of one, because the
-    matrix kernels read each weight once per tile of that many rows (kSmallM of kernels/csrc/qmm_avx512.cpp:
-    4; on SmolLM2-135M, AMD EPYC, 2 threads, 1 row 4.4 ms, 4 rows 6.5 ms, 5 rows 11.4 ms). Drafts only fill
+    Never slower: a step computes up to `cheap_rows` rows (tokens) for little more than the cost of one,
+    because the matrix kernels dequantize each weight tile in registers once for that many rows (kSmallM of
+    kernels/csrc/qmm_avx512.cpp: 4; on SmolLM2-135M, AMD EPYC, 2 threads, 1 row 4.4 ms, 4 rows 6.5 ms,
+    5 rows 11.4 ms). Drafts only fill
     the rows the step leaves spare below that, oldest sequence first: one stream drafts cheap_rows - 1
     tokens, a busy batch none, so large batches run exactly as without speculation."""
 
