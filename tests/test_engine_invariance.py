@@ -354,3 +354,28 @@ def test_selftest_passes_invariant_and_fails_when_broken(bi, plain):
     # Plain: the self-test's one fixed scenario may or may not drift on this machine; the server marks a
     # plain engine -nbi whatever it says, so it is printed, not asserted.
     print(f"self-test plain: {run_selftest(plain).detail}")
+
+
+@pytest.fixture(scope="module")
+def speculating(bi):
+    """The invariant engine's model with --speculation ngram, drafting in batches too (the claim is about the
+    bits, not the speed, so every step may use spare rows)."""
+    engine = engine_for(bi.loaded, speculation="ngram")
+    engine.speculator.cheap_rows = 64
+    return engine
+
+
+def test_speculation_keeps_the_probe_and_generation_invariant(mode, speculating):
+    """With drafts verified as chunks: the probe alone vs in batches, and generation vs scoring (every
+    verification row against the same token's prefill row). Broken: the drift is caught through drafts too."""
+    name, _ = mode
+    restore = install_batch_drift(speculating) if name == "broken" else None
+    try:
+        accepted0 = speculating.speculator.total_accepted
+        diffs = probe_vs_batches(speculating, [2, 7], name=name)
+        diffs.update(score_vs_generate(speculating, ((5, 12), (40, 16)), name=name))
+        assert speculating.speculator.total_accepted > accepted0, "no draft accepted: the check would be vacuous"
+    finally:
+        if restore is not None:
+            restore()
+    expect(name, diffs)

@@ -55,6 +55,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "auto: portable where the native kernels run, else host (default: %(default)s)")
     g.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=d.prefix_caching,
                    help="reuse the cached K/V of shared prompt prefixes, bitwise-safe (default: on)")
+    g.add_argument("--speculation", default=d.speculation, choices=["off", "ngram"],
+                   help="speculative decoding: ngram drafts tokens by prompt lookup and verifies them in one "
+                        "pass, bitwise the output of off (default: %(default)s)")
 
 
 def _add_server_flags(p: argparse.ArgumentParser) -> None:
@@ -90,7 +93,8 @@ def config_from_args(a: argparse.Namespace) -> Config:
                             block_size=a.block_size, max_num_seqs=a.max_num_seqs, max_queue=a.max_queue,
                             max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
                             threads=a.threads, batch_invariant=a.batch_invariant, row_tile=a.row_tile,
-                            attention=a.attention, prefix_caching=a.prefix_caching, numerics=a.numerics),
+                            attention=a.attention, prefix_caching=a.prefix_caching, numerics=a.numerics,
+                            speculation=a.speculation),
         server=ServerConfig(host=a.host, http_port=a.http_port, grpc_port=a.grpc_port,
                             stall_timeout=a.stall_timeout, drain_timeout=a.drain_timeout,
                             max_request_bytes=parse_size(a.max_request_bytes, "--max-request-bytes"),

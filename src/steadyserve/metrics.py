@@ -21,6 +21,7 @@ from .engine.sequence import RequestOutput
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 FAST_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+ACCEPTANCE_BUCKETS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 ABORT_REASONS = ("client_disconnect", "stall", "deadline", "drain_timeout", "engine_error")
@@ -75,7 +76,8 @@ class Metrics:
         p = "steadyserve_"
         self.ttft = Histogram(p + "time_to_first_token_seconds", "Arrival to first generated token.",
                               buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram(p + "inter_token_latency_seconds", "Time between tokens of one request.",
+        self.itl = Histogram(p + "inter_token_latency_seconds", "Time between tokens of one request (0 between "
+                             "the tokens of one speculative verification, which arrive together).",
                              buckets=FAST_BUCKETS + (5, 10), registry=r)
         self.duration = Histogram(p + "request_duration_seconds", "Arrival to finish.", buckets=LATENCY_BUCKETS,
                                   registry=r)
@@ -103,6 +105,14 @@ class Metrics:
                                    registry=r)
         self.cached_blocks = Gauge(p + "kv_cache_cached_blocks",
                                    "KV blocks holding a cached prefix, in use or reclaimable.", registry=r)
+        self.spec_drafted = Counter(p + "speculation_drafted_tokens_total",
+                                    "Speculative draft tokens verified (--speculation ngram).", registry=r)
+        self.spec_accepted = Counter(p + "speculation_accepted_tokens_total",
+                                     "Of the draft tokens verified, those accepted: sampling picked the same token "
+                                     "(acceptance rate: this / drafted).", registry=r)
+        self.spec_acceptance = Histogram(p + "speculation_acceptance_ratio",
+                                         "Accepted / drafted tokens of each speculative verification.",
+                                         buckets=ACCEPTANCE_BUCKETS, registry=r)
         self.backlog = Gauge(p + "stream_backlog_bytes", "Bytes produced for streams not yet taken by sockets.",
                              registry=r)
         self.loop_lag = Histogram(p + "event_loop_lag_seconds", "Event-loop scheduling lag, sampled.",
@@ -146,6 +156,11 @@ class Metrics:
         self.prefix_queried.inc(s.num_prefix_queried_tokens)
         self.prefix_hits.inc(s.num_prefix_hit_tokens)
         self.cached_blocks.set(s.num_cached_blocks)
+        if s.num_drafted_tokens:
+            self.spec_drafted.inc(s.num_drafted_tokens)
+            self.spec_accepted.inc(s.num_accepted_tokens)
+            for ratio in s.acceptance_ratios:
+                self.spec_acceptance.observe(ratio)
 
     def on_state(self, num_running: int, num_waiting: int, kv_usage: float) -> None:
         self.running.set(num_running)
@@ -163,6 +178,8 @@ class Metrics:
                 self.ttft.observe(now - arrival)
             else:
                 self.itl.observe(now - last)
+            for _ in out.new_token_ids[1:]:  # a speculative verification's tokens arrive together
+                self.itl.observe(0.0)
             self._last_token_time[out.request_id] = now
         if out.finished:
             self._last_token_time.pop(out.request_id, None)

@@ -166,6 +166,18 @@ class BlockManager:
                 self._hash[block_id] = h
                 self._cached[h] = block_id
 
+    def truncate(self, seq: Sequence) -> int:
+        """Release the blocks past what seq's tokens need: after a speculative verification, those hold
+        only rejected draft tokens' K/V. They were never full of computed tokens, so never hashed: they
+        become free, and the prefix cache never sees a rejected token. Returns how many were released."""
+        keep = self.blocks_for(seq.num_tokens)
+        extra = seq.block_table[keep:]
+        del seq.block_table[keep:]
+        for block_id in reversed(extra):
+            assert self._hash[block_id] is None, block_id
+            self._release(block_id)
+        return len(extra)
+
     def free(self, seq: Sequence) -> None:
         """Release seq's blocks, last first: unhashed ones become free, hashed ones cached."""
         for block_id in reversed(seq.block_table):

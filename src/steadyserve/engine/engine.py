@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -23,6 +23,7 @@ from .kv_cache import allocate_kv_cache
 from .model_runner import ModelRunner, SeqResult
 from .sampler import NumericalError, make_generator, process_row, sample, token_logprob
 from .scheduler import ScheduledSeq, Scheduler
+from .speculation import SeqDrafter, Speculator
 from .stop import end_token_ids, final_reason, stop_reason
 from ..limits import Refused, check_token_ids
 from .sequence import Request, RequestOutput, Sequence, TokenLogprob
@@ -41,13 +42,16 @@ class StepStats:
     num_cached_blocks: int = 0  # KV blocks holding a cached prefix, after the step
     num_prefix_queried_tokens: int = 0  # prompt tokens of the sequences admitted this step
     num_prefix_hit_tokens: int = 0  # of which taken from the prefix cache
+    num_drafted_tokens: int = 0  # speculative draft tokens verified this step (speculation.py)
+    num_accepted_tokens: int = 0  # of which accepted
+    acceptance_ratios: list[float] = field(default_factory=list)  # accepted / drafted of each verification
 
 
 class _SeqState:
     """Per-request sampling and text state, owned by the engine thread."""
 
     def __init__(self, seq: Sequence, tokenizer, device: torch.device, grammars: Grammars,
-                 eos_ids: set[int]) -> None:
+                 eos_ids: set[int], drafter: SeqDrafter | None) -> None:
         # The tokens that end this sequence, fixed at admission (stop_reason and min_tokens both use them).
         self.end_ids = end_token_ids(eos_ids, seq.params.ignore_eos, set(seq.params.stop_token_ids))
         self.generator = make_generator(seq.params.seed, device)
@@ -55,6 +59,16 @@ class _SeqState:
         self.detok = IncrementalDetokenizer(tokenizer, seq.params.stop)
         self.prompt_logprobs: list[TokenLogprob] = []  # for prompt tokens 1.. in order
         self.first_output = True
+        self.drafter = drafter  # speculative drafting state (speculation.py); None with --speculation off
+
+
+@dataclass
+class _Emitted:
+    """What one step emits for one sequence so far: one token, or several when a draft is accepted."""
+
+    tokens: list[int] = field(default_factory=list)  # token ids, in order
+    text: str = ""  # their text delta
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, if asked
 
 
 class LLMEngine:
@@ -80,6 +94,7 @@ class LLMEngine:
         self.block_manager = BlockManager(self.kv.num_blocks, cfg.block_size, cfg.prefix_caching, root, window)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.runner = ModelRunner(loaded.model, self.kv)
+        self.speculator = Speculator(cfg.speculation, _cheap_rows(loaded.model))
         self.eos_token_ids = _eos_ids(loaded)
         self._seq_ids = itertools.count()
         # Test-only fault injection: called with each sequence in update; may raise.
@@ -128,7 +143,8 @@ class LLMEngine:
     def add_checked(self, request: Request) -> Sequence:
         """Queue a request that `check` has already passed (AsyncEngine checks at submit, on the loop)."""
         seq = Sequence(next(self._seq_ids), request)
-        seq.state = _SeqState(seq, self.tokenizer, torch.device("cpu"), self.grammars, self.eos_token_ids)
+        seq.state = _SeqState(seq, self.tokenizer, torch.device("cpu"), self.grammars, self.eos_token_ids,
+                              self.speculator.new_drafter())
         self.scheduler.add(seq)
         return seq
 
@@ -146,6 +162,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         bm = self.block_manager
         queried0, hit0 = bm.num_queried_tokens, bm.num_hit_tokens
+        if self.speculator.enabled:  # drafts first: the scheduler sizes each sequence's step with its draft
+            self.speculator.draft([(s, s.state.drafter) for s in self.scheduler.running])
         sched = self.scheduler.schedule()  # 1. schedule
         now = time.monotonic()
         for item in sched.scheduled:  # queue wait ends when a request is first scheduled, not computed
@@ -160,12 +178,14 @@ class LLMEngine:
                 if out is not None:
                     num_generated += len(out.new_token_ids)
                     outputs.append(out)
+        spec = self.speculator.take_counts()
         stats = StepStats(num_seqs=len(sched.scheduled), num_tokens=sched.num_tokens, num_generated=num_generated,
                           num_preempted=len(sched.preempted), duration=time.perf_counter() - t0,
                           num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
                           kv_usage=bm.usage, num_cached_blocks=bm.num_cached_blocks,
                           num_prefix_queried_tokens=bm.num_queried_tokens - queried0,
-                          num_prefix_hit_tokens=bm.num_hit_tokens - hit0)
+                          num_prefix_hit_tokens=bm.num_hit_tokens - hit0, num_drafted_tokens=spec.drafted,
+                          num_accepted_tokens=spec.accepted, acceptance_ratios=spec.ratios)
         return outputs, stats  # 4. emit (the caller delivers)
 
     def _update(self, item: ScheduledSeq, result: SeqResult, num_batch_seqs: int) -> RequestOutput | None:
@@ -178,8 +198,11 @@ class LLMEngine:
     def _update_seq(self, item: ScheduledSeq, result: SeqResult, num_batch_seqs: int) -> RequestOutput | None:
         """count -> sample -> stop -> output; one request's failure fails that request only."""
         seq = item.seq
-        self._count(seq, item.num_new_tokens)
+        draft, seq.draft_token_ids = seq.draft_token_ids, []  # this step's draft, if any, is verified now
+        if not draft:  # a verification counts only what it accepts (_verify)
+            self._count(seq, item.num_new_tokens)
         now = time.monotonic()
+        emitted = _Emitted()
         try:
             if self.fault_hook is not None:
                 self.fault_hook(seq)
@@ -190,11 +213,23 @@ class LLMEngine:
                 return self._output(seq, [], "", [], prompt_lps, num_batch_seqs=num_batch_seqs)
             if seq.params.max_tokens == 0:  # scoring only
                 return self._finish(seq, [], "", [], prompt_lps, "length", num_batch_seqs)
-            tok = self._sample(seq, result)
-            return self._postprocess(seq, tok, result, prompt_lps, now, num_batch_seqs)
+            if draft:
+                reason = self._verify(seq, draft, result, emitted)
+            else:
+                row, argmax, has_nan = result.choice_rows()[0]
+                reason = self._emit(seq, self._sample(seq, row, argmax, has_nan), row, emitted)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if reason:
+                return self._finish(seq, emitted.tokens, emitted.text, emitted.logprobs, prompt_lps, reason,
+                                    num_batch_seqs)
+            return self._output(seq, emitted.tokens, emitted.text, emitted.logprobs, prompt_lps,
+                                num_batch_seqs=num_batch_seqs)
         except Exception as e:  # NaN, tokenizer, hook
             self.scheduler.retire(seq)
-            return self._output(seq, [], "", [], finish_reason="error",
+            # Tokens a verification emitted before the failing position are the output's, as they would
+            # have been in the steps before it without speculation.
+            return self._output(seq, emitted.tokens, emitted.text, emitted.logprobs, finish_reason="error",
                                 error=f"{type(e).__name__}: {e}", num_batch_seqs=num_batch_seqs)
 
     def _count(self, seq: Sequence, num_new_tokens: int) -> None:
@@ -204,14 +239,41 @@ class LLMEngine:
         self.block_manager.cache_full_blocks(seq, num_new_tokens)
         self.block_manager.release_out_of_window(seq)
 
-    def _sample(self, seq: Sequence, result: SeqResult) -> int:
+    def _verify(self, seq: Sequence, draft: list[int], result: SeqResult, emitted: _Emitted) -> str | None:
+        """A speculative step: sample each position in turn exactly as a plain decode step would (the same
+        row bits, the same generator draws, logits processors and grammar over the tokens emitted so far),
+        keep going while the token sampled equals the draft token computed there, and stop at the first
+        that differs, at a stop, or after the last draft token's row. Returns the stop reason, if any.
+
+        Then only what was accepted counts as computed: the sequence's last token and the accepted draft
+        tokens (the row after the last of them picked the final token). Blocks past that hold rejected
+        tokens' K/V only and are released unhashed (BlockManager.truncate)."""
+        reason = None
+        accepted = 0
+        try:
+            for j, (row, argmax, has_nan) in enumerate(result.choice_rows()):
+                tok = self._sample(seq, row, argmax, has_nan)
+                reason = self._emit(seq, tok, row, emitted)
+                if j == len(draft) or tok != draft[j]:
+                    break
+                accepted += 1
+                if reason:
+                    break
+        finally:  # also when a position fails: what was emitted before it stays exact
+            self._count(seq, len(emitted.tokens))
+            self.block_manager.truncate(seq)
+            self.speculator.record(seq.state.drafter, len(draft), accepted)
+        return reason
+
+    def _sample(self, seq: Sequence, row: torch.Tensor, argmax: int, has_nan: bool) -> int:
+        """The token a position picks from its (V,) row: the model's, or after the logits processors."""
         st: _SeqState = seq.state
         if not seq.params.processes_row:
-            return sample(result.sample_row, seq.params, st.generator, result.sample_argmax, result.sample_has_nan)
+            return sample(row, seq.params, st.generator, argmax, has_nan)
         # Logits processors work on their own row; the reported logprobs stay the model's.
-        if result.sample_has_nan:
+        if has_nan:
             raise NumericalError("the model produced NaN log-probabilities")
-        row = process_row(result.sample_row, seq.params, seq.token_ids, seq.num_prompt_tokens, st.end_ids)
+        row = process_row(row, seq.params, seq.token_ids, seq.num_prompt_tokens, st.end_ids)
         if st.matcher is not None:
             st.matcher.mask_(row)  # only what the grammar allows next
         tok = sample(row, seq.params, st.generator, has_nan=False)
@@ -219,19 +281,18 @@ class LLMEngine:
             st.matcher.advance(tok)
         return tok
 
-    def _postprocess(self, seq: Sequence, tok: int, result: SeqResult, prompt_lps: list[TokenLogprob | None] | None,
-                     now: float, num_batch_seqs: int) -> RequestOutput:
+    def _emit(self, seq: Sequence, tok: int, row: torch.Tensor, emitted: _Emitted) -> str | None:
+        """Append one chosen token to the sequence and to `emitted`; returns why it stops there, if it does."""
         st: _SeqState = seq.state
         seq.token_ids.append(tok)
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-        lps = [token_logprob(result.sample_row, tok, seq.params.logprobs)] if seq.params.logprobs is not None else []
-        delta = "" if tok in st.end_ids else st.detok.add(tok)  # an end token never becomes text
-        reason = stop_reason(tok, st.end_ids, st.detok.stopped, seq.num_generated_tokens, seq.params.max_tokens,
-                             seq.num_tokens, self.max_model_len)
-        if reason:
-            return self._finish(seq, [tok], delta, lps, prompt_lps, reason, num_batch_seqs)
-        return self._output(seq, [tok], delta, lps, prompt_lps, num_batch_seqs=num_batch_seqs)
+        lp = token_logprob(row, tok, seq.params.logprobs) if seq.params.logprobs is not None else None
+        text = "" if tok in st.end_ids else st.detok.add(tok)  # an end token never becomes text
+        emitted.tokens.append(tok)  # only once nothing about it can fail: an error output carries what came before
+        emitted.text += text
+        if lp is not None:
+            emitted.logprobs.append(lp)
+        return stop_reason(tok, st.end_ids, st.detok.stopped, seq.num_generated_tokens, seq.params.max_tokens,
+                           seq.num_tokens, self.max_model_len)
 
     def _collect_prompt_logprobs(self, seq: Sequence, result: SeqResult) -> list[TokenLogprob | None] | None:
         st: _SeqState = seq.state
@@ -261,6 +322,16 @@ class LLMEngine:
                              finish_reason=finish_reason, error=error, num_prompt_tokens=seq.num_prompt_tokens,
                              num_generated_tokens=seq.num_generated_tokens, num_batch_seqs=num_batch_seqs,
                              num_cached_tokens=min(seq.num_cached_tokens, seq.num_prompt_tokens))
+
+
+def _cheap_rows(model) -> int:  # noqa: ANN001 - a Transformer
+    """Rows a step computes for little more than the cost of one (speculation.Speculator): on the native
+    path the rows the matrix kernels multiply with weights dequantized in registers (kSmallM of
+    kernels/csrc/qmm_scalar.cpp, qmm_avx2.cpp, qmm_avx512.cpp); MKL's and CUDA's kernels are memory-bound
+    for a few rows more."""
+    if model.native:
+        return (1, 2, 4)[torch.ops.steadyserve.qmm_isa()]
+    return 16 if model.device.type == "cuda" else 4
 
 
 def _eos_ids(loaded: LoadedModel) -> set[int]:

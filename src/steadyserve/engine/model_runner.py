@@ -2,14 +2,16 @@
 
 Memory: full-vocabulary rows exist for at most one LM-head tile of prompt rows
 at a time (reduced at once to each token's logprob and top alternatives) plus
-one row per sampling sequence. A step scoring 512 prompt tokens of a 49k
-vocabulary would otherwise hold 100 MB of log-probs, and a burst of scoring
-requests would push RSS past the model + KV + 500 MiB bound.
+one row per position that picks a token (each sampling sequence's next token,
+and each draft token of a speculative verification: a few per step at most).
+A step scoring 512 prompt tokens of a 49k vocabulary would otherwise hold
+100 MB of log-probs, and a burst of scoring requests would push RSS past the
+model + KV + 500 MiB bound.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,6 +31,17 @@ class SeqResult:
     first_prompt_pos: int  # position of the prompt token the first entry scores
     sample_argmax: int = -1  # argmax of sample_row (first maximum), computed for the whole step at once
     sample_has_nan: bool = False  # sample_row contains NaN
+    # A speculative verification (speculation.py): the distribution after each draft token, the same bits a
+    # plain decode step would give it if the tokens before it are the ones sampled.
+    draft_rows: list[torch.Tensor] = field(default_factory=list)  # (V,) each, one per draft token
+    draft_argmax: list[int] = field(default_factory=list)  # argmax of each draft row
+    draft_has_nan: list[bool] = field(default_factory=list)  # whether each draft row contains NaN
+
+    def choice_rows(self) -> list[tuple[torch.Tensor, int, bool]]:
+        """(row, argmax, has_nan) of each position that picks a token: the next one, then one per draft token."""
+        assert self.sample_row is not None
+        return [(self.sample_row, self.sample_argmax, self.sample_has_nan),
+                *zip(self.draft_rows, self.draft_argmax, self.draft_has_nan)]
 
 
 class ModelRunner:
@@ -61,6 +74,9 @@ class ModelRunner:
             start = seq.num_computed_tokens
             row0 = len(ids)
             ids.extend(seq.token_ids[start:start + n])
+            if start + n > seq.num_tokens:  # a verification: the draft follows the last token
+                assert start + n - seq.num_tokens <= len(seq.draft_token_ids), seq
+                ids.extend(seq.draft_token_ids[:start + n - seq.num_tokens])
             positions.extend(range(start, start + n))
             seq_of.extend([i] * n)
             # a block released out of the window (RELEASED, -1) is read as block 0: no kernel attends to it
@@ -82,7 +98,7 @@ class ModelRunner:
         batch, spans = self._prepare(out)
         hidden = self.model.forward(batch, self.kv.k, self.kv.v)  # (T, hidden)
         # Only rows that score a prompt token or pick the next token need the LM head.
-        sample_rows: list[int] = []  # hidden row of each sampling sequence's last token
+        sample_rows: list[int] = []  # hidden rows that pick a token: each sequence's last token (and its drafts)
         prompt_rows: list[tuple[int, int, int]] = []  # (hidden row, index of seq, position of the token it scores)
         plans = []
         for i, (sched, (row0, n, start)) in enumerate(zip(out.scheduled, spans)):
@@ -94,10 +110,11 @@ class ModelRunner:
                 last_pp = min(start + n + 1, seq.num_prompt_tokens)
             prompt_rows += [(row0 + pp - first_pp, i, pp) for pp in range(first_pp, last_pp)]
             sample_index = -1
-            if start + n == seq.num_tokens:
+            num_choices = start + n - seq.num_tokens + 1  # 1 at the end of the tokens, 1 + k verifying k drafts
+            if num_choices > 0:
                 sample_index = len(sample_rows)
-                sample_rows.append(row0 + n - 1)
-            plans.append((first_pp, sample_index))
+                sample_rows.extend(range(row0 + n - num_choices, row0 + n))
+            plans.append((first_pp, sample_index, num_choices))
         prompt_lps: list[list[TokenLogprob]] = [[] for _ in out.scheduled]
         # Row counts are verified (RowTiler), so splitting rows over calls leaves every row's bits unchanged.
         for c in range(0, len(prompt_rows), MAX_HEAD_TILE):
@@ -116,8 +133,14 @@ class ModelRunner:
             best, best_ids = sample_lp.max(dim=1)  # (S,), (S,)
             argmax = best_ids.tolist()
             has_nan = best.isnan().tolist()
-        return [SeqResult(sample_row=sample_lp[si] if sample_lp is not None and si >= 0 else None,
-                          prompt_logprobs=prompt_lps[i], first_prompt_pos=first_pp,
-                          sample_argmax=argmax[si] if si >= 0 else -1,
-                          sample_has_nan=bool(has_nan[si]) if si >= 0 else False)
-                for i, (first_pp, si) in enumerate(plans)]
+        results = []
+        for i, (first_pp, si, num_choices) in enumerate(plans):
+            r = SeqResult(sample_row=None, prompt_logprobs=prompt_lps[i], first_prompt_pos=first_pp)
+            if si >= 0 and sample_lp is not None:
+                r.sample_row, r.sample_argmax, r.sample_has_nan = sample_lp[si], argmax[si], bool(has_nan[si])
+                drafts = range(si + 1, si + num_choices)
+                r.draft_rows = [sample_lp[d] for d in drafts]
+                r.draft_argmax = [argmax[d] for d in drafts]
+                r.draft_has_nan = [bool(has_nan[d]) for d in drafts]
+            results.append(r)
+        return results

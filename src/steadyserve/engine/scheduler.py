@@ -8,7 +8,9 @@ are admitted into what budget and cache are left; a prompt's cached prefix
 blocks (see block_manager.py) cost neither budget nor new blocks. When the cache runs out,
 the most recently admitted running sequence is preempted: its blocks are freed
 and it is recomputed later (batch-invariant numerics make the recomputed K/V
-bitwise identical, so preemption cannot change a result).
+bitwise identical, so preemption cannot change a result). A decoding sequence
+with a speculative draft (speculation.py) computes the draft after its last
+token, from budget and blocks no other sequence needs this step.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from .sequence import Sequence, SequenceStatus
 @dataclass
 class ScheduledSeq:
     seq: Sequence
-    num_new_tokens: int  # tokens computed for it this step, starting at seq.num_computed_tokens
+    num_new_tokens: int  # tokens computed for it this step, starting at seq.num_computed_tokens (drafts included)
 
 
 @dataclass
@@ -89,7 +91,21 @@ class Scheduler:
             self.running.remove(seq)
         self.finish(seq)
 
+    def _fit_draft(self, seq: Sequence, n: int, budget: int, num_after: int) -> int:
+        """How many of seq's draft tokens this step computes after its n tokens; trims the draft to that.
+
+        A draft is a guess: it never takes a token of budget or a block that a running sequence after
+        this one may need this step (one token each, at most one new block each), so it can neither delay
+        nor preempt anyone."""
+        bm = self.block_manager
+        keep = max(0, min(len(seq.draft_token_ids), budget - n - num_after))
+        if keep and bm.num_missing_blocks(seq, n + keep) + num_after > bm.num_free_blocks:
+            keep = 0
+        del seq.draft_token_ids[keep:]
+        return keep
+
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        seq.draft_token_ids = []
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
@@ -123,7 +139,8 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled_ids: set[int] = set()
         # 1. Running sequences, oldest first. Preempt from the newest end when out of blocks.
-        for seq in list(self.running):
+        running = list(self.running)
+        for pos, seq in enumerate(running):
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
@@ -138,6 +155,8 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 continue
+            if seq.draft_token_ids:
+                n += self._fit_draft(seq, n, budget, len(running) - pos - 1)
             self.block_manager.grow(seq, n)
             out.scheduled.append(ScheduledSeq(seq, n))
             scheduled_ids.add(id(seq))

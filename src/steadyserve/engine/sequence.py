@@ -107,7 +107,7 @@ class RequestOutput:
     """One engine step's news for one request; the last one has `finished`."""
 
     request_id: str
-    new_token_ids: list[int]  # generated this step (0 or 1 today; a list for speculative futures)
+    new_token_ids: list[int]  # generated this step: 0, 1, or more when a speculative draft was accepted
     text_delta: str  # text to append; deltas concatenate exactly to the final text
     logprobs: list[TokenLogprob]  # one per new token, if asked
     prompt_logprobs: list[TokenLogprob | None] | None = None  # once, on the output that finishes the prompt
@@ -180,6 +180,9 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_cached_tokens = 0  # of those, taken from the prefix cache at the latest admission
         self.block_table: list[int] = []
+        # Tokens guessed to follow token_ids (engine/speculation.py), computed after them this step and kept
+        # only where sampling agrees; set before each step's scheduling, empty outside it.
+        self.draft_token_ids: list[int] = []
         self.block_hashes: list[bytes] = []  # prefix hash of each full block of token_ids, as far as computed
         self.status = SequenceStatus.WAITING
         self.prompt_logprobs_done = request.params.prompt_logprobs is None

@@ -26,6 +26,7 @@ def install_batch_drift(engine: Any, scale: float = 2.0 ** -10) -> Callable[[], 
         for r in results:
             if r.sample_row is not None:
                 r.sample_row = r.sample_row + bump
+                r.draft_rows = [row + bump for row in r.draft_rows]
             r.prompt_logprobs = [replace(lp, logprob=lp.logprob + bump) for lp in r.prompt_logprobs]
         return results
 
