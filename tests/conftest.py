@@ -43,20 +43,24 @@ def _allowed(nodeid: str) -> str | None:
 _skipped: list[tuple[str, str, str | None]] = []  # (node id, reason, allow-list entry)
 
 
+def _record_skip(rep: pytest.TestReport | pytest.CollectReport, nodeid: str, when: str) -> None:
+    """List a skip; under strict skips turn it into a failure unless allow-listed."""
+    reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
+    allowed = _allowed(nodeid)
+    _skipped.append((nodeid, reason, allowed))
+    if strict_skips() and allowed is None:
+        rep.outcome = "failed"
+        rep.longrepr = (f"SKIP IS AN ERROR here (CI / make test): {nodeid} skipped{when}: {reason}\n"
+                        "Fix the environment (the reason says how), or, if the test cannot run on any CI machine, "
+                        "add it to SKIP_ALLOW_LIST in tests/conftest.py with the reason.")
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     outcome = yield
     rep = outcome.get_result()
-    if not rep.skipped or hasattr(rep, "wasxfail"):
-        return
-    reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
-    allowed = _allowed(item.nodeid)
-    _skipped.append((item.nodeid, reason, allowed))
-    if strict_skips() and allowed is None:
-        rep.outcome = "failed"
-        rep.longrepr = (f"SKIP IS AN ERROR here (CI / make test): {item.nodeid} skipped: {reason}\n"
-                        "Fix the environment (the reason says how), or, if the test cannot run on any CI machine, "
-                        "add it to SKIP_ALLOW_LIST in tests/conftest.py with the reason.")
+    if rep.skipped and not hasattr(rep, "wasxfail"):
+        _record_skip(rep, item.nodeid, "")
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -65,16 +69,8 @@ def pytest_make_collect_report(collector: pytest.Collector):
     report exists: it is listed, and strict runs fail it, like a run-time skip."""
     outcome = yield
     rep = outcome.get_result()
-    if not rep.skipped:
-        return
-    reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
-    allowed = _allowed(rep.nodeid)
-    _skipped.append((rep.nodeid, reason, allowed))
-    if strict_skips() and allowed is None:
-        rep.outcome = "failed"
-        rep.longrepr = (f"SKIP IS AN ERROR here (CI / make test): {rep.nodeid} skipped while collecting: "
-                        f"{reason}\nFix the environment (the reason says how), or add it to SKIP_ALLOW_LIST "
-                        "in tests/conftest.py with why it cannot run on any CI machine.")
+    if rep.skipped:
+        _record_skip(rep, rep.nodeid, " while collecting")
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
