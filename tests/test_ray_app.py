@@ -15,7 +15,8 @@ import pytest
 
 from steadyserve.api.protos.steadyserve.v1 import inference_pb2
 from steadyserve.ray.app import RayAppArgs, build_app, engine_options, parse_serve_args
-from steadyserve.ray.ingress import Ingress
+from steadyserve.ray.ingress import relay_events
+from steadyserve.tools.sse_client import StreamResult, _on_event
 
 
 def test_serve_args_are_the_cli_flags() -> None:
@@ -57,10 +58,11 @@ def test_grpc_messages_pickle_by_their_module() -> None:
 
 
 class _LostMidStream:
-    """A handle's response stream whose replica dies after two events."""
+    """A handle's response stream whose replica dies after its events (by default, two text events)."""
 
-    def __init__(self) -> None:
-        self.items = [b"data: {\"choices\": [{\"text\": \"a\"}]}\n\n", b"data: {\"choices\": [{\"text\": \"b\"}]}\n\n"]
+    def __init__(self, items: list[bytes] | None = None) -> None:
+        self.items = items if items is not None else [b"data: {\"choices\": [{\"text\": \"a\"}]}\n\n",
+                                                      b"data: {\"choices\": [{\"text\": \"b\"}]}\n\n"]
         self.cancelled = False
 
     def __aiter__(self):
@@ -77,10 +79,31 @@ class _LostMidStream:
 
 def test_a_stream_whose_replica_is_lost_ends_with_an_error_event() -> None:
     async def collect() -> bytes:
-        return b"".join([chunk async for chunk in Ingress._events(_LostMidStream())])
+        return b"".join([chunk async for chunk in relay_events(_LostMidStream())])
 
     body = asyncio.run(collect())
     events = [e for e in body.split(b"\n\n") if e]
     assert len(events) == 4 and events[-1] == b"data: [DONE]"
     error = json.loads(events[2][len(b"data: "):])["error"]
     assert error["code"] == "replica_lost" and "retry" in error["message"]
+
+
+def test_a_stream_lost_after_its_done_gets_no_error_event_and_one_lost_before_it_does() -> None:
+    """A replica that dies after [DONE] was relayed (before Ray saw its generator end) adds nothing: the client
+    has the whole stream. One that dies between the finish chunk and [DONE] ends with replica_lost and [DONE].
+    (CI once counted a stream of the kill test both finished and lost.)"""
+    async def relayed(items: list[bytes]) -> StreamResult:
+        body = b"".join([chunk async for chunk in relay_events(_LostMidStream(items))])
+        res = StreamResult(status=200)
+        for event in body.split(b"\n\n"):
+            if event:
+                _on_event(event, res)
+        return res
+
+    text = b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n'
+    last = b'data: {"choices": [{"index": 0, "text": "x", "finish_reason": "length"}]}\n\n'
+    whole = asyncio.run(relayed([text, last, b"data: [DONE]\n\n"]))
+    assert whole.done and whole.finish_reason == "length" and whole.error is None
+    assert whole.num_events_after_done == 0
+    cut = asyncio.run(relayed([text, last]))
+    assert cut.done and cut.error["code"] == "replica_lost" and cut.num_events_after_done == 0

@@ -360,29 +360,3 @@ def test_a_downscaled_replica_drains_and_autoscaling_adds_one_under_load(ray_app
         ray_app.deploy(2)  # fixed again; with two replicas running this starts nothing
         ray_app.wait_replicas(2)
 
-
-def test_a_stream_lost_after_its_done_gets_no_error_event_and_one_lost_before_does() -> None:
-    """The ingress's SSE relay (no cluster): a replica that dies after [DONE] was relayed adds nothing; one that
-    dies before it ends the stream with a replica_lost error event and [DONE]."""
-    from steadyserve.ray.ingress import relay_events as relay
-
-    async def replica(chunks: list[bytes]):
-        for c in chunks:
-            yield c
-        raise ConnectionError("replica died")
-
-    async def relayed(chunks: list[bytes]) -> StreamResult:
-        body = b"".join([c async for c in relay(replica(chunks))])
-        from steadyserve.tools.sse_client import _on_event
-        res = StreamResult(status=200)
-        for event in body.split(b"\n\n"):
-            if event:
-                _on_event(event, res)
-        return res
-
-    last = b'data: {"choices": [{"index": 0, "text": "x", "finish_reason": "length"}]}\n\n'
-    whole = asyncio.run(relayed([b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n', last, b"data: [DONE]\n\n"]))
-    assert whole.done and whole.finish_reason == "length" and whole.error is None
-    assert whole.num_events_after_done == 0
-    cut = asyncio.run(relayed([b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n', last]))
-    assert cut.done and cut.error["code"] == "replica_lost" and cut.num_events_after_done == 0
