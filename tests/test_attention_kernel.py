@@ -225,14 +225,18 @@ def test_vector_width_does_not_change_the_bits(tmp_path) -> None:
     variants = {"default": [], "avx2+fma": ["-march=x86-64-v3"]}
     if " avx512f" in have:
         variants["avx512"] = ["-march=x86-64-v4"]
-    hashes = {}
-    for name, extra in variants.items():
+    procs = {}
+    for name, extra in variants.items():  # the builds are independent: compile them side by side
         build = tmp_path / name
         build.mkdir()
-        res = subprocess.run([sys.executable, "-c", VECTOR_WIDTH_SCRIPT, str(plain_src), " ".join(CFLAGS + extra),
-                              str(build)], capture_output=True, text=True, timeout=300)
-        assert res.returncode == 0, res.stderr[-2000:]
-        hashes[name] = res.stdout.strip().splitlines()[-1]
+        procs[name] = subprocess.Popen([sys.executable, "-c", VECTOR_WIDTH_SCRIPT, str(plain_src),
+                                        " ".join(CFLAGS + extra), str(build)],
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    hashes = {}
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-2000:]
+        hashes[name] = out.strip().splitlines()[-1]
     assert len(set(hashes.values())) == 1, f"vector widths disagree: {hashes}"
     # And the shipped build (clones dispatched at run time) gives the same bits.
     g = torch.Generator().manual_seed(0)
