@@ -55,6 +55,11 @@ def streamed(chunks: list[dict]) -> dict:
 def test_responses_are_bitwise_those_of_off(servers):
     off, on = servers
     with httpx.Client(timeout=60) as a, httpx.Client(timeout=60) as b:
+        # Both prefix caches first hold the prompt's full blocks, whatever ran on either server before (the
+        # validate test runs on one of them only): usage.cached_tokens then depends on this test's requests alone.
+        for client, srv in ((a, off), (b, on)):
+            assert client.post(srv.http_url + "/v1/completions",
+                               json={"prompt": PROMPT, "max_tokens": 1}).status_code == 200
         for body in bodies():
             ra = a.post(off.http_url + "/v1/completions", json=body)
             rb = b.post(on.http_url + "/v1/completions", json=body)
