@@ -68,7 +68,11 @@ class Deployed:
     def wait_replicas(self, n: int, timeout: float = 180) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.num_replicas() == n and all(children_of(p) for p in self.cluster.replica_pids()):
+            app = self.cluster.applications().get("steadyserve", {})
+            settled = app.get("status") == "RUNNING" and \
+                app.get("deployments", {}).get("EngineReplica", {}).get("status") == "HEALTHY"
+            # Settled too: right after a redeploy Serve may list old replicas as RUNNING while it replaces them.
+            if settled and self.num_replicas() == n and all(children_of(p) for p in self.cluster.replica_pids()):
                 return
             time.sleep(0.5)
         raise AssertionError(f"expected {n} running replicas, have {self.num_replicas()} "
