@@ -20,8 +20,9 @@ def make(loaded, mode: str, cheap_rows: int | None = None, **kw) -> LLMEngine:
                speculation=mode)
     cfg.update(kw)
     engine = LLMEngine(loaded, EngineConfig(**cfg))
-    if cheap_rows is not None:  # let batches draft too (the tiny model's costs are not the point here)
+    if cheap_rows is not None:  # every spare row drafts, in batches too (the tiny model's costs are not the point)
         engine.speculator.cheap_rows = cheap_rows
+        engine.speculator.row_cost = 0.0
     return engine
 
 

@@ -362,6 +362,7 @@ def speculating(bi):
     bits, not the speed, so every step may use spare rows)."""
     engine = engine_for(bi.loaded, speculation="ngram")
     engine.speculator.cheap_rows = 64
+    engine.speculator.row_cost = 0.0
     return engine
 
 

@@ -112,7 +112,7 @@ def test_real_tensors_dequantize_as_gguf_py_does(model):
 @pytest.mark.parametrize("name", ALL_FORMATS)
 def test_a_rows_bits_do_not_depend_on_m_threads_or_the_vector_build(name):
     fmt = FORMAT_IDS[name]
-    qw = _qweight(fmt, 56, 512, seed=2)  # N = 56: panels and a tail in every build
+    qw = _qweight(fmt, 58, 512, seed=2)  # N = 58: tiles and single weight rows in every build and M
     x = torch.randn(112, qw.k, generator=torch.Generator().manual_seed(3))
     full = _mm(qw, x)
     for m in range(1, x.shape[0] + 1):  # every M, fused (small M) and panel paths, every tail
@@ -126,7 +126,7 @@ def test_a_rows_bits_do_not_depend_on_m_threads_or_the_vector_build(name):
     finally:
         torch.set_num_threads(threads)
     for isa in BUILDS:
-        for m in (1, 2, 3, 5, 9):
+        for m in (1, 2, 3, 4, 5, 8, 9):  # each side of every build's register rows (1, 4, 8)
             assert torch.equal(_mm(qw, x[:m], isa), full[:m]), (name, isa, m)
     ref = x @ _reference_values(qw).T  # MKL's float32 matmul on gguf-py's values
     assert torch.allclose(full, ref, rtol=1e-4, atol=1e-5 * float(ref.abs().max())), (full - ref).abs().max()

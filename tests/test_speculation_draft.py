@@ -8,8 +8,7 @@ import sys
 from steadyserve.engine.block_manager import BlockManager
 from steadyserve.engine.scheduler import Scheduler
 from steadyserve.engine.sequence import Request, SamplingParams, Sequence, SequenceStatus
-from steadyserve.engine.speculation import (FIRST_ACCEPTANCE, MIN_ACCEPTANCE, MIN_PAUSE, Acceptance, NgramIndex,
-                                            Speculator)
+from steadyserve.engine.speculation import EMA_WEIGHT, FIRST_ACCEPTANCE, ROW_COST, Acceptance, NgramIndex, Speculator
 
 
 def test_the_pure_parts_import_no_torch():
@@ -83,28 +82,31 @@ def test_lookup_matches_a_brute_force_search():
 
 # ---- acceptance ---------------------------------------------------------------------------------
 
-def test_low_acceptance_pauses_drafting_with_growing_pauses():
+def test_p_counts_draft_tokens_up_to_the_first_rejection():
     a = Acceptance()
-    assert a.rate == FIRST_ACCEPTANCE and a.allows()
-    a.record(3, 0)
-    assert a.allows()  # one miss is a divergence point, not a trend
-    a.record(3, 0)  # nothing accepted twice: paused
-    assert a.rate < MIN_ACCEPTANCE
-    assert [a.allows() for _ in range(MIN_PAUSE)] == [False] * MIN_PAUSE
-    assert a.allows()
-    a.record(3, 0)  # low again: twice the pause
-    assert sum(not a.allows() for _ in range(4 * MIN_PAUSE)) == 2 * MIN_PAUSE
-    a.record(3, 3)
-    a.record(3, 3)
-    assert a.allows() and a.rate > MIN_ACCEPTANCE
-    assert (a.drafted, a.accepted) == (15, 6)
+    assert a.p == FIRST_ACCEPTANCE
+    a.record(3, 3)  # 3 trials, 3 hits
+    assert a.p == (1 - EMA_WEIGHT) * FIRST_ACCEPTANCE + EMA_WEIGHT
+    p = a.p
+    a.record(5, 1)  # accepted 1, rejected the 2nd: 2 trials (what followed the rejection tells nothing)
+    assert a.p == (1 - EMA_WEIGHT) * p + EMA_WEIGHT * 0.5
+    assert (a.drafted, a.accepted) == (8, 4)
 
 
-def test_good_acceptance_keeps_drafting():
+def test_a_guess_not_computed_is_scored_when_its_token_arrives():
     a = Acceptance()
-    for _ in range(50):
-        assert a.allows()
-        a.record(3, 2)
+    tokens = [1, 2, 3]
+    a.guess_next(tokens, 7)
+    a.observe(tokens)  # the token is not there yet: nothing to score
+    assert a.p == FIRST_ACCEPTANCE and a.guess_pos == 3
+    a.observe(tokens + [7])
+    assert a.p == (1 - EMA_WEIGHT) * FIRST_ACCEPTANCE + EMA_WEIGHT and a.guess_pos == -1
+    a.observe(tokens + [7, 8])  # scored once only
+    assert a.p == (1 - EMA_WEIGHT) * FIRST_ACCEPTANCE + EMA_WEIGHT
+    a.guess_next(tokens + [7], 5)
+    a.observe(tokens + [7, 8])  # a miss
+    assert a.p == (1 - EMA_WEIGHT) * ((1 - EMA_WEIGHT) * FIRST_ACCEPTANCE + EMA_WEIGHT)
+    assert (a.drafted, a.accepted) == (0, 0)  # guesses are not verifications: no metric counts them
 
 
 # ---- which sequences draft ----------------------------------------------------------------------
@@ -121,7 +123,7 @@ LOOP = [1, 2, 3, 1, 2, 3, 1, 2]
 
 
 def test_drafts_fill_only_the_spare_cheap_rows_oldest_first():
-    spec = Speculator("ngram", cheap_rows=4)
+    spec = Speculator("ngram", cheap_rows=4, row_cost=0.0)  # every spare row pays
     seqs = [decoding(i, LOOP, []) for i in range(3)]
     spec.draft([(s, spec.new_drafter()) for s in seqs])
     # 3 rows taken by the 3 last tokens: 1 spare, for the oldest sequence.
@@ -132,6 +134,54 @@ def test_drafts_fill_only_the_spare_cheap_rows_oldest_first():
     busy = [decoding(i, LOOP, []) for i in range(4)]
     spec.draft([(s, spec.new_drafter()) for s in busy])
     assert all(s.draft_token_ids == [] for s in busy)  # a batch of 4 runs exactly as without speculation
+
+
+def drafts_at(p: float, num_seqs: int = 1, cheap_rows: int = 8, row_cost: float = ROW_COST) -> list[int]:
+    """Draft tokens each of num_seqs copying sequences gets when its acceptance estimate is p."""
+    spec = Speculator("ngram", cheap_rows=cheap_rows, row_cost=row_cost)
+    seqs = [decoding(i, LOOP * 3, []) for i in range(num_seqs)]
+    drafters = [spec.new_drafter() for _ in seqs]
+    for d in drafters:
+        d.acceptance.p = p
+    spec.draft(list(zip(seqs, drafters)))
+    return [len(s.draft_token_ids) for s in seqs]
+
+
+def expected_rate(p: float, k: int, row_cost: float = ROW_COST) -> float:
+    """Tokens per one-row step of a lone sequence drafting k tokens at acceptance p."""
+    return sum(p ** j for j in range(k + 1)) / (1 + row_cost * k)
+
+
+def test_a_lone_sequence_drafts_the_number_of_tokens_that_maximises_its_rate():
+    for p in (0.0, 0.1, 0.19, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 1.0):
+        (k,) = drafts_at(p)
+        best = max(range(8), key=lambda j: (round(expected_rate(p, j), 12), -j))
+        assert k == best, (p, k, best)
+    assert drafts_at(0.1) == [0] and drafts_at(1.0) == [7]  # not copying: nothing; copying: every cheap row
+
+
+def test_batches_draft_less_and_a_busy_batch_none():
+    assert drafts_at(0.8, num_seqs=1) == [4]
+    two = drafts_at(0.8, num_seqs=2)
+    assert sum(two) < 2 * 4 and two[0] >= two[1]
+    assert drafts_at(0.99, num_seqs=8) == [0] * 8  # no spare row
+    assert drafts_at(0.5, num_seqs=6) == [0] * 6  # spare rows, but a row costs more than it would add
+
+
+def test_a_step_that_does_not_draft_keeps_a_guess_that_scores_the_sequence():
+    spec = Speculator("ngram", cheap_rows=8)
+    seq = decoding(0, LOOP * 3, [])
+    drafter = spec.new_drafter()
+    drafter.acceptance.p = 0.05  # not worth a row
+    spec.draft([(seq, drafter)])
+    assert seq.draft_token_ids == [] and drafter.acceptance.guess_pos == seq.num_tokens
+    for _ in range(4):  # the sequence now follows its guesses: p recovers and drafting resumes
+        seq.token_ids.append(drafter.acceptance.guess)
+        seq.num_computed_tokens = seq.num_tokens - 1
+        spec.draft([(seq, drafter)])
+        if seq.draft_token_ids:
+            break
+    assert seq.draft_token_ids, drafter.acceptance.p
 
 
 def test_no_draft_while_prefilling_with_prompt_logprobs_or_past_max_tokens():

@@ -157,8 +157,13 @@ def test_abort_mid_generation_frees_every_block(loaded):
 
 def test_a_nan_inside_a_draft_fails_the_request_after_the_same_tokens(loaded):
     """A NaN in the row of generated token K: off emits tokens 0..K-1 over earlier steps then fails; a
-    verification that reaches row K emits what came before it in its error output: the same in all."""
-    K = 9
+    verification that reaches row K emits what came before it in its error output: the same in all. K is
+    the last token of r0's first verification that emitted 2 or more, in a clean run: the row picking it is a
+    draft row, and the verification reaches it (how many tokens one drafts is the speculator's choice)."""
+    clean = make(loaded, "ngram", cheap_rows=16)
+    verified = record_verifications(clean)
+    run_requests(clean, requests(0.0)[:3])
+    K = next(before + emitted - 1 for rid, before, _, emitted, _ in verified if rid == "r0" and emitted >= 2)
 
     def poison(engine: LLMEngine) -> None:
         real = engine.runner.execute
@@ -189,5 +194,6 @@ def test_a_nan_inside_a_draft_fails_the_request_after_the_same_tokens(loaded):
     off, got = run_requests(off_engine, reqs), run_requests(on, reqs)
     assert off["r0"].finish_reason == "error" and "NaN" in off["r0"].error and len(off["r0"].token_ids) == K
     assert differences(off, got) == []
-    # The NaN row was a draft row of a verification, not its first.
-    assert any(rid == "r0" and before < K <= before + drafted for rid, before, drafted, _, _ in seen), seen
+    # The NaN row was a draft row of a verification, not its first, and the verification reached it.
+    assert any(rid == "r0" and before < K <= before + drafted and reason == "error"
+               for rid, before, drafted, _, reason in seen), seen

@@ -327,10 +327,10 @@ class LLMEngine:
 def _cheap_rows(model) -> int:  # noqa: ANN001 - a Transformer
     """Rows a step computes for little more than the cost of one (speculation.Speculator): on the native
     path the rows the matrix kernels multiply with weights dequantized in registers (kSmallM of
-    kernels/csrc/qmm_scalar.cpp, qmm_avx2.cpp, qmm_avx512.cpp); MKL's and CUDA's kernels are memory-bound
-    for a few rows more."""
+    kernels/csrc/qmm_scalar.cpp, qmm_avx2.cpp, qmm_avx512.cpp: 1, 4, 8); MKL's and CUDA's kernels are
+    memory-bound for a few rows more."""
     if model.native:
-        return (1, 2, 4)[torch.ops.steadyserve.qmm_isa()]
+        return int(torch.ops.steadyserve.qmm_register_rows())
     return 16 if model.device.type == "cuda" else 4
 
 

@@ -10,12 +10,13 @@ position where it does not emits the sampled token and ends the verification. Ba
 make a chunk's rows bitwise the rows the plain path computes one step at a time (the prefill == decode
 invariant), so the output is bitwise that of `--speculation off`, not merely equal in distribution.
 
-This module only guesses and keeps score: the draft (NgramIndex), whether guessing still pays for a
-sequence (Acceptance) and for the step (Speculator.draft), and counts for metrics.
+This module only guesses and keeps score: the draft (NgramIndex), how often a sequence's guesses are right
+(Acceptance), how many draft tokens pay in this step (Speculator.draft), and counts for metrics.
 """
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
 from .sequence import Sequence
@@ -25,16 +26,13 @@ MODES = ("off", "ngram")  # --speculation
 MAX_DRAFT_TOKENS = 7
 NGRAM_MAX = 4  # the longest suffix looked up; longer matches are tried first
 NGRAM_MIN = 2  # the shortest: a single-token match guesses too often to pay
-# Acceptance below which a sequence stops drafting for a while (an EMA of accepted / drafted tokens). A
-# rejected draft wastes only rows that were nearly free, so the bar is low: on SmolLM2-135M (AMD EPYC)
-# a verification of 3 drafts costs 1.42 decode steps, and pays once it accepts 0.42 tokens on average
-# (a ratio of 0.14). Pausing at divergence points costs more than the rows: raising this to 0.3 left
-# 34 of 70 steps of a JSON correction undrafted instead of 13. A sequence whose output stops following
-# its input stops paying even the rows.
-MIN_ACCEPTANCE = 0.15
-FIRST_ACCEPTANCE = 0.5  # a new sequence's EMA: two verifications that accept nothing pause it
-EMA_WEIGHT = 0.5  # weight of the latest verification in the EMA
-MIN_PAUSE, MAX_PAUSE = 4, 256  # decode steps without drafting after low acceptance; doubles while it stays low
+# What one more row costs a step, as a fraction of a one-row step, while the rows stay within the matrix
+# kernels' register rows (each weight dequantized once for all of them). Measured on SmolLM2-135M, AMD EPYC,
+# 2 threads, every matrix of the model: AVX-512 1 row 8.1 ms, 4 rows 13.4, 8 rows 18.6 (0.18 a row); AVX2
+# 1 row 9.9 ms, 4 rows 14.5 (0.15 a row). Past them a row costs several times more and is never drafted.
+ROW_COST = 0.2
+FIRST_ACCEPTANCE = 0.5  # a new sequence's estimate of p, the chance that a draft token is accepted
+EMA_WEIGHT = 0.5  # weight of the latest outcome in p's estimate: outputs switch between copying and not
 
 
 class NgramIndex:
@@ -82,31 +80,40 @@ class NgramIndex:
 
 @dataclass
 class Acceptance:
-    """One sequence's record: whether drafting still pays for it, and its counts."""
+    """One sequence's estimate of p: the chance that a draft token is accepted, given that the draft tokens
+    before it were. Outcomes in a row of a copy are far from independent (the output copies a run of its
+    input, then leaves it), so p is an EMA of recent outcomes, not a long-run mean.
 
-    rate: float = FIRST_ACCEPTANCE  # EMA of accepted / drafted over its verifications
-    pause: int = 0  # decode steps left without drafting
-    next_pause: int = MIN_PAUSE  # the pause the next low acceptance imposes (doubles, up to MAX_PAUSE)
+    Verifications update it with each draft token up to the first rejection. Steps that do not draft update
+    it too, with a guess that costs no row: the draft's first token is kept and compared with the token the
+    step then samples (observe). So a sequence whose output turns to copying starts drafting again, and one
+    that stops copying stops, without spending rows to find out."""
+
+    p: float = FIRST_ACCEPTANCE
+    guess: int = -1  # a draft's first token, not computed, for the token at guess_pos
+    guess_pos: int = -1  # where in the sequence's tokens; -1: no guess pending
     drafted: int = 0  # draft tokens verified, in all
     accepted: int = 0  # of which accepted
 
-    def allows(self) -> bool:
-        """Whether to draft this decode step (counts a paused step down)."""
-        if self.pause > 0:
-            self.pause -= 1
-            if self.pause == 0:
-                self.rate = MIN_ACCEPTANCE  # a fresh chance: one good verification keeps it drafting
-            return False
-        return True
+    def _update(self, trials: int, hits: int) -> None:
+        self.p = (1 - EMA_WEIGHT) * self.p + EMA_WEIGHT * (hits / trials)
 
     def record(self, drafted: int, accepted: int) -> None:
+        """A verification: `accepted` of `drafted` draft tokens taken (the first rejection ends it, so the
+        tokens after it tell nothing of p)."""
         self.drafted += drafted
         self.accepted += accepted
-        self.rate = (1 - EMA_WEIGHT) * self.rate + EMA_WEIGHT * (accepted / drafted)
-        if self.rate < MIN_ACCEPTANCE:
-            self.pause, self.next_pause = self.next_pause, min(2 * self.next_pause, MAX_PAUSE)
-        elif accepted == drafted:
-            self.next_pause = MIN_PAUSE
+        self._update(accepted + (accepted < drafted), accepted)
+
+    def guess_next(self, tokens: list[int], token: int) -> None:
+        """Keep `token` as the guess for what follows `tokens` (a draft this step does not compute)."""
+        self.guess, self.guess_pos = token, len(tokens)
+
+    def observe(self, tokens: list[int]) -> None:
+        """Score the pending guess once `tokens` (the sequence's, which only grow) reach its position."""
+        if 0 <= self.guess_pos < len(tokens):
+            self._update(1, int(tokens[self.guess_pos] == self.guess))
+            self.guess_pos = -1
 
 
 @dataclass
@@ -129,19 +136,23 @@ class SpeculationCounts:
 class Speculator:
     """Drafts for the running sequences before the scheduler sizes a step, and records the outcomes.
 
-    Never slower: a step computes up to `cheap_rows` rows (tokens) for little more than the cost of one,
-    because the matrix kernels dequantize each weight tile in registers once for that many rows (kSmallM of
-    kernels/csrc/qmm_avx512.cpp: 4; on SmolLM2-135M, AMD EPYC, 2 threads, 1 row 4.4 ms, 4 rows 6.5 ms,
-    5 rows 11.4 ms). Drafts only fill
-    the rows the step leaves spare below that, oldest sequence first: one stream drafts cheap_rows - 1
-    tokens, a busy batch none, so large batches run exactly as without speculation."""
+    Never slower, by expected tokens per unit of step time. A step of r rows, up to `cheap_rows` (the
+    matrix kernels' register rows: kSmallM of kernels/csrc/qmm_avx512.cpp, 8), costs about
+    1 + row_cost * (r - 1) one-row steps; past them, far more, and drafts never go there. The j-th draft
+    token of a sequence adds p^j expected tokens (its p: Acceptance). Draft rows are handed out by
+    expected tokens, highest first (oldest sequence first among equals), while one adds more tokens than
+    its cost at the step's current rate: gain > row_cost * tokens / cost. So one stream that copies drafts
+    up to 7 tokens, one that does not copy drafts none, and a busy batch none: large batches run exactly
+    as without speculation. row_cost 0 drafts every cheap row (tests)."""
 
-    def __init__(self, mode: str, cheap_rows: int = 4, max_draft_tokens: int = MAX_DRAFT_TOKENS) -> None:
+    def __init__(self, mode: str, cheap_rows: int = 8, max_draft_tokens: int = MAX_DRAFT_TOKENS,
+                 row_cost: float = ROW_COST) -> None:
         if mode not in MODES:
             raise ValueError(f"speculation mode must be one of {MODES}, not {mode!r}")
         self.enabled = mode == "ngram"
         self.cheap_rows = cheap_rows  # rows a step may reach with its drafts
         self.max_draft_tokens = max_draft_tokens  # k, per sequence
+        self.row_cost = row_cost  # one more row's cost, in one-row steps
         self.counts = SpeculationCounts()  # of the current step; reset by take_counts
         self.total_drafted = 0  # since start
         self.total_accepted = 0
@@ -152,19 +163,47 @@ class Speculator:
     def draft(self, running: list[tuple[Sequence, SeqDrafter | None]]) -> None:
         """Set each running sequence's draft_token_ids for this step ([] where it does not draft).
 
-        A sequence drafts when it is decoding (exactly its last token left to compute, prompt logprobs
-        done), its acceptance allows, at least 2 more tokens may be generated (the draft plus the token
-        sampled after it stay within max_tokens), and the step has spare cheap rows."""
-        spare = self.cheap_rows - sum(seq.num_uncomputed_tokens for seq, _ in running)
+        A sequence may draft when it is decoding (exactly its last token left to compute, prompt logprobs
+        done), at least 2 more tokens may be generated (the draft plus the token sampled after it stay
+        within max_tokens), and its n-grams propose something; how many of those tokens it drafts is the
+        allocation above."""
+        rows = sum(seq.num_uncomputed_tokens for seq, _ in running)
+        spare = self.cheap_rows - rows
+        proposals: list[tuple[Sequence, Acceptance, list[int]]] = []
         for seq, drafter in running:
             seq.draft_token_ids = []
-            if spare < 1 or drafter is None or seq.num_uncomputed_tokens != 1 or not seq.prompt_logprobs_done:
+            if drafter is None:
+                continue
+            drafter.acceptance.observe(seq.token_ids)
+            if spare < 1 or seq.num_uncomputed_tokens != 1 or not seq.prompt_logprobs_done:
                 continue
             room = min(seq.params.max_tokens - seq.num_generated_tokens - 1, self.max_draft_tokens, spare)
-            if room < 1 or not drafter.acceptance.allows():
-                continue
-            seq.draft_token_ids = drafter.index.propose(seq.token_ids, room)
-            spare -= len(seq.draft_token_ids)
+            if room >= 1 and (proposal := drafter.index.propose(seq.token_ids, room)):
+                proposals.append((seq, drafter.acceptance, proposal))
+        granted = self._allocate([a.p for _, a, _ in proposals], [len(d) for _, _, d in proposals],
+                                 max(sum(seq.num_uncomputed_tokens == 1 for seq, _ in running), 1), rows, spare)
+        for (seq, acceptance, proposal), n in zip(proposals, granted):
+            seq.draft_token_ids = proposal[:n]
+            if n == 0:
+                acceptance.guess_next(seq.token_ids, proposal[0])
+
+    def _allocate(self, ps: list[float], lengths: list[int], tokens: float, rows: int, spare: int) -> list[int]:
+        """Draft tokens per proposal: rows one at a time to the highest expected gain (p^j for a sequence's
+        j-th), while the gain beats the step's rate (tokens / cost) times a row's cost."""
+        granted = [0] * len(ps)
+        heap = [(-p, i) for i, p in enumerate(ps) if lengths[i] > 0]
+        heapq.heapify(heap)
+        cost = 1 + self.row_cost * (rows - 1)  # of the step, in one-row steps
+        while heap and spare > 0:
+            neg_gain, i = heapq.heappop(heap)
+            gain = -neg_gain
+            if self.row_cost > 0 and gain <= self.row_cost * tokens / cost:
+                break  # every gain left is smaller
+            granted[i] += 1
+            tokens, cost, spare = tokens + gain, cost + self.row_cost, spare - 1
+            if granted[i] < lengths[i]:
+                heapq.heappush(heap, (-gain * ps[i], i))
+        return granted
 
     def record(self, drafter: SeqDrafter | None, drafted: int, accepted: int) -> None:
         """One verification's outcome: `drafted` draft tokens computed, the first `accepted` taken."""

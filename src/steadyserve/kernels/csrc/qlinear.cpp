@@ -54,6 +54,13 @@ int pick_isa(int64_t isa) {
 
 int64_t qmm_isa() { return best_isa(); }
 
+// Rows up to which the best build's matmul dequantizes each weight once in registers for all of them: a
+// step of up to this many rows costs little more than one (speculative verification sizes itself by it).
+int64_t qmm_register_rows() {
+  const int isa = best_isa();
+  return isa == 2 ? avx512::register_rows() : isa == 1 ? avx2::register_rows() : scalar::register_rows();
+}
+
 // One build's entry points (qmm.h), indexed by ISA: 0 scalar, 1 AVX2, 2 AVX-512.
 struct Build {
   decltype(&scalar::matmul) matmul;
@@ -188,6 +195,7 @@ TORCH_LIBRARY_FRAGMENT(steadyserve, m) {
   m.def("qlog_softmax_(Tensor(a!) x, int isa=-1) -> ()");
   m.def("qgelu_tanh_mul(Tensor gate_up, int isa=-1) -> Tensor");
   m.def("qmm_isa() -> int", TORCH_FN(qmm_isa));
+  m.def("qmm_register_rows() -> int", TORCH_FN(qmm_register_rows));
   m.impl("qmatmul_", c10::DispatchKey::CPU, TORCH_FN(qmatmul_));
   m.impl("qdequant", c10::DispatchKey::CPU, TORCH_FN(qdequant));
   m.impl("qrms_norm", c10::DispatchKey::CPU, TORCH_FN(qrms_norm));

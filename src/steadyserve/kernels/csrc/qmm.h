@@ -72,6 +72,8 @@ constexpr int64_t kScratchRows = 8;  // dequantized weight rows a thread keeps a
 #define STEADY_QMM_DECLARE(ns)                                                                       \
   namespace ns {                                                                                     \
   void matmul(const MatmulArgs& a);                                                                  \
+  /* the most rows matmul multiplies with weights dequantized in registers (kSmallM) */              \
+  int64_t register_rows();                                                                           \
   /* out[i, :] = the dequantized weights of row rows[i] (K floats each) */                           \
   void dequant_rows(int32_t fmt, const uint8_t* w, int64_t row_bytes, int64_t K, const int64_t* rows, \
                     int64_t num_rows, float* out);                                                   \

@@ -22,8 +22,10 @@ struct I {
   __m256i a, b;
 };
 
-constexpr int kSmallM = 2;  // 16 ymm registers: smaller tiles than AVX-512
-constexpr int kFusedNR = 2;
+// 16 ymm registers, two per F: smaller tiles than AVX-512. Rows up to which weights are dequantized in
+// registers, and weight rows per register tile for MM rows (2 rows: 8 + 8 ymm; 3-4 rows: 8 + 4, plus x).
+constexpr int kSmallM = 4;
+constexpr int fused_nr(int mm) { return mm <= 2 ? 2 : 1; }
 constexpr int kMR = 2;
 constexpr int kNR = 2;
 constexpr int64_t kMB = 96;

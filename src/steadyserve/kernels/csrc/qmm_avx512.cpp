@@ -18,8 +18,13 @@ namespace {
 using F = __m512;
 using I = __m512i;
 
-constexpr int kSmallM = 4;   // rows up to which weights are dequantized in registers
-constexpr int kFusedNR = 4;  // weight rows per register tile there
+// Rows up to which weights are dequantized in registers: each weight is dequantized once for all of them.
+// 8 lets one verification pass of speculative decoding (1 + up to 7 draft tokens) cost about as much as a
+// few decode steps (engine/speculation.py).
+constexpr int kSmallM = 8;
+// Weight rows per register tile there, for MM rows: MM * NN accumulators + 2 NN weight vectors + 2 of x
+// stay within the 32 zmm registers (4 rows: 16 + 8 + 2; 8 rows: 16 + 4 + 2).
+constexpr int fused_nr(int mm) { return mm <= 4 ? 4 : 2; }
 constexpr int kMR = 4;       // rows x weight rows of the panel tile: 16 zmm accumulators
 constexpr int kNR = 4;
 constexpr int64_t kMB = 96;

@@ -5,7 +5,7 @@
 //   F (16 floats), I (16 int32): fzero fset1 fload fstore ffma fmul fadd fsub fdiv fmax fmin
 //   hsum hsum4 hmax | iset1 ilanes iload_u8 iload_i8 iload_u16 iand isrl isll isrlv ior isub iadd
 //   i2f f2i ibits2f h2f, half_at (one binary16 at p as a float, exactly) — and the tile sizes
-//   kSmallM kFusedNR kMR kNR kMB kPrefetchTiles, and prefetch (a hint: it never faults nor changes a value).
+//   kSmallM fused_nr(MM) kMR kNR kMB kPrefetchTiles, and prefetch (a hint: it never faults nor changes a value).
 // Every operation is one IEEE operation per lane (ffma: one rounding), so each build computes
 // the same value in every lane; only the tile sizes, which never change a lane's sequence of
 // operations, differ between builds. The reduction order is documented in qmm.h.
@@ -208,14 +208,25 @@ inline void fused_tile(const MatmulArgs& a, int64_t n0) {
   store_sums<MM, NN>(acc, a.y, a.y_stride, n0);
 }
 
-template <int FMT, int NN>
-inline void fused_rows(const MatmulArgs& a, int64_t n0) {
-  switch (a.M) {
-    case 1: fused_tile<FMT, 1, NN>(a, n0); break;
-    case 2: if constexpr (kSmallM >= 2) fused_tile<FMT, 2, NN>(a, n0); break;
-    case 3: if constexpr (kSmallM >= 3) fused_tile<FMT, 3, NN>(a, n0); break;
-    case 4: if constexpr (kSmallM >= 4) fused_tile<FMT, 4, NN>(a, n0); break;
-    default: break;
+// Every weight row of the thread's range for exactly MM rows of x: tiles of fused_nr(MM) weight rows, then
+// single rows. Which tile computes an output never changes its operations (each lane's fma sequence is fixed).
+template <int FMT, int MM>
+inline void fused_rows(const MatmulArgs& a) {
+  constexpr int NN = fused_nr(MM);
+  int64_t n = a.n_begin;
+  for (; n + NN <= a.n_end; n += NN) fused_tile<FMT, MM, NN>(a, n);
+  for (; n < a.n_end; ++n) fused_tile<FMT, MM, 1>(a, n);
+}
+
+// fused_rows for a.M rows, 1 <= a.M <= kSmallM (one instantiation per row count).
+template <int FMT, int MM = kSmallM>
+inline void fused_dispatch(const MatmulArgs& a) {
+  if constexpr (MM >= 1) {
+    if (a.M == MM) {
+      fused_rows<FMT, MM>(a);
+    } else {
+      fused_dispatch<FMT, MM - 1>(a);
+    }
   }
 }
 
@@ -269,9 +280,7 @@ inline void dequant_row(const uint8_t* row, int64_t K, float* out) {
 template <int FMT>
 void matmul_fmt(const MatmulArgs& a) {
   if (a.M <= kSmallM) {
-    int64_t n = a.n_begin;
-    for (; n + kFusedNR <= a.n_end; n += kFusedNR) fused_rows<FMT, kFusedNR>(a, n);
-    for (; n < a.n_end; ++n) fused_rows<FMT, 1>(a, n);
+    fused_dispatch<FMT>(a);
     return;
   }
   for (int64_t m0 = 0; m0 < a.M; m0 += kMB) {
@@ -307,6 +316,8 @@ void matmul(const MatmulArgs& a) {
     default: break;  // qlinear.cpp refuses unknown formats before calling
   }
 }
+
+int64_t register_rows() { return kSmallM; }
 
 void dequant_rows(int32_t fmt, const uint8_t* w, int64_t row_bytes, int64_t K, const int64_t* rows, int64_t num_rows,
                   float* out) {

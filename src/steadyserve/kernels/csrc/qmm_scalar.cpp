@@ -20,7 +20,7 @@ struct I {
 };
 
 constexpr int kSmallM = 1;
-constexpr int kFusedNR = 1;
+constexpr int fused_nr(int) { return 1; }
 constexpr int kMR = 1;
 constexpr int kNR = 1;
 constexpr int64_t kMB = 96;
