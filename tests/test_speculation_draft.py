@@ -268,11 +268,12 @@ def test_the_flag_maps_onto_its_config_field_and_is_checked():
     from steadyserve.config import ConfigError, EngineConfig
 
     parse = build_parser().parse_args
-    assert config_from_args(parse(["serve"])).engine.speculation == "off" == EngineConfig().speculation
+    assert config_from_args(parse(["serve"])).engine.speculation == "auto" == EngineConfig().speculation
+    assert config_from_args(parse(["serve", "--no-batch-invariant"])).engine.speculation == "auto"  # resolves off
     assert config_from_args(parse(["serve", "--speculation", "ngram"])).engine.speculation == "ngram"
     with pytest.raises(SystemExit):
         parse(["serve", "--speculation", "eagle"])
     with pytest.raises(ConfigError, match="--speculation ngram needs --batch-invariant"):
         config_from_args(parse(["serve", "--speculation", "ngram", "--no-batch-invariant"]))
-    with pytest.raises(ConfigError, match="--speculation must be off or ngram"):
+    with pytest.raises(ConfigError, match="--speculation must be auto, off or ngram"):
         EngineConfig(speculation="medusa").validate()

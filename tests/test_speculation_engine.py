@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from steadyserve.config import EngineConfig
 from steadyserve.engine.offline import run_requests
@@ -146,11 +147,30 @@ def test_step_stats_and_metrics_count_drafted_and_accepted_tokens(loaded):
         reg.get_sample_value("steadyserve_speculation_acceptance_ratio_count")
 
 
-def test_off_is_the_default_and_drafts_nothing(loaded):
-    assert EngineConfig().speculation == "off"
+def test_off_drafts_nothing(loaded):
     off = make(loaded, "off")
     run_requests(off, requests(0.0)[:2])
     assert counts(off) == (0, 0) and not off.speculator.enabled
+
+
+def test_auto_the_default_speculates_exactly_where_exactness_holds(loaded):
+    """auto: ngram on the batch-invariant native path (the tiny model runs it), off without batch invariance
+    or without spare register rows (the scalar build's 1)."""
+    assert EngineConfig().speculation == "auto"
+    auto = make(loaded, "auto")
+    assert auto.speculator.enabled and auto.speculator.cheap_rows == torch.ops.steadyserve.qmm_register_rows() > 1
+    run_requests(auto, requests(0.0)[:2])
+    assert_speculated(auto, rejections=False)
+    assert not make(loaded, "auto", batch_invariant=False).speculator.enabled
+    assert make(loaded, "ngram").speculator.enabled
+
+
+def test_auto_is_off_where_the_kernels_have_one_register_row(loaded, monkeypatch):
+    from steadyserve.engine import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "_cheap_rows", lambda model: 1)  # the scalar build's
+    assert not make(loaded, "auto").speculator.enabled
+    assert make(loaded, "ngram").speculator.enabled  # asked for explicitly: it runs (exact, not faster)
 
 
 def test_random_prompts_many_seeds(loaded):

@@ -16,7 +16,7 @@ PROMPT = "one two three four one two three four one two three four one two"
 
 @pytest.fixture(scope="module")
 def servers(tiny_model):
-    off, on = start_servers(((tiny_model, "--grpc-port", "-1"), {}),
+    off, on = start_servers(((tiny_model, "--grpc-port", "-1", "--speculation", "off"), {}),
                             ((tiny_model, "--grpc-port", "-1", "--speculation", "ngram"), {}))
     try:
         yield off, on

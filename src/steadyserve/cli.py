@@ -55,9 +55,10 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "auto: portable where the native kernels run, else host (default: %(default)s)")
     g.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=d.prefix_caching,
                    help="reuse the cached K/V of shared prompt prefixes, bitwise-safe (default: on)")
-    g.add_argument("--speculation", default=d.speculation, choices=["off", "ngram"],
+    g.add_argument("--speculation", default=d.speculation, choices=["auto", "off", "ngram"],
                    help="speculative decoding: ngram drafts tokens by prompt lookup and verifies them in one "
-                        "pass, bitwise the output of off (default: %(default)s)")
+                        "pass, bitwise the output of off, where it pays; auto: ngram with --batch-invariant "
+                        "and the native kernels, else off (default: %(default)s)")
 
 
 def _add_server_flags(p: argparse.ArgumentParser) -> None:

@@ -75,7 +75,11 @@ class EngineConfig:
     row_tile: int = 512  # --row-tile: most rows per row-wise kernel call; fewer only in counts verified at start-up
     attention: str = "auto"  # --attention: auto | native (C++ kernel, else refuse to start) | python
     prefix_caching: bool = True  # --prefix-caching / --no-prefix-caching: reuse cached K/V of shared prompt prefixes
-    speculation: str = "off"  # --speculation: off | ngram (prompt lookup: drafts up to 4 tokens per sequence from its prompt and output, verified in one pass; bitwise the output of off, and not drafted where it does not pay)
+    # --speculation: auto | off | ngram. ngram: prompt lookup drafts up to 7 tokens per sequence from its
+    # prompt and output, verified in one pass, bitwise the output of off, drafted only where it pays. auto
+    # (the default): ngram where that exactness holds (--batch-invariant and matmul kernels with more than
+    # one register row), else off.
+    speculation: str = "auto"
     numerics: str = "auto"  # --numerics: auto (portable where the native kernels run, else host) | portable (same bits on every x86-64 host, native kernels on the stored weights) | host (fp32 weights, MKL and PyTorch for this CPU)
 
     def validate(self) -> None:
@@ -111,9 +115,9 @@ class EngineConfig:
         if self.numerics == "portable" and not self.batch_invariant:
             raise ConfigError("--no-batch-invariant: portable numerics are batch-invariant by construction; "
                               "the plain (variant) path is --numerics host --no-batch-invariant")
-        if self.speculation not in ("off", "ngram"):
-            raise ConfigError(f"--speculation must be off or ngram, not {self.speculation!r}")
-        if self.speculation != "off" and not self.batch_invariant:
+        if self.speculation not in ("auto", "off", "ngram"):
+            raise ConfigError(f"--speculation must be auto, off or ngram, not {self.speculation!r}")
+        if self.speculation == "ngram" and not self.batch_invariant:
             raise ConfigError("--speculation ngram needs --batch-invariant: its output equals --speculation off "
                               "because a verified chunk's rows are bitwise those of one-token steps")
         if self.attention not in ("auto", "native", "python"):

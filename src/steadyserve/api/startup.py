@@ -72,19 +72,19 @@ def _load_and_check(config: Config, hooks: EngineHooks,
         "budget_bytes": plan.kv, "blocks": engine.kv.num_blocks, "block_size": ec.block_size,
         "token_capacity": engine.kv.num_blocks * ec.block_size, "max_num_seqs": ec.max_num_seqs,
         "max_queue": ec.max_queue, "threads": ec.num_threads, "speculation": ec.speculation,
-        "speculation_cheap_rows": engine.speculator.cheap_rows}})
+        "speculating": engine.speculator.enabled, "speculation_cheap_rows": engine.speculator.cheap_rows}})
     selftest = run_selftest(engine)
     if ec.batch_invariant:
         (log.info if selftest.passed else log.error)("batch-invariance self-test", extra={"fields": {
             "passed": selftest.passed, "detail": selftest.detail}})
+    else:
+        log.warning("batch invariance is OFF (--no-batch-invariant): logprobs depend on batch composition",
+                    extra={"fields": {"selftest": selftest.detail}})
     if engine.speculator.enabled and not selftest.passed:
         # Exactness rests on chunk rows equal to one-token rows, which the self-test just failed to show.
         engine.speculator.enabled = False
         log.error("speculation turned off: the batch-invariance self-test failed", extra={"fields": {
             "speculation": ec.speculation}})
-    else:
-        log.warning("batch invariance is OFF (--no-batch-invariant): logprobs depend on batch composition",
-                    extra={"fields": {"selftest": selftest.detail}})
     for hook in hooks.after_selftest:
         hook(engine)
     release_free_memory()

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from .sequence import Sequence
 
-MODES = ("off", "ngram")  # --speculation
+MODES = ("off", "ngram")  # what --speculation resolves to (auto: engine.py _speculation_mode)
 # Draft tokens per verification at most (fewer where the step's cheap rows are fewer, see Speculator).
 MAX_DRAFT_TOKENS = 7
 NGRAM_MAX = 4  # the longest suffix looked up; longer matches are tried first
