@@ -34,9 +34,9 @@ def phi3(models_dir: Path):
     return load_model(str(d), max_model_len=512)
 
 
-def engine(loaded, keep_all: bool = False, budget: int = 512) -> LLMEngine:
+def engine(loaded, keep_all: bool = False, budget: int = 512, speculation: str = "off") -> LLMEngine:
     e = LLMEngine(loaded, EngineConfig(kv_cache_memory=16 * 1024**2, threads=THREADS, block_size=BS,
-                                       max_num_batched_tokens=budget, max_num_seqs=16))
+                                       max_num_batched_tokens=budget, max_num_seqs=16, speculation=speculation))
     if keep_all:
         e.block_manager.window = 0  # the reference: every block held to the end
     return e
@@ -68,11 +68,17 @@ def same(a: Completed, b: Completed) -> bool:
             and a.prompt_logprob_values == b.prompt_logprob_values)
 
 
-def test_out_of_window_blocks_are_released_with_the_same_bits(phi3):
+@pytest.mark.parametrize("speculation", ["off", "ngram"])
+def test_out_of_window_blocks_are_released_with_the_same_bits(phi3, speculation):
+    """Speculation off: the plain step's order of growing and releasing; ngram: verifications grow by drafts
+    and truncate rejected ones as blocks leave the window. The reference keeps every block, without
+    speculation (its peak needs both sequences alive at their longest, so one order of steps)."""
     assert engine(phi3).block_manager.window == 24
     ref, ref_peak = run_tracking(engine(phi3, keep_all=True), requests(phi3.args.vocab_size))
-    e = engine(phi3)
+    e = engine(phi3, speculation=speculation)
     got, peak = run_tracking(e, requests(phi3.args.vocab_size))
+    if speculation == "ngram":
+        assert e.speculator.total_accepted > 0, "no draft accepted: the ngram case would be the off case"
     for rid in ref:
         assert same(got[rid], ref[rid]), rid
     print(f"\nblocks held at most: {peak} released vs {ref_peak} kept")

@@ -75,11 +75,7 @@ class EngineConfig:
     row_tile: int = 512  # --row-tile: most rows per row-wise kernel call; fewer only in counts verified at start-up
     attention: str = "auto"  # --attention: auto | native (C++ kernel, else refuse to start) | python
     prefix_caching: bool = True  # --prefix-caching / --no-prefix-caching: reuse cached K/V of shared prompt prefixes
-    # --speculation: auto | off | ngram. ngram: prompt lookup drafts up to 7 tokens per sequence from its
-    # prompt and output, verified in one pass, bitwise the output of off, drafted only where it pays. auto
-    # (the default): ngram where that exactness holds (--batch-invariant and matmul kernels with more than
-    # one register row), else off.
-    speculation: str = "auto"
+    speculation: str = "auto"  # --speculation: auto | off | ngram (ngram: prompt lookup drafts up to 7 tokens per sequence from its prompt and output, verified in one pass, bitwise the output of off, drafted only where the expected tokens pay for the rows; auto: ngram with --batch-invariant and the native kernels, else off)
     numerics: str = "auto"  # --numerics: auto (portable where the native kernels run, else host) | portable (same bits on every x86-64 host, native kernels on the stored weights) | host (fp32 weights, MKL and PyTorch for this CPU)
 
     def validate(self) -> None:
