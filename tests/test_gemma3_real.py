@@ -16,6 +16,7 @@ import os
 import struct
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -59,7 +60,24 @@ def gemma_path() -> Path:
 
 
 @pytest.fixture(scope="module")
-def gemma() -> tuple[Path, LoadedModel]:
+def gemma_server():
+    """The server of test_gemma3_270m_serves_over_http_and_grpc_..., started in the background as soon as the
+    module first needs the model: its start (reading the GGUF, ~20 s of one core) runs beside the in-process
+    loads and the transformers reference instead of after them. A future: .result() waits for it to be up."""
+    path = gemma_path()  # assembled before the server looks for it
+    pool = ThreadPoolExecutor(1)
+    starting = pool.submit(ServerProcess, "gemma3-270m", "--max-model-len", str(MAX_LEN), "--kv-cache-memory",
+                           "96MiB", threads=THREADS)
+    pool.shutdown(wait=False)
+    try:
+        yield starting
+    finally:
+        if starting.exception() is None:  # waits for the start; a failed start left nothing behind
+            starting.result().__exit__(None, None, None)
+
+
+@pytest.fixture(scope="module")
+def gemma(gemma_server) -> tuple[Path, LoadedModel]:
     path = gemma_path()
     return path, load_model(str(path), max_model_len=MAX_LEN)  # honours STEADYSERVE_CACHE
 
@@ -106,7 +124,7 @@ def test_gemma3_270m_prompt_logprobs_match_transformers_on_the_same_gguf(gemma, 
     assert done["g"].token_ids == greedy[0, len(prompts[0]):].tolist(), tok.decode(done["g"].token_ids)
 
 
-def test_gemma3_270m_serves_over_http_and_grpc_with_the_engines_bits_and_validates(gemma):
+def test_gemma3_270m_serves_over_http_and_grpc_with_the_engines_bits_and_validates(gemma, gemma_server):
     """Served by name (--model gemma3-270m): HTTP generation and gRPC scoring give the in-process engine's
     bits, and `steadyserve validate` (identical probes among background traffic, both transports) passes."""
     from steadyserve.client import Client, logprobs_f32
@@ -117,17 +135,17 @@ def test_gemma3_270m_serves_over_http_and_grpc_with_the_engines_bits_and_validat
     ids = loaded.tokenizer.encode(prompt)
     local = run_requests(engine, [Request("g", ids, SamplingParams(max_tokens=8, temperature=0, logprobs=0)),
                                   Request("s", ids, SamplingParams(max_tokens=0, prompt_logprobs=0))])
-    with ServerProcess("gemma3-270m", "--max-model-len", str(MAX_LEN), "--kv-cache-memory", "96MiB",
-                       threads=THREADS) as srv:
-        r = httpx.post(f"{srv.http_url}/v1/completions", timeout=120,
-                       json={"prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 1})
-        assert r.status_code == 200, r.text
-        body = r.json()
-        with Client(srv.grpc_addr) as client:
-            scored = client.score(prompt, timeout=120)
-        v = subprocess.run([sys.executable, "-m", "steadyserve.cli", "validate", "--http", srv.http_url, "--grpc",
-                            srv.grpc_addr, "-n", "24", "-c", "8", "--background", "1", "--max-tokens", "8", "--json"],
-                           capture_output=True, text=True, timeout=900)
+    srv = gemma_server.result()  # "gemma3-270m", --max-model-len MAX_LEN, --kv-cache-memory 96MiB
+    assert srv.proc.poll() is None, srv.logs()
+    r = httpx.post(f"{srv.http_url}/v1/completions", timeout=120,
+                   json={"prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 1})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    with Client(srv.grpc_addr) as client:
+        scored = client.score(prompt, timeout=120)
+    v = subprocess.run([sys.executable, "-m", "steadyserve.cli", "validate", "--http", srv.http_url, "--grpc",
+                        srv.grpc_addr, "-n", "24", "-c", "8", "--background", "1", "--max-tokens", "8", "--json"],
+                       capture_output=True, text=True, timeout=900)
     choice = body["choices"][0]
     print(f"\nGEMMA3-270M over HTTP: {prompt!r} -> {choice['text']!r}; fingerprint {body['system_fingerprint']}")
     assert body["system_fingerprint"].endswith("-bi")

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -36,9 +37,11 @@ def test_never_collected():
 '''
 
 
-def run_pytest(tmp_path: Path, source: str = SKIPPING, **env: str) -> subprocess.CompletedProcess:
-    """A pytest session over one file that skips, with this suite's conftest hooks loaded as a plugin."""
-    (tmp_path / "test_sample.py").write_text(source)
+def run_pytest(tmp_path: Path, source: str | None = SKIPPING, **env: str) -> subprocess.CompletedProcess:
+    """A pytest session over one file that skips, with this suite's conftest hooks loaded as a plugin.
+    `source` None: the file is already written (sessions run side by side over it)."""
+    if source is not None:
+        (tmp_path / "test_sample.py").write_text(source)
     clean = {k: v for k, v in os.environ.items() if k not in ("CI", "STEADYSERVE_STRICT_SKIPS")}
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:randomly",
                            "-p", "no:cacheprovider", str(tmp_path / "test_sample.py")],
@@ -47,12 +50,14 @@ def run_pytest(tmp_path: Path, source: str = SKIPPING, **env: str) -> subprocess
 
 
 def test_a_skip_is_an_error_in_ci_and_always_reported(tmp_path: Path):
-    relaxed = run_pytest(tmp_path)
+    (tmp_path / "test_sample.py").write_text(SKIPPING)
+    envs = ({}, {"CI": "true"}, {"STEADYSERVE_STRICT_SKIPS": "1"})
+    with ThreadPoolExecutor(len(envs)) as pool:  # three independent sessions: side by side
+        relaxed, *stricts = pool.map(lambda env: run_pytest(tmp_path, None, **env), envs)
     assert relaxed.returncode == 0, relaxed.stdout
     assert "1 passed, 1 skipped" in relaxed.stdout
     assert "1 test(s) skipped" in relaxed.stdout and "no widget on this machine [NOT allow-listed]" in relaxed.stdout
-    for env in ({"CI": "true"}, {"STEADYSERVE_STRICT_SKIPS": "1"}):
-        strict = run_pytest(tmp_path, **env)
+    for strict in stricts:
         assert strict.returncode == 1, strict.stdout
         assert "1 failed, 1 passed" in strict.stdout and "SKIP IS AN ERROR" in strict.stdout, strict.stdout
         assert "no widget on this machine" in strict.stdout

@@ -5,6 +5,7 @@ model asked for `--attention python` computes on the host path, and its fingerpr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import urllib.request
 
@@ -15,7 +16,7 @@ from steadyserve.engine.engine import LLMEngine
 from steadyserve.engine.selftest import run_selftest
 from steadyserve.models import load_model
 from steadyserve.models.loader import LoadError
-from steadyserve.testing.server import ServerProcess
+from steadyserve.testing.server import start_servers
 
 
 @pytest.mark.parametrize("attention, kernel_id", [("auto", "nat1"), ("python", "py")])
@@ -57,8 +58,11 @@ def test_native_kernel_refuses_a_block_size_it_cannot_run(tiny_model: str) -> No
 
 def test_served_fingerprint_names_the_kernel(tiny_model: str) -> None:
     fps = {}
-    for attention in ("auto", "python"):
-        with ServerProcess(tiny_model, "--attention", attention) as s:
+    kinds = ("auto", "python")
+    with contextlib.ExitStack() as stack:  # the two servers start side by side, and both are stopped
+        servers = [stack.enter_context(s) for s in
+                   start_servers(*(((tiny_model, "--attention", attention), {}) for attention in kinds))]
+        for attention, s in zip(kinds, servers):
             with urllib.request.urlopen(s.http_url + "/readyz", timeout=10) as r:
                 fps[attention] = json.load(r)["system_fingerprint"]
     assert fps["auto"].endswith("-nat1-bi") and fps["python"].endswith("-py-bi"), fps

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -68,16 +69,25 @@ def runs(models_dir: Path, tmp_path_factory) -> dict:
                                        batch_size=batch_size, **kw)
 
     out: dict = {"model": str(model)}
-    with ServerProcess(str(model), "--grpc-port", "-1", "--served-model-name", "tiny") as s:
+    # The server starts in a thread while transformers runs the same tasks in this one (the runs are independent).
+    pool = ThreadPoolExecutor(1)
+    starting = pool.submit(ServerProcess, str(model), "--grpc-port", "-1", "--served-model-name", "tiny")
+    pool.shutdown(wait=False)
+    try:
+        hf = f"pretrained={model},dtype=float32,device=cpu,max_length=512"
+        out["hf"] = evaluate("hf", hf, ["ss_choice", "ss_rolling"])
+        out["hf_chat"] = evaluate("hf", hf, ["ss_gen"], apply_chat_template=True)
+    except BaseException:
+        if starting.exception() is None:  # waits for the start; a failed start left nothing behind
+            starting.result().__exit__(None, None, None)
+        raise
+    with starting.result() as s:
         api = "model=tiny,num_concurrent=1,max_retries=1,max_length=514"
         out["ours"] = evaluate("local-completions", f"base_url={s.http_url}/v1/completions,tokenizer={model},"
                                f"tokenizer_backend=huggingface,tokenized_requests=True,{api}",
                                ["ss_choice", "ss_rolling"], batch_size=8)  # 8 prompts per request
         out["ours_chat"] = evaluate("local-chat-completions", f"base_url={s.http_url}/v1/chat/completions,"
                                     f"tokenizer_backend=none,{api}", ["ss_gen"], apply_chat_template=True)
-    hf = f"pretrained={model},dtype=float32,device=cpu,max_length=512"
-    out["hf"] = evaluate("hf", hf, ["ss_choice", "ss_rolling"])
-    out["hf_chat"] = evaluate("hf", hf, ["ss_gen"], apply_chat_template=True)
     return out
 
 

