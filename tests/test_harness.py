@@ -89,9 +89,16 @@ def _test_dirs() -> set[str]:
     return {p.name for p in Path(tempfile.gettempdir()).glob("steadyserve-test-*")}
 
 
-def test_server_pair_is_all_or_nothing_and_leaves_nothing(tiny_model: str, tmp_path: Path):
+def test_server_pair_is_all_or_nothing_and_leaves_nothing(tiny_model: str, tmp_path: Path, monkeypatch):
+    # The servers' temporary directories go to a folder of this test's own, so another steadyserve test run
+    # on the same machine (creating and removing its own in the shared /tmp) cannot change what is compared:
+    # it failed that way twice while two suites ran side by side.
+    own_tmp = tmp_path / "tmp"
+    own_tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(own_tmp))
     marker = f"pair-{os.getpid()}-{tmp_path.name}"
     dirs0 = _test_dirs()
+    assert dirs0 == set()
     with pytest.raises(RuntimeError, match="server exited"):
         start_servers(((tiny_model, "--served-model-name", marker), {"threads": 1}),
                       ((str(tmp_path / "no-such-model"), "--served-model-name", marker), {"threads": 1}))
@@ -103,3 +110,4 @@ def test_server_pair_is_all_or_nothing_and_leaves_nothing(tiny_model: str, tmp_p
         assert Path(s.log_path).exists()
     assert _steadyserve_pids(marker) == [] and _test_dirs() == dirs0
     assert "model fingerprint" in s.logs()  # what the log held stays readable after clean-up
+    assert Path(s.log_path).parent.parent == own_tmp  # the directories compared were the servers' own

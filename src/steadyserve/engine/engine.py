@@ -94,7 +94,8 @@ class LLMEngine:
         self.block_manager = BlockManager(self.kv.num_blocks, cfg.block_size, cfg.prefix_caching, root, window)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.runner = ModelRunner(loaded.model, self.kv)
-        self.speculator = Speculator(_speculation_mode(cfg, loaded.model), _cheap_rows(loaded.model))
+        cheap_rows = _cheap_rows(loaded.model)
+        self.speculator = Speculator(_speculation_mode(cfg, cheap_rows), cheap_rows)
         self.eos_token_ids = _eos_ids(loaded)
         self._seq_ids = itertools.count()
         # Test-only fault injection: called with each sequence in update; may raise.
@@ -334,13 +335,13 @@ def _cheap_rows(model) -> int:  # noqa: ANN001 - a Transformer
     return 16 if model.device.type == "cuda" else 4
 
 
-def _speculation_mode(cfg: EngineConfig, model) -> str:  # noqa: ANN001 - a Transformer
+def _speculation_mode(cfg: EngineConfig, cheap_rows: int) -> str:
     """--speculation auto: ngram where its output is exactly off's (batch-invariant numerics, so a verified
-    chunk's rows are bitwise one-token steps' rows) and a step has rows to spare (more than one register row
-    in the matmul kernels); off elsewhere."""
+    chunk's rows are bitwise one-token steps' rows) and a step has rows to spare (cheap_rows > 1: more than
+    one register row in the matmul kernels); off elsewhere."""
     if cfg.speculation != "auto":
         return cfg.speculation
-    return "ngram" if cfg.batch_invariant and _cheap_rows(model) > 1 else "off"
+    return "ngram" if cfg.batch_invariant and cheap_rows > 1 else "off"
 
 
 def _eos_ids(loaded: LoadedModel) -> set[int]:

@@ -54,13 +54,6 @@ int pick_isa(int64_t isa) {
 
 int64_t qmm_isa() { return best_isa(); }
 
-// Rows up to which the best build's matmul dequantizes each weight once in registers for all of them: a
-// step of up to this many rows costs little more than one (speculative verification sizes itself by it).
-int64_t qmm_register_rows() {
-  const int isa = best_isa();
-  return isa == 2 ? avx512::register_rows() : isa == 1 ? avx2::register_rows() : scalar::register_rows();
-}
-
 // One build's entry points (qmm.h), indexed by ISA: 0 scalar, 1 AVX2, 2 AVX-512.
 struct Build {
   decltype(&scalar::matmul) matmul;
@@ -69,12 +62,20 @@ struct Build {
   decltype(&scalar::silu_mul) silu_mul;
   decltype(&scalar::log_softmax) log_softmax;
   decltype(&scalar::gelu_tanh_mul) gelu_tanh_mul;
+  decltype(&scalar::register_rows) register_rows;
 };
 const Build kBuilds[3] = {
-    {scalar::matmul, scalar::dequant_rows, scalar::rms_norm, scalar::silu_mul, scalar::log_softmax, scalar::gelu_tanh_mul},
-    {avx2::matmul, avx2::dequant_rows, avx2::rms_norm, avx2::silu_mul, avx2::log_softmax, avx2::gelu_tanh_mul},
-    {avx512::matmul, avx512::dequant_rows, avx512::rms_norm, avx512::silu_mul, avx512::log_softmax, avx512::gelu_tanh_mul},
+    {scalar::matmul, scalar::dequant_rows, scalar::rms_norm, scalar::silu_mul, scalar::log_softmax, scalar::gelu_tanh_mul,
+     scalar::register_rows},
+    {avx2::matmul, avx2::dequant_rows, avx2::rms_norm, avx2::silu_mul, avx2::log_softmax, avx2::gelu_tanh_mul,
+     avx2::register_rows},
+    {avx512::matmul, avx512::dequant_rows, avx512::rms_norm, avx512::silu_mul, avx512::log_softmax, avx512::gelu_tanh_mul,
+     avx512::register_rows},
 };
+
+// Rows up to which the best build's matmul dequantizes each weight once in registers for all of them: a
+// step of up to this many rows costs little more than one (speculative verification sizes itself by it).
+int64_t qmm_register_rows() { return kBuilds[best_isa()].register_rows(); }
 
 // Output columns per task: a multiple of every build's panel width, so a task boundary never
 // splits a panel (it would not change bits, only speed).
