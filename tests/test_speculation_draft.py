@@ -8,7 +8,8 @@ import sys
 from steadyserve.engine.block_manager import BlockManager
 from steadyserve.engine.scheduler import Scheduler
 from steadyserve.engine.sequence import Request, SamplingParams, Sequence, SequenceStatus
-from steadyserve.engine.speculation import EMA_WEIGHT, FIRST_ACCEPTANCE, ROW_COST, Acceptance, NgramIndex, Speculator
+from steadyserve.engine.speculation import (EMA_WEIGHT, FIRST_ACCEPTANCE, ROW_COST, Acceptance, NgramIndex,
+                                           Speculator, token_keys)
 
 
 def test_the_pure_parts_import_no_torch():
@@ -47,37 +48,91 @@ def test_a_repeating_pattern_drafts_k_tokens_through_its_own_draft():
     assert NgramIndex(2, 2).propose([1, 2, 1, 2, 1, 2], 5) == [1, 2, 1, 2, 1]
 
 
-def test_the_index_grows_incrementally_and_agrees_with_a_fresh_one():
-    import random
-
-    rng = random.Random(3)
-    tokens: list[int] = [rng.randrange(6) for _ in range(5)]
-    grown = NgramIndex()
-    for _ in range(200):
-        tokens.extend(rng.randrange(6) for _ in range(rng.randrange(1, 4)))
-        assert grown.propose(tokens, 4) == NgramIndex().propose(list(tokens), 4)
+def brute(tokens: list[int], k: int, cursor: int = -1, keys: list[int] | None = None) -> list[int]:
+    """The lookup by exhaustive search: the longest suffix (4 down to 2 tokens, compared by key) that occurred
+    before; of its occurrences the first whose continuation starts at or after `cursor`, else the latest."""
+    kt = [keys[t] if keys and t < len(keys) else t + (len(keys) if keys else 0) for t in tokens]
+    for n in range(4, 1, -1):
+        if len(tokens) <= n:
+            continue
+        starts = [s for s in range(n, len(tokens)) if kt[s - n:s] == kt[-n:]]  # never the suffix itself
+        if not starts:
+            continue
+        after = [s for s in starts if s >= cursor] if cursor >= 0 else []
+        start = after[0] if after else starts[-1]
+        full = list(tokens)
+        for j in range(k):
+            full.append(full[start + j])
+        return full[len(tokens):]
+    return []
 
 
 def test_lookup_matches_a_brute_force_search():
     import random
 
-    def brute(tokens: list[int], k: int) -> list[int]:
-        for n in range(4, 1, -1):
-            if len(tokens) <= n:
-                continue
-            suffix = tokens[-n:]
-            for start in range(len(tokens) - 1, n - 1, -1):  # latest first, never the suffix itself
-                if tokens[start - n:start] == suffix:
-                    full = list(tokens)
-                    for j in range(k):
-                        full.append(full[start + j])
-                    return full[len(tokens):]
-        return []
-
     rng = random.Random(5)
     for _ in range(300):
         tokens = [rng.randrange(4) for _ in range(rng.randrange(1, 30))]
         assert NgramIndex().propose(tokens, 3) == brute(tokens, 3), tokens
+
+
+def test_the_index_grows_incrementally_and_agrees_with_the_brute_force_search_at_its_cursor():
+    import random
+
+    rng = random.Random(3)
+    moved = 0
+    for _ in range(20):
+        tokens: list[int] = [rng.randrange(6) for _ in range(5)]
+        grown = NgramIndex()
+        cursors = set()
+        for _ in range(60):
+            draft = grown.propose(tokens, 4)
+            assert draft == brute(tokens, 4, grown.cursor), (tokens, grown.cursor)
+            cursors.add(grown.cursor)
+            # mostly copy part of the draft, sometimes not: the cursor follows both
+            follow = draft[:rng.randrange(1, len(draft) + 1)] if draft and rng.random() < 0.7 else []
+            tokens.extend(follow or [rng.randrange(6) for _ in range(rng.randrange(1, 4))])
+        moved += len(cursors) > 3
+    assert moved >= 15  # the cursor moved, so the test compared more than the latest-occurrence rule
+
+
+def test_the_cursor_picks_the_occurrence_after_the_last_copy():
+    # The source has (3, 4) twice, with different continuations; the output copies the source in order.
+    #         0  1  2  3  4  5  6  7  8  9
+    source = [1, 3, 4, 5, 6, 2, 3, 4, 7, 8]
+    idx = NgramIndex(2, 2)
+    tokens = source + [9, 1, 3]
+    assert idx.propose(tokens, 2) == [4, 5]  # (1, 3) occurs once: its continuation starts at 2
+    tokens += [4, 5, 6, 2]  # the output copied 4, 5, 6, 2: the cursor is past the 2, at 6
+    assert idx.propose(tokens, 2) == [3, 4] and idx.cursor == 6  # (6, 2) after the copy
+    tokens += [3, 4]
+    # (3, 4) occurs at 1..2 and 6..7 of the source, and at 12..13 (the output's first copy, followed by 5, 6):
+    # the latest occurrence is the output's; the cursor (8: the output just copied 6..7) takes 6..7's, followed
+    # by 7, 8.
+    assert idx.propose(tokens, 2) == [7, 8] and idx.cursor == 8
+    assert NgramIndex(2, 2).propose(tokens, 2) == [5, 6]  # no cursor: the latest occurrence
+
+
+def test_keys_join_tokens_that_differ_only_in_case_and_surrounding_space():
+    texts = ["The", " the", "the", " THE", " ", "  ", "\n", " cat", "cat", "."]
+    keys = token_keys(texts)
+    assert keys[0] == keys[1] == keys[2] == keys[3]
+    assert len({keys[4], keys[5], keys[6]}) == 3  # whitespace-only tokens keep their own key
+    assert keys[7] == keys[8] and len({keys[0], keys[7], keys[9]}) == 3
+    # " The cat." in the source, "the cat" (say, after a quote) in the output: the copy continues.
+    #         0  1  2  3  4
+    tokens = [0, 7, 9, 5, 2, 8]
+    assert NgramIndex(2, 2, keys=keys).propose(tokens, 1) == [9]
+    assert NgramIndex(2, 2).propose(tokens, 1) == []  # by id: no match
+    # ids past the table (a model whose vocabulary is larger than its tokenizer's) are their own keys
+    assert NgramIndex(2, 2, keys=keys).propose([20, 21, 5, 20, 21], 1) == [5]
+    assert NgramIndex(2, 2, keys=keys).propose([20, 21, 5, 0, 21], 1) == []
+    import random
+
+    rng = random.Random(7)
+    for _ in range(200):
+        tokens = [rng.randrange(12) for _ in range(rng.randrange(1, 25))]
+        assert NgramIndex(keys=keys).propose(tokens, 3) == brute(tokens, 3, keys=keys), tokens
 
 
 # ---- acceptance ---------------------------------------------------------------------------------

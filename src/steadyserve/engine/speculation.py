@@ -16,7 +16,9 @@ This module only guesses and keeps score: the draft (NgramIndex), how often a se
 
 from __future__ import annotations
 
+import bisect
 import heapq
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from .sequence import Sequence
@@ -35,33 +37,58 @@ FIRST_ACCEPTANCE = 0.5  # a new sequence's estimate of p, the chance that a draf
 EMA_WEIGHT = 0.5  # weight of the latest outcome in p's estimate: outputs switch between copying and not
 
 
-class NgramIndex:
-    """Where each n-gram of a token list last occurred, kept up to date incrementally.
+def token_keys(texts: Seq[str]) -> list[int]:
+    """A lookup key per token id, from each token's text: tokens whose text differs only in case and in the
+    whitespace around it share a key (" The" after a full stop, "the" after an opening quote and " the" in
+    mid-sentence are one word to a summary that copies it). A token that is only whitespace keeps its own
+    key: indentation is content."""
+    ids: dict[str, int] = {}
+    return [ids.setdefault((t.strip() or t).lower(), len(ids)) for t in texts]
 
-    For n in [nmin, nmax], `_last[n]` maps the n tokens ending just before position i to the largest such
-    i registered (the position its continuation starts at). Positions are registered up to len(tokens) - 1,
-    so the list's own suffix never matches itself. Appending m tokens costs O(m * (nmax - nmin + 1)).
+
+class NgramIndex:
+    """Where each n-gram of a token list occurred, kept up to date incrementally, and where the output last
+    copied from.
+
+    For n in [nmin, nmax], `_occ[n]` maps the keys (token_keys; the ids themselves without a table) of the
+    n tokens ending just before position i to every such i registered, ascending (the positions their
+    continuations start at). Positions are registered up to len(tokens) - 1, so the list's own suffix never
+    matches itself. Appending m tokens costs O(m * (nmax - nmin + 1)).
+
+    The cursor is the position just after the last token the sequence copied: after each proposal, the
+    tokens that were then added are compared with what followed the proposal's source. Output that copies
+    its input (an edit, a summary, a list of quotations) goes through it in order, so of a suffix's
+    occurrences the first at or after the cursor is the likeliest next source; without one, the latest.
     """
 
-    def __init__(self, nmin: int = NGRAM_MIN, nmax: int = NGRAM_MAX) -> None:
+    def __init__(self, nmin: int = NGRAM_MIN, nmax: int = NGRAM_MAX, keys: Seq[int] | None = None) -> None:
         self.nmin, self.nmax = nmin, nmax
-        self._last: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(nmin, nmax + 1)}
+        self._keys = keys  # token id -> lookup key (token_keys); None: the id itself
+        self._occ: dict[int, dict[tuple[int, ...], list[int]]] = {n: {} for n in range(nmin, nmax + 1)}
+        self._keyed: list[int] = []  # the key of each token seen so far
         self._next = 0  # the first position not yet registered
+        self.cursor = -1  # just after the last copied token; -1: nothing copied yet
+        self._source: tuple[int, int] | None = None  # (start, len(tokens)) of the last proposal
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
-        """Up to k tokens guessed to follow `tokens`: what followed the latest earlier occurrence of its
-        longest suffix (nmax down to nmin tokens) found; [] if none. `tokens` must only ever grow between
-        calls (a sequence's prompt + output).
+        """Up to k tokens guessed to follow `tokens`: what followed an earlier occurrence of its longest
+        suffix (nmax down to nmin tokens) found, the one the cursor chooses; [] if none. `tokens` must only
+        ever grow between calls (a sequence's prompt + output).
 
         The continuation may run into the suffix itself (a repeating pattern): it is read from `tokens`
         extended by the draft so far, so a period-p loop drafts k tokens, not p."""
+        self._follow(tokens)
         if k <= 0 or len(tokens) <= self.nmin:
             return []
         self._register_upto(tokens, len(tokens) - 1)
+        keyed = self._keyed
         for n in range(min(self.nmax, len(tokens) - 1), self.nmin - 1, -1):
-            start = self._last[n].get(tuple(tokens[-n:]))
-            if start is None:
+            starts = self._occ[n].get(tuple(keyed[-n:]))
+            if not starts:
                 continue
+            i = bisect.bisect_left(starts, self.cursor)
+            start = starts[i] if self.cursor >= 0 and i < len(starts) else starts[-1]
+            self._source = (start, len(tokens))
             draft: list[int] = []
             for j in range(k):
                 p = start + j
@@ -69,12 +96,32 @@ class NgramIndex:
             return draft
         return []
 
+    def _follow(self, tokens: list[int]) -> None:
+        """Move the cursor past the tokens added since the last proposal that equal its source's."""
+        if self._source is None:
+            return
+        start, end = self._source
+        self._source = None
+        j = 0
+        while end + j < len(tokens) and tokens[end + j] == tokens[start + j]:
+            j += 1
+        if j:
+            self.cursor = start + j
+
+    def _key(self, token: int) -> int:
+        keys = self._keys
+        if keys is None:
+            return token
+        return keys[token] if 0 <= token < len(keys) else len(keys) + token  # past the table: its own key
+
     def _register_upto(self, tokens: list[int], end: int) -> None:
         """Register positions [self._next, end]: each n-gram ending just before one of them."""
+        keyed = self._keyed
+        keyed.extend(self._key(t) for t in tokens[len(keyed):])
         for i in range(max(self._next, self.nmin), end + 1):
-            for n, table in self._last.items():
+            for n, table in self._occ.items():
                 if i >= n:
-                    table[tuple(tokens[i - n:i])] = i
+                    table.setdefault(tuple(keyed[i - n:i]), []).append(i)
         self._next = max(self._next, end + 1)
 
 
@@ -146,19 +193,20 @@ class Speculator:
     as without speculation. row_cost 0 drafts every cheap row (tests)."""
 
     def __init__(self, mode: str, cheap_rows: int = 8, max_draft_tokens: int = MAX_DRAFT_TOKENS,
-                 row_cost: float = ROW_COST) -> None:
+                 row_cost: float = ROW_COST, keys: Seq[int] | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"speculation mode must be one of {MODES}, not {mode!r}")
         self.enabled = mode == "ngram"
         self.cheap_rows = cheap_rows  # rows a step may reach with its drafts
         self.max_draft_tokens = max_draft_tokens  # k, per sequence
         self.row_cost = row_cost  # one more row's cost, in one-row steps
+        self.keys = keys  # the n-gram lookup's key per token id (token_keys); None: the ids themselves
         self.counts = SpeculationCounts()  # of the current step; reset by take_counts
         self.total_drafted = 0  # since start
         self.total_accepted = 0
 
     def new_drafter(self) -> SeqDrafter | None:
-        return SeqDrafter() if self.enabled else None
+        return SeqDrafter(NgramIndex(keys=self.keys)) if self.enabled else None
 
     def draft(self, running: list[tuple[Sequence, SeqDrafter | None]]) -> None:
         """Set each running sequence's draft_token_ids for this step ([] where it does not draft).
