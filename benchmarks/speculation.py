@@ -2,15 +2,16 @@
 
 One run, one process, one machine: the default SmolLM2-135M-Instruct GGUF loaded once, two engines on it
 (the same flags but --speculation), each request run through one and then the other, greedy:
-- c=1, input-grounded tasks: rename a function and repeat the code, correct a JSON document, summarise a
-  passage quoting it, list a passage's quotations. Also a summary that was asked to quote but paraphrases
-  (reported, no target). Decode tok/s: tokens after the first / time of the steps after the first token.
+- c=1, input-grounded tasks of four kinds: rename a function or method and repeat the code (2 requests),
+  correct a JSON document (2), summarise a passage quoting it (3 passages), list a passage's quotations
+  (1). Also a summary that was asked to quote but paraphrases (reported, no target). Decode tok/s: tokens
+  after the first / time of the steps after the first token; a kind's figure is its requests' mean.
 - c=1, free-form chat (nothing in the prompt to copy): the same figure.
 - c=64: 64 chat and grounded requests at once, generated tokens / wall time of the whole run (best of
   --repeats, alternating).
 Every request's tokens and logprobs must be bitwise equal between the two engines (the exactness
-claim; the run fails otherwise). Ratios and the issue's targets (grounded >= 2x, chat >= 0.95x,
-c=64 >= 0.97x) are in the JSON. Timings are this machine's: nothing here is asserted in the test suite.
+claim; the run fails otherwise). Ratios and the issue's targets (every grounded kind >= 2x, chat >=
+0.95x, c=64 >= 0.97x) are in the JSON. Timings are this machine's: nothing here is asserted in the test suite.
 
     .venv/bin/python benchmarks/speculation.py [--threads 2] [--repeats 3] [--max-tokens 160]
 
@@ -64,21 +65,86 @@ JSON_DOC = '''{
   "license": "Apache-2.0"
 }'''
 
+CODE_2 = '''class RateLimiter:
+    """Allow at most `rate` calls per `period` seconds."""
+
+    def __init__(self, rate, period=1.0):
+        self.rate = rate
+        self.period = period
+        self.calls = []
+
+    def allow(self, now):
+        self.calls = [t for t in self.calls if now - t < self.period]
+        if len(self.calls) < self.rate:
+            self.calls.append(now)
+            return True
+        return False
+
+
+def check_limit(limiter, now):
+    if not limiter.allow(now):
+        raise RuntimeError("rate limit exceeded")
+'''
+
+JSON_DOC_2 = '''{
+  "id": 4821,
+  "status": "shipped",
+  "customer": {"name": "Grace Hopper", "city": "Arlington", "zip": "22201"},
+  "items": [
+    {"sku": "KB-104", "qty": 2, "price": 49.90},
+    {"sku": "MS-220", "qty": 1, "price": 19.50},
+  ],
+  "shipping": {"method": 'express', "cost": 12.00}
+  "notes": "Leave at the front desk"
+}'''
+
 PASSAGE = ("The committee met on Tuesday to review the bridge inspection. The chief engineer said that \"the "
            "north pier shows cracks wider than two millimetres, which is beyond the tolerance set in 1998.\" "
            "The mayor replied that \"no traffic restriction will be imposed until the second survey is "
            "complete.\" A resident asked whether the school buses would still use the bridge, and the engineer "
            "answered that \"buses weigh less than the limit and may continue to cross.\" The committee agreed "
            "to publish the full report on the city website by the end of the month.")
+PASSAGE_RECALL = ("The company announced on Monday that it is recalling 40,000 electric kettles sold since March. Its "
+                  "safety director said that \"a faulty switch can keep the kettle heating after the water has boiled "
+                  "away.\" Customers were told that \"the kettles should be unplugged and returned to any store for a "
+                  "full refund.\" A reporter asked whether anyone had been hurt, and the director replied that \"two "
+                  "minor burns have been reported, and no fires.\" The company expects to finish the recall before "
+                  "the end of the year.")
+PASSAGE_REEFS = ("Researchers at the coastal institute published a study of coral reefs on Thursday. The lead author "
+                 "said that \"reefs that were shaded by clouds during the heatwave lost half as much coral as those in "
+                 "full sun.\" Her colleague added that \"shading is not a cure, but it buys the reefs time to "
+                 "recover.\" When asked about the cost, the team said that \"a floating shade cloth for one reef costs "
+                 "less than a single research vessel.\" The institute plans to test the shades on three more reefs "
+                 "next summer.")
 
-GROUNDED = {
-    "rename_function": f"Rename the function compute_total to sum_prices everywhere and repeat the rest of the "
-                       f"code unchanged.\n\n```python\n{CODE}```",
-    "correct_json": f"This JSON document has syntax errors. Output the corrected document only.\n\n{JSON_DOC}",
-    "quote_summary": f"Summarise this passage in three sentences. Each sentence must contain one of its "
-                     f"quotations, copied word for word in quotation marks.\n\n{PASSAGE}",
-    "quote_list": f"List every quotation in this passage, each on its own line, with who said it.\n\n{PASSAGE}",
+
+def rename(kind: str, old: str, new: str, code: str) -> str:
+    return f"Rename the {kind} {old} to {new} everywhere and repeat the rest of the code unchanged.\n\n```python\n{code}```"
+
+
+def correct(doc: str) -> str:
+    return f"This JSON document has syntax errors. Output the corrected document only.\n\n{doc}"
+
+
+def quote_summary(passage: str) -> str:
+    return (f"Summarise this passage in three sentences. Each sentence must contain one of its quotations, copied "
+            f"word for word in quotation marks.\n\n{passage}")
+
+
+# Input-grounded tasks, by kind. One request is one output, a noisy sample of its kind, so a kind's figure
+# is the mean over its requests. The second and third requests of a kind were written before they were
+# first measured, and are kept whatever they give.
+GROUNDED_KINDS = {
+    "rename": {"rename_function": rename("function", "compute_total", "sum_prices", CODE),
+               "rename_method": rename("method", "allow", "try_acquire", CODE_2)},
+    "json": {"correct_json": correct(JSON_DOC), "correct_json_order": correct(JSON_DOC_2)},
+    "quote_summary": {"quote_summary": quote_summary(PASSAGE),
+                      "quote_summary_recall": quote_summary(PASSAGE_RECALL),
+                      "quote_summary_reefs": quote_summary(PASSAGE_REEFS)},
+    "quote_list": {"quote_list": f"List every quotation in this passage, each on its own line, with who said "
+                                 f"it.\n\n{PASSAGE}"},
 }
+GROUNDED = {name: text for kind in GROUNDED_KINDS.values() for name, text in kind.items()}
 # A summary asked to quote, which the default model writes without a single quotation (32 tokens of
 # paraphrase): input-grounded in its request, not in its output, so there is little to copy. Measured and
 # reported, outside the grounded mean.
@@ -203,13 +269,19 @@ def main() -> int:
         rows = res["c1"][group].values()
         return sum(r["speedup"] for r in rows) / len(rows)
 
+    grounded = res["c1"]["grounded"]
+    res["kinds"] = {kind: round(sum(grounded[n]["speedup"] for n in names) / len(names), 3)
+                    for kind, names in GROUNDED_KINDS.items()}
     res["ratios"] = {
-        "c1 grounded ngram / off, mean (target >= 2)": round(mean_speedup("grounded"), 3),
-        "c1 grounded ngram / off, lowest": round(min(r["speedup"] for r in res["c1"]["grounded"].values()), 3),
+        "c1 grounded ngram / off, lowest kind's mean (target >= 2)": min(res["kinds"].values()),
+        "c1 grounded ngram / off, mean of the kinds": round(sum(res["kinds"].values()) / len(res["kinds"]), 3),
+        "c1 grounded ngram / off, lowest request": round(min(r["speedup"] for r in grounded.values()), 3),
         "c1 paraphrased summary ngram / off (no target: little to copy)": round(mean_speedup("paraphrase"), 3),
         "c1 chat ngram / off, mean (target >= 0.95)": round(mean_speedup("chat"), 3),
         "c64 ngram / off (target >= 0.97)": round(res["c64"]["ngram_tok_s"] / res["c64"]["off_tok_s"], 3),
     }
+    for kind, v in res["kinds"].items():
+        print(f"{v:8.3f}  c1 {kind} (mean of {len(GROUNDED_KINDS[kind])})")
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(res, indent=2) + "\n")
     for k, v in res["ratios"].items():
