@@ -8,8 +8,8 @@ import sys
 from steadyserve.engine.block_manager import BlockManager
 from steadyserve.engine.scheduler import Scheduler
 from steadyserve.engine.sequence import Request, SamplingParams, Sequence, SequenceStatus
-from steadyserve.engine.speculation import (EMA_WEIGHT, FIRST_ACCEPTANCE, ROW_COST, Acceptance, NgramIndex,
-                                           Speculator, token_keys)
+from steadyserve.engine.speculation import (EMA_WEIGHT, FIRST_ACCEPTANCE, RESYNC_WINDOW, ROW_COST, Acceptance,
+                                           NgramIndex, Speculator, token_keys)
 
 
 def test_the_pure_parts_import_no_torch():
@@ -50,7 +50,9 @@ def test_a_repeating_pattern_drafts_k_tokens_through_its_own_draft():
 
 def brute(tokens: list[int], k: int, cursor: int = -1, keys: list[int] | None = None) -> list[int]:
     """The lookup by exhaustive search: the longest suffix (4 down to 2 tokens, compared by key) that occurred
-    before; of its occurrences the first whose continuation starts at or after `cursor`, else the latest."""
+    before; of its occurrences the first whose continuation starts at or after `cursor`, else the latest.
+    Without one, the last token alone, if it occurred with its continuation within RESYNC_WINDOW past the
+    cursor."""
     kt = [keys[t] if keys and t < len(keys) else t + (len(keys) if keys else 0) for t in tokens]
     for n in range(4, 1, -1):
         if len(tokens) <= n:
@@ -59,12 +61,16 @@ def brute(tokens: list[int], k: int, cursor: int = -1, keys: list[int] | None = 
         if not starts:
             continue
         after = [s for s in starts if s >= cursor] if cursor >= 0 else []
-        start = after[0] if after else starts[-1]
-        full = list(tokens)
-        for j in range(k):
-            full.append(full[start + j])
-        return full[len(tokens):]
-    return []
+        return copy(tokens, after[0] if after else starts[-1], k)
+    ahead = [s for s in range(1, len(tokens)) if kt[s - 1] == kt[-1] and s >= cursor >= 0]
+    return copy(tokens, ahead[0], k) if ahead and ahead[0] - cursor <= RESYNC_WINDOW else []
+
+
+def copy(tokens: list[int], start: int, k: int) -> list[int]:
+    full = list(tokens)
+    for j in range(k):
+        full.append(full[start + j])
+    return full[len(tokens):]
 
 
 def test_lookup_matches_a_brute_force_search():
@@ -111,6 +117,24 @@ def test_the_cursor_picks_the_occurrence_after_the_last_copy():
     # by 7, 8.
     assert idx.propose(tokens, 2) == [7, 8] and idx.cursor == 8
     assert NgramIndex(2, 2).propose(tokens, 2) == [5, 6]  # no cursor: the latest occurrence
+
+
+def test_after_a_word_of_its_own_the_copy_resumes_just_ahead_of_the_cursor():
+    #         0  1  2  3  4  5  6  7  8
+    source = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    idx = NgramIndex(2, 4)
+    tokens = source + [0, 1, 2]
+    assert idx.propose(tokens, 2) == [3, 4]  # (1, 2) at 0..1
+    tokens += [3, 99, 5]  # copied 3 (the cursor: 3), then a word of its own, then 5 from the source again
+    assert idx.propose(tokens, 3) == [6, 7, 8] and idx.cursor == 3  # (99, 5) never occurred: 5 alone, 2 ahead
+    assert NgramIndex(2, 4).propose(tokens, 3) == []  # nothing copied yet, no cursor: no single-token guess
+    # The window: source token t at position t - 1, its continuation at t; the cursor at 3 after copying 3.
+    for resumed, guess in ((3 + RESYNC_WINDOW, [4 + RESYNC_WINDOW]), (4 + RESYNC_WINDOW, [])):
+        far = NgramIndex(2, 4)
+        far_tokens = list(range(1, 20)) + [0, 1, 2]
+        assert far.propose(far_tokens, 1) == [3]
+        far_tokens += [3, 99, resumed]  # continuation RESYNC_WINDOW past the cursor: guessed; one more: not
+        assert far.propose(far_tokens, 1) == guess and far.cursor == 3
 
 
 def test_keys_join_tokens_that_differ_only_in_case_and_surrounding_space():

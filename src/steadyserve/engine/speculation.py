@@ -27,7 +27,8 @@ MODES = ("off", "ngram")  # what --speculation resolves to (auto: engine.py _spe
 # Draft tokens per verification at most (fewer where the step's cheap rows are fewer, see Speculator).
 MAX_DRAFT_TOKENS = 7
 NGRAM_MAX = 4  # the longest suffix looked up; longer matches are tried first
-NGRAM_MIN = 2  # the shortest: a single-token match guesses too often to pay
+NGRAM_MIN = 2  # the shortest: a single-token match guesses too often to pay...
+RESYNC_WINDOW = 8  # ...except just ahead of the cursor (NgramIndex): at most this many positions past it
 # What one more row costs a step, as a fraction of a one-row step, while the rows stay within the matrix
 # kernels' register rows (each weight dequantized once for all of them). Measured on SmolLM2-135M, AMD EPYC,
 # 2 threads, every matrix of the model: AVX-512 1 row 8.1 ms, 4 rows 13.4, 8 rows 18.6 (0.18 a row); AVX2
@@ -53,18 +54,22 @@ class NgramIndex:
     For n in [nmin, nmax], `_occ[n]` maps the keys (token_keys; the ids themselves without a table) of the
     n tokens ending just before position i to every such i registered, ascending (the positions their
     continuations start at). Positions are registered up to len(tokens) - 1, so the list's own suffix never
-    matches itself. Appending m tokens costs O(m * (nmax - nmin + 1)).
+    matches itself. Appending m tokens costs O(m * (nmax - nmin + 2)).
 
     The cursor is the position just after the last token the sequence copied: after each proposal, the
     tokens that were then added are compared with what followed the proposal's source. Output that copies
     its input (an edit, a summary, a list of quotations) goes through it in order, so of a suffix's
     occurrences the first at or after the cursor is the likeliest next source; without one, the latest.
+    Where no suffix of nmin tokens or more occurred, the last token alone is looked up within
+    RESYNC_WINDOW positions after the cursor: output that left its source for a word or two (a summary's
+    own phrase, a reformatted line) tends to come back to it just ahead of where it left.
     """
 
     def __init__(self, nmin: int = NGRAM_MIN, nmax: int = NGRAM_MAX, keys: Seq[int] | None = None) -> None:
         self.nmin, self.nmax = nmin, nmax
         self._keys = keys  # token id -> lookup key (token_keys); None: the id itself
-        self._occ: dict[int, dict[tuple[int, ...], list[int]]] = {n: {} for n in range(nmin, nmax + 1)}
+        # n-grams for n in [nmin, nmax], and single tokens (the resync)
+        self._occ: dict[int, dict[tuple[int, ...], list[int]]] = {n: {} for n in {1, *range(nmin, nmax + 1)}}
         self._keyed: list[int] = []  # the key of each token seen so far
         self._next = 0  # the first position not yet registered
         self.cursor = -1  # just after the last copied token; -1: nothing copied yet
@@ -87,14 +92,22 @@ class NgramIndex:
             if not starts:
                 continue
             i = bisect.bisect_left(starts, self.cursor)
-            start = starts[i] if self.cursor >= 0 and i < len(starts) else starts[-1]
-            self._source = (start, len(tokens))
-            draft: list[int] = []
-            for j in range(k):
-                p = start + j
-                draft.append(tokens[p] if p < len(tokens) else draft[p - len(tokens)])
-            return draft
+            return self._copy(tokens, starts[i] if self.cursor >= 0 and i < len(starts) else starts[-1], k)
+        if self.cursor >= 0:  # the resync: the last token alone, just ahead of the cursor
+            starts = self._occ[1].get((keyed[-1],), [])
+            i = bisect.bisect_left(starts, self.cursor)
+            if i < len(starts) and starts[i] - self.cursor <= RESYNC_WINDOW:
+                return self._copy(tokens, starts[i], k)
         return []
+
+    def _copy(self, tokens: list[int], start: int, k: int) -> list[int]:
+        """k tokens from `start` on, running into the draft itself past the end of `tokens`."""
+        self._source = (start, len(tokens))
+        draft: list[int] = []
+        for j in range(k):
+            p = start + j
+            draft.append(tokens[p] if p < len(tokens) else draft[p - len(tokens)])
+        return draft
 
     def _follow(self, tokens: list[int]) -> None:
         """Move the cursor past the tokens added since the last proposal that equal its source's."""
@@ -118,7 +131,7 @@ class NgramIndex:
         """Register positions [self._next, end]: each n-gram ending just before one of them."""
         keyed = self._keyed
         keyed.extend(self._key(t) for t in tokens[len(keyed):])
-        for i in range(max(self._next, self.nmin), end + 1):
+        for i in range(max(self._next, 1), end + 1):
             for n, table in self._occ.items():
                 if i >= n:
                     table.setdefault(tuple(keyed[i - n:i]), []).append(i)
