@@ -165,6 +165,20 @@ def test_auto_the_default_speculates_exactly_where_exactness_holds(loaded):
     assert make(loaded, "ngram").speculator.enabled
 
 
+def test_the_lookup_keys_come_from_the_tokenizers_text(loaded):
+    """The engine's n-gram keys (speculation.TokenKeys) join ids whose text, read from the model's own
+    tokenizer, differs only in case and the space around it: "A", "a", " a" and " A" are one key."""
+    tok = loaded.tokenizer
+    keys = make(loaded, "ngram").speculator.keys
+    a_ids = [tok.convert_tokens_to_ids(t) for t in ("A", "a", "\u0120a", "\u0120A")]  # byte-level BPE: \u0120 is a space
+    assert [tok.decode([i]) for i in a_ids] == ["A", "a", " a", " A"]
+    assert len({keys(i) for i in a_ids}) == 1
+    b_ids = [tok.convert_tokens_to_ids(t) for t in ("B", "b", "\u0120b")]
+    assert len({keys(i) for i in b_ids}) == 1 and keys(b_ids[0]) != keys(a_ids[0])
+    space, newline = (tok.convert_tokens_to_ids(t) for t in ("\u0120", "\u010a"))
+    assert len({keys(space), keys(newline), keys(a_ids[0])}) == 3  # whitespace tokens keep their own keys
+
+
 def test_auto_is_off_where_the_kernels_have_one_register_row(loaded, monkeypatch):
     from steadyserve.engine import engine as engine_module
 

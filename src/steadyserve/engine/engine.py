@@ -23,7 +23,7 @@ from .kv_cache import allocate_kv_cache
 from .model_runner import ModelRunner, SeqResult
 from .sampler import NumericalError, make_generator, process_row, sample, token_logprob
 from .scheduler import ScheduledSeq, Scheduler
-from .speculation import SeqDrafter, Speculator, token_keys
+from .speculation import SeqDrafter, Speculator, TokenKeys
 from .stop import end_token_ids, final_reason, stop_reason
 from ..limits import Refused, check_token_ids
 from .sequence import Request, RequestOutput, Sequence, TokenLogprob
@@ -96,7 +96,7 @@ class LLMEngine:
         self.runner = ModelRunner(loaded.model, self.kv)
         cheap_rows = _cheap_rows(loaded.model)
         mode = _speculation_mode(cfg, cheap_rows)
-        self.speculator = Speculator(mode, cheap_rows, keys=_token_keys(loaded) if mode == "ngram" else None)
+        self.speculator = Speculator(mode, cheap_rows, keys=TokenKeys(self._token_text))
         self.eos_token_ids = _eos_ids(loaded)
         self._seq_ids = itertools.count()
         # Test-only fault injection: called with each sequence in update; may raise.
@@ -155,6 +155,11 @@ class LLMEngine:
         if seq is None:
             return None
         return self._output(seq, [], "", [], finish_reason="abort")
+
+    def _token_text(self, token_id: int) -> str:
+        """A token's own text, for the n-gram lookup's keys (speculation.TokenKeys); an id without text (past
+        the tokenizer's vocabulary, in the model's padding) is its own."""
+        return self.tokenizer.decode([token_id]) or f"\0{token_id}"
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -343,13 +348,6 @@ def _speculation_mode(cfg: EngineConfig, cheap_rows: int) -> str:
     if cfg.speculation != "auto":
         return cfg.speculation
     return "ngram" if cfg.batch_invariant and cheap_rows > 1 else "off"
-
-
-def _token_keys(loaded: LoadedModel) -> list[int]:
-    """The n-gram lookup's key per token id (speculation.token_keys), from each token's own text: once per
-    engine (0.4 s for SmolLM2's 49k tokens, 2 s for Gemma 3's 262k, on the 2-core AMD EPYC)."""
-    tok = loaded.tokenizer
-    return token_keys(tok.batch_decode([[i] for i in range(len(tok))]))
 
 
 def _eos_ids(loaded: LoadedModel) -> set[int]:

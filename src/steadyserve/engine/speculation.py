@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from collections.abc import Sequence as Seq
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .sequence import Sequence
@@ -38,20 +38,33 @@ FIRST_ACCEPTANCE = 0.5  # a new sequence's estimate of p, the chance that a draf
 EMA_WEIGHT = 0.5  # weight of the latest outcome in p's estimate: outputs switch between copying and not
 
 
-def token_keys(texts: Seq[str]) -> list[int]:
-    """A lookup key per token id, from each token's text: tokens whose text differs only in case and in the
+class TokenKeys:
+    """A lookup key per token id, from the token's text: tokens whose text differs only in case and in the
     whitespace around it share a key (" The" after a full stop, "the" after an opening quote and " the" in
     mid-sentence are one word to a summary that copies it). A token that is only whitespace keeps its own
-    key: indentation is content."""
-    ids: dict[str, int] = {}
-    return [ids.setdefault((t.strip() or t).lower(), len(ids)) for t in texts]
+    key: indentation is content.
+
+    Computed the first time an id is looked up and kept (the engine's one table is shared by every
+    sequence), so a vocabulary of 262k tokens costs nothing at start-up."""
+
+    def __init__(self, text_of: Callable[[int], str]) -> None:
+        self._text_of = text_of  # token id -> its text
+        self._key_of: dict[int, int] = {}  # token id -> key, for the ids seen so far
+        self._ids: dict[str, int] = {}  # normalized text -> key
+
+    def __call__(self, token: int) -> int:
+        key = self._key_of.get(token)
+        if key is None:
+            text = self._text_of(token)
+            key = self._key_of[token] = self._ids.setdefault((text.strip() or text).lower(), len(self._ids))
+        return key
 
 
 class NgramIndex:
     """Where each n-gram of a token list occurred, kept up to date incrementally, and where the output last
     copied from.
 
-    For n in [nmin, nmax], `_occ[n]` maps the keys (token_keys; the ids themselves without a table) of the
+    For n in [nmin, nmax], `_occ[n]` maps the keys (TokenKeys; the ids themselves without one) of the
     n tokens ending just before position i to every such i registered, ascending (the positions their
     continuations start at). Positions are registered up to len(tokens) - 1, so the list's own suffix never
     matches itself. Appending m tokens costs O(m * (nmax - nmin + 2)).
@@ -65,9 +78,10 @@ class NgramIndex:
     own phrase, a reformatted line) tends to come back to it just ahead of where it left.
     """
 
-    def __init__(self, nmin: int = NGRAM_MIN, nmax: int = NGRAM_MAX, keys: Seq[int] | None = None) -> None:
+    def __init__(self, nmin: int = NGRAM_MIN, nmax: int = NGRAM_MAX,
+                 keys: Callable[[int], int] | None = None) -> None:
         self.nmin, self.nmax = nmin, nmax
-        self._keys = keys  # token id -> lookup key (token_keys); None: the id itself
+        self._key = keys or (lambda token: token)  # token id -> lookup key (TokenKeys)
         # n-grams for n in [nmin, nmax], and single tokens (the resync)
         self._occ: dict[int, dict[tuple[int, ...], list[int]]] = {n: {} for n in {1, *range(nmin, nmax + 1)}}
         self._keyed: list[int] = []  # the key of each token seen so far
@@ -120,12 +134,6 @@ class NgramIndex:
             j += 1
         if j:
             self.cursor = start + j
-
-    def _key(self, token: int) -> int:
-        keys = self._keys
-        if keys is None:
-            return token
-        return keys[token] if 0 <= token < len(keys) else len(keys) + token  # past the table: its own key
 
     def _register_upto(self, tokens: list[int], end: int) -> None:
         """Register positions [self._next, end]: each n-gram ending just before one of them."""
@@ -206,14 +214,14 @@ class Speculator:
     as without speculation. row_cost 0 drafts every cheap row (tests)."""
 
     def __init__(self, mode: str, cheap_rows: int = 8, max_draft_tokens: int = MAX_DRAFT_TOKENS,
-                 row_cost: float = ROW_COST, keys: Seq[int] | None = None) -> None:
+                 row_cost: float = ROW_COST, keys: Callable[[int], int] | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"speculation mode must be one of {MODES}, not {mode!r}")
         self.enabled = mode == "ngram"
         self.cheap_rows = cheap_rows  # rows a step may reach with its drafts
         self.max_draft_tokens = max_draft_tokens  # k, per sequence
         self.row_cost = row_cost  # one more row's cost, in one-row steps
-        self.keys = keys  # the n-gram lookup's key per token id (token_keys); None: the ids themselves
+        self.keys = keys  # the n-gram lookup's key per token id (TokenKeys); None: the ids themselves
         self.counts = SpeculationCounts()  # of the current step; reset by take_counts
         self.total_drafted = 0  # since start
         self.total_accepted = 0
