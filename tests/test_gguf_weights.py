@@ -52,14 +52,17 @@ def test_the_default_gguf_runs_on_its_stored_blocks(tmp_path):
 
 
 @needs_model
-def test_a_tensor_type_without_a_kernel_is_refused_naming_tensor_and_type(tmp_path, monkeypatch):
+def test_a_tensor_type_without_a_kernel_is_refused_naming_tensor_and_type(monkeypatch):
+    """The refusal comes from reading the stored tensors (gguf.read_tensors), after the config and tokenizer
+    conversion, which no tensor type changes: so the shared cache's conversion is used (the session's SmolLM2
+    fixture and the server tests use it too) instead of converting again into a temporary one."""
     from steadyserve.kernels import quant
 
     monkeypatch.setattr(quant, "FORMATS", {k: v for k, v in quant.FORMATS.items() if v[0] != "Q4_1"})
     monkeypatch.setattr("steadyserve.models.gguf.FORMATS", quant.FORMATS)
     with pytest.raises(LoadError, match=r"blk\.0\.\w+\.weight: GGUF type Q4_1 has no native kernel .* "
                                         r"--numerics host dequantizes it"):
-        load_model("", cache_dir=str(tmp_path))
+        load_model("")  # honours STEADYSERVE_CACHE, as the smollm2 fixture does
 
 
 def _real_ggufs() -> list[Path]:

@@ -1,10 +1,13 @@
 """Server.shutdown (api/server.py): every step runs, each failure is logged and counted, never swallowed,
-and shutdown still ends within its bounds. No model: the engine, gRPC and HTTP are stand-ins."""
+and shutdown still ends within its bounds. No model: the engine, gRPC and HTTP are stand-ins. And the process
+that returns from it ends with its exit code, its exit handlers and output, without the interpreter's teardown."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import subprocess
+import sys
 import time
 from types import SimpleNamespace
 
@@ -89,3 +92,30 @@ def test_a_start_up_failure_is_logged_and_what_started_is_stopped(caplog: pytest
     with pytest.raises(RuntimeError, match="no model thread"):
         asyncio.run(srv.serve())
     assert engine.stopped and "start-up failed" in caplog.text and srv.shutdown_failures == []
+
+
+EXIT_SCRIPT = r"""
+import atexit, sys, threading, time
+from pathlib import Path
+from steadyserve.process_exit import exit_process
+
+out = Path(sys.argv[1])
+atexit.register(lambda: (out / "atexit").write_text("ran"))
+if sys.argv[2] == "thread":  # a non-daemon thread still working: the exit must wait for it
+    threading.Thread(target=lambda: (time.sleep(0.3), (out / "thread").write_text("done"))).start()
+sys.stdout.write("unflushed, no newline")
+exit_process(3)
+"""
+
+
+@pytest.mark.parametrize("thread", ["none", "thread"])
+def test_a_process_entry_exits_with_its_code_after_exit_handlers_flushed_output_and_working_threads(tmp_path,
+                                                                                                   thread):
+    """process_exit.exit_process (the end of `python -m steadyserve ...`) skips only the interpreter's teardown."""
+    r = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, str(tmp_path), thread], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 3, r.stderr
+    assert r.stdout == "unflushed, no newline"
+    assert (tmp_path / "atexit").read_text() == "ran"
+    if thread == "thread":
+        assert (tmp_path / "thread").read_text() == "done"

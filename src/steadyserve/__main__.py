@@ -1,5 +1,6 @@
 """`python -m steadyserve ...`: the same commands as the `steadyserve` script."""
 
 from .cli import main
+from .process_exit import exit_process
 
-raise SystemExit(main())
+exit_process(main())

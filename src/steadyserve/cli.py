@@ -177,4 +177,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from .process_exit import exit_process
+
+    exit_process(main())

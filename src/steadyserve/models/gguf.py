@@ -1,6 +1,7 @@
 """A GGUF file's tensors as they are stored: the portable path's weights, with no float32 copy.
 
-gguf-py's reader memory-maps the file; every 2-D tensor becomes a `QWeight` over that mapping
+gguf_file.read_gguf memory-maps the file (gguf-py's layout, without its per-value parse of the
+vocabulary); every 2-D tensor becomes a `QWeight` over that mapping
 (its rows of blocks, no conversion), 1-D tensors (norms, biases) become float32 tensors. Names
 are translated to the Hugging Face names the model builder uses. llama.cpp's converter permutes
 the rows of Llama's q and k projections for its RoPE layout; they are permuted back here as
@@ -21,6 +22,7 @@ import torch
 
 from ..kernels.quant import FORMATS, QWeight, UnsupportedFormat
 from .gguf_config import GGUF_ARCHITECTURES
+from .gguf_file import read_gguf
 
 # GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.").
 _LAYER_NAMES = {
@@ -84,15 +86,12 @@ def unpermute_order(n_rows: int, n_head: int) -> torch.Tensor:
 def read_tensors(path: Path, num_heads: int, num_kv_heads: int) -> tuple[dict[str, QWeight | torch.Tensor], Any]:
     """The file's tensors under HF names, and the file's memory mapping (the tensors are views of it).
 
-    The reader itself is dropped before returning: its parsed metadata (every vocabulary entry as a
-    numpy array) costs about 160 MB for a 49k-token vocabulary, and the config and tokenizer come
-    from the cached HF directory instead.
+    Only the mapping is kept: the config and tokenizer come from the cached HF directory, so the
+    vocabulary in the file's metadata is skipped, not parsed (gguf_file.py).
 
     Raises UnsupportedFormat naming the tensor and type when a tensor has no kernel."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
-    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    reader = read_gguf(path)
+    arch = str(reader.metadata["general.architecture"])
     out: dict[str, QWeight | torch.Tensor] = {}
     for t in reader.tensors:
         name = hf_name(t.name, arch)
@@ -137,10 +136,10 @@ def read_float32(path: Path, num_heads: int, num_kv_heads: int) -> dict[str, tor
     name, dequantized by gguf-py (numpy: no native kernel needed, as the host path must not), with the
     same name map, q/k row order and norm shift as read_tensors. transformers' loader dequantizes with
     the same gguf-py function, so these are the values it would compute with."""
-    from gguf import GGUFReader, dequantize
+    from gguf import dequantize
 
-    reader = GGUFReader(str(path))
-    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    reader = read_gguf(path)
+    arch = str(reader.metadata["general.architecture"])
     out: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         name = hf_name(t.name, arch)

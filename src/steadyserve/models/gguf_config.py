@@ -73,27 +73,13 @@ def gguf_arch(architecture: str) -> GgufArch:
 
 
 def read_metadata(path: Path) -> tuple[dict[str, Any], tuple[str, ...]]:
-    """The file's metadata and its tensor names, read by gguf-py (a dependency whatever transformers'
-    version). Arrays of strings (the vocabulary, the merges) are left as their lengths, as transformers'
-    own fast reader leaves them; numeric arrays are lists."""
-    from gguf import GGUFReader, GGUFValueType
+    """The file's metadata and its tensor names (gguf_file.read_gguf, gguf-py's layout). Arrays of strings
+    (the vocabulary, the merges) are left as their lengths, as transformers' own fast reader leaves them;
+    numeric arrays are lists."""
+    from .gguf_file import read_gguf
 
-    reader = GGUFReader(str(path))
-    md: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):  # the header (version, counts), not metadata
-            continue
-        kind = field.types[0]
-        if kind == GGUFValueType.ARRAY:
-            md[key] = len(field.data) if field.types[-1] == GGUFValueType.STRING else \
-                [field.parts[i].tolist()[0] for i in field.data]
-        elif kind == GGUFValueType.STRING:
-            md[key] = bytes(field.parts[field.data[0]]).decode("utf-8")
-        else:
-            md[key] = field.parts[field.data[0]].tolist()[0]
-    names = tuple(t.name for t in reader.tensors)
-    del reader
-    return md, names
+    f = read_gguf(path)
+    return dict(f.metadata), tuple(t.name for t in f.tensors)
 
 
 def _common(md: dict[str, Any], names: tuple[str, ...], arch: str) -> dict[str, Any]:
