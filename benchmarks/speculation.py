@@ -119,7 +119,8 @@ PASSAGE_REEFS = ("Researchers at the coastal institute published a study of cora
 
 
 def rename(kind: str, old: str, new: str, code: str) -> str:
-    return f"Rename the {kind} {old} to {new} everywhere and repeat the rest of the code unchanged.\n\n```python\n{code}```"
+    return (f"Rename the {kind} {old} to {new} everywhere and repeat the rest of the code unchanged."
+            f"\n\n```python\n{code}```")
 
 
 def correct(doc: str) -> str:
@@ -157,6 +158,11 @@ CHAT = {
     "advice": "What are some good habits for staying focused while working from home?",
     "explain": "Explain why the sky is blue to a ten-year-old.",
 }
+
+
+def engine(lm, threads: int, mode: str) -> LLMEngine:  # noqa: ANN001 - a LoadedModel
+    """An engine on the loaded model that differs from the others of a run only in --speculation."""
+    return LLMEngine(lm, EngineConfig(kv_cache_memory=1024**3, threads=threads, max_num_seqs=64, speculation=mode))
 
 
 def prompt_ids(tokenizer, text: str) -> list[int]:
@@ -212,8 +218,7 @@ def main() -> int:
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     lm = load_model("")
-    engines = {mode: LLMEngine(lm, EngineConfig(kv_cache_memory=1024**3, threads=a.threads, max_num_seqs=64,
-                                                speculation=mode)) for mode in ("off", "ngram")}
+    engines = {mode: engine(lm, a.threads, mode) for mode in ("off", "ngram")}
     tok = lm.tokenizer
     res: dict = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
                  "cpu": _cpu(), "cpus": os.cpu_count(), "threads": a.threads, "max_tokens": a.max_tokens,

@@ -33,10 +33,8 @@ from pathlib import Path
 
 import torch
 
-from speculation import CHAT, GROUNDED, GROUNDED_KINDS, PARAPHRASE, _cpu, prompt_ids, run_one
-from steadyserve.config import EngineConfig
-from steadyserve.engine.engine import LLMEngine
-from steadyserve.engine.sequence import Request, SamplingParams
+from speculation import CHAT, GROUNDED, GROUNDED_KINDS, PARAPHRASE, _cpu, engine, prompt_ids, run_one
+from steadyserve.engine.sequence import Request, SamplingParams, Sequence, SequenceStatus
 from steadyserve.engine.speculation import MAX_DRAFT_TOKENS, NgramIndex, Speculator
 from steadyserve.models.loader import load_model
 
@@ -46,7 +44,7 @@ HERE = Path(__file__).parent
 def measure_row_cost(lm, threads: int, text: str) -> tuple[float, float, float]:
     """(row_cost, median ms of 1-row steps, of 8-row steps): the same request decoded plainly, then with
     every row drafted (row_cost 0, 7 drafts a step)."""
-    eng = LLMEngine(lm, EngineConfig(kv_cache_memory=1024**3, threads=threads, speculation="ngram"))
+    eng = engine(lm, threads, "ngram")
     ids = prompt_ids(lm.tokenizer, text)
     ms: dict[int, list[float]] = {1: [], 8: []}
     for rep in range(3):
@@ -65,21 +63,20 @@ def measure_row_cost(lm, threads: int, text: str) -> tuple[float, float, float]:
 
 
 def replay_engine(prompt: list[int], out: list[int], spec: Speculator, cost: float) -> float:
-    """The engine's Speculator on one sequence (Speculator.draft's rules for a lone decoding sequence)."""
+    """The engine's Speculator (its draft, allocation and acceptance record) on one decoding sequence, fed the
+    output's own tokens: what a run with it emits per step, at `cost` per draft row."""
+    seq = Sequence(0, Request("replay", list(prompt), SamplingParams(max_tokens=len(out), temperature=0)))
+    seq.status = SequenceStatus.RUNNING
     drafter = spec.new_drafter()
-    tokens, i, steps = list(prompt), 0, 0.0
+    i, steps = 0, 0.0
     while i < len(out):
-        drafter.acceptance.observe(tokens)
-        room = min(len(out) - i - 1, spec.max_draft_tokens, spec.cheap_rows - 1)
-        proposal = drafter.index.propose(tokens, room) if room >= 1 else []
-        n = spec._allocate([drafter.acceptance.p], [len(proposal)], 1, 1, spec.cheap_rows - 1)[0] if proposal else 0
-        if proposal and n == 0:
-            drafter.acceptance.guess_next(tokens, proposal[0])
-        accepted = _run(proposal[:n], out, i)
-        if n:
-            spec.record(drafter, n, accepted)
-        steps += 1 + cost * n
-        tokens += out[i:i + accepted + 1]
+        seq.num_computed_tokens = seq.num_tokens - 1  # decoding: its last token is the one left to compute
+        spec.draft([(seq, drafter)])
+        draft = seq.draft_token_ids
+        accepted = _run(draft, out, i)
+        spec.record(drafter, len(draft), accepted)
+        steps += 1 + cost * len(draft)
+        seq.token_ids += out[i:i + accepted + 1]
         i += accepted + 1
     return len(out) / steps
 
@@ -130,11 +127,10 @@ def main() -> int:
     lm = load_model("")
     row_cost, one_ms, eight_ms = measure_row_cost(lm, a.threads, GROUNDED["quote_list"])
     print(f"row_cost {row_cost:.3f} (1 row {one_ms:.2f} ms, 8 rows {eight_ms:.2f} ms)", file=sys.stderr)
-    off = LLMEngine(lm, EngineConfig(kv_cache_memory=1024**3, threads=a.threads, speculation="off"))
-    engine = LLMEngine(lm, EngineConfig(kv_cache_memory=1024**3, threads=a.threads, speculation="ngram"))
-    keys = engine.speculator.keys
+    off, ngram = engine(lm, a.threads, "off"), engine(lm, a.threads, "ngram")
+    keys = ngram.speculator.keys
     replays: dict[str, Callable[[list[int], list[int]], float]] = {
-        "engine": lambda pr, o: replay_engine(pr, o, Speculator("ngram", engine.speculator.cheap_rows, keys=keys),
+        "engine": lambda pr, o: replay_engine(pr, o, Speculator("ngram", ngram.speculator.cheap_rows, keys=keys),
                                               row_cost),
         "perfect allocation": lambda pr, o: replay_perfect(pr, o, NgramIndex(keys=keys), row_cost),
         "perfect allocation, 1-token suffixes": lambda pr, o: replay_perfect(pr, o, NgramIndex(1, keys=keys),

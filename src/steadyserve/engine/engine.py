@@ -95,8 +95,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.runner = ModelRunner(loaded.model, self.kv)
         cheap_rows = _cheap_rows(loaded.model)
-        mode = _speculation_mode(cfg, cheap_rows)
-        self.speculator = Speculator(mode, cheap_rows, keys=TokenKeys(self._token_text))
+        self.speculator = Speculator(_speculation_mode(cfg, cheap_rows), cheap_rows, keys=TokenKeys(self._token_text))
         self.eos_token_ids = _eos_ids(loaded)
         self._seq_ids = itertools.count()
         # Test-only fault injection: called with each sequence in update; may raise.
