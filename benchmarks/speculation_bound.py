@@ -13,7 +13,12 @@ on one output is fixed by that output and row_cost, whatever the allocation. Thi
    - `perfect allocation, 1-token suffixes`: the same for a lookup that also matches a single token (more
      proposals, most of them wrong, which only a perfect allocator can afford);
    - `oracle`: at each step, the longest run of the next tokens (up to 7) found anywhere in the context,
-     drafted exactly: the most any drafter that copies from the prompt and output can get.
+     drafted exactly: the most any drafter that copies from the prompt and output can get;
+   - `early exit`: the one drafter that is not a copier and exists for this tokenizer (no smaller model
+     shares it, none comes from a hub here): the model's own first L layers, final norm and LM head. How
+     often their argmax is the model's token, on the output itself (an upper bound on a draft's acceptance:
+     a real draft conditions on its own guesses), and so the most a drafter of one token a step, costing
+     L / num_layers of a step, can get: (1 + agreement) / (1 + L / num_layers + row_cost).
 Every figure is tokens per one-row step at the measured row_cost (the decode tok/s ratio to off).
 
     .venv/bin/python benchmarks/speculation_bound.py [--threads 2] [--max-tokens 160]
@@ -36,7 +41,7 @@ import torch
 from speculation import CHAT, GROUNDED, GROUNDED_KINDS, PARAPHRASE, _cpu, engine, prompt_ids, run_one
 from steadyserve.engine.sequence import Request, SamplingParams, Sequence, SequenceStatus
 from steadyserve.engine.speculation import MAX_DRAFT_TOKENS, NgramIndex, Speculator
-from steadyserve.models.loader import load_model
+from steadyserve.models.loader import default_model_path, load_model
 
 HERE = Path(__file__).parent
 
@@ -109,6 +114,33 @@ def replay_oracle(prompt: list[int], out: list[int], cost: float) -> float:
     return len(out) / steps
 
 
+def early_exit(path: str, requests: dict[str, tuple[list[int], list[int]]], row_cost: float,
+               layers: tuple[int, ...] = (4, 8, 12, 16, 20, 24)) -> dict[str, dict]:
+    """Per request, per L: how often the first L layers' argmax equals the token the model generated next, and
+    the one-token-a-step bound above. The transformers model on the same GGUF (float32 weights): a bound on
+    predictions, not on bits, so the engine's kernels are not needed."""
+    from transformers import AutoModelForCausalLM
+
+    gguf = Path(path)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+    num_layers = model.config.num_hidden_layers
+    found: dict[str, dict] = {}
+    for name, (prompt, out) in requests.items():
+        with torch.no_grad():
+            hidden = model(torch.tensor([prompt + out]), output_hidden_states=True).hidden_states
+        # row P - 1 + j predicts out[j]; out[0] follows the prompt, so j from 1 on is output predicting output
+        rows = slice(len(prompt), len(prompt) + len(out) - 1)
+        target = torch.tensor(out[1:])
+        row = {}
+        for n in layers:
+            guess = model.lm_head(model.model.norm(hidden[n][0, rows])).argmax(-1)  # (len(out) - 1,)
+            agree = (guess == target).float().mean().item()
+            row[f"L={n}"] = {"agreement": round(agree, 3),
+                             "bound": round((1 + agree) / (1 + n / num_layers + row_cost), 3)}
+        found[name] = row
+    return found
+
+
 def _run(draft: list[int], out: list[int], i: int) -> int:
     """How many of draft's tokens out has from position i on."""
     n = 0
@@ -142,14 +174,24 @@ def main() -> int:
                  "step_ms": {"1 row": round(one_ms, 2), "8 rows": round(eight_ms, 2)},
                  "command": " ".join([".venv/bin/python benchmarks/speculation_bound.py", *sys.argv[1:]]),
                  "requests": {}}
+    outputs: dict[str, tuple[list[int], list[int]]] = {}
     for name, text in {**GROUNDED, **PARAPHRASE, **CHAT}.items():
         ids = prompt_ids(lm.tokenizer, text)
         out = run_one(off, name, ids, a.max_tokens)[0].token_ids
+        outputs[name] = (ids, out)
         row = {"generated_tokens": len(out), **{k: round(f(ids, out), 3) for k, f in replays.items()}}
         res["requests"][name] = row
         print(f"{name:22} " + "  ".join(f"{k} {v}" for k, v in row.items()), file=sys.stderr)
+    for name, row in early_exit(default_model_path(), outputs, row_cost).items():
+        res["requests"][name]["early exit"] = row
+        print(f"{name:22} early exit " + "  ".join(f"{k} {v['agreement']} ({v['bound']})" for k, v in row.items()),
+              file=sys.stderr)
     res["kinds"] = {kind: {k: round(statistics.mean(res["requests"][n][k] for n in names), 3) for k in replays}
                     for kind, names in GROUNDED_KINDS.items()}
+    for kind, names in {**GROUNDED_KINDS, "chat": list(CHAT)}.items():  # the best L's mean bound, of each kind
+        exits = [res["requests"][n]["early exit"] for n in names]
+        res["kinds"].setdefault(kind, {})["early exit"] = round(
+            max(statistics.mean(e[layer]["bound"] for e in exits) for layer in exits[0]), 3)
     for kind, v in res["kinds"].items():
         print(f"{kind:14} " + "  ".join(f"{k} {x:.2f}" for k, x in v.items()))
     a.out.parent.mkdir(parents=True, exist_ok=True)
