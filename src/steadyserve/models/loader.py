@@ -12,12 +12,16 @@ tokenizers come from transformers.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import os
 import shutil
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -172,10 +176,36 @@ def convert_gguf(path: Path, cache_dir: str = "", with_weights: bool = True) -> 
     return out, False
 
 
+_ONE_READER = threading.Lock()
+
+
+@contextmanager
+def _gguf_py_parses_the_file_once() -> Iterator[None]:
+    """transformers parses the file with gguf-py's GGUFReader at each call (the config, the tensors, the
+    tokenizer): ~17 s each over Gemma 3's 262k-token vocabulary. One reader object, which none of the calls
+    changes, serves them all; transformers imports GGUFReader from gguf at each call, so it gets this one.
+    The lock keeps two conversions in one process from restoring each other's class."""
+    import gguf
+
+    with _ONE_READER:
+        real = gguf.GGUFReader
+        gguf.GGUFReader = functools.lru_cache(maxsize=1)(real)
+        try:
+            yield
+        finally:
+            gguf.GGUFReader = real
+
+
 def _convert_with_transformers(path: Path, metadata: dict[str, Any], names: tuple[str, ...],
                                with_weights: bool) -> tuple[Any, dict[str, torch.Tensor], Any]:
     """Config, tensors and tokenizer as transformers' GGUF loader reads them, plus what it drops
     (gguf_config.fix_transformers_config)."""
+    with _gguf_py_parses_the_file_once():
+        return _convert_with_transformers_once(path, metadata, with_weights)
+
+
+def _convert_with_transformers_once(path: Path, metadata: dict[str, Any],
+                                    with_weights: bool) -> tuple[Any, dict[str, torch.Tensor], Any]:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
