@@ -79,17 +79,12 @@ def gemma_server():
             starting.result().__exit__(None, None, None)
 
 
-@pytest.fixture(scope="module")
-def gemma(gemma_server) -> tuple[Path, LoadedModel]:
-    path = gemma_path()
-    return path, load_model(str(path), max_model_len=MAX_LEN)  # honours STEADYSERVE_CACHE
-
-
 @contextmanager
 def _gguf_py_reads_the_header_once() -> Iterator[None]:
     """transformers' from_pretrained(gguf_file=...) parses the file with gguf-py's GGUFReader twice (config, then
-    tensors): ~14 s each over Gemma's 262k-token vocabulary. One reader object, which neither call changes,
-    serves both; the reference is still gguf-py's parse and transformers' dequantization of the file."""
+    tensors), and a first conversion (load_model on an empty cache) parses it for its config and tokenizer:
+    ~17 s each over Gemma's 262k-token vocabulary. One reader object, which no call changes, serves them all;
+    the reference is still gguf-py's parse and transformers' dequantization of the file."""
     import gguf
 
     real = gguf.GGUFReader
@@ -101,13 +96,28 @@ def _gguf_py_reads_the_header_once() -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
-def reference(gemma):
+def one_gguf_reader() -> Iterator[None]:
+    """The module's in-process reads of the file (a first conversion, the reference) share one reader."""
+    with _gguf_py_reads_the_header_once():
+        yield
+
+
+@pytest.fixture(scope="module")
+def gemma(gemma_server, one_gguf_reader) -> tuple[Path, LoadedModel]:
+    path = gemma_path()
+    return path, load_model(str(path), max_model_len=MAX_LEN)  # honours STEADYSERVE_CACHE
+
+
+@pytest.fixture(scope="module")
+def reference(gemma, one_gguf_reader):
     from transformers import AutoModelForCausalLM
 
+    import gguf
+
     path = gemma[0]
-    with _gguf_py_reads_the_header_once():
-        return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                    dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    gguf.GGUFReader.cache_clear()  # the reader's work is done: it does not stay resident beside the models
+    return model
 
 
 def test_gemma3_270m_loads_as_gemma3_on_its_stored_blocks(gemma):
