@@ -21,7 +21,7 @@ on one output is fixed by that output and row_cost, whatever the allocation. Thi
      L / num_layers of a step, can get: (1 + agreement) / (1 + L / num_layers + row_cost).
 Every figure is tokens per one-row step at the measured row_cost (the decode tok/s ratio to off).
 
-    .venv/bin/python benchmarks/speculation_bound.py [--threads 2] [--max-tokens 160]
+    .venv/bin/python benchmarks/speculation_bound.py [--threads 2] [--max-tokens 160] [--row-cost X]
 
 Writes benchmarks/results/speculation_bound.json.
 """
@@ -153,17 +153,27 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=160)
-    p.add_argument("--out", type=Path, default=HERE / "results" / "speculation_bound.json")
+    p.add_argument("--row-cost", type=float, default=None,
+                   help="replay at this row cost (the engine's allocation too) instead of the one measured: what "
+                        "a faster kernel would give")
+    p.add_argument("--out", type=Path, default=None, help="default: results/speculation_bound.json, or "
+                                                          "speculation_bound_row_cost_<x>.json with --row-cost")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     lm = load_model("")
-    row_cost, one_ms, eight_ms = measure_row_cost(lm, a.threads, GROUNDED["quote_list"])
-    print(f"row_cost {row_cost:.3f} (1 row {one_ms:.2f} ms, 8 rows {eight_ms:.2f} ms)", file=sys.stderr)
+    if a.row_cost is None:
+        row_cost, one_ms, eight_ms = measure_row_cost(lm, a.threads, GROUNDED["quote_list"])
+        print(f"row_cost {row_cost:.3f} (1 row {one_ms:.2f} ms, 8 rows {eight_ms:.2f} ms)", file=sys.stderr)
+    else:
+        row_cost, one_ms, eight_ms = a.row_cost, float("nan"), float("nan")
+    out_path = a.out or HERE / "results" / ("speculation_bound.json" if a.row_cost is None
+                                            else f"speculation_bound_row_cost_{a.row_cost}.json")
     off, ngram = engine(lm, a.threads, "off"), engine(lm, a.threads, "ngram")
     keys = ngram.speculator.keys
     replays: dict[str, Callable[[list[int], list[int]], float]] = {
-        "engine": lambda pr, o: replay_engine(pr, o, Speculator("ngram", ngram.speculator.cheap_rows, keys=keys),
-                                              row_cost),
+        "engine": lambda pr, o: replay_engine(pr, o, Speculator("ngram", ngram.speculator.cheap_rows, keys=keys,
+                                                                **({} if a.row_cost is None else
+                                                                   {"row_cost": a.row_cost})), row_cost),
         "perfect allocation": lambda pr, o: replay_perfect(pr, o, NgramIndex(keys=keys), row_cost),
         "perfect allocation, 1-token suffixes": lambda pr, o: replay_perfect(pr, o, NgramIndex(1, keys=keys),
                                                                              row_cost),
@@ -171,7 +181,8 @@ def main() -> int:
     }
     res: dict = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
                  "cpu": _cpu(), "threads": a.threads, "row_cost": round(row_cost, 4),
-                 "step_ms": {"1 row": round(one_ms, 2), "8 rows": round(eight_ms, 2)},
+                 "row_cost_measured": a.row_cost is None,
+                 "step_ms": {"1 row": round(one_ms, 2), "8 rows": round(eight_ms, 2)} if a.row_cost is None else None,
                  "command": " ".join([".venv/bin/python benchmarks/speculation_bound.py", *sys.argv[1:]]),
                  "requests": {}}
     outputs: dict[str, tuple[list[int], list[int]]] = {}
@@ -194,8 +205,8 @@ def main() -> int:
             max(statistics.mean(e[layer]["bound"] for e in exits) for layer in exits[0]), 3)
     for kind, v in res["kinds"].items():
         print(f"{kind:14} " + "  ".join(f"{k} {x:.2f}" for k, x in v.items()))
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(res, indent=2) + "\n")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(res, indent=2) + "\n")
     return 0
 
 
