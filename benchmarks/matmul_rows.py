@@ -2,7 +2,8 @@
 
 Sizes speculation (engine/speculation.py ROW_COST and the register rows of kernels/csrc/qmm_*.cpp): up to
 the build's register rows each weight is dequantized once for all rows, so a row adds only its FMAs; past
-them the cost jumps. Prints best-of-7 milliseconds per pass over all matrices, and the ratio to M = 1.
+them the cost jumps. Prints the best of 7 passes over all matrices (M interleaved), in ms, and the ratio
+to M = 1.
 Then what bounds a row's cost from below: the multiply-adds one more row adds, as GFLOP/s (the slope of
 the time over M = 1 to the register rows), against this machine's float32 FMA peak
 on the same threads (independent FMA chains in a small C++ loop, compiled here).
@@ -57,34 +58,33 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     mats = matrices(load_model("").model)
     print(f"{len(mats)} matrices, register rows {torch.ops.steadyserve.qmm_register_rows()}")
-    base = 0.0
-    times: dict[int, float] = {}
-    for m in range(1, 11):
-        xs = [torch.randn(m, q.k) for q in mats]
-        ys = [torch.empty(m, q.n) for q in mats]
-        best = float("inf")
-        for _ in range(7):
+    inputs = {m: ([torch.randn(m, q.k) for q in mats], [torch.empty(m, q.n) for q in mats]) for m in range(1, 11)}
+    times = {m: float("inf") for m in inputs}
+    for rep in range(10):  # round-robin over M, so a slow spell of the machine hits every M alike
+        for m, (xs, ys) in inputs.items():
             t0 = time.perf_counter()
             for q, x, y in zip(mats, xs, ys):
                 q(x, a.isa, y)
-            best = min(best, time.perf_counter() - t0)
-        base = base or best
-        times[m] = best
-        print(f"M={m:2d} {best * 1e3:7.2f} ms  x{best / base:.2f}")
-    rows = torch.ops.steadyserve.qmm_register_rows()
+            if rep >= 3:  # the first passes warm the threads and caches
+                times[m] = min(times[m], time.perf_counter() - t0)
+    for m, best in times.items():
+        print(f"M={m:2d} {best * 1e3:7.2f} ms  x{best / times[1]:.2f}")
+    # the register rows of the build that ran (kSmallM of kernels/csrc/qmm_{scalar,avx2,avx512}.cpp)
+    rows = {0: 1, 1: 4, 2: 8}.get(a.isa) or torch.ops.steadyserve.qmm_register_rows()
     flop_per_row = 2 * sum(q.n * q.k for q in mats)
     ms = list(range(1, rows + 1))  # the least-squares slope of time over M = 1..rows: seconds per row
     mean_m, mean_t = sum(ms) / len(ms), sum(times[m] for m in ms) / len(ms)
     slope = sum((m - mean_m) * (times[m] - mean_t) for m in ms) / sum((m - mean_m) ** 2 for m in ms)
     row_gflops = flop_per_row / slope / 1e9
-    peak = fma_peak_gflops(a.threads)
+    peak = fma_peak_gflops(a.threads, a.isa)
     print(f"one more row: {flop_per_row / 1e6:.0f} MFLOP, {row_gflops:.1f} GFLOP/s (M=1..{rows}); float32 FMA "
           f"peak of {a.threads} threads {peak:.1f} GFLOP/s: rows run at {row_gflops / peak:.0%} of it, so a row "
-          f"costs at least {flop_per_row / peak / 1e9 / times[1]:.3f} of a one-row step")
+          f"costs at least {flop_per_row / peak * 1e-6:.2f} ms ({flop_per_row / peak / 1e9 / times[1]:.3f} of the "
+          f"M = 1 pass; divide by an engine step's ms for speculation's row cost)")
 
 
 # Independent FMA chains, more than the FMA units' latency times their count, so the loop runs at their
-# throughput: the float32 peak of one core. The vector width is the widest CPUID reports, as the kernels'.
+# throughput: the float32 peak of one core, at one vector width.
 _PEAK_SRC = r"""
 #include <immintrin.h>
 #include <chrono>
@@ -107,6 +107,7 @@ __attribute__((target("avx2,fma"))) static float first8(__m256 v) { return _mm25
 __attribute__((target("avx2,fma"))) static float chains256(long n) {
   CHAINS(__m256, _mm256_set1_ps, _mm256_fmadd_ps, first8)
 }
+static volatile float results;  // where the chains' values go, so that no compiler drops them
 double fma_peak_gflops(int64_t threads, bool avx512) {
   const long n = 50000000;
   std::vector<float> sink(threads);
@@ -116,17 +117,20 @@ double fma_peak_gflops(int64_t threads, bool avx512) {
     pool.emplace_back([&, t] { sink[t] = avx512 ? chains512(n) : chains256(n); });
   for (auto& th : pool) th.join();
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  return double(threads) * n * 12 * (avx512 ? 16 : 8) * 2 / s / 1e9 + 0.0 * sink[0];
+  for (float v : sink) results = v;
+  return double(threads) * n * 12 * (avx512 ? 16 : 8) * 2 / s / 1e9;
 }
 """
 
 
-def fma_peak_gflops(threads: int) -> float:
-    """The float32 FMA peak of `threads` cores (best of 3), in GFLOP/s: a small C++ loop built here."""
+def fma_peak_gflops(threads: int, isa: int) -> float:
+    """The float32 FMA peak of `threads` cores (best of 3), in GFLOP/s, at the vector width the matmuls ran
+    at (--isa; -1: the widest CPUID reports): a small C++ loop built here. The scalar build has no peak of
+    its own here: it gets the AVX2 figure."""
     from torch.utils.cpp_extension import load_inline
 
     ext = load_inline("fma_peak", cpp_sources=_PEAK_SRC, functions=["fma_peak_gflops"], extra_cflags=["-O2"])
-    avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    avx512 = isa == 2 or (isa == -1 and torch.backends.cpu.get_cpu_capability().startswith("AVX512"))
     return max(ext.fma_peak_gflops(threads, avx512) for _ in range(3))
 
 
