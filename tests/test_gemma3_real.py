@@ -10,7 +10,6 @@ is served by name over HTTP and gRPC with the bits the engine computes in-proces
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import json
 import os
@@ -19,7 +18,6 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -32,6 +30,7 @@ from steadyserve.engine.offline import run_requests
 from steadyserve.engine.sequence import Request, SamplingParams
 from steadyserve.models import gguf as gguf_mod
 from steadyserve.models.loader import LoadedModel, load_model
+from steadyserve.models.loader import one_gguf_reader as shared_gguf_reader
 from steadyserve.testing.server import ServerProcess
 
 TOL = 1e-3  # the issue's bound for real weights; measured about 1e-5 (printed)
@@ -79,26 +78,12 @@ def gemma_server():
             starting.result().__exit__(None, None, None)
 
 
-@contextmanager
-def _gguf_py_reads_the_header_once() -> Iterator[None]:
-    """transformers' from_pretrained(gguf_file=...) parses the file with gguf-py's GGUFReader twice (config, then
-    tensors), and a first conversion (load_model on an empty cache) parses it for its config and tokenizer:
-    ~17 s each over Gemma's 262k-token vocabulary. One reader object, which no call changes, serves them all;
-    the reference is still gguf-py's parse and transformers' dequantization of the file."""
-    import gguf
-
-    real = gguf.GGUFReader
-    gguf.GGUFReader = functools.lru_cache(maxsize=1)(real)  # transformers imports it from gguf at each call
-    try:
-        yield
-    finally:
-        gguf.GGUFReader = real
-
-
 @pytest.fixture(scope="module")
 def one_gguf_reader() -> Iterator[None]:
-    """The module's in-process reads of the file (a first conversion, the reference) share one reader."""
-    with _gguf_py_reads_the_header_once():
+    """The module's in-process reads of the file (a first conversion; the reference's from_pretrained, which
+    parses it twice) share one gguf-py reader (loader.one_gguf_reader); the reference is still gguf-py's parse
+    and transformers' dequantization of the file."""
+    with shared_gguf_reader():
         yield
 
 

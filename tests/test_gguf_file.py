@@ -94,3 +94,20 @@ def test_a_cut_file_is_refused_as_truncated(tmp_path, cut):
     with pytest.raises(ValueError, match="GGUF magic"):
         (tmp_path / "not.gguf").write_bytes(b"\0" * 64)
         read_gguf(tmp_path / "not.gguf")
+
+
+def test_one_gguf_reader_shares_one_parse_while_it_lasts_and_restores_gguf_py(tmp_path):
+    """loader.one_gguf_reader: within it, gguf-py's GGUFReader returns one object per file (what spares
+    transformers' repeated parses); a nested use shares the outer cache; after it, the real class is back."""
+    from steadyserve.models.loader import one_gguf_reader
+
+    path = str(_written(tmp_path / "x.gguf"))
+    real = gguf.GGUFReader
+    with one_gguf_reader():
+        first = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(path) is first
+        with one_gguf_reader():
+            assert gguf.GGUFReader(path) is first
+        assert gguf.GGUFReader(path) is first  # the nested exit left the outer cache in place
+    assert gguf.GGUFReader is real
+    assert gguf.GGUFReader(path) is not first

@@ -176,31 +176,37 @@ def convert_gguf(path: Path, cache_dir: str = "", with_weights: bool = True) -> 
     return out, False
 
 
-_ONE_READER = threading.Lock()
+_READER_SWAP = threading.Lock()
 
 
 @contextmanager
-def _gguf_py_parses_the_file_once() -> Iterator[None]:
-    """transformers parses the file with gguf-py's GGUFReader at each call (the config, the tensors, the
-    tokenizer): ~17 s each over Gemma 3's 262k-token vocabulary. One reader object, which none of the calls
-    changes, serves them all; transformers imports GGUFReader from gguf at each call, so it gets this one.
-    The lock keeps two conversions in one process from restoring each other's class."""
+def one_gguf_reader() -> Iterator[None]:
+    """While it lasts, gguf-py's GGUFReader is an lru_cache(maxsize=1) of the real class: transformers parses a
+    file with it at each call (a conversion's config, tensors and tokenizer; a from_pretrained(gguf_file=...)
+    twice), ~17 s each over Gemma 3's 262k-token vocabulary, and imports it from gguf at each call, so one
+    reader object, which none of the calls changes, serves them all. Nested uses share the outermost one.
+    `gguf.GGUFReader.cache_clear()` frees the reader early. Only the swap is locked: a conversion in another
+    thread meanwhile shares the cache (keyed by the file) or, once it is restored, parses for itself."""
     import gguf
 
-    with _ONE_READER:
+    with _READER_SWAP:
         real = gguf.GGUFReader
-        gguf.GGUFReader = functools.lru_cache(maxsize=1)(real)
-        try:
-            yield
-        finally:
-            gguf.GGUFReader = real
+        outermost = not hasattr(real, "cache_clear")
+        if outermost:
+            gguf.GGUFReader = functools.lru_cache(maxsize=1)(real)
+    try:
+        yield
+    finally:
+        if outermost:
+            with _READER_SWAP:
+                gguf.GGUFReader = real
 
 
 def _convert_with_transformers(path: Path, metadata: dict[str, Any], names: tuple[str, ...],
                                with_weights: bool) -> tuple[Any, dict[str, torch.Tensor], Any]:
     """Config, tensors and tokenizer as transformers' GGUF loader reads them, plus what it drops
     (gguf_config.fix_transformers_config)."""
-    with _gguf_py_parses_the_file_once():
+    with one_gguf_reader():
         return _convert_with_transformers_once(path, metadata, with_weights)
 
 
