@@ -26,8 +26,9 @@ log = logging.getLogger("steadyserve.kernels")
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("paged_attention.cpp", "rope.cpp", "qlinear.cpp", "qmm_scalar.cpp",
-                                    "qmm_avx2.cpp", "qmm_avx512.cpp", "forward.cpp")]
-HEADERS = [CSRC / name for name in ("qmm.h", "qmm_body.h", "ops.h")]
+                                    "qmm_avx2.cpp", "qmm_avx512.cpp", "forward.cpp",
+                                    "q8_pack.cpp", "q8_scalar.cpp", "q8_avx2.cpp", "q8_avx512.cpp", "q8linear.cpp")]
+HEADERS = [CSRC / name for name in ("qmm.h", "qmm_body.h", "ops.h", "half.h", "q8.h", "q8_body.h")]
 CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-fast-math", "-fno-unsafe-math-optimizations"]
 # Bumped whenever a kernel's reduction order changes: it is part of the fingerprint.
 NATIVE_KERNEL_ID = "nat1"  # nat1: fma dot products, 16-lane exp sums (csrc/paged_attention.cpp)

@@ -23,3 +23,11 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
                      at::Tensor& out, double scale, int64_t window, double softcap);
 
 }  // namespace steady_ops
+
+namespace steady_q8_ops {  // q8linear.cpp
+
+// y[:, col0 : col0 + N] = x · Wᵀ, x quantized to int8 per block, W packed panels of type packed_fmt (q8.h).
+void matmul_packed(const at::Tensor& x, const at::Tensor& w, int64_t packed_fmt, at::Tensor& y, int64_t col0,
+                   int64_t isa);
+
+}  // namespace steady_q8_ops

@@ -1,6 +1,7 @@
 // torch ops over the matmul family (qmm.h): the GGUF block formats multiplied as stored.
 //
-//   qmatmul_(x, w, fmt, y, col0, isa)   y[:, col0 : col0 + N] = x · Wᵀ
+//   qmatmul_(x, w, fmt, y, col0, isa)   y[:, col0 : col0 + N] = x · Wᵀ; a packed format id (q8.h: kPacked + a
+//                                       GGML type) runs the int8 family (q8linear.cpp) instead
 //   qdequant(w, fmt, K, rows, isa)      the fp32 values of the given weight rows (embedding lookups, tests)
 //   qrms_norm(x, weight, eps, isa), qsilu_mul(gate_up, isa), qgelu_tanh_mul(gate_up, isa), qlog_softmax(x, isa)
 //   qlog_softmax_(x, isa)               the same, in place: each output element is written after its row's
@@ -18,6 +19,7 @@
 #include <vector>
 
 #include "ops.h"
+#include "q8.h"
 #include "qmm.h"
 
 namespace {
@@ -82,6 +84,10 @@ int64_t qmm_register_rows() { return kBuilds[best_isa()].register_rows(); }
 constexpr int64_t kColumnsPerTask = 16;
 
 void qmatmul_(const at::Tensor& x, const at::Tensor& w, int64_t fmt, at::Tensor& y, int64_t col0, int64_t isa) {
+  if (fmt >= steady_q8::kPacked) {  // weights packed for the int8 family (q8.h): activations go to int8
+    steady_q8_ops::matmul_packed(x, w, fmt, y, col0, isa);
+    return;
+  }
   Layout lay;
   TORCH_CHECK(layout_of(int32_t(fmt), &lay), "qmatmul_: no kernel for GGML type ", fmt);
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1, "qmatmul_: x must be (M, K) float32");

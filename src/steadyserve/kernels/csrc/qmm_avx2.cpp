@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "half.h"
 #include "qmm.h"
 
 #pragma GCC target("avx2,fma,f16c")

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "half.h"
 #include "qmm.h"
 
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")

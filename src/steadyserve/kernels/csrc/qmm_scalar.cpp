@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "half.h"
 #include "qmm.h"
 
 namespace steady_qmm {
@@ -27,7 +28,7 @@ constexpr int64_t kMB = 96;
 constexpr int64_t kPrefetchTiles = 0;
 inline void prefetch(const uint8_t*) {}
 
-inline float half_to_float(uint16_t h);  // defined in qmm_body.h
+using steady_num::half_to_float;
 inline float half_at(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, sizeof h);

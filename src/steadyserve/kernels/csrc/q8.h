@@ -1,0 +1,84 @@
+// The int8-activation matmul family: y = x · Wᵀ with x quantized to int8 per block of 32 and W
+// repacked once at load from its GGUF block format into 16-row panels (q8_pack.cpp).
+//
+// THE REDUCTION ORDER (the numerics of every build: scalar, AVX2, AVX-512 VNNI):
+//   Activations. Row m of x is cut into blocks c of 32 values. For each block, by IEEE operations on
+//   that block alone (so a row's quantization depends on nothing else in the batch):
+//     amax = max |x_k| (exact in any order); dx = amax / 127; s = 127 / amax (0 when amax is 0);
+//     q_k = round-half-even(x_k * s), an int8 in [-127, 127]; sx = sum q_k (an int);
+//     sxd = dx * float(sx).
+//     A block with a non-finite value gets dx = NaN, so the outputs it touches are NaN.
+//   Weights. Each stored weight is an integer u (0..15, 0..31, 0..63, or a signed byte for Q8_0) with,
+//   per row and block of 32, a float multiplier a and (formats with a minimum) an offset b, both
+//   computed from the GGUF fields with gguf-py's own IEEE operations (a = d, or d * sc for K-quants;
+//   b = m, or -(dmin * mn)). Q6_K keeps its two int8 sub-scales sc_lo, sc_hi as integers.
+//   For one output y[m, n], blocks c in ascending order, acc starting at +0:
+//     I_c = sum_k (u_k - z) * q_k, exact in int32 whatever order or instruction computes it
+//           (z: 8 for Q4_0, 16 for Q5_0, 0 otherwise; for Q6_K, sc_lo * sum over the first 16 of
+//           (u - 32) q + sc_hi * sum over the last 16). |I_c| < 2^25: no overflow (bounds in q8_pack.cpp).
+//     t   = float(I_c) * dx_c                   (one rounding; float() rounds to nearest even)
+//     acc = fma(a_c, t, acc)                    (one rounding)
+//     acc = fma(b_c, sxd_c, acc)                (formats with a minimum only)
+//   y[m, n] = acc. Each output is one chain of float operations in c; nothing in it depends on M,
+//   on how threads split N (by 16-row panels), or on the ISA: a vector build holds 16 outputs (one
+//   panel) in the lanes of its registers and runs each lane's chain exactly as the scalar build runs
+//   one output. Only the integer sums differ in how they are formed (VNNI vpdpbusd, AVX2
+//   maddubs/madd with the sign trick for Q8_0, plain loops), and integer sums are exact.
+//
+// F16, BF16 and F32 weights are not packed: they stay on the float32 path (qmm.h).
+#pragma once
+
+#include <cstdint>
+
+namespace steady_q8 {
+
+constexpr int64_t kPanel = 16;     // weight rows per panel: the lanes of one AVX-512 register
+constexpr int64_t kBlock = 32;     // values per block, activations and weights alike
+constexpr int32_t kPacked = 256;   // a packed format's id is kPacked + the GGML type it came from
+
+// How a GGML type packs: bits per stored integer, its zero point, whether it has an offset b.
+struct PackedLayout {
+  int32_t bits;     // 4, 5, 6 or 8
+  int32_t zero;     // z above
+  bool has_min;     // b present
+  bool sub_scales;  // Q6_K: two int8 sub-scales per block
+  int32_t record;   // bytes per (panel, block) record
+};
+
+// A panel's record for block c, in order (r: the panel's row 0..15, i: 0..3, j: 0..3):
+//   [0, 256)   low nibbles: byte 64 j + 4 r + i holds u[r][4 j + i] & 15 (low) and u[r][16 + 4 j + i] & 15
+//              (high). 8-bit formats instead store [0, 512): byte 64 j + 4 r + i = u[r][4 j + i], j = 0..7.
+//   5-bit:     [256, 320): byte 4 r + i, bit j = bit 4 of u[r][4 j + i], j = 0..7.
+//   6-bit:     [256, 384): byte 64 h + 4 r + i, bits 2 jj, 2 jj + 1 = bits 4, 5 of u[r][4 (4 h + jj) + i].
+//   then a[16] float32, then b[16] float32 (has_min), then sc_lo[16], sc_hi[16] int8 (sub_scales).
+// So one 64-byte load (after unpacking) holds, for 4 consecutive k of the block, all 16 rows' values in
+// the order VNNI's vpdpbusd multiplies against a broadcast 4 bytes of x.
+bool packed_layout(int32_t ggml_type, PackedLayout* out);
+
+// The operands of one packed matmul, for the panels [p_begin, p_end) of one thread.
+struct Q8Args {
+  int32_t fmt;            // the GGML type that was packed
+  PackedLayout lay;
+  const int8_t* xq;       // (M, K) quantized activations
+  const float* dx;        // (M, K / 32) block scales
+  const float* sxd;       // (M, K / 32) dx * float(sum of the block's q)
+  const int32_t* sx;      // (M, K / 32) sum of the block's q
+  const int32_t* sx16;    // (M, K / 16) sum of each half block's q (Q6_K)
+  int64_t M, K;
+  const uint8_t* w;       // packed panels: panel p, block c at w + (p * K / 32 + c) * record
+  float* y;               // (M, >= 16 p_end), row stride y_stride floats
+  int64_t y_stride;
+  int64_t p_begin, p_end;
+};
+
+// Repacks N rows (N a multiple of 16) of a GGUF matrix into panels (q8_pack.cpp).
+void pack(int32_t ggml_type, const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, uint8_t* out);
+// Quantizes rows [m0, m1) of x (row stride x_stride) as the order above says (q8_pack.cpp).
+void quantize_rows(const float* x, int64_t x_stride, int64_t K, int64_t m0, int64_t m1, int8_t* xq, float* dx,
+                   float* sxd, int32_t* sx, int32_t* sx16);
+
+namespace scalar { void matmul(const Q8Args& a); }
+namespace avx2 { void matmul(const Q8Args& a); }
+namespace avx512 { void matmul(const Q8Args& a); }  // AVX-512 VNNI
+
+}  // namespace steady_q8

@@ -1,0 +1,85 @@
+// The AVX2 build of the int8 family: a panel's 16 rows are two ymm registers (rows 0-7, 8-15), the integer
+// sums formed by maddubs (unsigned weight x signed activation byte pairs into int16) and madd (int16 pairs
+// into int32). Nothing saturates: the bounds are in q8_pack.cpp; Q8_0's signed weights use the sign trick
+// (|w| times x with w's sign). Compiled for AVX2 by the pragma below (never by a -march flag), called only
+// where CPUID reports avx2 (q8linear.cpp). Bits equal the scalar build's (q8.h).
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "q8.h"
+
+#pragma GCC target("avx2,fma")
+
+namespace steady_q8 {
+namespace avx2 {
+namespace {
+
+struct W {
+  __m256i a, b;  // panel rows 0-7, 8-15: 4 bytes each
+};
+struct I {
+  __m256i a, b;
+};
+struct F {
+  __m256 a, b;
+};
+
+// Activation rows per tile: 16 ymm registers hold fewer accumulators than AVX-512's 32.
+constexpr int kMM = 4;
+constexpr int32_t kSignedBias = 0;  // the sign trick forms sum w x directly
+
+inline __m256i bytes(int m) { return _mm256_set1_epi8(char(m)); }
+inline W wload(const uint8_t* p) {
+  return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
+}
+inline W wand(W w, int m) { return {_mm256_and_si256(w.a, bytes(m)), _mm256_and_si256(w.b, bytes(m))}; }
+inline W wsrl16(W w, int n) { return {_mm256_srli_epi16(w.a, n), _mm256_srli_epi16(w.b, n)}; }
+inline W wsll16(W w, int n) { return {_mm256_slli_epi16(w.a, n), _mm256_slli_epi16(w.b, n)}; }
+inline W wor(W x, W y) { return {_mm256_or_si256(x.a, y.a), _mm256_or_si256(x.b, y.b)}; }
+inline I izero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+inline __m256i quads(__m256i u8, __m256i s8) {  // per int32 lane: the sum of 4 u8 x s8 products, exact
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u8, s8), _mm256_set1_epi16(1));
+}
+inline I dot(I acc, W w, int32_t x4) {
+  const __m256i x = _mm256_set1_epi32(x4);
+  return {_mm256_add_epi32(acc.a, quads(w.a, x)), _mm256_add_epi32(acc.b, quads(w.b, x))};
+}
+inline I dot_signed(I acc, W w, int32_t x4) {
+  const __m256i x = _mm256_set1_epi32(x4);
+  return {_mm256_add_epi32(acc.a, quads(_mm256_abs_epi8(w.a), _mm256_sign_epi8(x, w.a))),
+          _mm256_add_epi32(acc.b, quads(_mm256_abs_epi8(w.b), _mm256_sign_epi8(x, w.b)))};
+}
+inline I isub_bcast(I x, int32_t v) {
+  const __m256i s = _mm256_set1_epi32(v);
+  return {_mm256_sub_epi32(x.a, s), _mm256_sub_epi32(x.b, s)};
+}
+inline I iadd(I x, I y) { return {_mm256_add_epi32(x.a, y.a), _mm256_add_epi32(x.b, y.b)}; }
+inline I imul(I x, I y) { return {_mm256_mullo_epi32(x.a, y.a), _mm256_mullo_epi32(x.b, y.b)}; }
+inline I i8load(const uint8_t* p) {
+  return {_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))),
+          _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)))};
+}
+inline F f_of_i(I x) { return {_mm256_cvtepi32_ps(x.a), _mm256_cvtepi32_ps(x.b)}; }
+inline F fmul_bcast(F x, float s) {
+  const __m256 v = _mm256_set1_ps(s);
+  return {_mm256_mul_ps(x.a, v), _mm256_mul_ps(x.b, v)};
+}
+inline F fzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline F fload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline F ffma(F x, F y, F z) { return {_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)}; }
+inline F ffma_bcast(F x, float s, F z) {
+  const __m256 v = _mm256_set1_ps(s);
+  return {_mm256_fmadd_ps(x.a, v, z.a), _mm256_fmadd_ps(x.b, v, z.b)};
+}
+inline void fstore(float* p, F v) {
+  _mm256_storeu_ps(p, v.a);
+  _mm256_storeu_ps(p + 8, v.b);
+}
+
+#include "q8_body.h"
+
+}  // namespace avx2
+}  // namespace steady_q8

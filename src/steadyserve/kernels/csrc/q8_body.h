@@ -1,0 +1,121 @@
+// The body of the int8 family's vector builds, written once over a 16-lane abstraction.
+//
+// Included by q8_avx2.cpp and q8_avx512.cpp inside their namespace, after each has defined:
+//   W (64 bytes: 16 panel rows x 4 values), I (16 int32), F (16 float) and
+//   wload wand wsrl16 wsll16 wor | dot dot_signed kSignedBias izero isub_bcast iadd imul i8load | f_of_i fmul_bcast fzero
+//   fload ffma ffma_bcast fstore, and the tile height kMM.
+// dot(acc, w, x4) adds to each lane r the sum of w's 4 unsigned bytes of row r times the 4 signed bytes
+// of x4; dot_signed does the same with w's bytes signed (Q8_0), plus kSignedBias times the sum of x4 (a
+// build may add 128 to each byte to use an unsigned product; block_dot takes it off). Both are exact integer sums: how a build
+// forms them (vpdpbusd, maddubs/madd) never changes a value. The float part is q8.h's chain, one
+// IEEE operation per lane per step, in the scalar build's order.
+
+// The 8 weight operands of one panel's block: operand j holds values 4 j .. 4 j + 3 of every row.
+template <int BITS>
+inline void unpack(const uint8_t* rec, W (&w)[8]) {
+  if constexpr (BITS == 8) {
+    for (int j = 0; j < 8; ++j) w[j] = wload(rec + 64 * j);
+  } else {
+    for (int j = 0; j < 4; ++j) {
+      const W lo = wload(rec + 64 * j);
+      w[j] = wand(lo, 0x0F);
+      w[j + 4] = wand(wsrl16(lo, 4), 0x0F);  // 16-bit shifts then a byte mask: no bit crosses a byte
+    }
+    if constexpr (BITS == 5) {
+      const W h = wload(rec + 256);  // bit j of each byte: bit 4 of operand j
+      for (int j = 0; j < 8; ++j) w[j] = wor(w[j], wand(j <= 4 ? wsll16(h, 4 - j) : wsrl16(h, j - 4), 0x10));
+    } else if constexpr (BITS == 6) {
+      const W h[2] = {wload(rec + 256), wload(rec + 320)};  // bits 2jj, 2jj+1: bits 4, 5 of operand 4h + jj
+      for (int j = 0; j < 8; ++j) {
+        const int s = 2 * (j % 4);
+        w[j] = wor(w[j], wand(s <= 4 ? wsll16(h[j / 4], 4 - s) : wsrl16(h[j / 4], s - 4), 0x30));
+      }
+    }
+  }
+}
+
+inline int32_t x4_at(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// I_c of q8.h for the 16 rows of a panel and one activation row (xrow: its block's 32 int8).
+template <int BITS, int ZERO, bool SUB>
+inline I block_dot(const W (&w)[8], const int8_t* xrow, int32_t sx, const int32_t* sx16, const I& sc_lo,
+                   const I& sc_hi) {
+  if constexpr (SUB) {  // Q6_K: two halves, each (u - 32) . q, times its int8 sub-scale
+    I lo = izero(), hi = izero();
+    for (int j = 0; j < 4; ++j) lo = dot(lo, w[j], x4_at(xrow + 4 * j));
+    for (int j = 4; j < 8; ++j) hi = dot(hi, w[j], x4_at(xrow + 4 * j));
+    return iadd(imul(sc_lo, isub_bcast(lo, ZERO * sx16[0])), imul(sc_hi, isub_bcast(hi, ZERO * sx16[1])));
+  } else if constexpr (BITS == 8) {
+    I acc = izero();
+    for (int j = 0; j < 8; ++j) acc = dot_signed(acc, w[j], x4_at(xrow + 4 * j));
+    return kSignedBias ? isub_bcast(acc, kSignedBias * sx) : acc;
+  } else {
+    I acc = izero();
+    for (int j = 0; j < 8; ++j) acc = dot(acc, w[j], x4_at(xrow + 4 * j));
+    return ZERO ? isub_bcast(acc, ZERO * sx) : acc;
+  }
+}
+
+// y[m0 .. m0 + MM, 16 p .. 16 p + 16] for one panel p.
+template <int BITS, int ZERO, bool MIN, bool SUB, int MM>
+inline void panel_tile(const Q8Args& a, int64_t p, int64_t m0) {
+  const int64_t blocks = a.K / kBlock;
+  constexpr int qbytes = BITS == 8 ? 512 : BITS == 4 ? 256 : BITS == 5 ? 320 : 384;
+  F acc[MM];
+  for (int m = 0; m < MM; ++m) acc[m] = fzero();
+  const uint8_t* rec = a.w + p * blocks * a.lay.record;
+  for (int64_t c = 0; c < blocks; ++c, rec += a.lay.record) {
+    W w[8];
+    unpack<BITS>(rec, w);
+    const F wa = fload(reinterpret_cast<const float*>(rec + qbytes));
+    const F wb = MIN ? fload(reinterpret_cast<const float*>(rec + qbytes + 64)) : fzero();
+    const I sc_lo = SUB ? i8load(rec + qbytes + 64) : izero(), sc_hi = SUB ? i8load(rec + qbytes + 80) : izero();
+    for (int m = 0; m < MM; ++m) {
+      const int64_t row = m0 + m, at = row * blocks + c;
+      const I dotv = block_dot<BITS, ZERO, SUB>(w, a.xq + row * a.K + c * kBlock, a.sx[at], a.sx16 + 2 * at, sc_lo,
+                                                sc_hi);
+      acc[m] = ffma(wa, fmul_bcast(f_of_i(dotv), a.dx[at]), acc[m]);  // t = float(I) * dx; acc = fma(a, t, acc)
+      if constexpr (MIN) acc[m] = ffma_bcast(wb, a.sxd[at], acc[m]);  // acc = fma(b, sxd, acc)
+    }
+  }
+  for (int m = 0; m < MM; ++m) fstore(a.y + (m0 + m) * a.y_stride + p * kPanel, acc[m]);
+}
+
+template <int BITS, int ZERO, bool MIN, bool SUB, int MM = kMM>
+inline void panel_tail(const Q8Args& a, int64_t p, int64_t m0, int64_t rest) {
+  if constexpr (MM > 0) {
+    if (rest == MM) {
+      panel_tile<BITS, ZERO, MIN, SUB, MM>(a, p, m0);
+    } else {
+      panel_tail<BITS, ZERO, MIN, SUB, MM - 1>(a, p, m0, rest);
+    }
+  }
+}
+
+template <int BITS, int ZERO, bool MIN, bool SUB>
+void matmul_fmt(const Q8Args& a) {
+  for (int64_t p = a.p_begin; p < a.p_end; ++p) {
+    int64_t m = 0;
+    for (; m + kMM <= a.M; m += kMM) panel_tile<BITS, ZERO, MIN, SUB, kMM>(a, p, m);
+    if (m < a.M) panel_tail<BITS, ZERO, MIN, SUB>(a, p, m, a.M - m);
+  }
+}
+
+}  // namespace (the build's private helpers end here)
+
+void matmul(const Q8Args& a) {
+  switch (a.fmt) {
+    case 2: matmul_fmt<4, 8, false, false>(a); break;    // Q4_0
+    case 3: matmul_fmt<4, 0, true, false>(a); break;     // Q4_1
+    case 6: matmul_fmt<5, 16, false, false>(a); break;   // Q5_0
+    case 8: matmul_fmt<8, 0, false, false>(a); break;    // Q8_0
+    case 12: matmul_fmt<4, 0, true, false>(a); break;    // Q4_K
+    case 13: matmul_fmt<5, 0, true, false>(a); break;    // Q5_K
+    case 14: matmul_fmt<6, 32, false, true>(a); break;   // Q6_K
+    default: break;  // q8linear.cpp refuses other formats before calling
+  }
+}

@@ -1,0 +1,190 @@
+// The int8 family's two data preparations, in plain C++ (the same code on every CPU):
+//   pack:          a GGUF matrix into 16-row panels (q8.h lists the record), once at load;
+//   quantize_rows: activation rows into int8 blocks of 32 with their scales, at every call.
+// Both follow q8.h's order; neither has a reduction whose order could vary (a max, integer sums).
+//
+// Bounds of I_c (q8.h), |q| <= 127: 4-bit u - z: 32 * 15 * 127 = 60960; 5-bit: 32 * 31 * 127 = 125984;
+// Q8_0: 32 * 128 * 127 = 520192; Q6_K: 2 * 128 * 16 * 32 * 127 = 16646144 < 2^25. The AVX2 build's int16
+// pair sums (maddubs): 2 * 63 * 127 = 16002 for the unsigned formats, 2 * 128 * 127 = 32512 for Q8_0 through
+// the sign trick (|w| times x with w's sign): below 32767, so nothing saturates.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "half.h"
+#include "q8.h"
+
+namespace steady_q8 {
+namespace {
+
+using steady_num::half_to_float;
+
+enum Ggml : int32_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+float half_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof h);
+  return half_to_float(h);
+}
+
+// One weight row's block c as stored integers and its float constants (gguf-py's operations).
+struct Block {
+  uint8_t u[32];  // the stored integers (Q8_0: the signed byte's bits)
+  float a = 0.0f, b = 0.0f;
+  int8_t sc_lo = 0, sc_hi = 0;
+};
+
+// The 6-bit scale and min of sub-block s of a Q4_K / Q5_K block (gguf-py get_scale_min; as qmm_body.h).
+void scale_min_k4(const uint8_t* sc, int s, int* scale, int* min) {
+  if (s < 4) {
+    *scale = sc[s] & 63;
+    *min = sc[s + 4] & 63;
+  } else {
+    *scale = (sc[s + 4] & 0xF) | ((sc[s - 4] >> 6) << 4);
+    *min = (sc[s + 4] >> 4) | ((sc[s] >> 6) << 4);
+  }
+}
+
+Block read_block(int32_t fmt, const uint8_t* row, int64_t c) {
+  Block k;
+  if (fmt == Q4_0 || fmt == Q4_1) {  // d * (q - 8) | d * q + m; weights 0-15 low nibbles, 16-31 high
+    const uint8_t* b = row + (fmt == Q4_0 ? 18 : 20) * c;
+    const uint8_t* qs = b + (fmt == Q4_0 ? 2 : 4);
+    k.a = half_at(b);
+    if (fmt == Q4_1) k.b = half_at(b + 2);
+    for (int i = 0; i < 16; ++i) k.u[i] = qs[i] & 15, k.u[16 + i] = qs[i] >> 4;
+  } else if (fmt == Q5_0) {  // d * ((q | h << 4) - 16)
+    const uint8_t* b = row + 22 * c;
+    uint32_t qh;
+    std::memcpy(&qh, b + 2, sizeof qh);
+    k.a = half_at(b);
+    for (int i = 0; i < 16; ++i) {
+      k.u[i] = uint8_t((b[6 + i] & 15) | (((qh >> i) & 1) << 4));
+      k.u[16 + i] = uint8_t((b[6 + i] >> 4) | (((qh >> (16 + i)) & 1) << 4));
+    }
+  } else if (fmt == Q8_0) {  // d * q
+    const uint8_t* b = row + 34 * c;
+    k.a = half_at(b);
+    std::memcpy(k.u, b + 2, 32);
+  } else if (fmt == Q4_K || fmt == Q5_K) {  // (d * sc) * q - (dmin * m)
+    const int s = int(c % 8);
+    const uint8_t* b = row + (fmt == Q4_K ? 144 : 176) * (c / 8);
+    int sc, mn;
+    scale_min_k4(b + 4, s, &sc, &mn);
+    k.a = half_at(b) * float(sc);
+    k.b = -(half_at(b + 2) * float(mn));
+    const uint8_t* qs = b + (fmt == Q4_K ? 16 : 48) + 32 * (s / 2);
+    const int shift = 4 * (s % 2);
+    for (int i = 0; i < 32; ++i) {
+      k.u[i] = uint8_t((qs[i] >> shift) & 15);
+      if (fmt == Q5_K) k.u[i] = uint8_t(k.u[i] | (((b[16 + i] >> s) & 1) << 4));
+    }
+  } else if (fmt == Q6_K) {  // (d * sc) * ((ql | qh << 4) - 32), an int8 scale per 16 weights
+    const int s = int(c % 8), h = s / 4, j = s % 4;
+    const uint8_t* b = row + 210 * (c / 8);
+    const uint8_t* ql = b + 64 * h + 32 * (j % 2);
+    const uint8_t* qh = b + 128 + 32 * h;
+    const int qs = 4 * (j / 2), hs = 2 * j;
+    k.a = half_at(b + 208);
+    k.sc_lo = int8_t(b[192 + 8 * h + 2 * j]);
+    k.sc_hi = int8_t(b[192 + 8 * h + 2 * j + 1]);
+    for (int i = 0; i < 32; ++i) k.u[i] = uint8_t(((ql[i] >> qs) & 15) | (((qh[i] >> hs) & 3) << 4));
+  }
+  return k;
+}
+
+int64_t gguf_row_bytes(int32_t fmt, int64_t K) {
+  switch (fmt) {
+    case Q4_0: return K / 32 * 18;
+    case Q4_1: return K / 32 * 20;
+    case Q5_0: return K / 32 * 22;
+    case Q8_0: return K / 32 * 34;
+    case Q4_K: return K / 256 * 144;
+    case Q5_K: return K / 256 * 176;
+    case Q6_K: return K / 256 * 210;
+    default: return -1;
+  }
+}
+
+}  // namespace
+
+bool packed_layout(int32_t ggml_type, PackedLayout* out) {
+  switch (ggml_type) {
+    case Q4_0: *out = {4, 8, false, false, 256 + 64}; return true;
+    case Q4_1: *out = {4, 0, true, false, 256 + 128}; return true;
+    case Q5_0: *out = {5, 16, false, false, 320 + 64}; return true;
+    case Q8_0: *out = {8, 0, false, false, 512 + 64}; return true;
+    case Q4_K: *out = {4, 0, true, false, 256 + 128}; return true;
+    case Q5_K: *out = {5, 0, true, false, 320 + 128}; return true;
+    case Q6_K: *out = {6, 32, false, true, 384 + 64 + 32}; return true;
+    default: return false;
+  }
+}
+
+void pack(int32_t fmt, const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, uint8_t* out) {
+  PackedLayout lay;
+  if (!packed_layout(fmt, &lay) || gguf_row_bytes(fmt, K) != row_bytes) return;  // the caller checked
+  const int64_t blocks = K / kBlock;
+  const int64_t qbytes = lay.bits == 8 ? 512 : lay.bits == 4 ? 256 : lay.bits == 5 ? 320 : 384;
+  for (int64_t p = 0; p < N / kPanel; ++p) {
+    for (int64_t c = 0; c < blocks; ++c) {
+      uint8_t* rec = out + (p * blocks + c) * lay.record;
+      std::memset(rec, 0, size_t(lay.record));
+      float* a = reinterpret_cast<float*>(rec + qbytes);
+      float* b = a + 16;
+      int8_t* sc = reinterpret_cast<int8_t*>(rec + qbytes + (lay.has_min ? 128 : 64));
+      for (int r = 0; r < kPanel; ++r) {
+        const Block k = read_block(fmt, w + (p * kPanel + r) * row_bytes, c);
+        std::memcpy(a + r, &k.a, sizeof(float));
+        if (lay.has_min) std::memcpy(b + r, &k.b, sizeof(float));
+        if (lay.sub_scales) sc[r] = k.sc_lo, sc[16 + r] = k.sc_hi;
+        for (int kk = 0; kk < 32; ++kk) {
+          const int j = kk / 4, i = kk % 4;
+          if (lay.bits == 8) {
+            rec[64 * j + 4 * r + i] = k.u[kk];
+            continue;
+          }
+          const uint8_t lo4 = k.u[kk] & 15;
+          if (j < 4) rec[64 * j + 4 * r + i] |= lo4;
+          else rec[64 * (j - 4) + 4 * r + i] |= uint8_t(lo4 << 4);
+          if (lay.bits == 5) rec[256 + 4 * r + i] |= uint8_t(((k.u[kk] >> 4) & 1) << j);
+          if (lay.bits == 6) rec[256 + 64 * (j / 4) + 4 * r + i] |= uint8_t(((k.u[kk] >> 4) & 3) << (2 * (j % 4)));
+        }
+      }
+    }
+  }
+}
+
+void quantize_rows(const float* x, int64_t x_stride, int64_t K, int64_t m0, int64_t m1, int8_t* xq, float* dx,
+                   float* sxd, int32_t* sx, int32_t* sx16) {
+  const int64_t blocks = K / kBlock;
+  for (int64_t m = m0; m < m1; ++m) {
+    for (int64_t c = 0; c < blocks; ++c) {
+      const float* v = x + m * x_stride + c * kBlock;
+      int8_t* q = xq + m * K + c * kBlock;
+      float amax = 0.0f;
+      bool finite = true;
+      for (int k = 0; k < kBlock; ++k) {
+        finite = finite && std::isfinite(v[k]);
+        const float av = std::fabs(v[k]);
+        amax = av > amax ? av : amax;
+      }
+      const float d = finite ? amax / 127.0f : NAN;
+      const float s = finite && amax > 0.0f ? 127.0f / amax : 0.0f;
+      int32_t sum_lo = 0, sum_hi = 0;
+      for (int k = 0; k < kBlock; ++k) {
+        // round-half-even under the default rounding mode, as cvtps2dq does
+        const int32_t qi = finite ? int32_t(std::nearbyint(v[k] * s)) : 0;
+        q[k] = int8_t(qi);
+        (k < 16 ? sum_lo : sum_hi) += qi;
+      }
+      dx[m * blocks + c] = d;
+      sx[m * blocks + c] = sum_lo + sum_hi;
+      sx16[m * 2 * blocks + 2 * c] = sum_lo;
+      sx16[m * 2 * blocks + 2 * c + 1] = sum_hi;
+      sxd[m * blocks + c] = d * float(sum_lo + sum_hi);
+    }
+  }
+}
+
+}  // namespace steady_q8

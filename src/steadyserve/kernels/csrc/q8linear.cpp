@@ -1,0 +1,140 @@
+// torch ops over the int8 family (q8.h): activations quantized to int8, weights packed in panels.
+//
+//   q8pack(w, fmt, K)                     a GGUF matrix (N, row_bytes) as packed panels (N, packed_row_bytes)
+//   q8quantize(x)                         (xq, dx): the activation quantization alone, for the tests
+//   q8_isa()                              the int8 build this CPU runs: 0 scalar, 1 AVX2, 2 AVX-512 VNNI
+//   steady_q8_ops::matmul_packed          y[:, col0 : col0 + N] = x · Wᵀ; reached through qmatmul_ (qlinear.cpp)
+//                                         when its format id is kPacked + a GGML type
+//
+// `isa` picks the build: -1 the best this CPU has (by CPUID), 0 scalar, 1 AVX2, 2 AVX-512 VNNI; the tests
+// run every one the machine has and compare bits. Threads split panels of 16 output columns, never a sum.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cstdlib>
+#include <string>
+#include <tuple>
+
+#include "q8.h"
+
+namespace steady_q8_ops {
+
+using namespace steady_q8;
+
+// The widest int8 build this CPU runs, capped by STEADYSERVE_ISA (scalar | avx2 | avx512) as qlinear.cpp's.
+int best_q8_isa() {
+  static const int best = [] {
+    int cap = 2;
+    if (const char* env = std::getenv("STEADYSERVE_ISA")) {
+      const std::string v(env);
+      cap = v == "scalar" ? 0 : v == "avx2" ? 1 : 2;
+    }
+    __builtin_cpu_init();
+    int have = 0;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+        __builtin_cpu_supports("avx512vnni"))
+      have = 2;
+    else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+      have = 1;
+    return have < cap ? have : cap;
+  }();
+  return best;
+}
+
+namespace {
+
+using MatmulFn = void (*)(const Q8Args&);
+const MatmulFn kBuilds[3] = {scalar::matmul, avx2::matmul, avx512::matmul};
+
+int pick(int64_t isa) {
+  const int best = best_q8_isa();
+  TORCH_CHECK(isa >= -1 && isa <= 2, "isa must be -1 (auto), 0 (scalar), 1 (avx2) or 2 (avx512 vnni)");
+  TORCH_CHECK(isa <= best, "this CPU cannot run int8 build ", isa, " (best: ", best, ")");
+  return isa < 0 ? best : int(isa);
+}
+
+// Quantized activations of one call (q8.h), owned by the call.
+struct Quantized {
+  at::Tensor xq, dx, sxd, sx, sx16;
+};
+
+Quantized quantize(const at::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1), blocks = K / kBlock;
+  Quantized q{at::empty({M, K}, x.options().dtype(at::kChar)), at::empty({M, blocks}, x.options()),
+              at::empty({M, blocks}, x.options()), at::empty({M, blocks}, x.options().dtype(at::kInt)),
+              at::empty({M, 2 * blocks}, x.options().dtype(at::kInt))};
+  const float* xp = x.data_ptr<float>();
+  int8_t* xq = q.xq.data_ptr<int8_t>();
+  float *dx = q.dx.data_ptr<float>(), *sxd = q.sxd.data_ptr<float>();
+  int32_t *sx = q.sx.data_ptr<int32_t>(), *sx16 = q.sx16.data_ptr<int32_t>();
+  const int64_t stride = x.stride(0);
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) { quantize_rows(xp, stride, K, m0, m1, xq, dx, sxd, sx, sx16); });
+  return q;
+}
+
+at::Tensor q8pack(const at::Tensor& w, int64_t fmt, int64_t K) {
+  PackedLayout lay;
+  TORCH_CHECK(packed_layout(int32_t(fmt), &lay), "q8pack: GGML type ", fmt, " has no int8 packing");
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(), "q8pack: w must be contiguous (N, row_bytes) uint8");
+  const int64_t N = w.size(0);
+  TORCH_CHECK(N % kPanel == 0, "q8pack: N = ", N, " is not a multiple of ", kPanel);
+  TORCH_CHECK(K % 256 == 0 || (fmt != 12 && fmt != 13 && fmt != 14 && K % kBlock == 0), "q8pack: K = ", K, " does not fit the format");
+  at::Tensor out = at::empty({N, K / kBlock * lay.record / kPanel}, w.options());
+  const int64_t row_bytes = w.size(1);
+  const uint8_t* src = w.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  const int64_t panel_bytes = K / kBlock * lay.record;
+  at::parallel_for(0, N / kPanel, 8, [&](int64_t p0, int64_t p1) {
+    pack(int32_t(fmt), src + p0 * kPanel * row_bytes, row_bytes, (p1 - p0) * kPanel, K, dst + p0 * panel_bytes);
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> q8quantize(const at::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1 && x.size(1) % kBlock == 0,
+              "q8quantize: x must be (M, K) float32 with K a multiple of 32");
+  Quantized q = quantize(x);
+  return {q.xq, q.dx};
+}
+
+int64_t q8_isa() { return best_q8_isa(); }
+
+}  // namespace
+
+void matmul_packed(const at::Tensor& x, const at::Tensor& w, int64_t packed_fmt, at::Tensor& y, int64_t col0,
+                   int64_t isa) {
+  const int32_t fmt = int32_t(packed_fmt - kPacked);
+  PackedLayout lay;
+  TORCH_CHECK(packed_layout(fmt, &lay), "qmatmul_: no int8 kernel for packed type ", packed_fmt);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1, "qmatmul_: x must be (M, K) float32");
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(), "qmatmul_: w must be contiguous packed panels");
+  TORCH_CHECK(y.scalar_type() == at::kFloat && y.dim() == 2 && y.stride(1) == 1, "qmatmul_: y must be (M, >= N) float32");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(K % kBlock == 0 && N % kPanel == 0 && w.size(1) * kPanel == K / kBlock * lay.record,
+              "qmatmul_: K = ", K, " does not match the packed panels (", w.size(1), " bytes per row)");
+  TORCH_CHECK(y.size(0) == M && col0 >= 0 && col0 + N <= y.size(1), "qmatmul_: y is too small");
+  const int use = pick(isa);
+  if (M == 0 || N == 0) return;
+  const Quantized q = quantize(x);
+  Q8Args base{fmt, lay, q.xq.data_ptr<int8_t>(), q.dx.data_ptr<float>(), q.sxd.data_ptr<float>(),
+              q.sx.data_ptr<int32_t>(), q.sx16.data_ptr<int32_t>(), M, K, w.data_ptr<uint8_t>(),
+              y.data_ptr<float>() + col0, y.stride(0), 0, 0};
+  at::parallel_for(0, N / kPanel, 1, [&](int64_t p0, int64_t p1) {
+    Q8Args a = base;
+    a.p_begin = p0;
+    a.p_end = p1;
+    kBuilds[use](a);
+  });
+}
+
+}  // namespace steady_q8_ops
+
+TORCH_LIBRARY_FRAGMENT(steadyserve, m) {
+  m.def("q8pack(Tensor w, int fmt, int K) -> Tensor");
+  m.def("q8quantize(Tensor x) -> (Tensor, Tensor)");
+  m.def("q8_isa() -> int", TORCH_FN(steady_q8_ops::q8_isa));
+  m.impl("q8pack", c10::DispatchKey::CPU, TORCH_FN(steady_q8_ops::q8pack));
+  m.impl("q8quantize", c10::DispatchKey::CPU, TORCH_FN(steady_q8_ops::q8quantize));
+}
