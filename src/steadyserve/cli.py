@@ -8,7 +8,8 @@ import os
 import sys
 from typing import Any, Sequence
 
-from .config import Config, ConfigError, EngineConfig, ModelConfig, ServerConfig, parse_kv_cache_memory, parse_size
+from .config import (NUMERICS_MODES, Config, ConfigError, EngineConfig, ModelConfig, ServerConfig, parse_kv_cache_memory,
+                     parse_size)
 from .tools.cli import add_tool_commands  # a real import: a broken tools package must fail loudly
 
 EXIT_USAGE = 2
@@ -49,9 +50,10 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="most rows per row-wise kernel call (default: %(default)s)")
     g.add_argument("--attention", default=d.attention, choices=["auto", "native", "python"],
                    help="attention kernel: native C++ when built (auto), required (native), or Python")
-    g.add_argument("--numerics", default=d.numerics, choices=["auto", "portable", "host"],
+    g.add_argument("--numerics", default=d.numerics, choices=list(NUMERICS_MODES),
                    help="portable: steadyserve's native kernels on the weights as stored, the same bits on every "
-                        "x86-64 host; host: weights dequantized to float32, MKL and PyTorch kernels for this CPU; "
+                        "x86-64 host; int8: portable with int8 activations in the matmuls (faster, the same promises, "
+                        "a quantization error); host: weights dequantized to float32, MKL and PyTorch kernels for this CPU; "
                         "auto: portable where the native kernels run, else host (default: %(default)s)")
     g.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=d.prefix_caching,
                    help="reuse the cached K/V of shared prompt prefixes, bitwise-safe (default: on)")

@@ -16,6 +16,9 @@ class ConfigError(ValueError):
     """A configuration value is invalid. The message names the flag."""
 
 
+# The settings of --numerics (numerics.py describes each path; auto picks numerics.DEFAULT_NATIVE_PATH).
+NUMERICS_MODES = ("auto", "portable", "int8", "host")
+
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
           "KI": 1024, "MI": 1024**2, "GI": 1024**3, "TI": 1024**4}
@@ -76,7 +79,7 @@ class EngineConfig:
     attention: str = "auto"  # --attention: auto | native (C++ kernel, else refuse to start) | python
     prefix_caching: bool = True  # --prefix-caching / --no-prefix-caching: reuse cached K/V of shared prompt prefixes
     speculation: str = "auto"  # --speculation: auto | off | ngram (ngram: prompt lookup drafts up to 7 tokens per sequence from its prompt and output, verified in one pass, bitwise the output of off, drafted only where the expected tokens pay for the rows; auto: ngram with --batch-invariant and the native kernels, else off)
-    numerics: str = "auto"  # --numerics: auto (portable where the native kernels run, else host) | portable (same bits on every x86-64 host, native kernels on the stored weights) | host (fp32 weights, MKL and PyTorch for this CPU)
+    numerics: str = "auto"  # --numerics: auto (portable where the native kernels run, else host) | portable (same bits on every x86-64 host, native kernels on the stored weights) | int8 (portable, with int8 activations in the matmuls: faster, same promises, quantization error) | host (fp32 weights, MKL and PyTorch for this CPU)
 
     def validate(self) -> None:
         kv = self.kv_cache_memory
@@ -106,10 +109,10 @@ class EngineConfig:
             raise ConfigError("--threads must be 0 (all cores) or positive")
         if self.row_tile < 1:
             raise ConfigError("--row-tile must be at least 1")
-        if self.numerics not in ("auto", "portable", "host"):
-            raise ConfigError(f"--numerics must be auto, portable or host, not {self.numerics!r}")
-        if self.numerics == "portable" and not self.batch_invariant:
-            raise ConfigError("--no-batch-invariant: portable numerics are batch-invariant by construction; "
+        if self.numerics not in NUMERICS_MODES:
+            raise ConfigError(f"--numerics must be one of {', '.join(NUMERICS_MODES)}, not {self.numerics!r}")
+        if self.numerics in ("portable", "int8") and not self.batch_invariant:
+            raise ConfigError(f"--no-batch-invariant: {self.numerics} numerics are batch-invariant by construction; "
                               "the plain (variant) path is --numerics host --no-batch-invariant")
         if self.speculation not in ("auto", "off", "ngram"):
             raise ConfigError(f"--speculation must be auto, off or ngram, not {self.speculation!r}")

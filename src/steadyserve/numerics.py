@@ -1,6 +1,6 @@
 """The numerics path: which code computes a process's bits, and its id in the fingerprint.
 
-There are two paths:
+There are three paths:
 
 * portable (the default): every operation that can round differently on another machine runs
   in steadyserve's own native kernels (kernels/csrc): the matmul family over the weights as the
@@ -12,6 +12,14 @@ There are two paths:
   (threads split outputs, never a sum), not PyTorch's or MKL's dispatch, which it does not
   use. So the id names no host fact, and every x86-64 machine computes the same bits.
   Batch invariance holds by construction: no kernel looks at how many rows it was given.
+* int8 (`--numerics int8`): the portable path with int8 activations in the matmuls. Each activation
+  row is quantized per block of 32 to int8 from that block alone, the weights are repacked once at
+  load into 16-row panels, and every block's dot product is an exact integer sum (VNNI, AVX2's
+  maddubs or plain loops: any order gives the same integer); only the per-block scales are float,
+  applied in one chain per output (kernels/csrc/q8.h). Everything else is the portable path's. It is
+  as portable and as batch-invariant as that path, by the same construction, and 2-9x faster per
+  matmul; its logprobs differ from float32 activations' by the quantization (measured in
+  benchmarks/int8_accuracy.py), so exact-parity scoring keeps `--numerics portable`.
 * host (`--numerics host`): the weights dequantized to float32, MKL's GEMMs in strict
   reproducibility mode on the branch MKL picks for this CPU (MKL_CBWR=AUTO,STRICT) and
   PyTorch's kernels for this CPU, with the row counts verified at start-up (models/layers.py,
@@ -19,9 +27,10 @@ There are two paths:
   picks a kernel (CPU vendor and flags, PyTorch's dispatch, MKL's mode, library versions).
   CUDA always runs this path, under its own device in the fingerprint.
 
-`auto` (the default setting) is portable where the native kernels are built and the model
-can run on them (CPU, float32 activations), else host, with a warning; the fingerprint says
-which. Both ids include NUMERICS_VERSION, bumped whenever steadyserve's own arithmetic changes.
+`auto` (the default setting) is DEFAULT_NATIVE_PATH where the native kernels are built and the
+model can run on them (CPU, float32 activations), else host, with a warning; the fingerprint says
+which. The native paths' ids hash the kernel versions they stand for (kernel_versions.py), and every
+id includes NUMERICS_VERSION, bumped whenever steadyserve's own arithmetic outside the kernels changes.
 """
 
 from __future__ import annotations
@@ -31,14 +40,16 @@ import json
 import os
 from dataclasses import dataclass
 
-from .config import ConfigError
+from .config import NUMERICS_MODES, ConfigError
+from .kernel_versions import PATH_KERNELS, kernels_of
 
 # 1: fma attention kernel nat1, MKL strict mode; 2: LM head computed in 2048-column GEMMs;
 # 3: the native matmul family (qmm1) and native row-wise ops for the portable path.
 NUMERICS_VERSION = 3
-MODES = ("auto", "portable", "host")
+MODES = NUMERICS_MODES  # the settings of --numerics (config.py owns the list)
+NATIVE_PATHS = tuple(PATH_KERNELS)  # the concrete paths that run steadyserve's own kernels: portable, int8
+_PREFIX = {"portable": "p", "int8": "i", "host": "h"}
 HOST_ENV = {"MKL_CBWR": "AUTO,STRICT"}  # defaults only: an operator's own setting wins (and is named)
-PORTABLE_KERNELS = "qmm1+nat1"  # the kernel ids whose reduction orders the portable id stands for
 
 
 class NumericsError(ConfigError):
@@ -53,8 +64,8 @@ def apply_env() -> None:
 
 @dataclass(frozen=True)
 class Numerics:
-    mode: str  # portable | host
-    numerics_id: str  # "p" or "h" and 6 hex digits of the facts' hash: the fingerprint's numerics part
+    mode: str  # portable | int8 | host
+    numerics_id: str  # "p", "i" or "h" and 6 hex digits of the facts' hash: the fingerprint's numerics part
     facts: dict[str, str]  # what the id hashes, for `steadyserve info` and the model-info endpoints
 
     def describe(self) -> str:
@@ -65,21 +76,21 @@ def describe(mode: str, isa: str, cpu_model: str, cpu_flags: tuple[str, ...], to
              mkl_cbwr: str, mkl_enable_instructions: str) -> Numerics:
     """The id of `mode` (portable | host) given the process's dispatch facts."""
     facts = {"version": str(NUMERICS_VERSION)}
-    if mode == "portable":
-        facts["kernels"] = PORTABLE_KERNELS
+    if mode in NATIVE_PATHS:
+        facts["kernels"] = kernels_of(mode)
     else:
         facts.update({"torch": torch_version, "mkl": mkl_version or "none", "torch_isa": isa,
                       "cpu": _vendor(cpu_model), "cpu_flags": " ".join(cpu_flags), "mkl_cbwr": mkl_cbwr or "unset"})
         if mkl_enable_instructions:
             facts["mkl_enable_instructions"] = mkl_enable_instructions
     digest = hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:6]
-    return Numerics(mode, ("p" if mode == "portable" else "h") + digest, facts)
+    return Numerics(mode, _PREFIX[mode] + digest, facts)
 
 
 def choose(mode: str, *, native_available: bool, native_detail: str, device_type: str, dtype: str,
            batch_invariant: bool = True) -> str:
-    """The concrete path (portable | host) for the setting `mode`. Raises NumericsError when `mode`
-    is portable and the model cannot run on it; `auto` falls back to host instead (the caller warns)."""
+    """The concrete path (portable | int8 | host) for the setting `mode`. Raises NumericsError when `mode`
+    is portable or int8 and the model cannot run on it; `auto` falls back to host instead (the caller warns)."""
     if mode not in MODES:
         raise NumericsError(f"--numerics must be one of {', '.join(MODES)}, not {mode!r}")
     if mode == "host":
@@ -94,11 +105,14 @@ def choose(mode: str, *, native_available: bool, native_detail: str, device_type
     elif not native_available:
         why = f"portable numerics need the native kernels: {native_detail}"
     if not why:
-        return "portable"
-    if mode == "portable":
-        raise NumericsError(f"--numerics portable: {why}")
+        return DEFAULT_NATIVE_PATH if mode == "auto" else mode
+    if mode in NATIVE_PATHS:
+        raise NumericsError(f"--numerics {mode}: {why.replace('portable numerics', f'{mode} numerics')}")
     return "host"
 
+
+# What `auto` runs where the native kernels can: decided here, once, for every host (fleet bits depend on it).
+DEFAULT_NATIVE_PATH = "portable"
 
 _active: Numerics | None = None
 

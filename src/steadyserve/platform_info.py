@@ -50,7 +50,7 @@ class PlatformInfo:
 
     def lines(self) -> list[tuple[str, str]]:
         """(label, value) pairs for a human-readable report."""
-        portable = self.numerics is not None and self.numerics.mode == "portable"
+        portable = self.numerics is not None and self.numerics.mode in ("portable", "int8")
         tiles = (", ".join(map(str, self.row_tiles)) if self.row_tiles
                  else "none (portable numerics: every row independent by construction)" if portable
                  else "none (batch invariance off)")

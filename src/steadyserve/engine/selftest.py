@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernel_versions import KERNELS
 from .engine import LLMEngine
 from .offline import run_requests
 from .sequence import Request, SamplingParams
@@ -60,22 +61,33 @@ def run_selftest(engine: LLMEngine, seed: int = 1234) -> SelfTestResult:
         return SelfTestResult(False, "batch variance detected: " + ", ".join(problems), secs)
     if model.native:
         isa = ("scalar", "avx2", "avx512")[torch.ops.steadyserve.qmm_isa()]
-        kernels = (f"native matmul qmm1 ({isa} build equal to the scalar reference), attention {model.kernel_id}")
+        kernels = f"native matmul {KERNELS['matmul']} ({isa} build equal to the scalar reference)"
+        if _has_packed(model):
+            q8 = ("scalar", "avx2", "avx512 vnni")[torch.ops.steadyserve.q8_isa()]
+            kernels += f", int8 matmul {KERNELS['int8']} ({q8} build equal to the scalar reference)"
+        kernels += f", attention {model.kernel_id}"
     else:
         kernels = (f"attention {model.kernel_id}; row counts {_ladder(model.tiler.tiles)}, "
                    f"LM head {_ladder(model.head_tiler.tiles)}")
     return SelfTestResult(True, f"bitwise equal alone/batched/prefill/decode; {kernels} ({secs:.2f} s)", secs)
 
 
-def _kernel_problems(model) -> list[str]:  # noqa: ANN001 - a Transformer; engine code does not import models
-    """Each weight format of the model through this CPU's build and the scalar build, 1 and 5 rows."""
+def _matrices(model) -> list:  # noqa: ANN001 - a Transformer
     from ..kernels.quant import QMatrix
 
+    return [m for m in [model.lm_head] + [w for lw in model.layers for w in vars(lw).values()] if isinstance(m, QMatrix)]
+
+
+def _has_packed(model) -> bool:  # noqa: ANN001 - a Transformer
+    return any(p.packed for m in _matrices(model) for p in m.parts)
+
+
+def _kernel_problems(model) -> list[str]:  # noqa: ANN001 - a Transformer; engine code does not import models
+    """Each weight format of the model through this CPU's build and the scalar build, 1 and 5 rows."""
     parts = {}
-    for m in [model.lm_head] + [w for lw in model.layers for w in vars(lw).values()]:
-        if isinstance(m, QMatrix):
-            for p in m.parts:
-                parts.setdefault(p.fmt, p)
+    for m in _matrices(model):
+        for p in m.parts:
+            parts.setdefault(p.fmt, p)
     g = torch.Generator().manual_seed(7)
     problems = []
     for fmt, p in sorted(parts.items()):

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from ..kernel_versions import KERNELS
+
 log = logging.getLogger("steadyserve.kernels")
 
 CSRC = Path(__file__).parent / "csrc"
@@ -30,11 +32,9 @@ SOURCES = [CSRC / name for name in ("paged_attention.cpp", "rope.cpp", "qlinear.
                                     "q8_pack.cpp", "q8_scalar.cpp", "q8_avx2.cpp", "q8_avx512.cpp", "q8linear.cpp")]
 HEADERS = [CSRC / name for name in ("qmm.h", "qmm_body.h", "ops.h", "half.h", "q8.h", "q8_body.h")]
 CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-fast-math", "-fno-unsafe-math-optimizations"]
-# Bumped whenever a kernel's reduction order changes: it is part of the fingerprint.
-NATIVE_KERNEL_ID = "nat1"  # nat1: fma dot products, 16-lane exp sums (csrc/paged_attention.cpp)
+# The kernels' versions have one owner, kernel_versions.KERNELS, from which the numerics ids derive.
+NATIVE_KERNEL_ID = KERNELS["attention"]  # the attention kernel's id in the fingerprint
 PYTHON_KERNEL_ID = "py"
-# The matmul family's reduction order (csrc/qmm.h): 16 fma lanes over K, one fixed lane tree.
-QMM_KERNEL_ID = "qmm1"
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,7 @@ def load() -> KernelStatus:
             _build(build_dir)
         took = time.perf_counter() - t0
         _status = KernelStatus(True, NATIVE_KERNEL_ID,
-                               f"native kernels {NATIVE_KERNEL_ID}+{QMM_KERNEL_ID} from {build_dir} ({took:.1f} s)")
+                               f"native kernels {'+'.join(KERNELS.values())} from {build_dir} ({took:.1f} s)")
     except Exception as e:  # no compiler, no ninja, a read-only cache...
         reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         _status = KernelStatus(False, PYTHON_KERNEL_ID, f"native kernels unavailable, using Python attention: {reason}")

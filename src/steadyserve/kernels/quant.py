@@ -21,6 +21,10 @@ FORMATS: dict[int, tuple[str, int, int]] = {
     12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210),
 }
 FORMAT_IDS = {name: fmt for fmt, (name, _, _) in FORMATS.items()}
+# The int8 family (csrc/q8.h) reads these formats from 16-row panels packed once at load; a packed
+# matrix's format id is PACKED + its GGML type. F32/F16/BF16 stay on the float32 family.
+PACKED = 256
+PACKABLE = frozenset(FORMAT_IDS[n] for n in ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"))
 _TORCH_FORMATS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
 
 
@@ -43,7 +47,19 @@ class QWeight:
 
     @property
     def format_name(self) -> str:
-        return FORMATS[self.fmt][0]
+        return FORMATS[self.fmt - PACKED][0] + " packed" if self.packed else FORMATS[self.fmt][0]
+
+    @property
+    def packed(self) -> bool:
+        """Panels for the int8 family (csrc/q8.h), not the GGUF's rows."""
+        return self.fmt >= PACKED
+
+    def pack(self) -> QWeight:
+        """This matrix as the int8 family's panels (a new copy, about the GGUF's size), or itself where that
+        family has no kernel for it (F16/BF16/F32, or N not a multiple of 16): it stays on the float32 path."""
+        if self.packed or self.fmt not in PACKABLE or self.n % 16:
+            return self
+        return QWeight(torch.ops.steadyserve.q8pack(self.data, self.fmt, self.k), PACKED + self.fmt, self.k, self.name)
 
     @staticmethod
     def from_tensor(t: torch.Tensor, name: str = "") -> QWeight:
@@ -55,6 +71,8 @@ class QWeight:
 
     def check(self) -> None:
         """Raise UnsupportedFormat unless the kernels can read this matrix."""
+        if self.packed:
+            return  # q8pack made it from a matrix that passed
         if self.fmt not in FORMATS:
             raise UnsupportedFormat(f"{self.name}: GGML type {self.fmt} has no native kernel "
                                     f"(supported: {', '.join(sorted(FORMAT_IDS))})")
@@ -69,6 +87,8 @@ class QWeight:
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """(R, K) float32: the values of `rows` (all rows by default), bitwise gguf-py's."""
+        if self.packed:
+            raise ValueError(f"{self.name}: packed panels are read by the int8 matmul only")
         idx = torch.arange(self.n) if rows is None else rows
         return torch.ops.steadyserve.qdequant(self.data, self.fmt, self.k, idx, -1)
 
@@ -97,6 +117,11 @@ class QMatrix:
             torch.ops.steadyserve.qmatmul_(x, p.data, p.fmt, y, col, isa)
             col += p.n
         return y
+
+    def packed(self) -> QMatrix:
+        """The same matrix with every part the int8 family reads packed for it (QWeight.pack); a new object,
+        so a tied embedding keeps its GGUF rows for lookups while the LM head multiplies the panels."""
+        return QMatrix([p.pack() for p in self.parts])
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """(T,) ids -> (T, K) float32 dequantized rows: an embedding lookup (single-part matrices)."""

@@ -60,7 +60,7 @@ class Fingerprint:
     device: str  # "cpu" | "cuda:0" ...
     batch_invariant: bool  # enabled and confirmed by the start-up self-test
     kernel: str  # attention kernel: "nat1" (native C++) or "py" (Python fallback); their bits differ
-    numerics: str = ""  # numerics path id (numerics.py): "p…" portable, "h…" this host's kernels
+    numerics: str = ""  # numerics path id (numerics.py): "p…" portable, "i…" int8, "h…" this host's kernels
 
     def __str__(self) -> str:
         parts = [self.weights, self.dtype, self.device, self.numerics, self.kernel,
@@ -380,7 +380,7 @@ def load_model(path: str, device: str = "cpu", dtype: str = "auto", *, batch_inv
         raise LoadError(f"{src}: no such file or directory")
     dev = resolve_device(device)
     num = choose_numerics(numerics, dev, dtype, batch_invariant, attention)
-    native = num.mode == "portable"
+    native = num.mode in numerics_mod.NATIVE_PATHS
     dt = resolve_dtype(dtype, dev)
     from_cache = False
     if src.is_file():
@@ -423,6 +423,8 @@ def load_model(path: str, device: str = "cpu", dtype: str = "auto", *, batch_inv
                                            args.head_dim)
         model = model_class(args)(args, weights, dev, dt, RowTiler(row_tile, batch_invariant and not native),
                                   max_len, attn, kernel_id, native=native)
+        if num.mode == "int8":
+            model.use_int8_activations()
         weights.clear()  # what the model did not take (e.g. rotary buffers) must not pin the file mapping
     except UnsupportedFormat as e:
         raise LoadError(f"{src}: {e}") from None

@@ -151,6 +151,17 @@ class Transformer:
         # Every layer in one native call where the layers are Llama's shape (native_forward.py): the same bits.
         self.native_layers = build_native_layers(self)
 
+    def use_int8_activations(self) -> None:
+        """The int8 numerics path (numerics.py): every stored matrix the int8 family reads is repacked into its
+        panels, once, and multiplies int8 activations from then on; embeddings keep the GGUF rows. The GGUF's
+        views are dropped, so their pages are no longer touched after loading."""
+        assert self.native, "int8 activations run on the native path only"
+        for lw in self.layers:
+            for name in ("wqkv", "wo", "w_gate_up", "w_down"):
+                setattr(lw, name, getattr(lw, name).packed())
+        self.lm_head = self.lm_head.packed()  # type: ignore[union-attr]
+        self.native_layers = build_native_layers(self)
+
     def _qkv(self, lw: LayerWeights, x: torch.Tensor, cos: torch.Tensor,
              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Row-wise: norm, fused q|k|v projection, RoPE. x: (T, hidden) -> (T, H, D), (T, Hkv, D), (T, Hkv, D)."""

@@ -1,0 +1,149 @@
+"""The int8 matmul family (kernels/csrc/q8.h): int8 activations, packed weights, exact integer sums.
+
+What it promises, on any x86-64 machine:
+* an activation block's int8 values and scale follow the documented rule from that block alone
+  (amax / 127, round-half-even of x * (127 / amax)), bitwise;
+* a row's result does not depend on M, on the thread count or on the build: the AVX2 and AVX-512
+  VNNI builds equal the scalar reference bitwise, for every packable format;
+* the integer sums are the exact dot products of the quantized activations with the stored
+  weights: the result equals float64 arithmetic on the dequantized operands to float32 rounding;
+* a matrix the family cannot read (F16, or N not a multiple of 16) stays on the float32 path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_qmm import _qweight, _reference_values
+
+from steadyserve.kernels import load
+from steadyserve.kernels.quant import FORMAT_IDS, PACKABLE, PACKED, QMatrix
+
+pytestmark = pytest.mark.skipif(not load().available, reason="native kernels not built")
+OPS = torch.ops.steadyserve
+BUILDS = [b for b in (0, 1, 2) if b <= (OPS.q8_isa() if load().available else 0)]
+PACKABLE_NAMES = sorted(n for n, f in FORMAT_IDS.items() if f in PACKABLE)
+
+
+def _reference_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q8.h's activation rule in torch's IEEE float32 operations (torch.round is half-even)."""
+    m, k = x.shape
+    b = x.view(m, k // 32, 32)
+    amax = b.abs().amax(-1)
+    scale = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return torch.round(b * scale[..., None]).to(torch.int8).view(m, k), amax / 127.0
+
+
+def _mm(packed: torch.Tensor, fmt: int, x: torch.Tensor, isa: int = -1) -> torch.Tensor:
+    y = torch.empty(x.shape[0], packed.shape[0])
+    OPS.qmatmul_(x.contiguous(), packed, PACKED + fmt, y, 0, isa)
+    return y
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+def test_activation_quantization_follows_the_documented_rule_bitwise():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 256, generator=g) * torch.logspace(-6, 3, 9)[:, None]
+    x[3, 32:64] = 0.0  # an all-zero block: scale 0, values 0
+    x[4, :32] = torch.arange(-16, 16) + 0.5  # amax 15.5: 2.5 * (127 / 15.5) is no tie, but ...
+    x[4, 0], x[4, 1], x[4, 2] = 127.0, 2.5, -3.5  # ... with amax 127 the scale is 1: ties, which go to even
+    xq, dx = OPS.q8quantize(x)
+    ref_q, ref_d = _reference_quantize(x)
+    assert torch.equal(xq, ref_q)
+    assert torch.equal(_bits(dx), _bits(ref_d))
+    assert int(xq.abs().max()) <= 127
+    assert xq[4, 1] == 2 and xq[4, 2] == -4  # half-even, not half away from zero
+
+
+@pytest.mark.parametrize("name", PACKABLE_NAMES)
+def test_a_rows_bits_do_not_depend_on_m_threads_or_the_build(name):
+    fmt = FORMAT_IDS[name]
+    qw = _qweight(fmt, 48, 512, seed=2)
+    packed = OPS.q8pack(qw.data, fmt, qw.k)
+    x = torch.randn(21, qw.k, generator=torch.Generator().manual_seed(3))
+    full = _mm(packed, fmt, x, 0)  # the scalar reference, all rows at once
+    threads = torch.get_num_threads()
+    try:
+        for isa in BUILDS:
+            for n_threads in sorted({1, threads}):
+                torch.set_num_threads(n_threads)
+                assert torch.equal(_bits(_mm(packed, fmt, x, isa)), _bits(full)), (name, isa, n_threads)
+                for rows in (1, 3, 8, 9, 17):  # each tile height and its tails
+                    got = _mm(packed, fmt, x[5:5 + rows], isa)
+                    assert torch.equal(_bits(got), _bits(full[5:5 + rows])), (name, isa, n_threads, rows)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("name", PACKABLE_NAMES)
+def test_the_integer_sums_are_exact_dot_products_of_the_quantized_operands(name):
+    """float64 on dequantized int8 activations and dequantized weights: equal to float32 rounding. A wrong zero
+    point, minimum, sub-scale or nibble order is off by a whole weight's contribution, far beyond it."""
+    fmt = FORMAT_IDS[name]
+    qw = _qweight(fmt, 32, 512, seed=4)
+    packed = OPS.q8pack(qw.data, fmt, qw.k)
+    x = torch.randn(6, qw.k, generator=torch.Generator().manual_seed(5))
+    xq, dx = OPS.q8quantize(x)
+    x_dq = (xq.view(6, -1, 32).double() * dx.double()[..., None]).view(6, -1)
+    ref = x_dq @ _reference_values(qw).double().T
+    got = _mm(packed, fmt, x).double()
+    scale = (x_dq.abs() @ _reference_values(qw).double().abs().T)  # the sum of |terms|: the rounding's scale
+    assert ((got - ref).abs() <= 1e-6 * scale + 1e-30).all(), name
+
+
+@pytest.mark.parametrize("name", PACKABLE_NAMES)
+def test_the_error_against_float32_activations_is_the_quantization_step(name):
+    fmt = FORMAT_IDS[name]
+    qw = _qweight(fmt, 64, 1024, seed=6)
+    x = torch.randn(4, qw.k, generator=torch.Generator().manual_seed(7))
+    exact = x.double() @ _reference_values(qw).double().T
+    got = _mm(OPS.q8pack(qw.data, fmt, qw.k), fmt, x).double()
+    # per block, |x - q dx| <= dx / 2 = amax / 254: relative to the sum of |terms| the error is below 1/254
+    scale = x.double().abs() @ _reference_values(qw).double().abs().T
+    assert ((got - exact).abs() <= scale / 254).all(), name
+
+
+def test_non_finite_activations_give_nan_outputs_not_garbage():
+    fmt = FORMAT_IDS["Q4_0"]
+    qw = _qweight(fmt, 16, 64, seed=8)
+    x = torch.randn(2, 64)
+    x[1, 40] = float("inf")
+    y = _mm(OPS.q8pack(qw.data, fmt, 64), fmt, x)
+    assert torch.isfinite(y[0]).all() and torch.isnan(y[1]).all()
+
+
+def test_what_the_family_cannot_read_stays_on_the_float32_path():
+    q4 = _qweight(FORMAT_IDS["Q4_1"], 48, 256, seed=9)
+    f16 = _qweight(FORMAT_IDS["F16"], 32, 256, seed=10)
+    odd = _qweight(FORMAT_IDS["Q8_0"], 24, 256, seed=11)  # 24 rows: not whole panels
+    m = QMatrix([q4, f16, odd]).packed()
+    assert [p.packed for p in m.parts] == [True, False, False]
+    assert m.parts[1] is f16 and m.parts[2] is odd
+    x = torch.randn(3, 256)
+    y = m(x)
+    q4_alone = _mm(m.parts[0].data, FORMAT_IDS["Q4_1"], x)
+    assert torch.equal(_bits(y[:, :48]), _bits(q4_alone))
+    assert torch.equal(_bits(y[:, 48:]), _bits(QMatrix([f16, odd])(x)))
+    with pytest.raises(ValueError, match="packed panels"):
+        m.parts[0].dequantize()
+
+
+def test_bad_packing_requests_are_refused_by_name():
+    qw = _qweight(FORMAT_IDS["Q4_0"], 24, 64, seed=12)
+    with pytest.raises(RuntimeError, match="not a multiple of 16"):
+        OPS.q8pack(qw.data, qw.fmt, 64)
+    with pytest.raises(RuntimeError, match="no int8 packing"):
+        OPS.q8pack(qw.data, FORMAT_IDS["F16"], 64)
+    packed = OPS.q8pack(qw.data[:16].contiguous(), qw.fmt, 64)
+    with pytest.raises(RuntimeError, match="does not match the packed panels"):
+        _mm(packed, qw.fmt, torch.randn(1, 96))
+
+
+def test_packed_matrices_cost_about_their_gguf_size():
+    for name in PACKABLE_NAMES:
+        qw = _qweight(FORMAT_IDS[name], 32, 512, seed=13)
+        ratio = OPS.q8pack(qw.data, qw.fmt, qw.k).numel() / qw.data.numel()
+        assert 1.0 <= ratio <= 1.4, (name, ratio)  # the per-block float scales; stated in docs/design.md
