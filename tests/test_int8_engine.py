@@ -1,0 +1,85 @@
+"""The int8 numerics path (`--numerics int8`) keeps every promise the portable path makes, bitwise.
+
+A GGUF of SmolLM2-135M's layer widths with Q4_1 matrices (the default model's format) runs through the
+engine with int8 activations: a request's logprobs are the same alone or in any batch, in prefill or in
+decode, and with 1 or 2 threads; the TEST-ONLY drift is caught by the same checks (they have teeth).
+The fingerprint names the path: its own numerics id, not the portable one's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_engine_invariance import engine_for, expect, greedy, probe_vs_batches, same, score_vs_generate
+
+from steadyserve.engine.offline import run_requests
+from steadyserve.engine.selftest import run_selftest
+from steadyserve.kernels import load
+from steadyserve.models.loader import load_model
+from steadyserve.testing.drift import install_batch_drift
+from steadyserve.testing.tiny_gguf import write_tiny_gguf
+
+pytestmark = pytest.mark.skipif(not load().available, reason="native kernels not built")
+
+
+@pytest.fixture(scope="module")
+def sw_q4_1(smolwidth_model, tmp_path_factory) -> str:
+    return str(write_tiny_gguf(smolwidth_model, tmp_path_factory.mktemp("int8") / "smolwidth-q4_1.gguf", quant="Q4_1"))
+
+
+@pytest.fixture(scope="module")
+def int8(sw_q4_1):
+    loaded = load_model(sw_q4_1, numerics="int8")
+    engine = engine_for(loaded)
+    result = run_selftest(engine)
+    assert result.passed and "int8 matmul q8a1" in result.detail, result.detail
+    return engine
+
+
+@pytest.fixture(params=["invariant", "broken"])
+def mode(request, int8):
+    if request.param == "invariant":
+        yield request.param, int8
+        return
+    restore = install_batch_drift(int8)
+    try:
+        yield request.param, int8
+    finally:
+        restore()
+
+
+def test_the_matrices_run_packed_and_the_fingerprint_names_the_path(int8, sw_q4_1):
+    model = int8.loaded.model
+    for lw in model.layers:
+        assert all(p.packed for m in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down) for p in m.parts)
+    assert all(p.packed for p in model.lm_head.parts)
+    assert not any(p.packed for p in model.embed.parts)  # lookups read the GGUF's rows
+    assert int8.loaded.numerics.mode == "int8" and int8.loaded.numerics.numerics_id.startswith("i")
+    portable = load_model(sw_q4_1, numerics="portable")
+    assert portable.numerics.numerics_id.startswith("p")
+    assert portable.numerics.numerics_id != int8.loaded.numerics.numerics_id
+    assert "q8a1" in int8.loaded.numerics.facts["kernels"]
+
+
+def test_probe_alone_vs_inside_batches(mode):
+    name, engine = mode
+    expect(name, probe_vs_batches(engine, [2, 7, 33], name=name))
+
+
+def test_score_equals_generate(mode):
+    name, engine = mode
+    expect(name, score_vs_generate(engine, [(37, 9), (5, 30)], name=name))
+
+
+def test_thread_count_changes_no_bit(int8):
+    prompt = list(range(3, 60, 2))
+    threads = torch.get_num_threads()
+    try:
+        runs = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            runs.append(run_requests(int8, [greedy("t", prompt, 12)])["t"])
+        assert same(runs[0], runs[1])
+        assert len(runs[0].logprob_values) == 12 and len(runs[0].prompt_logprob_values) == len(prompt) - 1
+    finally:
+        torch.set_num_threads(threads)
