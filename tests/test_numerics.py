@@ -41,14 +41,15 @@ def test_a_portable_id_names_no_host_fact():
 def test_auto_is_portable_where_the_native_kernels_run_and_host_elsewhere():
     ok = dict(native_available=True, native_detail="", device_type="cpu", dtype="auto")
     assert choose("auto", **ok) == "portable" and choose("portable", **ok) == "portable"
-    assert choose("host", **ok) == "host"
+    assert choose("int8", **ok) == "int8" and choose("host", **ok) == "host"
     for change, words in ((dict(native_available=False, native_detail="no compiler"), "no compiler"),
                           (dict(device_type="cuda"), "cuda"), (dict(dtype="bfloat16"), "bfloat16"),
                           (dict(batch_invariant=False), "by construction")):
         assert choose("auto", **{**ok, **change}) == "host", change
-        with pytest.raises(NumericsError, match=words):
-            choose("portable", **{**ok, **change})
-    with pytest.raises(NumericsError, match="one of auto, portable, host"):
+        for native in ("portable", "int8"):
+            with pytest.raises(NumericsError, match=f"--numerics {native}: .*{words}"):
+                choose(native, **{**ok, **change})
+    with pytest.raises(NumericsError, match="one of auto, portable, int8, host"):
         choose("fast", **ok)
 
 

@@ -1,0 +1,144 @@
+"""How far the int8 path's logprobs are from float32: measured on the packaged real models, not assumed.
+
+For each model (SmolLM2-135M Q4_1, Gemma 3 270M Q4_K_M) and prompt length, the log-probability of every
+prompt token given the ones before it, from:
+  * transformers in float32 on the same dequantized weights (the reference: the host path's converted
+    directory, gguf-py's dequantization);
+  * steadyserve --numerics portable (float32 activations; expected within 1e-4 of the reference);
+  * steadyserve --numerics int8;
+  * llama.cpp's llama-server on the same GGUF, where a build is at hand (--llama-cpp): the logprob it
+    reports for each token it generates greedily after a prompt, against the reference's on the same
+    sequence; steadyserve's int8 path is scored on those very positions beside it.
+Prints mean and max |Δ logprob| per source and writes benchmarks/results/int8_accuracy.json.
+
+    .venv/bin/python benchmarks/int8_accuracy.py [--lengths 64,1024,4096] [--llama-cpp /tmp/llama/bin]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).parent
+ROOT = HERE.parent
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def corpus() -> str:
+    """Real English prose that ships with the repository: the documentation, in a fixed order."""
+    return "\n\n".join(p.read_text() for p in sorted((ROOT / "docs").glob("*.md")))
+
+
+def reference_logprobs(hf_dir: Path, ids: list[int]) -> torch.Tensor:
+    """(n-1,) float32 log p(ids[i] | ids[:i]) from transformers in float32."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), torch_dtype=torch.float32)
+    model.eval()
+    with torch.inference_mode():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    lp = torch.log_softmax(logits, dim=-1)
+    return lp[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+def steady_logprobs(path: str, numerics: str, ids: list[int]) -> torch.Tensor:
+    from steadyserve.config import EngineConfig
+    from steadyserve.engine.engine import LLMEngine
+    from steadyserve.engine.offline import run_requests
+    from steadyserve.engine.sequence import Request, SamplingParams
+    from steadyserve.models.loader import load_model
+
+    loaded = load_model(path, numerics=numerics, max_model_len=max(len(ids) + 8, 2048))
+    engine = LLMEngine(loaded, EngineConfig(kv_cache_memory=2 * 1024**3, threads=torch.get_num_threads(),
+                                            numerics=numerics, max_model_len=max(len(ids) + 8, 2048)))
+    done = run_requests(engine, [Request("s", ids, SamplingParams(max_tokens=0, prompt_logprobs=0))])["s"]
+    return torch.tensor(done.prompt_logprob_values, dtype=torch.float32)
+
+
+def llama_generated(server_bin: Path, gguf: str, prompt_ids: list[int], n: int) -> tuple[list[int], list[float]]:
+    """llama-server's greedy tokens after the prompt and the logprob it reports for each."""
+    import httpx
+
+    port = 18931
+    proc = subprocess.Popen([str(server_bin), "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-t", "2",
+                             "-c", "4096", "-np", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(240):
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        r = httpx.post(f"http://127.0.0.1:{port}/completion", timeout=600,
+                       json={"prompt": prompt_ids, "n_predict": n, "temperature": 0, "n_probs": 1,
+                             "post_sampling_probs": False, "cache_prompt": False, "ignore_eos": True}).json()
+        probs = r["completion_probabilities"]
+        return [p["id"] for p in probs], [p["logprob"] for p in probs]
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def stats(got: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
+    d = (got.double() - ref.double()).abs()
+    return {"mean_abs": float(d.mean()), "max_abs": float(d.max()), "n": int(d.numel())}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lengths", default="64,1024,4096")
+    p.add_argument("--models", default="smollm2,gemma3-270m")
+    p.add_argument("--llama-cpp", type=Path, default=Path(os.environ.get("LLAMA_CPP_BIN", "/tmp/llama/bin")))
+    p.add_argument("--generate", type=int, default=32, help="tokens llama-server generates for its comparison")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", type=Path, default=HERE / "results" / "int8_accuracy.json")
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    from steadyserve.models import known
+    from steadyserve.models.loader import convert_gguf, load_model
+
+    text = corpus()
+    results = []
+    for name in a.models.split(","):
+        path = str(known.resolve(name))
+        hf_dir, _ = convert_gguf(Path(path), with_weights=True)
+        tok = load_model(path, numerics="portable").tokenizer
+        all_ids = tok(text)["input_ids"]
+        for n in (int(x) for x in a.lengths.split(",")):
+            ids = all_ids[:n]
+            ref = reference_logprobs(hf_dir, ids)
+            row = {"model": name, "prompt_tokens": len(ids)}
+            for numerics in ("portable", "int8"):
+                row[numerics] = stats(steady_logprobs(path, numerics, ids), ref)
+            if (a.llama_cpp / "llama-server").exists() and len(ids) <= 1024:
+                gen, lp = llama_generated(a.llama_cpp / "llama-server", path, ids, a.generate)
+                full = ids + gen
+                ref_full = reference_logprobs(hf_dir, full)[-len(gen):]
+                row["llama.cpp"] = stats(torch.tensor(lp), ref_full)
+                row["int8_on_llama_tokens"] = stats(steady_logprobs(path, "int8", full)[-len(gen):], ref_full)
+            print(json.dumps(row), flush=True)
+            results.append(row)
+    out = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cpu": cpu_model(),
+           "threads": a.threads, "reference": "transformers float32 on the GGUF's dequantized weights",
+           "rows": results}
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(out, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
