@@ -54,6 +54,7 @@ def test_info_prints_platform_facts(tiny_model: str):
     assert out["self-test"].startswith("bitwise equal"), r.stdout
     assert re.match(r"[\d.]+ [KMGT]iB \(.+\)$", out["memory limit"]), r.stdout  # the limit and its source
     assert "weights " in out["memory"] and " of limit " in out["memory"], r.stdout
+    assert out["threads"].startswith("1 (--threads 1; cgroup CPU quota "), r.stdout
     tiles = [int(t) for t in out["row tiles"].strip("[]").split(", ")]
     assert tiles == sorted(tiles) and tiles[-1] == EngineConfig().row_tile, r.stdout
 
@@ -67,9 +68,14 @@ def test_http_and_grpc_report_the_same_platform(cbwr_server: ServerProcess):
                  "torch_version": g.torch_version, "mkl_version": g.mkl_version, "mkl_cbwr": g.mkl_cbwr,
                  "mkl_enable_instructions": g.mkl_enable_instructions, "row_tiles": list(g.row_tiles),
                  "numerics": g.numerics, "numerics_id": g.numerics_id,
-                 "memory_limit_bytes": g.memory_limit_bytes, "memory_limit_source": g.memory_limit_source}
+                 "memory_limit_bytes": g.memory_limit_bytes, "memory_limit_source": g.memory_limit_source,
+                 "threads": g.threads, "threads_source": g.threads_source, "cpu_quota": g.cpu_quota,
+                 "cpu_affinity": g.cpu_affinity}
     assert http == grpc_view
     assert http["memory_limit_bytes"] > 0 and http["memory_limit_source"]  # read at start-up, with its source
+    # The CPU budget: the server was started with --threads 1, which decides whatever the quota says.
+    assert (http["threads"], http["threads_source"]) == (1, "--threads 1")
+    assert http["cpu_affinity"] == len(os.sched_getaffinity(0))
     # The numerics id is the fingerprint's, and it hashes the server's own environment (its MKL_CBWR).
     assert http["numerics"] == "host" and f"-{http['numerics_id']}-" in info.fingerprint
     facts = {k: http[k] for k in ("isa", "cpu_model", "torch_version", "mkl_version", "mkl_cbwr",

@@ -43,7 +43,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                    help="per-step token budget (default: %(default)s)")
     g.add_argument("--max-model-len", type=int, default=d.max_model_len, help="context cap; 0 = model's own")
-    g.add_argument("--threads", type=int, default=d.threads, help="torch intra-op threads; 0 = all cores")
+    g.add_argument("--threads", type=int, default=d.threads,
+                   help="torch intra-op threads; 0 = the CPU budget: the cgroup CPU quota (rounded down, at least "
+                        "1) or the CPU affinity mask, whichever is smaller (default: %(default)s)")
     g.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=d.batch_invariant,
                    help="bitwise batch-invariant numerics (default: on)")
     g.add_argument("--row-tile", type=int, default=d.row_tile,
@@ -148,7 +150,7 @@ def cmd_info(a: argparse.Namespace) -> int:
     print(f"load time     {lm.load_seconds:.2f} s ({'cached' if lm.from_cache else 'converted' if lm.from_cache is False and str(lm.name).endswith('gguf') else 'read'})")
     from .platform_info import platform_info, row_tiles_of
 
-    for label, value in platform_info(row_tiles_of(lm), state.memory.limit).lines():
+    for label, value in platform_info(row_tiles_of(lm), state.memory.limit, state.cpu).lines():
         print(f"{label:<14}{value}")
     print(f"{'memory':<14}{state.memory.line()}")
     return 0 if (state.selftest is None or state.selftest.passed) else 4

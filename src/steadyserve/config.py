@@ -7,7 +7,6 @@ message that names the flag.
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass, field
 
@@ -73,7 +72,7 @@ class EngineConfig:
     max_queue: int = 256  # --max-queue: requests waiting for admission; beyond it, overload
     max_num_batched_tokens: int = 512  # --max-num-batched-tokens: per-step token budget (chunked prefill)
     max_model_len: int = 0  # --max-model-len: context cap; 0 = the model's own
-    threads: int = 0  # --threads: torch intra-op threads; 0 = all cores
+    threads: int = 0  # --threads: torch intra-op threads; 0 = the CPU budget: the smallest of the cgroup CPU quota (rounded down, at least 1) and the CPU affinity mask
     batch_invariant: bool = True  # --batch-invariant / --no-batch-invariant: bitwise batch-invariant numerics, self-tested at start-up
     row_tile: int = 512  # --row-tile: most rows per row-wise kernel call; fewer only in counts verified at start-up
     attention: str = "auto"  # --attention: auto | native (C++ kernel, else refuse to start) | python
@@ -106,7 +105,7 @@ class EngineConfig:
         if self.max_model_len < 0:
             raise ConfigError("--max-model-len must be 0 (model default) or positive")
         if self.threads < 0:
-            raise ConfigError("--threads must be 0 (all cores) or positive")
+            raise ConfigError("--threads must be 0 (the CPU budget) or positive")
         if self.row_tile < 1:
             raise ConfigError("--row-tile must be at least 1")
         if self.numerics not in NUMERICS_MODES:
@@ -124,7 +123,11 @@ class EngineConfig:
 
     @property
     def num_threads(self) -> int:
-        return self.threads or (os.cpu_count() or 1)
+        """--threads, or when 0 the CPU budget read now (cpu_budget.py). The server reads the budget once at
+        start-up and passes the engine its count, so this fallback serves offline engines (tools, tests)."""
+        from .cpu_budget import read_cpu_budget  # cpu_budget -> memory -> config: imported when needed
+
+        return self.threads or read_cpu_budget().threads
 
 
 @dataclass

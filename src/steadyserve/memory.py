@@ -105,8 +105,9 @@ def parse_limit_value(text: str) -> int | None:
     return None if n >= UNLIMITED else n
 
 
-def _own_cgroups(root: Path) -> dict[str, str]:
-    """/proc/self/cgroup as {"v2": path, "memory": path} (lines `0::/path` and `N:...memory...:/path`)."""
+def own_cgroups(root: Path) -> dict[str, str]:
+    """/proc/self/cgroup as {"v2": path, controller: path, ...}: the line `0::/path` is "v2", and each v1 line
+    `N:cpu,cpuacct:/path` gives every controller it names ("memory", "cpu", ...) that path."""
     out: dict[str, str] = {}
     for line in (_read(root, "/proc/self/cgroup") or "").splitlines():
         parts = line.split(":", 2)
@@ -114,12 +115,13 @@ def _own_cgroups(root: Path) -> dict[str, str]:
             continue
         if parts[0] == "0" and parts[1] == "":
             out["v2"] = parts[2]
-        elif "memory" in parts[1].split(","):
-            out["memory"] = parts[2]
+        else:
+            for controller in parts[1].split(","):
+                out[controller] = parts[2]
     return out
 
 
-def _mounts(root: Path) -> list[tuple[str, str, str, str]]:
+def cgroup_mounts(root: Path) -> list[tuple[str, str, str, str]]:
     """(mount root, mount point, fs type, super options) of each cgroup mount in /proc/self/mountinfo."""
     out = []
     for line in (_read(root, "/proc/self/mountinfo") or "").splitlines():
@@ -130,18 +132,19 @@ def _mounts(root: Path) -> list[tuple[str, str, str, str]]:
     return out
 
 
-def _cgroup_dir(root: Path, mounts: list[tuple[str, str, str, str]], v2: bool,
-                cg_path: str) -> tuple[Path, Path] | None:
-    """(our cgroup's directory, its mount point): the mount point plus our path relative to the mount's root."""
+def cgroup_dir(root: Path, mounts: list[tuple[str, str, str, str]], v2: bool,
+               cg_path: str, controller: str = "memory") -> tuple[Path, Path] | None:
+    """(our cgroup's directory, its mount point): the mount point plus our path relative to the mount's root.
+    v1 looks for the mount of `controller`; v2 has one hierarchy for all of them."""
     for mroot, mpoint, fstype, opts in mounts:
-        if (fstype == "cgroup2") != v2 or (not v2 and "memory" not in opts.split(",")):
+        if (fstype == "cgroup2") != v2 or (not v2 and controller not in opts.split(",")):
             continue
         rel = cg_path[len(mroot):] if cg_path.startswith(mroot) else cg_path
         base = root / mpoint.lstrip("/")
         d = base / rel.lstrip("/")
         return (d if d.is_dir() else base), base  # a namespaced mount shows our cgroup as its root
     # No mountinfo (minimal fixtures, odd containers): the conventional mount points.
-    base = root / ("sys/fs/cgroup" if v2 else "sys/fs/cgroup/memory")
+    base = root / ("sys/fs/cgroup" if v2 else f"sys/fs/cgroup/{controller}")
     if not base.is_dir():
         return None
     d = base / cg_path.lstrip("/")
@@ -152,7 +155,7 @@ def _cgroup_term(root: Path, v2: bool, cg_path: str | None, mounts: list) -> Lim
     source, name = (SOURCE_CGROUP2, "memory.max") if v2 else (SOURCE_CGROUP1, "memory.limit_in_bytes")
     if cg_path is None:
         return LimitTerm(source, None, "not in /proc/self/cgroup")
-    found = _cgroup_dir(root, mounts, v2, cg_path)
+    found = cgroup_dir(root, mounts, v2, cg_path)
     if found is None:
         return LimitTerm(source, None, "no cgroup mount")
     d, base = found
@@ -193,7 +196,7 @@ def read_memory_limit(operator_limit: int = 0, root: str | Path | None = None) -
     """The effective memory limit: the smallest of the cgroup limit, MemAvailable + RSS and `--memory-limit`
     (`operator_limit`, 0 = none). `root` (TEST-ONLY) reads every file under it instead of "/"."""
     base = Path(root) if root is not None else (_test_root or Path("/"))
-    own, mounts = _own_cgroups(base), _mounts(base)
+    own, mounts = own_cgroups(base), cgroup_mounts(base)
     terms = [_cgroup_term(base, True, own.get("v2"), mounts), _cgroup_term(base, False, own.get("memory"), mounts),
              _meminfo_term(base)]
     if operator_limit:

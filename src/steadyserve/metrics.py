@@ -127,6 +127,11 @@ class Metrics:
         self.tracked = Gauge(p + "requests_tracked", "Requests the metrics hold per-request state for (their last "
                              "token's time); back to 0 whenever the server is idle, or state leaks.", registry=r)
         self.tracked.set_function(lambda: len(self._last_token_time))
+        self.threads = Gauge(p + "threads", "torch intra-op threads, from the CPU budget read at start-up: "
+                             "--threads, else the smaller of the cgroup CPU quota (rounded down, at least 1) and "
+                             "the CPU affinity mask.", registry=r)
+        self.cpu_quota = Gauge(p + "cpu_quota_cpus", "CPUs the cgroup CPU quota allows (quota / period, the "
+                               "smallest up the cgroup tree), read at start-up; 0 = no quota.", registry=r)
         self._process = _ProcessCollector(device)
         r.register(self._process)
         self.model_info.labels(model, fingerprint, device, dtype, str(batch_invariant).lower()).set(1)
@@ -142,6 +147,11 @@ class Metrics:
 
     def set_memory_limit(self, limit_bytes: int) -> None:
         self._process.memory_limit = limit_bytes
+
+    def set_cpu_budget(self, threads: int, quota_cpus: float | None) -> None:
+        """The CPU budget read at start-up (cpu_budget.py): threads run, and the quota (None = no quota)."""
+        self.threads.set(threads)
+        self.cpu_quota.set(quota_cpus or 0.0)
 
     # ---- hooks, called from the engine thread (prometheus-client is thread-safe) ----
     def on_step(self, s: StepStats) -> None:

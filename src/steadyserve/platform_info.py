@@ -18,6 +18,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from .cpu_budget import CpuBudget, cpus
 from .memory import MemoryLimit, human
 from .numerics import Numerics, active, describe
 
@@ -39,6 +40,10 @@ class PlatformInfo:
     row_tiles: tuple[int, ...] = field(default=())  # the verified row-tile ladder; () when not calibrated/off
     memory_limit_bytes: int = 0  # the effective memory limit read at start-up (memory.py); 0 = unknown / not read
     memory_limit_source: str = ""  # which term set it: cgroup v2 memory.max, cgroup v1 ..., MemAvailable + RSS, --memory-limit
+    threads: int = 0  # torch intra-op threads, from the CPU budget read at start-up (cpu_budget.py); 0 = not read
+    threads_source: str = ""  # what decided them: a cgroup quota's file and values, the affinity mask or --threads N
+    cpu_quota: float = 0.0  # CPUs the cgroup CPU quota allows (quota / period, smallest up the tree); 0 = no quota
+    cpu_affinity: int = 0  # CPUs in this process's affinity mask (sched_getaffinity); 0 = unknown
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -51,6 +56,7 @@ class PlatformInfo:
     def lines(self) -> list[tuple[str, str]]:
         """(label, value) pairs for a human-readable report."""
         portable = self.numerics is not None and self.numerics.mode in ("portable", "int8")
+        quota = cpus(self.cpu_quota) if self.cpu_quota else "none"
         tiles = (", ".join(map(str, self.row_tiles)) if self.row_tiles
                  else "none (portable numerics: every row independent by construction)" if portable
                  else "none (batch invariance off)")
@@ -65,6 +71,8 @@ class PlatformInfo:
             ("numerics", self.numerics.describe() if self.numerics else "unknown"),
             ("memory limit", f"{human(self.memory_limit_bytes)} ({self.memory_limit_source})"
                              if self.memory_limit_bytes else "unknown"),
+            ("threads", f"{self.threads} ({self.threads_source}; cgroup CPU quota {quota}, affinity "
+                        f"{self.cpu_affinity or 'unknown'} of {self.num_cpus} CPUs)" if self.threads else "unknown"),
         ]
 
 
@@ -119,14 +127,15 @@ def numerics_for(mode: str) -> Numerics:
 
 
 def platform_info(row_tiles: list[int] | tuple[int, ...] | None = None,
-                  memory: MemoryLimit | None = None) -> PlatformInfo:
+                  memory: MemoryLimit | None = None, cpu: CpuBudget | None = None) -> PlatformInfo:
     """This process's platform facts; `row_tiles` is the verified ladder (`loaded.model.tiler.tiles` when the
-    tiler is enabled) and `memory` the limit read at start-up, both reported as given. The environment is read
-    once per process, as MKL reads it."""
+    tiler is enabled), `memory` the limit and `cpu` the CPU budget read at start-up, all reported as given. The
+    environment is read once per process, as MKL reads it."""
     base = _static()
     return dataclasses.replace(base, row_tiles=tuple(row_tiles or ()), numerics=active(),
                                memory_limit_bytes=memory.limit if memory else 0,
-                               memory_limit_source=memory.source if memory else "")
+                               memory_limit_source=memory.source if memory else "",
+                               **(cpu.as_dict() if cpu else {}))
 
 
 def row_tiles_of(loaded: Any) -> tuple[int, ...]:

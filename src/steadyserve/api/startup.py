@@ -11,7 +11,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
+
 from ..config import Config, EngineConfig
+from ..cpu_budget import CpuBudget, read_cpu_budget
 from ..engine.async_engine import AsyncEngine
 from ..engine.engine import LLMEngine
 from ..engine.kv_cache import bytes_per_block
@@ -48,10 +51,12 @@ def _fit_memory(loaded: LoadedModel, ec: EngineConfig, limit: MemoryLimit) -> Me
     return plan
 
 
-def _load_and_check(config: Config, hooks: EngineHooks,
-                    limit: MemoryLimit) -> tuple[LoadedModel, LLMEngine, SelfTestResult, MemoryPlan]:
-    """Load the model, fit and size the KV cache, run the self-test (on the model thread)."""
+def _load_and_check(config: Config, hooks: EngineHooks, limit: MemoryLimit,
+                    cpu: CpuBudget) -> tuple[LoadedModel, LLMEngine, SelfTestResult, MemoryPlan]:
+    """Load the model, fit and size the KV cache, run the self-test (on the model thread), all with the CPU
+    budget's thread count: loading and the row-tile calibration run as many threads as serving will."""
     mc, ec = config.model, config.engine
+    torch.set_num_threads(cpu.threads)
     loaded = load_model(mc.path, mc.device, mc.dtype, batch_invariant=ec.batch_invariant, row_tile=ec.row_tile,
                         max_model_len=ec.max_model_len, name=mc.name, cache_dir=mc.cache_dir,
                         attention=ec.attention, block_size=ec.block_size, numerics=ec.numerics)
@@ -65,13 +70,14 @@ def _load_and_check(config: Config, hooks: EngineHooks,
         "device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch."),
         "load_s": round(loaded.load_seconds, 2), "cached": loaded.from_cache, "context": loaded.max_model_len}})
     plan = _fit_memory(loaded, ec, limit)
-    engine = LLMEngine(loaded, dataclasses.replace(ec, kv_cache_memory=plan.kv))  # bytes, whatever was asked
+    # KV in bytes, whatever was asked; threads as the CPU budget chose them (--threads when given).
+    engine = LLMEngine(loaded, dataclasses.replace(ec, kv_cache_memory=plan.kv, threads=cpu.threads))
     for hook in hooks.after_engine:
         hook(engine)
     log.info("kv cache allocated", extra={"fields": {
         "budget_bytes": plan.kv, "blocks": engine.kv.num_blocks, "block_size": ec.block_size,
         "token_capacity": engine.kv.num_blocks * ec.block_size, "max_num_seqs": ec.max_num_seqs,
-        "max_queue": ec.max_queue, "threads": ec.num_threads, "speculation": ec.speculation,
+        "max_queue": ec.max_queue, "threads": torch.get_num_threads(), "speculation": ec.speculation,
         "speculating": engine.speculator.enabled, "speculation_cheap_rows": engine.speculator.cheap_rows}})
     selftest = run_selftest(engine)
     if ec.batch_invariant:
@@ -100,9 +106,15 @@ def build_state(config: Config, hooks: EngineHooks | None = None) -> ServerState
     log.debug("memory limit", extra={"fields": {
         "limit_bytes": limit.limit, "source": limit.source, "detail": limit.detail,
         "terms": {t.source: t.limit for t in limit.terms}}})
+    cpu = read_cpu_budget(ec.threads)
+    log.info("cpu budget", extra={"fields": {
+        "threads": cpu.threads, "source": cpu.source, "quota_cpus": cpu.quota, "quota": cpu.quota_detail,
+        "affinity": cpu.affinity, "cpu_count": cpu.cpu_count}})
+    if cpu.warning:
+        log.warning(cpu.warning, extra={"fields": {"threads": cpu.threads, "quota_cpus": cpu.quota}})
     model_thread = ModelThread()
     try:
-        loaded, engine, selftest, plan = model_thread.call(lambda: _load_and_check(config, hooks, limit))
+        loaded, engine, selftest, plan = model_thread.call(lambda: _load_and_check(config, hooks, limit, cpu))
     except BaseException:
         model_thread.close()
         raise
@@ -116,9 +128,10 @@ def build_state(config: Config, hooks: EngineHooks | None = None) -> ServerState
     async_engine.state_observers.append(metrics.on_state)
     metrics.device_mismatch.set(0 if _device_matches(config.model.device, fp.device) else 1)
     metrics.set_memory_limit(limit.limit)
+    metrics.set_cpu_budget(cpu.threads, cpu.quota)
     state = ServerState(config=config, loaded=loaded, engine=async_engine, fingerprint=fp,
                         selftest=selftest if ec.batch_invariant else None, metrics=metrics,
-                        streams=StreamRegistry(metrics), memory=plan)
+                        streams=StreamRegistry(metrics), memory=plan, cpu=cpu)
     metrics.backlog_sources[0] = state.streams.backlog_bytes
     return state
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
 from ..config import Config
+from ..cpu_budget import CpuBudget
 from ..engine.async_engine import AsyncEngine
 from ..engine.selftest import SelfTestResult
 from ..engine.sequence import Request, RequestOutput, SamplingParams
@@ -39,6 +40,7 @@ class ServerState:
     started_at: float = field(default_factory=time.time)
     metrics: Any = None  # steadyserve.metrics.Metrics, when enabled
     memory: Any = None  # steadyserve.memory.MemoryPlan: the limit, its source and the budget checked against it
+    cpu: CpuBudget | None = None  # the CPU budget read at start-up: the engine's thread count and what decided it
     streams: StreamRegistry = field(default_factory=StreamRegistry)
     # The last finished requests, newest last, for the web console's table (api/console/routes.py).
     recent: deque = field(default_factory=lambda: deque(maxlen=200))

@@ -19,14 +19,17 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..ready_file import read_ready_file
+from .cgroups import JOIN_AND_EXEC
 
 
 class ServerProcess:
     def __init__(self, model: str, *args: str, env: dict[str, str] | None = None, startup_timeout: float = 180.0,
                  threads: int = 2, test_faults: bool = False, test_drift: bool = False,
-                 test_memory_root: str = "") -> None:
+                 test_memory_root: str = "", cgroup: str = "") -> None:
         """`test_faults` / `test_drift` / `test_memory_root`: start through steadyserve.testing.serve with those
-        TEST-ONLY hooks (the last reads the memory limit from a fixture tree; see steadyserve/memory.py)."""
+        TEST-ONLY hooks (the last reads the memory limit from a fixture tree; see steadyserve/memory.py).
+        `threads` 0 passes `--threads 0`: the server picks its CPU budget. `cgroup`: a cgroup directory the
+        server's process joins (its cgroup.procs) before it execs the server, e.g. testing/cgroups.py's."""
         self._dir = tempfile.mkdtemp(prefix="steadyserve-test-")
         self.ready_file = Path(self._dir) / "ready.json"
         self.log_path = Path(self._dir) / "server.log"
@@ -35,6 +38,8 @@ class ServerProcess:
         entry = ["steadyserve.testing.serve", *hooks] if hooks else ["steadyserve.cli", "serve"]
         argv = [sys.executable, "-m", *entry, "--model", model, "--http-port", "0",
                 "--grpc-port", "0", "--ready-file", str(self.ready_file), "--threads", str(threads), *args]
+        if cgroup:  # a shell moves itself into the cgroup, then becomes the server: the same pid
+            argv = ["sh", "-c", JOIN_AND_EXEC, cgroup, *argv]
         self.argv = argv
         self._log = open(self.log_path, "wb")
         self._final_logs: str | None = None

@@ -239,10 +239,12 @@ class _ClientGone(Exception):
 
 
 def _platform_pb(state) -> pb.PlatformInfo:
-    p = platform_info(row_tiles_of(state.loaded), state.memory.limit if state.memory else None)
+    p = platform_info(row_tiles_of(state.loaded), state.memory.limit if state.memory else None, state.cpu)
     return pb.PlatformInfo(cpu_model=p.cpu_model, cpu_flags=list(p.cpu_flags), num_cpus=p.num_cpus, isa=p.isa,
                            torch_version=p.torch_version, mkl_version=p.mkl_version, mkl_cbwr=p.mkl_cbwr,
                            mkl_enable_instructions=p.mkl_enable_instructions, row_tiles=list(p.row_tiles),
                            numerics=p.numerics.mode if p.numerics else "",
                            numerics_id=p.numerics.numerics_id if p.numerics else "",
-                           memory_limit_bytes=p.memory_limit_bytes, memory_limit_source=p.memory_limit_source)
+                           memory_limit_bytes=p.memory_limit_bytes, memory_limit_source=p.memory_limit_source,
+                           threads=p.threads, threads_source=p.threads_source, cpu_quota=p.cpu_quota,
+                           cpu_affinity=p.cpu_affinity)

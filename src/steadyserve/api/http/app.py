@@ -143,8 +143,8 @@ def create_app(state: ServerState) -> FastAPI:
             "id": state.model_name, "object": "model", "created": int(state.started_at), "owned_by": "steadyserve",
             "max_model_len": state.loaded.max_model_len, "system_fingerprint": str(state.fingerprint),
             # The machine and library build that compute the responses (same facts as gRPC GetModelInfo).
-            "platform": platform_info(row_tiles_of(state.loaded),
-                                      state.memory.limit if state.memory else None).as_dict()}]}
+            "platform": platform_info(row_tiles_of(state.loaded), state.memory.limit if state.memory else None,
+                                      state.cpu).as_dict()}]}
 
     @app.get("/healthz")
     async def healthz() -> dict:

@@ -245,7 +245,7 @@ class ModelInfo(_message.Message):
     def __init__(self, model: _Optional[str] = ..., context_length: _Optional[int] = ..., fingerprint: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., batch_invariant: _Optional[bool] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_tokens_cap: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., weights_hash: _Optional[str] = ..., platform: _Optional[_Union[PlatformInfo, _Mapping]] = ...) -> None: ...
 
 class PlatformInfo(_message.Message):
-    __slots__ = ("cpu_model", "cpu_flags", "num_cpus", "isa", "torch_version", "mkl_version", "mkl_cbwr", "mkl_enable_instructions", "row_tiles", "numerics", "numerics_id", "memory_limit_bytes", "memory_limit_source")
+    __slots__ = ("cpu_model", "cpu_flags", "num_cpus", "isa", "torch_version", "mkl_version", "mkl_cbwr", "mkl_enable_instructions", "row_tiles", "numerics", "numerics_id", "memory_limit_bytes", "memory_limit_source", "threads", "threads_source", "cpu_quota", "cpu_affinity")
     CPU_MODEL_FIELD_NUMBER: _ClassVar[int]
     CPU_FLAGS_FIELD_NUMBER: _ClassVar[int]
     NUM_CPUS_FIELD_NUMBER: _ClassVar[int]
@@ -259,6 +259,10 @@ class PlatformInfo(_message.Message):
     NUMERICS_ID_FIELD_NUMBER: _ClassVar[int]
     MEMORY_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
     MEMORY_LIMIT_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    THREADS_FIELD_NUMBER: _ClassVar[int]
+    THREADS_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    CPU_QUOTA_FIELD_NUMBER: _ClassVar[int]
+    CPU_AFFINITY_FIELD_NUMBER: _ClassVar[int]
     cpu_model: str
     cpu_flags: _containers.RepeatedScalarFieldContainer[str]
     num_cpus: int
@@ -272,7 +276,11 @@ class PlatformInfo(_message.Message):
     numerics_id: str
     memory_limit_bytes: int
     memory_limit_source: str
-    def __init__(self, cpu_model: _Optional[str] = ..., cpu_flags: _Optional[_Iterable[str]] = ..., num_cpus: _Optional[int] = ..., isa: _Optional[str] = ..., torch_version: _Optional[str] = ..., mkl_version: _Optional[str] = ..., mkl_cbwr: _Optional[str] = ..., mkl_enable_instructions: _Optional[str] = ..., row_tiles: _Optional[_Iterable[int]] = ..., numerics: _Optional[str] = ..., numerics_id: _Optional[str] = ..., memory_limit_bytes: _Optional[int] = ..., memory_limit_source: _Optional[str] = ...) -> None: ...
+    threads: int
+    threads_source: str
+    cpu_quota: float
+    cpu_affinity: int
+    def __init__(self, cpu_model: _Optional[str] = ..., cpu_flags: _Optional[_Iterable[str]] = ..., num_cpus: _Optional[int] = ..., isa: _Optional[str] = ..., torch_version: _Optional[str] = ..., mkl_version: _Optional[str] = ..., mkl_cbwr: _Optional[str] = ..., mkl_enable_instructions: _Optional[str] = ..., row_tiles: _Optional[_Iterable[int]] = ..., numerics: _Optional[str] = ..., numerics_id: _Optional[str] = ..., memory_limit_bytes: _Optional[int] = ..., memory_limit_source: _Optional[str] = ..., threads: _Optional[int] = ..., threads_source: _Optional[str] = ..., cpu_quota: _Optional[float] = ..., cpu_affinity: _Optional[int] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text", "chat")
