@@ -142,8 +142,8 @@ def test_bad_packing_requests_are_refused_by_name():
         _mm(packed, qw.fmt, torch.randn(1, 96))
 
 
-def test_packed_matrices_cost_about_their_gguf_size():
+def test_packed_matrices_cost_their_gguf_size():
     for name in PACKABLE_NAMES:
         qw = _qweight(FORMAT_IDS[name], 32, 512, seed=13)
         ratio = OPS.q8pack(qw.data, qw.fmt, qw.k).numel() / qw.data.numel()
-        assert 1.0 <= ratio <= 1.4, (name, ratio)  # the per-block float scales; stated in docs/design.md
+        assert 1.0 <= ratio <= 1.03, (name, ratio)  # K-quants keep their 6-bit scales as bytes (q8.h)

@@ -42,17 +42,25 @@ struct PackedLayout {
   int32_t zero;     // z above
   bool has_min;     // b present
   bool sub_scales;  // Q6_K: two int8 sub-scales per block
-  int32_t record;   // bytes per (panel, block) record
+  bool k_quant;     // a record covers a 256-value super-block (8 blocks) and keeps its 6-bit scales as bytes
+  int32_t qbytes;   // bytes of one block's stored integers (the quant planes below)
+  int32_t record;   // bytes per (panel, record) = blocks per record * qbytes + the scale fields
 };
 
-// A panel's record for block c, in order (r: the panel's row 0..15, i: 0..3, j: 0..3):
+// A panel's record covers 1 block (Q4_0, Q4_1, Q5_0, Q8_0) or the 8 blocks of a super-block (K-quants).
+// First, each block's quant planes, qbytes each (r: the panel's row 0..15, i: 0..3, j: 0..3):
 //   [0, 256)   low nibbles: byte 64 j + 4 r + i holds u[r][4 j + i] & 15 (low) and u[r][16 + 4 j + i] & 15
 //              (high). 8-bit formats instead store [0, 512): byte 64 j + 4 r + i = u[r][4 j + i], j = 0..7.
 //   5-bit:     [256, 320): byte 4 r + i, bit j = bit 4 of u[r][4 j + i], j = 0..7.
 //   6-bit:     [256, 384): byte 64 h + 4 r + i, bits 2 jj, 2 jj + 1 = bits 4, 5 of u[r][4 (4 h + jj) + i].
-//   then a[16] float32, then b[16] float32 (has_min), then sc_lo[16], sc_hi[16] int8 (sub_scales).
 // So one 64-byte load (after unpacking) holds, for 4 consecutive k of the block, all 16 rows' values in
 // the order VNNI's vpdpbusd multiplies against a broadcast 4 bytes of x.
+// Then the GGUF's own scale fields, the 16 rows side by side (binary16 as stored, 6-bit scales as bytes),
+// from which a and b are computed at each use with gguf-py's operations:
+//   Q4_0, Q5_0, Q8_0: d[16] (a = d).          Q4_1: d[16], m[16] (a = d, b = m).
+//   Q4_K, Q5_K: d[16], dmin[16], sc[8][16], mn[8][16] uint8 (block s: a = d * sc[s], b = -(dmin * mn[s])).
+//   Q6_K: d[16], sc[16][16] int8 (a = d; block s: sc_lo = sc[2 s], sc_hi = sc[2 s + 1]).
+// A packed matrix is as large as the GGUF's (K-quants: 2-3% more, the 6-bit scales as bytes).
 bool packed_layout(int32_t ggml_type, PackedLayout* out);
 
 // The operands of one packed matmul, for the panels [p_begin, p_end) of one thread.
@@ -65,7 +73,7 @@ struct Q8Args {
   const int32_t* sx;      // (M, K / 32) sum of the block's q
   const int32_t* sx16;    // (M, K / 16) sum of each half block's q (Q6_K)
   int64_t M, K;
-  const uint8_t* w;       // packed panels: panel p, block c at w + (p * K / 32 + c) * record
+  const uint8_t* w;       // packed panels: panel p's record t at w + (p * records + t) * record
   float* y;               // (M, >= 16 p_end), row stride y_stride floats
   int64_t y_stride;
   int64_t p_begin, p_end;

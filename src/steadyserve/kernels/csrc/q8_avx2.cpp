@@ -2,15 +2,16 @@
 // sums formed by maddubs (unsigned weight x signed activation byte pairs into int16) and madd (int16 pairs
 // into int32). Nothing saturates: the bounds are in q8_pack.cpp; Q8_0's signed weights use the sign trick
 // (|w| times x with w's sign). Compiled for AVX2 by the pragma below (never by a -march flag), called only
-// where CPUID reports avx2 (q8linear.cpp). Bits equal the scalar build's (q8.h).
+// where CPUID reports avx2, fma and f16c (q8linear.cpp). Bits equal the scalar build's (q8.h).
 #include <immintrin.h>
 
+#include <climits>
 #include <cstdint>
 #include <cstring>
 
 #include "q8.h"
 
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 
 namespace steady_q8 {
 namespace avx2 {
@@ -68,7 +69,19 @@ inline F fmul_bcast(F x, float s) {
   return {_mm256_mul_ps(x.a, v), _mm256_mul_ps(x.b, v)};
 }
 inline F fzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
-inline F fload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline F fmul(F x, F y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
+inline F fneg(F x) {
+  const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(INT32_MIN));
+  return {_mm256_xor_ps(x.a, sign), _mm256_xor_ps(x.b, sign)};
+}
+inline F h2f16(const uint8_t* p) {  // exact, as half.h's conversion
+  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))};
+}
+inline F u8f(const uint8_t* p) {
+  return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))),
+          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))))};
+}
 inline F ffma(F x, F y, F z) { return {_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)}; }
 inline F ffma_bcast(F x, float s, F z) {
   const __m256 v = _mm256_set1_ps(s);

@@ -4,6 +4,7 @@
 // build's (q8.h).
 #include <immintrin.h>
 
+#include <climits>
 #include <cstdint>
 #include <cstring>
 
@@ -41,7 +42,14 @@ inline I i8load(const uint8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(
 inline F f_of_i(I a) { return _mm512_cvtepi32_ps(a); }  // round to nearest even, as float(int) in C++
 inline F fmul_bcast(F a, float s) { return _mm512_mul_ps(a, _mm512_set1_ps(s)); }
 inline F fzero() { return _mm512_setzero_ps(); }
-inline F fload(const float* p) { return _mm512_loadu_ps(p); }
+inline F fmul(F a, F b) { return _mm512_mul_ps(a, b); }
+inline F fneg(F a) { return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32(INT32_MIN))); }
+inline F h2f16(const uint8_t* p) {  // exact, as half.h's conversion
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline F u8f(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 inline F ffma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
 inline F ffma_bcast(F a, float s, F c) { return _mm512_fmadd_ps(a, _mm512_set1_ps(s), c); }
 inline void fstore(float* p, F v) { _mm512_storeu_ps(p, v); }

@@ -3,7 +3,7 @@
 // Included by q8_avx2.cpp and q8_avx512.cpp inside their namespace, after each has defined:
 //   W (64 bytes: 16 panel rows x 4 values), I (16 int32), F (16 float) and
 //   wload wand wsrl16 wsll16 wor | dot dot_signed kSignedBias izero isub_bcast iadd imul i8load | f_of_i fmul_bcast fzero
-//   fload ffma ffma_bcast fstore, and the tile height kMM.
+//   fmul fneg h2f16 (16 binary16, exactly) u8f (16 bytes as floats) ffma ffma_bcast fstore, and the tile height kMM.
 // dot(acc, w, x4) adds to each lane r the sum of w's 4 unsigned bytes of row r times the 4 signed bytes
 // of x4; dot_signed does the same with w's bytes signed (Q8_0), plus kSignedBias times the sum of x4 (a
 // build may add 128 to each byte to use an unsigned product; block_dot takes it off). Both are exact integer sums: how a build
@@ -60,48 +60,58 @@ inline I block_dot(const W (&w)[8], const int8_t* xrow, int32_t sx, const int32_
   }
 }
 
-// y[m0 .. m0 + MM, 16 p .. 16 p + 16] for one panel p.
-template <int BITS, int ZERO, bool MIN, bool SUB, int MM>
+// y[m0 .. m0 + MM, 16 p .. 16 p + 16] for one panel p. KQ: records of 8 blocks with the K-quants' scales.
+template <int BITS, int ZERO, bool MIN, bool SUB, bool KQ, int MM>
 inline void panel_tile(const Q8Args& a, int64_t p, int64_t m0) {
   const int64_t blocks = a.K / kBlock;
+  constexpr int per = KQ ? 8 : 1;
   constexpr int qbytes = BITS == 8 ? 512 : BITS == 4 ? 256 : BITS == 5 ? 320 : 384;
   F acc[MM];
   for (int m = 0; m < MM; ++m) acc[m] = fzero();
-  const uint8_t* rec = a.w + p * blocks * a.lay.record;
-  for (int64_t c = 0; c < blocks; ++c, rec += a.lay.record) {
-    W w[8];
-    unpack<BITS>(rec, w);
-    const F wa = fload(reinterpret_cast<const float*>(rec + qbytes));
-    const F wb = MIN ? fload(reinterpret_cast<const float*>(rec + qbytes + 64)) : fzero();
-    const I sc_lo = SUB ? i8load(rec + qbytes + 64) : izero(), sc_hi = SUB ? i8load(rec + qbytes + 80) : izero();
-    for (int m = 0; m < MM; ++m) {
-      const int64_t row = m0 + m, at = row * blocks + c;
-      const I dotv = block_dot<BITS, ZERO, SUB>(w, a.xq + row * a.K + c * kBlock, a.sx[at], a.sx16 + 2 * at, sc_lo,
-                                                sc_hi);
-      acc[m] = ffma(wa, fmul_bcast(f_of_i(dotv), a.dx[at]), acc[m]);  // t = float(I) * dx; acc = fma(a, t, acc)
-      if constexpr (MIN) acc[m] = ffma_bcast(wb, a.sxd[at], acc[m]);  // acc = fma(b, sxd, acc)
+  const uint8_t* rec = a.w + p * (blocks / per) * a.lay.record;
+  for (int64_t c0 = 0; c0 < blocks; c0 += per, rec += a.lay.record) {
+    const uint8_t* sc = rec + per * qbytes;  // q8.h's scale fields
+    const F d = h2f16(sc);
+    const F d2 = MIN ? h2f16(sc + 32) : fzero();  // Q4_1's m, or the K-quants' dmin
+    for (int i = 0; i < per; ++i) {
+      const int64_t c = c0 + i;
+      W w[8];
+      unpack<BITS>(rec + i * qbytes, w);
+      F wa = d, wb = d2;
+      if constexpr (KQ && MIN) {  // a = d * sc, b = -(dmin * mn)
+        wa = fmul(d, u8f(sc + 64 + 16 * i));
+        wb = fneg(fmul(d2, u8f(sc + 192 + 16 * i)));
+      }
+      const I sc_lo = SUB ? i8load(sc + 32 + 32 * i) : izero(), sc_hi = SUB ? i8load(sc + 48 + 32 * i) : izero();
+      for (int m = 0; m < MM; ++m) {
+        const int64_t row = m0 + m, at = row * blocks + c;
+        const I dotv = block_dot<BITS, ZERO, SUB>(w, a.xq + row * a.K + c * kBlock, a.sx[at], a.sx16 + 2 * at, sc_lo,
+                                                  sc_hi);
+        acc[m] = ffma(wa, fmul_bcast(f_of_i(dotv), a.dx[at]), acc[m]);  // t = float(I) * dx; acc = fma(a, t, acc)
+        if constexpr (MIN) acc[m] = ffma_bcast(wb, a.sxd[at], acc[m]);  // acc = fma(b, sxd, acc)
+      }
     }
   }
   for (int m = 0; m < MM; ++m) fstore(a.y + (m0 + m) * a.y_stride + p * kPanel, acc[m]);
 }
 
-template <int BITS, int ZERO, bool MIN, bool SUB, int MM = kMM>
+template <int BITS, int ZERO, bool MIN, bool SUB, bool KQ, int MM = kMM>
 inline void panel_tail(const Q8Args& a, int64_t p, int64_t m0, int64_t rest) {
   if constexpr (MM > 0) {
     if (rest == MM) {
-      panel_tile<BITS, ZERO, MIN, SUB, MM>(a, p, m0);
+      panel_tile<BITS, ZERO, MIN, SUB, KQ, MM>(a, p, m0);
     } else {
-      panel_tail<BITS, ZERO, MIN, SUB, MM - 1>(a, p, m0, rest);
+      panel_tail<BITS, ZERO, MIN, SUB, KQ, MM - 1>(a, p, m0, rest);
     }
   }
 }
 
-template <int BITS, int ZERO, bool MIN, bool SUB>
+template <int BITS, int ZERO, bool MIN, bool SUB, bool KQ>
 void matmul_fmt(const Q8Args& a) {
   for (int64_t p = a.p_begin; p < a.p_end; ++p) {
     int64_t m = 0;
-    for (; m + kMM <= a.M; m += kMM) panel_tile<BITS, ZERO, MIN, SUB, kMM>(a, p, m);
-    if (m < a.M) panel_tail<BITS, ZERO, MIN, SUB>(a, p, m, a.M - m);
+    for (; m + kMM <= a.M; m += kMM) panel_tile<BITS, ZERO, MIN, SUB, KQ, kMM>(a, p, m);
+    if (m < a.M) panel_tail<BITS, ZERO, MIN, SUB, KQ>(a, p, m, a.M - m);
   }
 }
 
@@ -109,13 +119,13 @@ void matmul_fmt(const Q8Args& a) {
 
 void matmul(const Q8Args& a) {
   switch (a.fmt) {
-    case 2: matmul_fmt<4, 8, false, false>(a); break;    // Q4_0
-    case 3: matmul_fmt<4, 0, true, false>(a); break;     // Q4_1
-    case 6: matmul_fmt<5, 16, false, false>(a); break;   // Q5_0
-    case 8: matmul_fmt<8, 0, false, false>(a); break;    // Q8_0
-    case 12: matmul_fmt<4, 0, true, false>(a); break;    // Q4_K
-    case 13: matmul_fmt<5, 0, true, false>(a); break;    // Q5_K
-    case 14: matmul_fmt<6, 32, false, true>(a); break;   // Q6_K
+    case 2: matmul_fmt<4, 8, false, false, false>(a); break;   // Q4_0
+    case 3: matmul_fmt<4, 0, true, false, false>(a); break;    // Q4_1
+    case 6: matmul_fmt<5, 16, false, false, false>(a); break;  // Q5_0
+    case 8: matmul_fmt<8, 0, false, false, false>(a); break;   // Q8_0
+    case 12: matmul_fmt<4, 0, true, false, true>(a); break;    // Q4_K
+    case 13: matmul_fmt<5, 0, true, false, true>(a); break;    // Q5_K
+    case 14: matmul_fmt<6, 32, false, true, true>(a); break;   // Q6_K
     default: break;  // q8linear.cpp refuses other formats before calling
   }
 }

@@ -11,27 +11,28 @@
 #include <cstdint>
 #include <cstring>
 
-#include "half.h"
 #include "q8.h"
 
 namespace steady_q8 {
 namespace {
 
-using steady_num::half_to_float;
-
 enum Ggml : int32_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
-float half_at(const uint8_t* p) {
+uint16_t u16_at(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, sizeof h);
-  return half_to_float(h);
+  return h;
 }
 
-// One weight row's block c as stored integers and its float constants (gguf-py's operations).
+// One weight row's block c: its stored integers and the GGUF's own scale fields for it, unconverted.
 struct Block {
-  uint8_t u[32];  // the stored integers (Q8_0: the signed byte's bits)
-  float a = 0.0f, b = 0.0f;
-  int8_t sc_lo = 0, sc_hi = 0;
+  uint8_t u[32];       // the stored integers (Q8_0: the signed byte's bits)
+  uint16_t d = 0;      // binary16: d (every format)
+  uint16_t m = 0;      // binary16: Q4_1's m, or the K-quants' dmin
+  uint8_t sc = 0;      // Q4_K / Q5_K: the block's 6-bit scale
+  uint8_t mn = 0;      // Q4_K / Q5_K: the block's 6-bit min
+  int8_t sc_lo = 0;    // Q6_K: the int8 scales of the block's two halves
+  int8_t sc_hi = 0;
 };
 
 // The 6-bit scale and min of sub-block s of a Q4_K / Q5_K block (gguf-py get_scale_min; as qmm_body.h).
@@ -50,29 +51,31 @@ Block read_block(int32_t fmt, const uint8_t* row, int64_t c) {
   if (fmt == Q4_0 || fmt == Q4_1) {  // d * (q - 8) | d * q + m; weights 0-15 low nibbles, 16-31 high
     const uint8_t* b = row + (fmt == Q4_0 ? 18 : 20) * c;
     const uint8_t* qs = b + (fmt == Q4_0 ? 2 : 4);
-    k.a = half_at(b);
-    if (fmt == Q4_1) k.b = half_at(b + 2);
+    k.d = u16_at(b);
+    if (fmt == Q4_1) k.m = u16_at(b + 2);
     for (int i = 0; i < 16; ++i) k.u[i] = qs[i] & 15, k.u[16 + i] = qs[i] >> 4;
   } else if (fmt == Q5_0) {  // d * ((q | h << 4) - 16)
     const uint8_t* b = row + 22 * c;
     uint32_t qh;
     std::memcpy(&qh, b + 2, sizeof qh);
-    k.a = half_at(b);
+    k.d = u16_at(b);
     for (int i = 0; i < 16; ++i) {
       k.u[i] = uint8_t((b[6 + i] & 15) | (((qh >> i) & 1) << 4));
       k.u[16 + i] = uint8_t((b[6 + i] >> 4) | (((qh >> (16 + i)) & 1) << 4));
     }
   } else if (fmt == Q8_0) {  // d * q
     const uint8_t* b = row + 34 * c;
-    k.a = half_at(b);
+    k.d = u16_at(b);
     std::memcpy(k.u, b + 2, 32);
   } else if (fmt == Q4_K || fmt == Q5_K) {  // (d * sc) * q - (dmin * m)
     const int s = int(c % 8);
     const uint8_t* b = row + (fmt == Q4_K ? 144 : 176) * (c / 8);
     int sc, mn;
     scale_min_k4(b + 4, s, &sc, &mn);
-    k.a = half_at(b) * float(sc);
-    k.b = -(half_at(b + 2) * float(mn));
+    k.d = u16_at(b);
+    k.m = u16_at(b + 2);
+    k.sc = uint8_t(sc);
+    k.mn = uint8_t(mn);
     const uint8_t* qs = b + (fmt == Q4_K ? 16 : 48) + 32 * (s / 2);
     const int shift = 4 * (s % 2);
     for (int i = 0; i < 32; ++i) {
@@ -85,7 +88,7 @@ Block read_block(int32_t fmt, const uint8_t* row, int64_t c) {
     const uint8_t* ql = b + 64 * h + 32 * (j % 2);
     const uint8_t* qh = b + 128 + 32 * h;
     const int qs = 4 * (j / 2), hs = 2 * j;
-    k.a = half_at(b + 208);
+    k.d = u16_at(b + 208);
     k.sc_lo = int8_t(b[192 + 8 * h + 2 * j]);
     k.sc_hi = int8_t(b[192 + 8 * h + 2 * j + 1]);
     for (int i = 0; i < 32; ++i) k.u[i] = uint8_t(((ql[i] >> qs) & 15) | (((qh[i] >> hs) & 3) << 4));
@@ -110,13 +113,13 @@ int64_t gguf_row_bytes(int32_t fmt, int64_t K) {
 
 bool packed_layout(int32_t ggml_type, PackedLayout* out) {
   switch (ggml_type) {
-    case Q4_0: *out = {4, 8, false, false, 256 + 64}; return true;
-    case Q4_1: *out = {4, 0, true, false, 256 + 128}; return true;
-    case Q5_0: *out = {5, 16, false, false, 320 + 64}; return true;
-    case Q8_0: *out = {8, 0, false, false, 512 + 64}; return true;
-    case Q4_K: *out = {4, 0, true, false, 256 + 128}; return true;
-    case Q5_K: *out = {5, 0, true, false, 320 + 128}; return true;
-    case Q6_K: *out = {6, 32, false, true, 384 + 64 + 32}; return true;
+    case Q4_0: *out = {4, 8, false, false, false, 256, 256 + 32}; return true;
+    case Q4_1: *out = {4, 0, true, false, false, 256, 256 + 64}; return true;
+    case Q5_0: *out = {5, 16, false, false, false, 320, 320 + 32}; return true;
+    case Q8_0: *out = {8, 0, false, false, false, 512, 512 + 32}; return true;
+    case Q4_K: *out = {4, 0, true, false, true, 256, 8 * 256 + 320}; return true;
+    case Q5_K: *out = {5, 0, true, false, true, 320, 8 * 320 + 320}; return true;
+    case Q6_K: *out = {6, 32, false, true, true, 384, 8 * 384 + 32 + 256}; return true;
     default: return false;
   }
 }
@@ -124,31 +127,36 @@ bool packed_layout(int32_t ggml_type, PackedLayout* out) {
 void pack(int32_t fmt, const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, uint8_t* out) {
   PackedLayout lay;
   if (!packed_layout(fmt, &lay) || gguf_row_bytes(fmt, K) != row_bytes) return;  // the caller checked
-  const int64_t blocks = K / kBlock;
-  const int64_t qbytes = lay.bits == 8 ? 512 : lay.bits == 4 ? 256 : lay.bits == 5 ? 320 : 384;
+  const int per = lay.k_quant ? 8 : 1;  // blocks per record
+  const int64_t records = K / kBlock / per;
   for (int64_t p = 0; p < N / kPanel; ++p) {
-    for (int64_t c = 0; c < blocks; ++c) {
-      uint8_t* rec = out + (p * blocks + c) * lay.record;
+    for (int64_t t = 0; t < records; ++t) {
+      uint8_t* rec = out + (p * records + t) * lay.record;
       std::memset(rec, 0, size_t(lay.record));
-      float* a = reinterpret_cast<float*>(rec + qbytes);
-      float* b = a + 16;
-      int8_t* sc = reinterpret_cast<int8_t*>(rec + qbytes + (lay.has_min ? 128 : 64));
+      uint8_t* scales = rec + per * lay.qbytes;  // the scale fields (q8.h)
       for (int r = 0; r < kPanel; ++r) {
-        const Block k = read_block(fmt, w + (p * kPanel + r) * row_bytes, c);
-        std::memcpy(a + r, &k.a, sizeof(float));
-        if (lay.has_min) std::memcpy(b + r, &k.b, sizeof(float));
-        if (lay.sub_scales) sc[r] = k.sc_lo, sc[16 + r] = k.sc_hi;
-        for (int kk = 0; kk < 32; ++kk) {
-          const int j = kk / 4, i = kk % 4;
-          if (lay.bits == 8) {
-            rec[64 * j + 4 * r + i] = k.u[kk];
-            continue;
+        for (int i = 0; i < per; ++i) {
+          const Block k = read_block(fmt, w + (p * kPanel + r) * row_bytes, t * per + i);
+          uint8_t* q = rec + i * lay.qbytes;
+          std::memcpy(scales + 2 * r, &k.d, 2);  // the same in every block of a super-block
+          if (lay.has_min) std::memcpy(scales + 32 + 2 * r, &k.m, 2);
+          if (lay.k_quant && lay.has_min) scales[64 + 16 * i + r] = k.sc, scales[192 + 16 * i + r] = k.mn;
+          if (lay.sub_scales) {
+            scales[32 + 16 * (2 * i) + r] = uint8_t(k.sc_lo);
+            scales[32 + 16 * (2 * i + 1) + r] = uint8_t(k.sc_hi);
           }
-          const uint8_t lo4 = k.u[kk] & 15;
-          if (j < 4) rec[64 * j + 4 * r + i] |= lo4;
-          else rec[64 * (j - 4) + 4 * r + i] |= uint8_t(lo4 << 4);
-          if (lay.bits == 5) rec[256 + 4 * r + i] |= uint8_t(((k.u[kk] >> 4) & 1) << j);
-          if (lay.bits == 6) rec[256 + 64 * (j / 4) + 4 * r + i] |= uint8_t(((k.u[kk] >> 4) & 3) << (2 * (j % 4)));
+          for (int kk = 0; kk < 32; ++kk) {
+            const int j = kk / 4, ii = kk % 4;
+            if (lay.bits == 8) {
+              q[64 * j + 4 * r + ii] = k.u[kk];
+              continue;
+            }
+            const uint8_t lo4 = k.u[kk] & 15;
+            if (j < 4) q[64 * j + 4 * r + ii] |= lo4;
+            else q[64 * (j - 4) + 4 * r + ii] |= uint8_t(lo4 << 4);
+            if (lay.bits == 5) q[256 + 4 * r + ii] |= uint8_t(((k.u[kk] >> 4) & 1) << j);
+            if (lay.bits == 6) q[256 + 64 * (j / 4) + 4 * r + ii] |= uint8_t(((k.u[kk] >> 4) & 3) << (2 * (j % 4)));
+          }
         }
       }
     }

