@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import os
 import random
-import warnings
 
 import pytest
 
+from invariance_util import report_plain_search
 from steadyserve.config import EngineConfig
 from steadyserve.engine.engine import LLMEngine
 from steadyserve.engine.offline import Completed, run_requests
@@ -26,7 +26,6 @@ from steadyserve.engine.selftest import run_selftest
 from steadyserve.engine.sequence import Request, SamplingParams
 from steadyserve.engine.structured import json_schema_grammar
 from steadyserve.models.loader import load_model
-from steadyserve.platform_info import platform_info
 from steadyserve.testing.drift import install_batch_drift
 
 THREADS = int(os.environ.get("STEADYSERVE_TEST_THREADS", "1"))
@@ -103,20 +102,12 @@ def expect(mode: str, diffs: dict[str, float]) -> None:
 
 
 def expect_plain_drift(plain, claim: str, diffs: dict[str, float]) -> None:
-    """The plain path's search, reported, not asserted: batch invariance off promises nothing, so a CPU whose
-    plain kernels happen not to drift for this claim is not a failure. It is said in a warning naming the
-    machine, because then the invariant-path check has no natural drift to catch here (the 'broken' variant
-    still shows that it catches an injected one)."""
+    """The plain path's search, reported, not asserted (invariance_util.report_plain_search): batch invariance
+    off promises nothing, so a CPU whose plain kernels happen not to drift for this claim is not a failure."""
     # What is asserted holds on any CPU: the search compared the plain path (row tiler off, not claimed
     # invariant), with every case computed, so a "no drift" report is about this machine's kernels.
     assert not plain.cfg.batch_invariant and not plain.loaded.model.tiler.enabled and not plain.loaded.model.native
-    assert diffs and all(v >= 0.0 for v in diffs.values()), diffs
-    print(f"\nplain ({claim}): max |logprob diff| per case: "
-          + ", ".join(f"{k}={v:.3g}" for k, v in diffs.items()))
-    if not any(v != 0.0 for v in diffs.values()):
-        p = platform_info()
-        warnings.warn(f"no plain-path drift found for {claim} over {len(diffs)} cases {sorted(diffs)} on "
-                      f"{p.cpu_model} (isa {p.isa}, MKL {p.mkl_version}, MKL_CBWR={p.mkl_cbwr or 'unset'})")
+    report_plain_search(claim, diffs)
 
 
 def probe_vs_batches(engine, batches: list[int], seed: int = 7, name: str = "invariant",

@@ -21,7 +21,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
 from http_util import five_xx, status_counts
-from steadyserve.api.http.inputs import validation_message
+from steadyserve.api.http.inputs import validation_refusal
 from steadyserve.api.http.schemas import ChatCompletionRequest, CompletionRequest
 from steadyserve.engine.sequence import InvalidRequest
 from steadyserve.client import Client
@@ -105,9 +105,17 @@ def test_request_parsing_refuses_by_name_and_never_crashes(body, chat):
         params = req.sampling_params(16)
         params.validate()
     except ValidationError as e:
-        # Refused: the HTTP layer answers 400 with this message and param. Either the param is a field of the
-        # request (its first element), or, for a check across fields (no location), the message names one.
-        msg, param = validation_message(e)
+        # Refused: the HTTP layer answers 400 with this message and param. A top-level key the model does not
+        # know (a chat field sent to completions) is refused as unknown_field, every such key named. Else either
+        # the param is a field of the request (its first element), or, for a check across fields (no location),
+        # the message names one.
+        r = validation_refusal(e)
+        msg, param = str(r), r.param
+        if r.reason == "unknown_field":
+            unknown = set(body) - fields
+            assert unknown and param in unknown and all(k in msg for k in unknown), (msg, body)
+            return
+        assert r.reason == "invalid_value" and set(body) <= fields, (r.reason, msg, body)
         if param:
             assert param.split(".")[0] in fields, (param, msg, body)
         else:
@@ -116,6 +124,7 @@ def test_request_parsing_refuses_by_name_and_never_crashes(body, chat):
     except InvalidRequest as e:  # refused by a range check: param is the request's field, and the message says it
         assert e.param in fields and e.param in str(e), (e.param, str(e), body)
         return
+    assert set(body) <= fields, body  # nothing unknown is accepted
     assert params.max_tokens >= 0 and 0 <= params.temperature <= 2 and 0 < params.top_p <= 1
     assert params.logprobs is None or 0 <= params.logprobs <= 20
 

@@ -7,7 +7,10 @@
 Each claim runs against three servers: the invariant one must be bitwise equal; a TEST-ONLY broken one
 (steadyserve.testing.serve --test-drift: claims -bi, drifts by the step's token count) must be caught, on any machine; the
 --no-batch-invariant one promises nothing, so the test searches for a case where it differs on this machine
-and fails, naming the platform, if it finds none.
+and, if it finds none, reports it in a warning naming the platform (tests/invariance_util.py, the rule
+test_engine_invariance.py follows): a CPU whose plain kernels happen not to drift is not a failure. What any
+CPU promises is still asserted there: the server searched is the plain one (its fingerprint says -nbi), the
+transports agree with each other on the same computation, and the background streams ran beside the probes.
 """
 
 from __future__ import annotations
@@ -20,8 +23,8 @@ import httpx
 import pytest
 
 from http_util import wait_for
+from invariance_util import report_plain_search
 from steadyserve.client import AsyncClient, logprobs_f32
-from steadyserve.platform_info import platform_info
 from steadyserve.testing.server import ServerProcess
 from steadyserve.tools.sse_client import sse_post
 
@@ -81,12 +84,10 @@ async def score_vs_generate(srv: ServerProcess, plen: int, n: int, seed: int) ->
             "http generate == grpc generate": http_gen == grpc_gen}
 
 
-def no_drift_message(claim: str, tried: list) -> str:
-    p = platform_info()
-    return (f"NO PLAIN-PATH DRIFT FOUND for {claim} over {tried} on {p.cpu_model} (isa {p.isa}, MKL "
-            f"{p.mkl_version}, MKL_CBWR={p.mkl_cbwr or 'unset'}): the --no-batch-invariant server gave bitwise-equal "
-            f"results, so the invariant-path check has no natural drift to catch on this machine (the drift-server "
-            f"variant still shows it catches an injected one). Widen the search.")
+def assert_plain_server(srv: ServerProcess) -> None:
+    """The server searched is the --no-batch-invariant one (so a "no drift" report is about its kernels)."""
+    fp = httpx.get(srv.http_url + "/readyz", timeout=30).json()["system_fingerprint"]
+    assert fp.endswith("-nbi"), fp
 
 
 # ---- score == generate -----------------------------------------------------------------------------------
@@ -106,15 +107,16 @@ def test_score_equals_generate_catches_a_broken_invariant(sw_drift: ServerProces
 
 
 def test_score_vs_generate_plain_drifts_found_by_search(sw_plain: ServerProcess):
-    tried = []
+    assert_plain_server(sw_plain)
+    drifted = {}
     for plen, n, seed in ((5, 12, 1), (40, 16, 2), (2, 3, 3), (33, 31, 4)):
         res = asyncio.run(score_vs_generate(sw_plain, plen, n, seed))
-        tried.append((plen, n))
         assert res["http score == grpc score"] and res["http generate == grpc generate"], res  # same shapes
-        if not (res["grpc score == grpc generate"] and res["http score == http generate"]):
+        drifted[f"prompt{plen}+{n}"] = not (res["grpc score == grpc generate"] and res["http score == http generate"])
+        if drifted[f"prompt{plen}+{n}"]:
             print(f"\nplain server: score != generate found at prompt {plen} + {n} tokens: {res}")
-            return
-    raise AssertionError(no_drift_message("score == generate over HTTP and gRPC", tried))
+            break
+    report_plain_search("score == generate over HTTP and gRPC", drifted)
 
 
 # ---- alone == batched -------------------------------------------------------------------------------------
@@ -168,11 +170,12 @@ def test_alone_vs_batched_catches_a_broken_invariant(sw_drift: ServerProcess):
 
 
 def test_alone_vs_batched_plain_drifts_found_by_search(sw_plain: ServerProcess):
-    tried = []
+    assert_plain_server(sw_plain)
+    drifted = {}
     for k in (3, 1, 8, 24):
-        res = asyncio.run(alone_vs_batched(sw_plain, k))
-        tried.append(k)
-        if not all(res.values()):
+        res = asyncio.run(alone_vs_batched(sw_plain, k))  # asserts the k streams ran beside the probes
+        drifted[f"{k} streams"] = not all(res.values())
+        if drifted[f"{k} streams"]:
             print(f"\nplain server: alone != batched beside {k} streams: {res}")
-            return
-    raise AssertionError(no_drift_message("alone vs batched over HTTP and gRPC", [f"{k} streams" for k in tried]))
+            break
+    report_plain_search("alone vs batched over HTTP and gRPC", drifted)

@@ -1,6 +1,10 @@
 """Every field of the completion and chat request schemas, one row each: set to a non-default value, it must
 change what it promises to change (or, for what is not supported, be refused with a 400 that names it).
 Nothing is accepted and ignored. A field added to a schema without a row here fails the first test.
+
+A top-level field no schema has is refused by name, as OpenAI refuses it (code unknown_field), on every
+endpoint and the WebSocket; the only fields accepted without effect are OpenAI's that cannot change the result
+(schemas.IGNORED_FIELDS), and the tests at the end show that they change nothing.
 """
 
 from __future__ import annotations
@@ -9,12 +13,13 @@ import json
 from typing import Callable
 
 import httpx
+import openai
 import pytest
 from websockets.sync.client import connect
 
 from http_util import parse_stream, sse_events
 from steadyserve.api.http.responses import ResponsesRequest
-from steadyserve.api.http.schemas import ChatCompletionRequest, CompletionRequest
+from steadyserve.api.http.schemas import IGNORED_FIELDS, ChatCompletionRequest, CompletionRequest
 from steadyserve.testing.server import ServerProcess
 
 C, CH, R = "/v1/completions", "/v1/chat/completions", "/v1/responses"
@@ -356,3 +361,84 @@ NAMES = {C: "completions", CH: "chat", R: "responses"}
 @pytest.mark.parametrize("path,field", sorted(CHECKS), ids=[f"{NAMES[p]}-{f}" for p, f in sorted(CHECKS)])
 def test_field_does_what_it_says(http, path, field) -> None:
     CHECKS[(path, field)](http, path)
+
+
+# ---- fields no schema has ------------------------------------------------------------------------------------
+
+def ws_first(http: httpx.Client, body: dict) -> dict:
+    with connect(str(http.base_url).replace("http://", "ws://").rstrip("/") + "/v1/stream", open_timeout=30) as ws:
+        ws.send(json.dumps(body))
+        return json.loads(ws.recv(timeout=60))
+
+
+def assert_unknown(r: httpx.Response, *names: str) -> None:
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    s = "s" if len(names) > 1 else ""
+    assert err["message"] == f"Unrecognized request argument{s} supplied: {', '.join(names)}", err
+    assert (err["type"], err["code"], err["param"]) == ("invalid_request_error", "unknown_field", names[0]), err
+
+
+def test_the_reported_unknown_field_is_refused(http) -> None:
+    """The body of issue 41: it was answered 200, the field silently ignored."""
+    assert_unknown(http.post(C, json={"prompt": "x", "max_tokens": 2, "bogus_field": 1}), "bogus_field")
+
+
+@pytest.mark.parametrize("path", [C, CH, R], ids=["completions", "chat", "responses"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_unknown_fields_are_refused_by_name(http, path, stream) -> None:
+    assert_unknown(http.post(path, json={**BASE[path], "stream": stream, "bogus_field": 1}), "bogus_field")
+    # Every unknown field named, in the body's order; before any other error of the same body.
+    assert_unknown(http.post(path, json={**BASE[path], "stream": stream, "zeta": None, "temperature": "hot",
+                                         "alpha": {}}), "zeta", "alpha")
+    # A real field misspelt is unknown, not ignored (its default would have been used).
+    assert_unknown(http.post(path, json={**BASE[path], "stream": stream, "temprature": 0.5}), "temprature")
+
+
+def test_a_field_of_another_endpoint_is_unknown(http) -> None:
+    assert_unknown(http.post(C, json={**BASE[C], "messages": BASE[CH]["messages"]}), "messages")
+    assert_unknown(http.post(CH, json={**BASE[CH], "echo": True}), "echo")
+    assert_unknown(http.post(R, json={**BASE[R], "max_tokens": 3}), "max_tokens")
+    assert_unknown(http.post("/tokenize", json={"prompt": "a", "user": "u"}), "user")  # no OpenAI endpoint
+
+
+def test_unknown_fields_are_refused_on_the_websocket(http) -> None:
+    for path in (C, CH):
+        msg = ws_first(http, {**BASE[path], "bogus_field": 1})
+        assert msg["type"] == "error" and msg["status"] == 400, msg
+        assert (msg["error"]["code"], msg["error"]["param"]) == ("unknown_field", "bogus_field"), msg
+        assert "bogus_field" in msg["error"]["message"], msg
+
+
+def test_the_openai_sdk_gets_the_refusal(srv) -> None:
+    client = openai.OpenAI(base_url=srv.http_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body={"bogus_field": 1})
+    assert e.value.status_code == 400 and e.value.code == "unknown_field" and "bogus_field" in e.value.message
+
+
+# OpenAI's fields that cannot change the result, and the refused-by-value ones at values that ask for nothing.
+HARMLESS = {"user": "u-1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto",
+            "prompt_cache_key": "k", "safety_identifier": "s"}
+assert set(HARMLESS) == IGNORED_FIELDS
+NOTHING_ASKED = {C: {"functions": None, "function_call": None, "audio": None, "prediction": None},
+                 CH: {"modalities": ["text"], "reasoning_effort": None, "web_search_options": None,
+                      "functions": None},
+                 R: {"reasoning": None, "background": False, "include": [], "truncation": "disabled",
+                     "stream_options": {"include_obfuscation": False}}}
+
+
+def answer(body: dict) -> str:
+    if "output" in body:
+        return output_text(body)
+    return text(body)
+
+
+@pytest.mark.parametrize("path", [C, CH, R], ids=["completions", "chat", "responses"])
+def test_openai_fields_without_effect_are_accepted_and_change_nothing(http, path) -> None:
+    plain = answer(post(http, path))
+    # The Responses API's own store and metadata are checked in its rows (they do something there).
+    harmless = {k: v for k, v in HARMLESS.items() if not (path == R and k in ("store", "metadata"))}
+    assert answer(post(http, path, **harmless, **NOTHING_ASKED[path])) == plain
+    msg = ws_first(http, {**BASE[path], **harmless, **NOTHING_ASKED[path]}) if path != R else None
+    assert msg is None or msg["type"] == "delta", msg

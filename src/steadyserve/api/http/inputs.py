@@ -114,12 +114,25 @@ def client_request_id(scope: dict) -> str:
 
 
 def validated(model: type[M], body: Any) -> M:
-    """`body` through a pydantic model; a failure is refused naming the field."""
+    """`body` through a pydantic model; a failure is refused naming the field (validation_refusal). Every HTTP and
+    WebSocket body passes here."""
     try:
         return model.model_validate(body)
     except ValidationError as e:
-        msg, param = validation_message(e)
-        raise Refused("invalid_value", msg, param) from None
+        raise validation_refusal(e) from None
+
+
+def validation_refusal(e: ValidationError) -> Refused:
+    """The refusal of a body its model did not validate. A top-level field the model does not know
+    (schemas.RequestBody) comes first, as OpenAI refuses it: code `unknown_field`, every such field named, `param`
+    the first. Else `invalid_value` with the first error's field (validation_message)."""
+    unknown = [str(err["loc"][0]) for err in e.errors()
+               if err.get("type") == "extra_forbidden" and len(err.get("loc", ())) == 1]
+    if unknown:
+        s = "s" if len(unknown) > 1 else ""
+        return Refused("unknown_field", f"Unrecognized request argument{s} supplied: {', '.join(unknown)}", unknown[0])
+    msg, param = validation_message(e)
+    return Refused("invalid_value", msg, param)
 
 
 def build_from_body(state: ServerState, body: Any, kind: str, transport: str, request_id: str) -> ValidatedRequest:

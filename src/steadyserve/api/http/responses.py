@@ -10,16 +10,16 @@ events are responses_format.py's.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import Field, StrictBool, StrictInt
 
 from ...engine.sequence import SamplingParams
 from ...limits import MAX_TEMPERATURE, InvalidRequest
 from ..requests import OutputOptions, RequestSpec
 from ..responses_store import ResponseStore
 from ..tools import ToolRequest, parse_tool_choice, tool_from_fields, tool_request
-from .schemas import Number, grammar_for, shared_range
+from .schemas import IGNORED_FIELDS, Number, RequestBody, grammar_for, shared_range
 
 # Fields of OpenAI's Responses API that would change the result and that steadyserve does not implement.
 UNSUPPORTED = {"reasoning": "this model has no reasoning effort", "background": "background responses are not "
@@ -30,9 +30,12 @@ MESSAGE_ROLES = ("user", "assistant", "system", "developer")
 TEXT_PARTS = ("input_text", "output_text", "text")
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(RequestBody):
     """Body of POST /v1/responses."""
-    model_config = ConfigDict(extra="ignore")
+    # OpenAI's Responses fields without effect here (stream_options only asks for obfuscation padding), and those
+    # refused by value (refuse_unsupported); any other undeclared field is refused as unknown.
+    accepted_unused: ClassVar[frozenset[str]] = IGNORED_FIELDS | {"stream_options", *UNSUPPORTED, "truncation",
+                                                                  "include"}
 
     model: str | None = Field(default=None, description="the served model's id; any other is a 404, leaving it "
                               "out means the served model")

@@ -1,13 +1,16 @@
 """Request bodies of the OpenAI-compatible endpoints (pydantic, strict types).
 
-Unknown fields are ignored, as OpenAI clients send fields we have no use for
-(`user`, `metadata`); fields that would change the result and that we do not
-implement (the deprecated `functions`, audio, predicted outputs) are refused by name (UNSUPPORTED_FIELDS).
+A top-level field that no model declares is refused by name, as OpenAI refuses it ("Unrecognized request
+argument supplied: ...", code `unknown_field`: RequestBody, inputs.validated). OpenAI's own fields are not
+unknown: those that cannot change the result (`user`, `metadata`, ...: IGNORED_FIELDS) are accepted and have no
+effect; those that would and that we do not implement (the deprecated `functions`, audio, predicted outputs) are
+refused by name when set (UNSUPPORTED_FIELDS). Nested objects (messages, content parts, stream_options) keep
+ignoring fields they do not use: clients send a response's message back with its `refusal`, `annotations`, ...
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, model_validator
 
@@ -28,15 +31,35 @@ def shared_range(minimum: float | None = None, maximum: float | None = None, exc
     return {**{k: v for k, v in bounds.items() if v is not None}, **extra}
 
 
-# OpenAI request fields that would change the result and that steadyserve does not implement: refused by name,
-# never ignored. Fields that cannot change the result (`user`, `metadata`, `store`, `service_tier`) are ignored
-# like any other unknown field.
+# OpenAI request fields that would change the result and that steadyserve does not implement: refused by name
+# when set (refuse_unsupported), never ignored.
 UNSUPPORTED_FIELDS = {
     "functions": "the deprecated functions field is not supported: send tools",
     "function_call": "the deprecated function_call field is not supported: send tool_choice", "audio": "audio output is not supported",
     "prediction": "predicted outputs are not supported", "reasoning_effort": "this model has no reasoning effort",
     "web_search_options": "web search is not supported",
 }
+
+
+# OpenAI request fields that cannot change the result: accepted, with no effect (OpenAI clients send them).
+IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
+
+
+class RequestBody(BaseModel):
+    """A top-level request body: a field that is neither declared nor in `accepted_unused` is refused
+    (extra="forbid"; inputs.validated names it, code `unknown_field`, as OpenAI's "Unrecognized request argument
+    supplied"). `accepted_unused`: OpenAI fields that are accepted without effect (IGNORED_FIELDS), or that the
+    endpoint refuses by value before validation (refuse_unsupported), so that their harmless values (`null`,
+    `["text"]`) pass; a declared field of the same name (the Responses API's `store`, `metadata`) is validated."""
+    model_config = ConfigDict(extra="forbid")
+    accepted_unused: ClassVar[frozenset[str]] = frozenset()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_accepted_unused(cls, data: Any) -> Any:
+        if isinstance(data, dict) and not cls.accepted_unused.isdisjoint(data):
+            return {k: v for k, v in data.items() if k not in cls.accepted_unused or k in cls.model_fields}
+        return data
 
 
 def refuse_unsupported(body: Any) -> None:
@@ -78,8 +101,8 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = Field(default=False, description="send a last chunk with the usage totals")
 
 
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class _Common(RequestBody):
+    accepted_unused: ClassVar[frozenset[str]] = IGNORED_FIELDS | {*UNSUPPORTED_FIELDS, "modalities"}
 
     model: str | None = Field(default=None, description="the served model's id (GET /v1/models); any other is a 404, "
                               "leaving it out means the served model")
@@ -318,9 +341,8 @@ class ChatCompletionRequest(_Common):
         return tool_request(tools, choice, self.parallel_tool_calls)
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(RequestBody):
     """Body of POST /tokenize: a text prompt or chat messages, as the completion endpoints would see them."""
-    model_config = ConfigDict(extra="forbid")
     model: str | None = Field(default=None, description="the served model's id; leaving it out means the served model")
     prompt: str | None = Field(default=None, description="a text prompt, tokenized as /v1/completions does")
     messages: list[ChatMessage] | None = Field(default=None, description="chat messages, rendered with the model's "
@@ -339,9 +361,8 @@ class TokenizeRequest(BaseModel):
         return [m.as_dict() for m in self.messages or []]
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(RequestBody):
     """Body of POST /detokenize."""
-    model_config = ConfigDict(extra="forbid")
     model: str | None = Field(default=None, description="the served model's id; leaving it out means the served model")
     tokens: list[StrictInt] = Field(description="token ids of this model, decoded to text as the completion "
                                     "endpoints decode generated tokens")
