@@ -31,7 +31,7 @@ from steadyserve.models.loader import load_model
 model, numerics, batch, steps, prompt, threads = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:7])
 torch.set_num_threads(threads)
 lm = load_model(model, numerics=numerics)
-eng = LLMEngine(lm, EngineConfig(kv_cache_memory=1024**3, threads=threads, max_num_seqs=max(batch, 1)))
+eng = LLMEngine(lm, EngineConfig(kv_cache_memory=1024**3, threads=threads, max_num_seqs=max(batch, 1), speculation="off"))
 rng = random.Random(0)
 for i in range(batch):
     eng.add_request(Request(str(i), [rng.randrange(100, lm.args.vocab_size) for _ in range(prompt)],
@@ -77,19 +77,25 @@ def main() -> int:
             step = float(line.split()[1])
     child.wait()
     perf.wait(60)
-    report = subprocess.run(["perf", "report", "-i", str(data), "--stdio", "--no-children", "--sort", "symbol",
-                             "--percent-limit", "0.5"], capture_output=True, text=True).stdout
-    top = []
-    for line in report.splitlines():
-        parts = line.split()
-        if len(parts) >= 3 and parts[0].endswith("%") and not line.startswith("#"):
-            top.append({"percent": float(parts[0].rstrip("%")), "symbol": " ".join(parts[2:])[:160]})
-    top = top[:a.top]
+
+    def table(sort: str) -> list[dict]:
+        report = subprocess.run(["perf", "report", "-i", str(data), "--stdio", "--no-children", "--sort", sort,
+                                 "--percent-limit", "0.5"], capture_output=True, text=True).stdout
+        rows = []
+        for line in report.splitlines():
+            parts = line.split()
+            if len(parts) >= 2 and parts[0].endswith("%") and not line.startswith("#"):
+                rows.append({"percent": float(parts[0].rstrip("%")), sort: " ".join(parts[1:])[:160]})
+        return rows[:a.top]
+
+    top, dsos = table("symbol"), table("dso")
     res = {"model": Path(a.model).name if a.model else "default", "numerics": a.numerics, "batch": a.batch,
            "threads": a.threads, "cpu": next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo")
                                               if ln.startswith("model name")), ""),
-           "step_s": step, "tok_s": a.batch / step if step else 0.0, "top": top}
+           "step_s": step, "tok_s": a.batch / step if step else 0.0, "top": top, "dso": dsos}
     print(f"{res['numerics']} batch {a.batch}: step {step * 1e3:.1f} ms, {res['tok_s']:.1f} tok/s on {res['cpu']}")
+    for t in dsos:
+        print(f"  {t['percent']:5.1f}%  {t['dso']}")
     for t in top:
         print(f"  {t['percent']:5.1f}%  {t['symbol']}")
     if a.out:

@@ -50,12 +50,14 @@ def test_activation_quantization_follows_the_documented_rule_bitwise():
     x[3, 32:64] = 0.0  # an all-zero block: scale 0, values 0
     x[4, :32] = torch.arange(-16, 16) + 0.5  # amax 15.5: 2.5 * (127 / 15.5) is no tie, but ...
     x[4, 0], x[4, 1], x[4, 2] = 127.0, 2.5, -3.5  # ... with amax 127 the scale is 1: ties, which go to even
-    xq, dx = OPS.q8quantize(x)
+    x[6, 64:96] = torch.arange(32) - 15.75  # exact halves after scaling: 127 / 16.25 is not exact, so mixed
     ref_q, ref_d = _reference_quantize(x)
-    assert torch.equal(xq, ref_q)
-    assert torch.equal(_bits(dx), _bits(ref_d))
-    assert int(xq.abs().max()) <= 127
-    assert xq[4, 1] == 2 and xq[4, 2] == -4  # half-even, not half away from zero
+    for isa in BUILDS:  # each build's own quantization
+        xq, dx = OPS.q8quantize(x, isa)
+        assert torch.equal(xq, ref_q), isa
+        assert torch.equal(_bits(dx), _bits(ref_d)), isa
+        assert int(xq.abs().max()) <= 127
+        assert xq[4, 1] == 2 and xq[4, 2] == -4  # half-even, not half away from zero
 
 
 @pytest.mark.parametrize("name", PACKABLE_NAMES)
@@ -109,10 +111,12 @@ def test_the_error_against_float32_activations_is_the_quantization_step(name):
 def test_non_finite_activations_give_nan_outputs_not_garbage():
     fmt = FORMAT_IDS["Q4_0"]
     qw = _qweight(fmt, 16, 64, seed=8)
-    x = torch.randn(2, 64)
+    x = torch.randn(3, 64)
     x[1, 40] = float("inf")
-    y = _mm(OPS.q8pack(qw.data, fmt, 64), fmt, x)
-    assert torch.isfinite(y[0]).all() and torch.isnan(y[1]).all()
+    x[2, 3] = float("nan")
+    for isa in BUILDS:
+        y = _mm(OPS.q8pack(qw.data, fmt, 64), fmt, x, isa)
+        assert torch.isfinite(y[0]).all() and torch.isnan(y[1:]).all(), isa
 
 
 def test_what_the_family_cannot_read_stays_on_the_float32_path():

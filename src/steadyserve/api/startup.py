@@ -7,6 +7,7 @@ returns the ServerState the HTTP and gRPC servers are built on; api/server.py se
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 from dataclasses import dataclass, field
 from typing import Callable
@@ -94,6 +95,10 @@ def _load_and_check(config: Config, hooks: EngineHooks, limit: MemoryLimit,
     for hook in hooks.after_selftest:
         hook(engine)
     release_free_memory()
+    # What is alive now (modules, the model, the tokenizer: millions of objects) lives as long as the process:
+    # out of the collector's generations, so a full collection during an engine step walks only what requests
+    # allocate (gc_collect_main was 5-8% of a decode step's perf samples on the AMD EPYC before).
+    gc.freeze()
     return loaded, engine, selftest, plan
 
 

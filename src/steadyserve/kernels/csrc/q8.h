@@ -81,12 +81,17 @@ struct Q8Args {
 
 // Repacks N rows (N a multiple of 16) of a GGUF matrix into panels (q8_pack.cpp).
 void pack(int32_t ggml_type, const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, uint8_t* out);
-// Quantizes rows [m0, m1) of x (row stride x_stride) as the order above says (q8_pack.cpp).
-void quantize_rows(const float* x, int64_t x_stride, int64_t K, int64_t m0, int64_t m1, int8_t* xq, float* dx,
-                   float* sxd, int32_t* sx, int32_t* sx16);
+// Quantizes rows [m0, m1) of x (row stride x_stride) as the order above says: the scalar reference in
+// q8_pack.cpp, and each vector build's own (the same IEEE operations per value, so the same bits).
+#define STEADY_Q8_DECLARE(ns)                                                                                 \
+  namespace ns {                                                                                              \
+  void matmul(const Q8Args& a);                                                                               \
+  void quantize_rows(const float* x, int64_t x_stride, int64_t K, int64_t m0, int64_t m1, int8_t* xq, float* dx, \
+                     float* sxd, int32_t* sx, int32_t* sx16);                                                 \
+  }
 
-namespace scalar { void matmul(const Q8Args& a); }
-namespace avx2 { void matmul(const Q8Args& a); }
-namespace avx512 { void matmul(const Q8Args& a); }  // AVX-512 VNNI
+STEADY_Q8_DECLARE(scalar)
+STEADY_Q8_DECLARE(avx2)
+STEADY_Q8_DECLARE(avx512)  // AVX-512 VNNI
 
 }  // namespace steady_q8

@@ -5,7 +5,9 @@
 // where CPUID reports avx2, fma and f16c (q8linear.cpp). Bits equal the scalar build's (q8.h).
 #include <immintrin.h>
 
+#include <cfloat>
 #include <climits>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -93,6 +95,71 @@ inline void fstore(float* p, F v) {
 }
 
 #include "q8_body.h"
+
+namespace {  // the activation quantization's lanes: two ymm per 16 values
+
+struct QF {
+  __m256 a, b;
+};
+inline QF qload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline __m256 qabs(__m256 v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v); }
+inline bool qall_finite(QF v) {
+  const __m256 lim = _mm256_set1_ps(FLT_MAX);
+  return _mm256_movemask_ps(_mm256_and_ps(_mm256_cmp_ps(qabs(v.a), lim, _CMP_LE_OQ),
+                                          _mm256_cmp_ps(qabs(v.b), lim, _CMP_LE_OQ))) == 0xFF;
+}
+inline float qhmax_abs(QF x, QF y) {  // a max is exact in any order
+  alignas(32) float l[8];
+  _mm256_store_ps(l, _mm256_max_ps(_mm256_max_ps(qabs(x.a), qabs(x.b)), _mm256_max_ps(qabs(y.a), qabs(y.b))));
+  float m = l[0];
+  for (int i = 1; i < 8; ++i) m = l[i] > m ? l[i] : m;
+  return m;
+}
+inline int32_t qround_store(QF v, float s, int8_t* q) {  // q = round-half-even(v * s); returns their sum
+  const __m256 sv = _mm256_set1_ps(s);
+  const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(v.a, sv)), b = _mm256_cvtps_epi32(_mm256_mul_ps(v.b, sv));
+  const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);  // 16 int16 in order
+  const __m128i bytes = _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), bytes);
+  alignas(32) int32_t l[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(l), _mm256_add_epi32(a, b));
+  int32_t sum = 0;
+  for (int i = 0; i < 8; ++i) sum += l[i];
+  return sum;
+}
+
+}  // namespace
+
+// The activation quantization of q8.h for one row's blocks, 16 values per vector: the same IEEE operations
+// per value as the scalar reference (q8_pack.cpp), so the same bits. amax is exact in any order; the scale
+// is computed once per block as a scalar, exactly as there; cvtps2dq rounds half to even (MXCSR's default).
+void quantize_rows(const float* x, int64_t x_stride, int64_t K, int64_t m0, int64_t m1, int8_t* xq, float* dx,
+                   float* sxd, int32_t* sx, int32_t* sx16) {
+  const int64_t blocks = K / kBlock;
+  for (int64_t m = m0; m < m1; ++m) {
+    for (int64_t c = 0; c < blocks; ++c) {
+      const float* v = x + m * x_stride + c * kBlock;
+      const QF lo = qload(v), hi = qload(v + 16);
+      const bool finite = qall_finite(lo) && qall_finite(hi);
+      const float amax = qhmax_abs(lo, hi);
+      const float d = finite ? amax / 127.0f : NAN;
+      const float s = finite && amax > 0.0f ? 127.0f / amax : 0.0f;
+      int32_t sum_lo = 0, sum_hi = 0;
+      int8_t* q = xq + m * K + c * kBlock;
+      if (finite) {
+        sum_lo = qround_store(lo, s, q);
+        sum_hi = qround_store(hi, s, q + 16);
+      } else {
+        std::memset(q, 0, kBlock);
+      }
+      dx[m * blocks + c] = d;
+      sx[m * blocks + c] = sum_lo + sum_hi;
+      sx16[m * 2 * blocks + 2 * c] = sum_lo;
+      sx16[m * 2 * blocks + 2 * c + 1] = sum_hi;
+      sxd[m * blocks + c] = d * float(sum_lo + sum_hi);
+    }
+  }
+}
 
 }  // namespace avx2
 }  // namespace steady_q8

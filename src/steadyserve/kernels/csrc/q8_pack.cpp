@@ -163,6 +163,8 @@ void pack(int32_t fmt, const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K
   }
 }
 
+namespace scalar {
+
 void quantize_rows(const float* x, int64_t x_stride, int64_t K, int64_t m0, int64_t m1, int8_t* xq, float* dx,
                    float* sxd, int32_t* sx, int32_t* sx16) {
   const int64_t blocks = K / kBlock;
@@ -194,5 +196,7 @@ void quantize_rows(const float* x, int64_t x_stride, int64_t K, int64_t m0, int6
     }
   }
 }
+
+}  // namespace scalar
 
 }  // namespace steady_q8

@@ -1,7 +1,7 @@
 // torch ops over the int8 family (q8.h): activations quantized to int8, weights packed in panels.
 //
 //   q8pack(w, fmt, K)                     a GGUF matrix (N, row_bytes) as packed panels (N, packed_row_bytes)
-//   q8quantize(x)                         (xq, dx): the activation quantization alone, for the tests
+//   q8quantize(x, isa)                    (xq, dx): the activation quantization alone, for the tests
 //   q8_isa()                              the int8 build this CPU runs: 0 scalar, 1 AVX2, 2 AVX-512 VNNI
 //   steady_q8_ops::matmul_packed          y[:, col0 : col0 + N] = x · Wᵀ; reached through qmatmul_ (qlinear.cpp)
 //                                         when its format id is kPacked + a GGML type
@@ -45,8 +45,12 @@ int best_q8_isa() {
 
 namespace {
 
-using MatmulFn = void (*)(const Q8Args&);
-const MatmulFn kBuilds[3] = {scalar::matmul, avx2::matmul, avx512::matmul};
+struct Build {
+  decltype(&scalar::matmul) matmul;
+  decltype(&scalar::quantize_rows) quantize_rows;
+};
+const Build kBuilds[3] = {{scalar::matmul, scalar::quantize_rows}, {avx2::matmul, avx2::quantize_rows},
+                          {avx512::matmul, avx512::quantize_rows}};
 
 int pick(int64_t isa) {
   const int best = best_q8_isa();
@@ -60,7 +64,7 @@ struct Quantized {
   at::Tensor xq, dx, sxd, sx, sx16;
 };
 
-Quantized quantize(const at::Tensor& x) {
+Quantized quantize(const at::Tensor& x, int use) {
   const int64_t M = x.size(0), K = x.size(1), blocks = K / kBlock;
   Quantized q{at::empty({M, K}, x.options().dtype(at::kChar)), at::empty({M, blocks}, x.options()),
               at::empty({M, blocks}, x.options()), at::empty({M, blocks}, x.options().dtype(at::kInt)),
@@ -70,7 +74,9 @@ Quantized quantize(const at::Tensor& x) {
   float *dx = q.dx.data_ptr<float>(), *sxd = q.sxd.data_ptr<float>();
   int32_t *sx = q.sx.data_ptr<int32_t>(), *sx16 = q.sx16.data_ptr<int32_t>();
   const int64_t stride = x.stride(0);
-  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) { quantize_rows(xp, stride, K, m0, m1, xq, dx, sxd, sx, sx16); });
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    kBuilds[use].quantize_rows(xp, stride, K, m0, m1, xq, dx, sxd, sx, sx16);
+  });
   return q;
 }
 
@@ -92,10 +98,10 @@ at::Tensor q8pack(const at::Tensor& w, int64_t fmt, int64_t K) {
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor> q8quantize(const at::Tensor& x) {
+std::tuple<at::Tensor, at::Tensor> q8quantize(const at::Tensor& x, int64_t isa) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1 && x.size(1) % kBlock == 0,
               "q8quantize: x must be (M, K) float32 with K a multiple of 32");
-  Quantized q = quantize(x);
+  Quantized q = quantize(x, pick(isa));
   return {q.xq, q.dx};
 }
 
@@ -118,7 +124,7 @@ void matmul_packed(const at::Tensor& x, const at::Tensor& w, int64_t packed_fmt,
   TORCH_CHECK(y.size(0) == M && col0 >= 0 && col0 + N <= y.size(1), "qmatmul_: y is too small");
   const int use = pick(isa);
   if (M == 0 || N == 0) return;
-  const Quantized q = quantize(x);
+  const Quantized q = quantize(x, use);
   Q8Args base{fmt, lay, q.xq.data_ptr<int8_t>(), q.dx.data_ptr<float>(), q.sxd.data_ptr<float>(),
               q.sx.data_ptr<int32_t>(), q.sx16.data_ptr<int32_t>(), M, K, w.data_ptr<uint8_t>(),
               y.data_ptr<float>() + col0, y.stride(0), 0, 0};
@@ -126,7 +132,7 @@ void matmul_packed(const at::Tensor& x, const at::Tensor& w, int64_t packed_fmt,
     Q8Args a = base;
     a.p_begin = p0;
     a.p_end = p1;
-    kBuilds[use](a);
+    kBuilds[use].matmul(a);
   });
 }
 
@@ -134,7 +140,7 @@ void matmul_packed(const at::Tensor& x, const at::Tensor& w, int64_t packed_fmt,
 
 TORCH_LIBRARY_FRAGMENT(steadyserve, m) {
   m.def("q8pack(Tensor w, int fmt, int K) -> Tensor");
-  m.def("q8quantize(Tensor x) -> (Tensor, Tensor)");
+  m.def("q8quantize(Tensor x, int isa=-1) -> (Tensor, Tensor)");
   m.def("q8_isa() -> int", TORCH_FN(steady_q8_ops::q8_isa));
   m.impl("q8pack", c10::DispatchKey::CPU, TORCH_FN(steady_q8_ops::q8pack));
   m.impl("q8quantize", c10::DispatchKey::CPU, TORCH_FN(steady_q8_ops::q8quantize));
