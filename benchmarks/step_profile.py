@@ -32,6 +32,8 @@ model, numerics, batch, steps, prompt, threads = sys.argv[1], sys.argv[2], *map(
 torch.set_num_threads(threads)
 lm = load_model(model, numerics=numerics)
 eng = LLMEngine(lm, EngineConfig(kv_cache_memory=1024**3, threads=threads, max_num_seqs=max(batch, 1), speculation="off"))
+import gc
+gc.freeze()  # as the server does before serving (api/startup.py)
 rng = random.Random(0)
 for i in range(batch):
     eng.add_request(Request(str(i), [rng.randrange(100, lm.args.vocab_size) for _ in range(prompt)],

@@ -41,7 +41,11 @@ CPUS = {"native": None, "intel-haswell-avx2": "Haswell", "amd-epyc-rome-avx2": "
 # Portable numerics need no environment: the native kernels pick their vector build by CPUID (under qemu:
 # the emulated CPU's AVX2 build) and compute the same bits with each.
 PORTABLE = {"STEADYSERVE_NUMERICS": "portable"}
+INT8 = {"STEADYSERVE_NUMERICS": "int8"}  # on a Q4_1 GGUF of the same model: int8 packs quantized matrices only
 HOST = {"STEADYSERVE_NUMERICS": "host", "MKL_CBWR": "AUTO,STRICT"}
+ENVS = {"portable": PORTABLE, "int8": INT8, "host": HOST}
+MODES = tuple(ENVS)
+SAME_BITS = ("portable", "int8")  # the paths that promise one vector on every CPU
 
 
 def qemu() -> str:
@@ -70,8 +74,7 @@ def run(cpu: str | None, argv: list[str], env: dict[str, str], timeout: float) -
 
 
 def probe(cpu: str | None, mode: str, model: str) -> dict:
-    out, seconds = run(cpu, [str(ROOT / "scripts" / "numerics_probe.py"), model], PORTABLE if mode == "portable"
-                       else HOST, timeout=3600)
+    out, seconds = run(cpu, [str(ROOT / "scripts" / "numerics_probe.py"), model], ENVS[mode], timeout=3600)
     line = next(x for x in out.splitlines() if x.startswith("PROBE "))
     banner = next((x for x in out.splitlines() if x.startswith("MKL_VERBOSE oneMKL")), "")
     return {**json.loads(line[6:]), "mkl_branch": banner.split(" for ", 1)[-1].split(",")[0],
@@ -85,36 +88,37 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     from steadyserve.platform_info import platform_info
     from steadyserve.testing import build_tiny_model
+    from steadyserve.testing.tiny_gguf import write_tiny_gguf
 
     tmp = tempfile.mkdtemp(prefix="fleet-check-")
     try:
         model = str(build_tiny_model(Path(tmp) / "smolwidth", arch="llama", size="smolwidth"))
+        gguf = str(write_tiny_gguf(model, Path(tmp) / "smolwidth-q4_1.gguf", quant="Q4_1"))
         runs = []
         for name, cpu in CPUS.items():
-            for mode in ("portable", "host"):
-                r = {"cpu": name, "qemu_cpu": cpu, "mode": mode, **probe(cpu, mode, model)}
+            for mode in MODES:
+                r = {"cpu": name, "qemu_cpu": cpu, "mode": mode, **probe(cpu, mode, gguf if mode == "int8" else model)}
                 print(f"{name:<20} {mode:<8} numerics {r['numerics_id']} torch {r['isa']:<6} MKL branch "
                       f"{r['mkl_branch']!r}: {len(r['logprobs'])} logprobs, {r['seconds']} s", flush=True)
                 runs.append(r)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    vectors = {mode: {json.dumps([r["tokens"], r["logprobs"]]) for r in runs if r["mode"] == mode}
-               for mode in ("portable", "host")}
+    vectors = {mode: {json.dumps([r["tokens"], r["logprobs"]]) for r in runs if r["mode"] == mode} for mode in MODES}
     report = {"machine": {"cpu_model": platform_info().cpu_model, "python": platform.python_version()},
-              "model": "tiny llama, SmolLM2-135M widths, 2 layers (steadyserve.testing, seed 0)",
-              "runs": runs, "distinct_portable_vectors": len(vectors["portable"]),
-              "distinct_host_vectors": len(vectors["host"])}
-    ok = len(vectors["portable"]) == 1
-    print(f"portable: {len(vectors['portable'])} distinct vector(s) over {len(CPUS)} CPUs "
-          f"({'same bits' if ok else 'DIFFERENT BITS'}); host: {len(vectors['host'])} distinct")
+              "model": "tiny llama, SmolLM2-135M widths, 2 layers (steadyserve.testing, seed 0); int8: its Q4_1 GGUF",
+              "runs": runs, **{f"distinct_{mode}_vectors": len(vectors[mode]) for mode in MODES}}
+    ok = all(len(vectors[mode]) == 1 for mode in SAME_BITS)
+    print(", ".join(f"{mode}: {len(vectors[mode])} distinct vector(s)" for mode in MODES)
+          + f" over {len(CPUS)} CPUs ({'same bits' if ok else 'DIFFERENT BITS'} where promised)")
     if a.golden:
-        out, seconds = run(CPUS["intel-haswell-avx2"], ["-m", "steadyserve.tools.golden", "--check",
-                                                        str(ROOT / "tests" / "golden" / "portable_smollm2.json")],
-                           PORTABLE, timeout=7200)
-        verdict = next((x for x in out.splitlines() if x.startswith(("golden", "GOLDEN"))), out[-500:])
-        report["golden_on_intel_haswell"] = {"result": verdict, "seconds": round(seconds, 1)}
-        ok = ok and verdict.startswith("golden vectors bitwise equal")
-        print(f"golden file under intel-haswell-avx2 ({seconds:.0f} s): {verdict}")
+        for mode in SAME_BITS:
+            out, seconds = run(CPUS["intel-haswell-avx2"], ["-m", "steadyserve.tools.golden", "--numerics", mode,
+                                                            "--check", str(ROOT / "tests" / "golden" / f"{mode}_smollm2.json")],
+                               ENVS[mode], timeout=7200)
+            verdict = next((x for x in out.splitlines() if x.startswith(("golden", "GOLDEN"))), out[-500:])
+            report[f"golden_{mode}_on_intel_haswell"] = {"result": verdict, "seconds": round(seconds, 1)}
+            ok = ok and verdict.startswith("golden vectors bitwise equal")
+            print(f"{mode} golden file under intel-haswell-avx2 ({seconds:.0f} s): {verdict}")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {a.out}")

@@ -5,7 +5,7 @@ under qemu-user emulating other CPUs.
 
 Prints one JSON line: the float32 hex of the prompt logprobs and of 6 greedy tokens' logprobs, the greedy
 token ids, the torch dispatch ISA and MKL's own line naming the branch it runs (MKL_VERBOSE's header).
-The numerics path comes from the environment: STEADYSERVE_NUMERICS=portable (the default) or host.
+The numerics path comes from the environment: STEADYSERVE_NUMERICS=portable (the default), int8 or host.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ import pytest
 from steadyserve.numerics import NumericsError, choose, describe
 
 GOLDEN = Path(__file__).parent / "golden" / "portable_smollm2.json"
+GOLDEN_INT8 = Path(__file__).parent / "golden" / "int8_smollm2.json"
 HOST = dict(isa="AVX512", cpu_model="AMD EPYC 9R14", cpu_flags=("avx2", "fma", "avx512f"), torch_version="2.13.0+cpu",
             mkl_version="2024.2", mkl_cbwr="AUTO,STRICT", mkl_enable_instructions="")
 
@@ -79,12 +80,13 @@ def test_the_fingerprint_names_the_numerics_path(tiny_model):
     (1, {}),
     (2, {"STEADYSERVE_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}),
 ])
-def test_golden_vectors_are_bitwise_equal_here(threads, env):
-    """Portable numerics on this machine give the golden file's bits, which another machine made: with one
-    thread and the widest native build, and with two threads, the AVX2 build and PyTorch and MKL capped at AVX2
-    (what an AVX2-only CPU runs)."""
-    golden = json.loads(GOLDEN.read_text())
-    r = _run(["-m", "steadyserve.tools.golden", "--check", str(GOLDEN), "--threads", str(threads)],
+@pytest.mark.parametrize("mode,path", [("portable", GOLDEN), ("int8", GOLDEN_INT8)])
+def test_golden_vectors_are_bitwise_equal_here(threads, env, mode, path):
+    """Each portable path on this machine gives the golden file's bits, which another machine may have made: with
+    one thread and the widest native build, and with two threads, the AVX2 build and PyTorch and MKL capped at
+    AVX2 (what an AVX2-only CPU runs)."""
+    golden = json.loads(path.read_text())
+    r = _run(["-m", "steadyserve.tools.golden", "--numerics", mode, "--check", str(path), "--threads", str(threads)],
              {**os.environ, **env})
     print(r.stdout)
     assert r.returncode == 0, (f"golden vectors made on {golden['made_on']['cpu_model']} "

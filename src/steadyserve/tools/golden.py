@@ -1,7 +1,8 @@
-"""Golden logprob vectors for portable numerics: made on one machine, checked bitwise on any other.
+"""Golden logprob vectors for the portable numerics paths: made on one machine, checked bitwise on any other.
 
     python -m steadyserve.tools.golden --write tests/golden/portable_smollm2.json
     python -m steadyserve.tools.golden --check tests/golden/portable_smollm2.json [--threads N]
+    python -m steadyserve.tools.golden --numerics int8 --write tests/golden/int8_smollm2.json
 
 STEADYSERVE_ISA=scalar|avx2|avx512 caps the native kernels' vector build (as a CPU without the wider
 ISA would), so one machine can check every build against the file. The vectors are the
@@ -34,8 +35,8 @@ def f32hex(x: float) -> str:
     return struct.pack("<f", x).hex()  # exact: engine logprobs are float32 values widened to float
 
 
-def compute(threads: int) -> dict[str, Any]:
-    """Run the golden prompts through an engine with portable numerics, in this (portable) process."""
+def compute(threads: int, numerics_mode: str = "portable") -> dict[str, Any]:
+    """Run the golden prompts through an engine with `numerics_mode` (portable | int8), in this process."""
     import torch
 
     from ..config import EngineConfig
@@ -47,10 +48,10 @@ def compute(threads: int) -> dict[str, Any]:
     from ..platform_info import platform_info
 
     torch.set_num_threads(threads)
-    loaded = load_model("", numerics="portable")
+    loaded = load_model("", numerics=numerics_mode)
     numerics = loaded.numerics
     assert numerics is not None
-    engine = LLMEngine(loaded, EngineConfig(kv_cache_memory=64 * 1024**2, threads=threads, numerics="portable"))
+    engine = LLMEngine(loaded, EngineConfig(kv_cache_memory=64 * 1024**2, threads=threads, numerics=numerics_mode))
     selftest = run_selftest(engine)
     if not selftest.passed:
         raise RuntimeError(f"self-test failed: {selftest.detail}")
@@ -70,6 +71,7 @@ def compute(threads: int) -> dict[str, Any]:
     return {"numerics_id": numerics.numerics_id, "weights": loaded.weights_hash[:12],
             "made_on": {"cpu_model": p.cpu_model, "cpu_flags": list(p.cpu_flags), "host_isa_of_torch": p.isa,
                         "native_build": ("scalar", "avx2", "avx512")[torch.ops.steadyserve.qmm_isa()],
+                        "int8_build": ("scalar", "avx2", "avx512 vnni")[torch.ops.steadyserve.q8_isa()],
                         "threads": threads, "kernel": loaded.model.kernel_id},
             "cases": cases}
 
@@ -105,8 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--write", metavar="PATH")
     mode.add_argument("--check", metavar="PATH")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--numerics", choices=["portable", "int8"], default="portable")
     a = p.parse_args(argv)
-    got = compute(a.threads)
+    got = compute(a.threads, a.numerics)
     if a.write:
         Path(a.write).parent.mkdir(parents=True, exist_ok=True)
         Path(a.write).write_text(json.dumps(got, indent=1) + "\n")
