@@ -5,7 +5,8 @@
   runs at a fixed 1 and a fixed 2 threads. The same comparison run with a TEST-ONLY drift that shifts each
   logprob row by the thread count must see a difference (the check has teeth on any machine).
 * The real policy, fed starved waits through a fake signal source, makes the engine set torch's thread count
-  and report it in StepStats; --no-adaptive-threads and a budget of 1 thread keep no policy at all.
+  and report it in StepStats; --no-adaptive-threads and a budget of 1 thread keep no policy at all (the waits
+  are still measured, for the metrics).
 """
 
 from __future__ import annotations
@@ -189,13 +190,13 @@ def test_no_policy_without_the_flag_or_with_one_thread(smolwidth_model):
     loaded = load_model(smolwidth_model, batch_invariant=True, row_tile=64)
     try:
         off = engine_for(loaded, threads=2, adaptive_threads=False)
-        assert off.thread_policy is None and off.cpu_signals is None
+        assert off.thread_policy is None and off.cpu_signals is not None  # the waits are still measured
         one = engine_for(loaded, threads=1)
         assert one.thread_policy is None
         out, stats = None, None
         one.add_request(greedy("x", [5, 6, 7], 2))
         while one.has_work():
             out, stats = one.step()
-        assert stats is not None and stats.threads == 1 and stats.thread_change == "" and stats.run_delay == 0.0
+        assert stats is not None and stats.threads == 1 and stats.thread_change == "" and stats.run_delay >= 0.0
     finally:
         torch.set_num_threads(2)

@@ -139,12 +139,10 @@ class Metrics:
                                       "down, probe goes back up.", ["reason"], registry=r)
         self.run_delay = Counter(p + "engine_cpu_wait_seconds_total", "Seconds the engine thread waited on a CPU "
                                  "run queue during steps (a busy neighbour or CFS throttling; /proc schedstat); "
-                                 "over steadyserve_step_duration_seconds_sum: the share of step time starved. "
-                                 "Read with --adaptive-threads and more than one thread.", registry=r)
+                                 "over steadyserve_step_duration_seconds_sum: the share of step time starved.", registry=r)
         self.throttled = Counter(p + "cgroup_cpu_throttled_seconds_total", "Seconds the cgroup CPU quota "
                                  "throttled the server during steps (cpu.stat throttled_usec / throttled_time of "
-                                 "the cgroup whose quota binds, summed over CPUs). Read with --adaptive-threads "
-                                 "and more than one thread.", registry=r)
+                                 "the cgroup whose quota binds, summed over CPUs; 0 without a quota).", registry=r)
         self.cpu_quota = Gauge(p + "cpu_quota_cpus", "CPUs the cgroup CPU quota allows (quota / period, the "
                                "smallest up the cgroup tree), read at start-up; 0 = no quota.", registry=r)
         self._process = _ProcessCollector(device)

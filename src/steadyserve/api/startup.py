@@ -93,6 +93,7 @@ def _load_and_check(config: Config, hooks: EngineHooks, limit: MemoryLimit,
             "speculation": ec.speculation}})
     for hook in hooks.after_selftest:
         hook(engine)
+    engine.reset_threads()  # serving starts at the budget, whatever a starved self-test made of it
     release_free_memory()
     return loaded, engine, selftest, plan
 

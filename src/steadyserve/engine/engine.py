@@ -88,9 +88,9 @@ class LLMEngine:
         torch.set_num_threads(self.num_threads)
         adaptive = cfg.adaptive_threads and self.thread_budget > 1
         self.thread_policy: ThreadPolicy | None = ThreadPolicy(self.thread_budget) if adaptive else None
-        quota_dir = read_cpu_quota().directory if adaptive else None
-        self.cpu_signals: CpuSignals | None = (CpuSignals(quota_dir / "cpu.stat" if quota_dir else None)
-                                               if adaptive else None)
+        # The waits are read with or without the policy: steadyserve_engine_cpu_wait_seconds_total shows them.
+        quota_dir = read_cpu_quota().directory
+        self.cpu_signals: CpuSignals | None = CpuSignals(quota_dir / "cpu.stat" if quota_dir else None)
         # The thread that built the engine (and, in the server, loaded the model): stepping it from
         # another one costs a second OpenMP worker pool (see model_thread.py). AsyncEngine checks.
         self.owner_thread_id = threading.get_ident()
@@ -205,12 +205,13 @@ class LLMEngine:
         spec = self.speculator.take_counts()
         change: ThreadChange | None = None
         run_delay = throttled = 0.0
-        if self.cpu_signals is not None and self.thread_policy is not None and not sched.is_empty:
+        if self.cpu_signals is not None and not sched.is_empty:
             waits1 = self.cpu_signals.read()
             run_delay, throttled = waits1[0] - waits0[0], waits1[1] - waits0[1]
-            change = self.thread_policy.observe(time.perf_counter() - t0, run_delay, throttled)
-            if change is not None:
-                self.set_threads(change)
+            if self.thread_policy is not None:
+                change = self.thread_policy.observe(time.perf_counter() - t0, run_delay, throttled)
+                if change is not None:
+                    self.set_threads(change)
         stats = StepStats(num_seqs=len(sched.scheduled), num_tokens=sched.num_tokens, num_generated=num_generated,
                           num_preempted=len(sched.preempted), duration=time.perf_counter() - t0,
                           num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
@@ -221,6 +222,14 @@ class LLMEngine:
                           threads=self.num_threads, thread_change=change.reason if change else "",
                           run_delay=run_delay, throttled=throttled)
         return outputs, stats  # 4. emit (the caller delivers)
+
+    def reset_threads(self) -> None:
+        """Back to the budget with a fresh policy (the server calls it once the start-up self-test is done, so
+        serving starts at the budget and every change it makes is counted in the metrics)."""
+        if self.thread_policy is not None:
+            self.thread_policy = ThreadPolicy(self.thread_budget)
+        self.num_threads = self.thread_budget
+        torch.set_num_threads(self.num_threads)
 
     def set_threads(self, change: ThreadChange) -> None:
         """Run the next steps with `change.threads` intra-op threads (on the engine thread, between steps: the
