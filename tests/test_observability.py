@@ -169,8 +169,8 @@ def _json_or_none(line: str) -> dict | None:
     return obj if isinstance(obj, dict) else None
 
 
-PROMQL_WORDS = {"sum", "by", "rate", "increase", "histogram_quantile", "count", "max", "min", "avg", "on", "avg_over_time",
-                "without", "le", "instance", "reason", "status", "grpc_code", "model", "device", "dtype",
+PROMQL_WORDS = {"sum", "by", "rate", "increase", "histogram_quantile", "count", "max", "min", "avg", "on",
+                "avg_over_time", "without", "le", "instance", "reason", "status", "grpc_code", "model", "device", "dtype",
                 "batch_invariant", "and", "or", "unless", "bool", "ignoring", "group_left", "group_right"}
 
 

@@ -139,7 +139,8 @@ class Metrics:
                                       "down, probe goes back up.", ["reason"], registry=r)
         self.run_delay = Counter(p + "engine_cpu_wait_seconds_total", "Seconds the engine thread waited on a CPU "
                                  "run queue during steps (a busy neighbour or CFS throttling; /proc schedstat); "
-                                 "over steadyserve_step_duration_seconds_sum: the share of step time starved.", registry=r)
+                                 "over steadyserve_step_duration_seconds_sum: the share of step time starved.",
+                                 registry=r)
         self.throttled = Counter(p + "cgroup_cpu_throttled_seconds_total", "Seconds the cgroup CPU quota "
                                  "throttled the server during steps (cpu.stat throttled_usec / throttled_time of "
                                  "the cgroup whose quota binds, summed over CPUs; 0 without a quota).", registry=r)
