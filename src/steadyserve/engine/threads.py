@@ -205,6 +205,9 @@ class CpuSignals:
             os.close(self._sched)
             self._sched = None
 
+    def __del__(self) -> None:
+        self.close()
+
     def close(self) -> None:
         self._close_sched()
         if self._stat is not None:
