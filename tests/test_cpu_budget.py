@@ -174,6 +174,7 @@ def test_budget_reaches_platform_info_and_the_gauges(tmp_path):
     m.set_cpu_budget(b.threads, b.quota)
     text = generate_latest(m.registry).decode()
     assert "\nsteadyserve_threads 1.0\n" in text and "\nsteadyserve_cpu_quota_cpus 1.5\n" in text
+    assert "\nsteadyserve_threads_budget 1.0\n" in text  # the budget stays put when the engine runs fewer
 
 
 # ---- (b) a real cgroup -----------------------------------------------------------------------------------------

@@ -52,7 +52,7 @@ def test_server_under_a_one_cpu_quota_runs_and_reports_one_thread(quota_server: 
     with Client(quota_server.grpc_addr, timeout=30, retries=False) as c:
         g = c.model_info().platform
     assert (g.threads, g.threads_source, g.cpu_quota, g.cpu_affinity) == (1, source, 1.0, platform["cpu_affinity"])
-    assert quota_server.metric("steadyserve_threads") == 1
+    assert quota_server.metric("steadyserve_threads") == 1 == quota_server.metric("steadyserve_threads_budget")
     assert quota_server.metric("steadyserve_cpu_quota_cpus") == 1.0
     logs = quota_server.logs()
     assert re.search(r"cpu budget .*threads=1\b", logs), logs[-3000:]

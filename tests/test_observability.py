@@ -170,7 +170,7 @@ def _json_or_none(line: str) -> dict | None:
 
 
 PROMQL_WORDS = {"sum", "by", "rate", "increase", "histogram_quantile", "count", "max", "min", "avg", "on",
-                "without", "le", "instance", "reason", "status", "grpc_code", "model", "device", "dtype",
+                "avg_over_time", "without", "le", "instance", "reason", "status", "grpc_code", "model", "device", "dtype",
                 "batch_invariant", "and", "or", "unless", "bool", "ignoring", "group_left", "group_right"}
 
 

@@ -46,6 +46,10 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=d.threads,
                    help="torch intra-op threads; 0 = the CPU budget: the cgroup CPU quota (rounded down, at least "
                         "1) or the CPU affinity mask, whichever is smaller (default: %(default)s)")
+    g.add_argument("--adaptive-threads", action=argparse.BooleanOptionalAction, default=d.adaptive_threads,
+                   help="run fewer threads while starved of CPU (the engine thread waits on a run queue, or the "
+                        "cgroup quota throttles), back up to --threads / the CPU budget when not; the output is "
+                        "bitwise the same (default: on)")
     g.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=d.batch_invariant,
                    help="bitwise batch-invariant numerics (default: on)")
     g.add_argument("--row-tile", type=int, default=d.row_tile,
@@ -97,7 +101,8 @@ def config_from_args(a: argparse.Namespace) -> Config:
                             memory_overhead=parse_size(a.memory_overhead, "--memory-overhead"),
                             block_size=a.block_size, max_num_seqs=a.max_num_seqs, max_queue=a.max_queue,
                             max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
-                            threads=a.threads, batch_invariant=a.batch_invariant, row_tile=a.row_tile,
+                            threads=a.threads, adaptive_threads=a.adaptive_threads,
+                            batch_invariant=a.batch_invariant, row_tile=a.row_tile,
                             attention=a.attention, prefix_caching=a.prefix_caching, numerics=a.numerics,
                             speculation=a.speculation),
         server=ServerConfig(host=a.host, http_port=a.http_port, grpc_port=a.grpc_port,

@@ -73,6 +73,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # --max-num-batched-tokens: per-step token budget (chunked prefill)
     max_model_len: int = 0  # --max-model-len: context cap; 0 = the model's own
     threads: int = 0  # --threads: torch intra-op threads; 0 = the CPU budget: the smallest of the cgroup CPU quota (rounded down, at least 1) and the CPU affinity mask
+    adaptive_threads: bool = True  # --adaptive-threads / --no-adaptive-threads: run fewer intra-op threads while the engine thread waits on a CPU run queue or the cgroup quota throttles it (a busy neighbour, a CPU limit), back up to the thread count above when it stops; bitwise the same output (engine/threads.py)
     batch_invariant: bool = True  # --batch-invariant / --no-batch-invariant: bitwise batch-invariant numerics, self-tested at start-up
     row_tile: int = 512  # --row-tile: most rows per row-wise kernel call; fewer only in counts verified at start-up
     attention: str = "auto"  # --attention: auto | native (C++ kernel, else refuse to start) | python

@@ -33,6 +33,7 @@ class CpuQuota:
     cpus: float | None  # quota / period: CPUs the smallest quota up the tree allows per period; None = no quota
     threads: int  # that quota as threads: rounded down, at least 1; 0 when there is no quota
     detail: str  # e.g. "cgroup v2 cpu.max 150000/100000 at /sys/fs/cgroup/a", or why there is no quota
+    directory: Path | None = None  # the cgroup directory whose quota binds (its cpu.stat counts the throttling)
 
 
 @dataclass(frozen=True)
@@ -80,19 +81,20 @@ def _quota_in(d: Path, v2: bool) -> tuple[int, int] | None:
 
 
 def _quota_term(root: Path, v2: bool, cg_path: str | None,
-                mounts: list[tuple[str, str, str, str]]) -> tuple[int, int, str] | None:
-    """The smallest (quota, period, detail) of our cgroup and its ancestors up to the mount, in one hierarchy."""
+                mounts: list[tuple[str, str, str, str]]) -> tuple[int, int, str, Path] | None:
+    """The smallest (quota, period, detail, directory) of our cgroup and its ancestors up to the mount, in one
+    hierarchy."""
     found = cgroup_dir(root, mounts, v2, cg_path, controller="cpu") if cg_path is not None else None
     if found is None:
         return None
     d, base = found
     files = "cpu.max" if v2 else "cpu.cfs_quota_us/cpu.cfs_period_us"
-    best: tuple[int, int, str] | None = None
+    best: tuple[int, int, str, Path] | None = None
     while True:  # up to the mount point: an ancestor's quota binds us as well
         qp = _quota_in(d, v2)
         if qp is not None and (best is None or qp[0] * best[1] < best[0] * qp[1]):
             where = "/" + str(d.relative_to(root))
-            best = (qp[0], qp[1], f"cgroup {'v2' if v2 else 'v1'} {files} {qp[0]}/{qp[1]} at {where}")
+            best = (qp[0], qp[1], f"cgroup {'v2' if v2 else 'v1'} {files} {qp[0]}/{qp[1]} at {where}", d)
         if d == base or base not in d.parents:
             return best
         d = d.parent
@@ -106,8 +108,8 @@ def read_cpu_quota(root: str | Path = "/") -> CpuQuota:
                          _quota_term(base, False, own.get("cpu"), mounts)) if t is not None]
     if not terms:
         return CpuQuota(None, 0, "no cgroup CPU quota (cpu.max / cpu.cfs_quota_us unset, max or -1)")
-    quota, period, detail = min(terms, key=lambda t: t[0] / t[1])
-    return CpuQuota(quota / period, max(1, quota // period), detail)
+    quota, period, detail, directory = min(terms, key=lambda t: t[0] / t[1])
+    return CpuQuota(quota / period, max(1, quota // period), detail, directory)
 
 
 def _affinity() -> int | None:

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily
 
 from .engine.engine import StepStats
+from .engine.threads import CHANGE_REASONS
 from .limits import REJECT_REASONS
 from .engine.sequence import RequestOutput
 
@@ -127,9 +128,22 @@ class Metrics:
         self.tracked = Gauge(p + "requests_tracked", "Requests the metrics hold per-request state for (their last "
                              "token's time); back to 0 whenever the server is idle, or state leaks.", registry=r)
         self.tracked.set_function(lambda: len(self._last_token_time))
-        self.threads = Gauge(p + "threads", "torch intra-op threads, from the CPU budget read at start-up: "
-                             "--threads, else the smaller of the cgroup CPU quota (rounded down, at least 1) and "
-                             "the CPU affinity mask.", registry=r)
+        self.threads = Gauge(p + "threads", "torch intra-op threads the engine runs with now: the budget "
+                             "(steadyserve_threads_budget), or fewer while it is starved of CPU "
+                             "(--adaptive-threads).", registry=r)
+        self.threads_budget = Gauge(p + "threads_budget", "The most intra-op threads, from the CPU budget read at "
+                                    "start-up: --threads, else the smaller of the cgroup CPU quota (rounded down, "
+                                    "at least 1) and the CPU affinity mask.", registry=r)
+        self.thread_changes = Counter(p + "thread_changes_total", "Changes of the engine's thread count "
+                                      "(--adaptive-threads), by reason: run_queue_delay and cgroup_throttled go "
+                                      "down, probe goes back up.", ["reason"], registry=r)
+        self.run_delay = Counter(p + "engine_cpu_wait_seconds_total", "Seconds the engine thread waited on a CPU "
+                                 "run queue during steps (a busy neighbour or CFS throttling; /proc schedstat); "
+                                 "over steadyserve_step_duration_seconds_sum: the share of step time starved.",
+                                 registry=r)
+        self.throttled = Counter(p + "cgroup_cpu_throttled_seconds_total", "Seconds the cgroup CPU quota "
+                                 "throttled the server during steps (cpu.stat throttled_usec / throttled_time of "
+                                 "the cgroup whose quota binds, summed over CPUs; 0 without a quota).", registry=r)
         self.cpu_quota = Gauge(p + "cpu_quota_cpus", "CPUs the cgroup CPU quota allows (quota / period, the "
                                "smallest up the cgroup tree), read at start-up; 0 = no quota.", registry=r)
         self._process = _ProcessCollector(device)
@@ -141,6 +155,8 @@ class Metrics:
             self.rejected.labels(reason)
         for reason in ABORT_REASONS:
             self.aborted.labels(reason)
+        for reason in CHANGE_REASONS:
+            self.thread_changes.labels(reason)
         self.engine_alive.set(0)
         self._last_token_time: dict[str, float] = {}
         self.backlog_sources: dict[int, object] = {}  # id -> callable returning bytes, summed at scrape
@@ -151,6 +167,7 @@ class Metrics:
     def set_cpu_budget(self, threads: int, quota_cpus: float | None) -> None:
         """The CPU budget read at start-up (cpu_budget.py): threads run, and the quota (None = no quota)."""
         self.threads.set(threads)
+        self.threads_budget.set(threads)
         self.cpu_quota.set(quota_cpus or 0.0)
 
     # ---- hooks, called from the engine thread (prometheus-client is thread-safe) ----
@@ -166,6 +183,14 @@ class Metrics:
         self.prefix_queried.inc(s.num_prefix_queried_tokens)
         self.prefix_hits.inc(s.num_prefix_hit_tokens)
         self.cached_blocks.set(s.num_cached_blocks)
+        if s.threads:
+            self.threads.set(s.threads)
+        if s.thread_change:
+            self.thread_changes.labels(s.thread_change).inc()
+        if s.run_delay > 0:
+            self.run_delay.inc(s.run_delay)
+        if s.throttled > 0:
+            self.throttled.inc(s.throttled)
         if s.num_drafted_tokens:
             self.spec_drafted.inc(s.num_drafted_tokens)
             self.spec_accepted.inc(s.num_accepted_tokens)

@@ -94,6 +94,7 @@ def _load_and_check(config: Config, hooks: EngineHooks, limit: MemoryLimit,
             "speculation": ec.speculation}})
     for hook in hooks.after_selftest:
         hook(engine)
+    engine.reset_threads()  # serving starts at the budget, whatever a starved self-test made of it
     release_free_memory()
     # What is alive now (modules, the model, the tokenizer: millions of objects) lives as long as the process:
     # out of the collector's generations, so a full collection during an engine step walks only what requests

@@ -7,6 +7,7 @@ is locked because nothing else touches it.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -28,6 +29,10 @@ from .stop import end_token_ids, final_reason, stop_reason
 from ..limits import Refused, check_token_ids
 from .sequence import Request, RequestOutput, Sequence, TokenLogprob
 from .structured import Grammars
+from .threads import CpuSignals, ThreadChange, ThreadPolicy
+from ..cpu_budget import read_cpu_quota
+
+log = logging.getLogger("steadyserve.engine")
 
 @dataclass
 class StepStats:
@@ -45,6 +50,10 @@ class StepStats:
     num_drafted_tokens: int = 0  # speculative draft tokens verified this step (speculation.py)
     num_accepted_tokens: int = 0  # of which accepted
     acceptance_ratios: list[float] = field(default_factory=list)  # accepted / drafted of each verification
+    threads: int = 0  # intra-op threads the next step runs with (engine/threads.py may change them); 0 = unknown
+    thread_change: str = ""  # why this step changed them (threads.CHANGE_REASONS); "" = unchanged
+    run_delay: float = 0.0  # seconds the engine thread waited on a CPU run queue during the step (0 = not read)
+    throttled: float = 0.0  # seconds the cgroup's CPU quota throttled it during the step (summed over CPUs)
 
 
 class _SeqState:
@@ -73,7 +82,15 @@ class _Emitted:
 
 class LLMEngine:
     def __init__(self, loaded: LoadedModel, cfg: EngineConfig) -> None:
-        torch.set_num_threads(cfg.num_threads)
+        # The thread budget: never more threads than this; fewer while starved with --adaptive-threads.
+        self.thread_budget = cfg.num_threads
+        self.num_threads = self.thread_budget
+        torch.set_num_threads(self.num_threads)
+        adaptive = cfg.adaptive_threads and self.thread_budget > 1
+        self.thread_policy: ThreadPolicy | None = ThreadPolicy(self.thread_budget) if adaptive else None
+        # The waits are read with or without the policy: steadyserve_engine_cpu_wait_seconds_total shows them.
+        quota_dir = read_cpu_quota().directory
+        self.cpu_signals: CpuSignals | None = CpuSignals(quota_dir / "cpu.stat" if quota_dir else None)
         # The thread that built the engine (and, in the server, loaded the model): stepping it from
         # another one costs a second OpenMP worker pool (see model_thread.py). AsyncEngine checks.
         self.owner_thread_id = threading.get_ident()
@@ -166,6 +183,7 @@ class LLMEngine:
     # ---- the step --------------------------------------------------------
     def step(self) -> tuple[list[RequestOutput], StepStats]:
         t0 = time.perf_counter()
+        waits0 = self.cpu_signals.read() if self.cpu_signals is not None else (0.0, 0.0)
         bm = self.block_manager
         queried0, hit0 = bm.num_queried_tokens, bm.num_hit_tokens
         if self.speculator.enabled:  # drafts first: the scheduler sizes each sequence's step with its draft
@@ -185,14 +203,42 @@ class LLMEngine:
                     num_generated += len(out.new_token_ids)
                     outputs.append(out)
         spec = self.speculator.take_counts()
+        change: ThreadChange | None = None
+        run_delay = throttled = 0.0
+        if self.cpu_signals is not None and not sched.is_empty:
+            waits1 = self.cpu_signals.read()
+            run_delay, throttled = waits1[0] - waits0[0], waits1[1] - waits0[1]
+            if self.thread_policy is not None:
+                change = self.thread_policy.observe(time.perf_counter() - t0, run_delay, throttled)
+                if change is not None:
+                    self.set_threads(change)
         stats = StepStats(num_seqs=len(sched.scheduled), num_tokens=sched.num_tokens, num_generated=num_generated,
                           num_preempted=len(sched.preempted), duration=time.perf_counter() - t0,
                           num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
                           kv_usage=bm.usage, num_cached_blocks=bm.num_cached_blocks,
                           num_prefix_queried_tokens=bm.num_queried_tokens - queried0,
                           num_prefix_hit_tokens=bm.num_hit_tokens - hit0, num_drafted_tokens=spec.drafted,
-                          num_accepted_tokens=spec.accepted, acceptance_ratios=spec.ratios)
+                          num_accepted_tokens=spec.accepted, acceptance_ratios=spec.ratios,
+                          threads=self.num_threads, thread_change=change.reason if change else "",
+                          run_delay=run_delay, throttled=throttled)
         return outputs, stats  # 4. emit (the caller delivers)
+
+    def reset_threads(self) -> None:
+        """Back to the budget with a fresh policy (the server calls it once the start-up self-test is done, so
+        serving starts at the budget and every change it makes is counted in the metrics)."""
+        if self.thread_policy is not None:
+            self.thread_policy = ThreadPolicy(self.thread_budget)
+        self.num_threads = self.thread_budget
+        torch.set_num_threads(self.num_threads)
+
+    def set_threads(self, change: ThreadChange) -> None:
+        """Run the next steps with `change.threads` intra-op threads (on the engine thread, between steps: the
+        kernels are bitwise independent of the count, so no output and no fingerprint changes)."""
+        self.num_threads = max(1, min(self.thread_budget, change.threads))
+        torch.set_num_threads(self.num_threads)
+        log.info("engine threads changed", extra={"fields": {
+            "threads": self.num_threads, "previous": change.previous, "budget": self.thread_budget,
+            "reason": change.reason, "wait_fraction": round(change.fraction, 3)}})
 
     def _update(self, item: ScheduledSeq, result: SeqResult, num_batch_seqs: int) -> RequestOutput | None:
         out = self._update_seq(item, result, num_batch_seqs)
