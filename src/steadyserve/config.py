@@ -126,7 +126,7 @@ class EngineConfig:
     def num_threads(self) -> int:
         """--threads, or when 0 the CPU budget read now (cpu_budget.py). The server reads the budget once at
         start-up and passes the engine its count, so this fallback serves offline engines (tools, tests)."""
-        from .cpu_budget import read_cpu_budget  # cpu_budget -> memory -> config: imported when needed
+        from .cpu_budget import read_cpu_budget  # torch-free, but not needed until a default is asked for
 
         return self.threads or read_cpu_budget().threads
 

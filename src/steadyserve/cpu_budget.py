@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .memory import cgroup_dir, cgroup_mounts, own_cgroups
+from .cgroups import cgroup_dir, cgroup_mounts, own_cgroups, read_file
 
 
 @dataclass(frozen=True)
@@ -58,25 +58,18 @@ def cpus(n: float) -> str:
     return f"{n:g} CPU" + ("" if n == 1 else "s")
 
 
-def _read(d: Path, name: str) -> str | None:
-    try:
-        return (d / name).read_text()
-    except OSError:
-        return None
-
-
 def _quota_in(d: Path, v2: bool) -> tuple[int, int] | None:
     """(quota, period) in microseconds set in cgroup directory `d`; None for no quota or no file."""
     if v2:
-        fields = (_read(d, "cpu.max") or "max").split()
+        fields = (read_file(d, "cpu.max") or "max").split()
         if fields[0] == "max":
             return None
         quota, period = int(fields[0]), int(fields[1]) if len(fields) > 1 else 100000
     else:
-        text = _read(d, "cpu.cfs_quota_us")
+        text = read_file(d, "cpu.cfs_quota_us")
         if text is None or int(text) < 0:  # -1: no quota
             return None
-        quota, period = int(text), int(_read(d, "cpu.cfs_period_us") or "100000")
+        quota, period = int(text), int(read_file(d, "cpu.cfs_period_us") or "100000")
     return (quota, period) if quota > 0 and period > 0 else None
 
 

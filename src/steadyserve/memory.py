@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .cgroups import cgroup_dir, cgroup_mounts, own_cgroups, read_file
 from .config import ConfigError
 
 MiB = 1024**2
@@ -89,13 +90,6 @@ def human(n: float) -> str:
 
 # ---- reading the limit ----------------------------------------------------------------------------------
 
-def _read(root: Path, path: str) -> str | None:
-    try:
-        return (root / path.lstrip("/")).read_text()
-    except OSError:
-        return None
-
-
 def parse_limit_value(text: str) -> int | None:
     """A cgroup limit file's value in bytes; None for `max` or a v1 "unlimited" value."""
     value = text.strip()
@@ -103,52 +97,6 @@ def parse_limit_value(text: str) -> int | None:
         return None
     n = int(value)  # anything else in these files is a kernel bug; let it raise
     return None if n >= UNLIMITED else n
-
-
-def own_cgroups(root: Path) -> dict[str, str]:
-    """/proc/self/cgroup as {"v2": path, controller: path, ...}: the line `0::/path` is "v2", and each v1 line
-    `N:cpu,cpuacct:/path` gives every controller it names ("memory", "cpu", ...) that path."""
-    out: dict[str, str] = {}
-    for line in (_read(root, "/proc/self/cgroup") or "").splitlines():
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        if parts[0] == "0" and parts[1] == "":
-            out["v2"] = parts[2]
-        else:
-            for controller in parts[1].split(","):
-                out[controller] = parts[2]
-    return out
-
-
-def cgroup_mounts(root: Path) -> list[tuple[str, str, str, str]]:
-    """(mount root, mount point, fs type, super options) of each cgroup mount in /proc/self/mountinfo."""
-    out = []
-    for line in (_read(root, "/proc/self/mountinfo") or "").splitlines():
-        left, _, right = line.partition(" - ")
-        f, r = left.split(), right.split()
-        if len(f) >= 5 and len(r) >= 3 and r[0] in ("cgroup", "cgroup2"):
-            out.append((f[3], f[4], r[0], r[2]))
-    return out
-
-
-def cgroup_dir(root: Path, mounts: list[tuple[str, str, str, str]], v2: bool,
-               cg_path: str, controller: str = "memory") -> tuple[Path, Path] | None:
-    """(our cgroup's directory, its mount point): the mount point plus our path relative to the mount's root.
-    v1 looks for the mount of `controller`; v2 has one hierarchy for all of them."""
-    for mroot, mpoint, fstype, opts in mounts:
-        if (fstype == "cgroup2") != v2 or (not v2 and controller not in opts.split(",")):
-            continue
-        rel = cg_path[len(mroot):] if cg_path.startswith(mroot) else cg_path
-        base = root / mpoint.lstrip("/")
-        d = base / rel.lstrip("/")
-        return (d if d.is_dir() else base), base  # a namespaced mount shows our cgroup as its root
-    # No mountinfo (minimal fixtures, odd containers): the conventional mount points.
-    base = root / ("sys/fs/cgroup" if v2 else f"sys/fs/cgroup/{controller}")
-    if not base.is_dir():
-        return None
-    d = base / cg_path.lstrip("/")
-    return (d if d.is_dir() else base), base
 
 
 def _cgroup_term(root: Path, v2: bool, cg_path: str | None, mounts: list) -> LimitTerm:
@@ -162,7 +110,7 @@ def _cgroup_term(root: Path, v2: bool, cg_path: str | None, mounts: list) -> Lim
     best: tuple[int, Path] | None = None
     read_any = False
     while True:  # up to the mount point: an ancestor's limit binds us as well
-        text = _read(d, name)
+        text = read_file(d, name)
         if text is not None:
             read_any = True
             value = parse_limit_value(text)
@@ -177,7 +125,7 @@ def _cgroup_term(root: Path, v2: bool, cg_path: str | None, mounts: list) -> Lim
 
 
 def _meminfo_term(root: Path) -> LimitTerm:
-    text = _read(root, "/proc/meminfo")
+    text = read_file(root, "/proc/meminfo")
     if text is None:
         return LimitTerm(SOURCE_MEMINFO, None, "/proc/meminfo unreadable")
     fields = {k.strip(): v.split() for k, _, v in (line.partition(":") for line in text.splitlines())}
@@ -185,7 +133,7 @@ def _meminfo_term(root: Path) -> LimitTerm:
         return LimitTerm(SOURCE_MEMINFO, None, "no MemAvailable in /proc/meminfo")
     available = int(fields["MemAvailable"][0]) * 1024
     rss = 0
-    for line in (_read(root, "/proc/self/status") or "").splitlines():
+    for line in (read_file(root, "/proc/self/status") or "").splitlines():
         if line.startswith("VmRSS:"):
             rss = int(line.split()[1]) * 1024
     return LimitTerm(SOURCE_MEMINFO, available + rss,

@@ -62,6 +62,11 @@ def _load_and_check(config: Config, hooks: EngineHooks, limit: MemoryLimit,
                         max_model_len=ec.max_model_len, name=mc.name, cache_dir=mc.cache_dir,
                         attention=ec.attention, block_size=ec.block_size, numerics=ec.numerics)
     assert loaded.numerics is not None
+    log.info("cpu budget", extra={"fields": {
+        "threads": cpu.threads, "source": cpu.source, "quota_cpus": cpu.quota, "quota": cpu.quota_detail,
+        "affinity": cpu.affinity, "cpu_count": cpu.cpu_count}})
+    if cpu.warning:
+        log.warning(cpu.warning, extra={"fields": {"threads": cpu.threads, "quota_cpus": cpu.quota}})
     release_free_memory()  # before the KV cache is allocated, so the peak never holds load-time garbage
     activate_numerics(loaded.numerics)
     log.info("model loaded", extra={"fields": {
@@ -112,12 +117,7 @@ def build_state(config: Config, hooks: EngineHooks | None = None) -> ServerState
     log.debug("memory limit", extra={"fields": {
         "limit_bytes": limit.limit, "source": limit.source, "detail": limit.detail,
         "terms": {t.source: t.limit for t in limit.terms}}})
-    cpu = read_cpu_budget(ec.threads)
-    log.info("cpu budget", extra={"fields": {
-        "threads": cpu.threads, "source": cpu.source, "quota_cpus": cpu.quota, "quota": cpu.quota_detail,
-        "affinity": cpu.affinity, "cpu_count": cpu.cpu_count}})
-    if cpu.warning:
-        log.warning(cpu.warning, extra={"fields": {"threads": cpu.threads, "quota_cpus": cpu.quota}})
+    cpu = read_cpu_budget(ec.threads)  # logged once the model has loaded: a refused model is one line
     model_thread = ModelThread()
     try:
         loaded, engine, selftest, plan = model_thread.call(lambda: _load_and_check(config, hooks, limit, cpu))

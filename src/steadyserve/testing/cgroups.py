@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from ..memory import cgroup_mounts
+from ..cgroups import cgroup_mounts
 
 PERIOD_US = 100000  # the kernel's default CFS period
 # `sh -c JOIN_AND_EXEC CGROUP_DIR ARGV...`: the shell moves itself into the cgroup, then execs ARGV (same pid).
