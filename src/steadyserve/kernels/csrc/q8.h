@@ -81,8 +81,8 @@ struct Q8Args {
 
 // Repacks N rows (N a multiple of 16) of a GGUF matrix into panels (q8_pack.cpp).
 void pack(int32_t ggml_type, const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, uint8_t* out);
-// Quantizes rows [m0, m1) of x (row stride x_stride) as the order above says: the scalar reference in
-// q8_pack.cpp, and each vector build's own (the same IEEE operations per value, so the same bits).
+// Quantizes rows [m0, m1) of x (row stride x_stride) as the order above says: q8_quantize.h, compiled in every
+// build over its own lanes (the same IEEE operations per value, so the same bits).
 #define STEADY_Q8_DECLARE(ns)                                                                                 \
   namespace ns {                                                                                              \
   void matmul(const Q8Args& a);                                                                               \

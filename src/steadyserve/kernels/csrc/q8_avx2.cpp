@@ -130,36 +130,7 @@ inline int32_t qround_store(QF v, float s, int8_t* q) {  // q = round-half-even(
 
 }  // namespace
 
-// The activation quantization of q8.h for one row's blocks, 16 values per vector: the same IEEE operations
-// per value as the scalar reference (q8_pack.cpp), so the same bits. amax is exact in any order; the scale
-// is computed once per block as a scalar, exactly as there; cvtps2dq rounds half to even (MXCSR's default).
-void quantize_rows(const float* x, int64_t x_stride, int64_t K, int64_t m0, int64_t m1, int8_t* xq, float* dx,
-                   float* sxd, int32_t* sx, int32_t* sx16) {
-  const int64_t blocks = K / kBlock;
-  for (int64_t m = m0; m < m1; ++m) {
-    for (int64_t c = 0; c < blocks; ++c) {
-      const float* v = x + m * x_stride + c * kBlock;
-      const QF lo = qload(v), hi = qload(v + 16);
-      const bool finite = qall_finite(lo) && qall_finite(hi);
-      const float amax = qhmax_abs(lo, hi);
-      const float d = finite ? amax / 127.0f : NAN;
-      const float s = finite && amax > 0.0f ? 127.0f / amax : 0.0f;
-      int32_t sum_lo = 0, sum_hi = 0;
-      int8_t* q = xq + m * K + c * kBlock;
-      if (finite) {
-        sum_lo = qround_store(lo, s, q);
-        sum_hi = qround_store(hi, s, q + 16);
-      } else {
-        std::memset(q, 0, kBlock);
-      }
-      dx[m * blocks + c] = d;
-      sx[m * blocks + c] = sum_lo + sum_hi;
-      sx16[m * 2 * blocks + 2 * c] = sum_lo;
-      sx16[m * 2 * blocks + 2 * c + 1] = sum_hi;
-      sxd[m * blocks + c] = d * float(sum_lo + sum_hi);
-    }
-  }
-}
+#include "q8_quantize.h"
 
 }  // namespace avx2
 }  // namespace steady_q8

@@ -1,7 +1,5 @@
-// The int8 family's two data preparations, in plain C++ (the same code on every CPU):
-//   pack:          a GGUF matrix into 16-row panels (q8.h lists the record), once at load;
-//   quantize_rows: activation rows into int8 blocks of 32 with their scales, at every call.
-// Both follow q8.h's order; neither has a reduction whose order could vary (a max, integer sums).
+// The int8 family's weight packing, in plain C++ (the same code on every CPU): a GGUF matrix into 16-row
+// panels (q8.h lists the record), once at load. The activations' quantization is q8_quantize.h.
 //
 // Bounds of I_c (q8.h), |q| <= 127: 4-bit u - z: 32 * 15 * 127 = 60960; 5-bit: 32 * 31 * 127 = 125984;
 // Q8_0: 32 * 128 * 127 = 520192; Q6_K: 2 * 128 * 16 * 32 * 127 = 16646144 < 2^25. The AVX2 build's int16
@@ -162,41 +160,5 @@ void pack(int32_t fmt, const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K
     }
   }
 }
-
-namespace scalar {
-
-void quantize_rows(const float* x, int64_t x_stride, int64_t K, int64_t m0, int64_t m1, int8_t* xq, float* dx,
-                   float* sxd, int32_t* sx, int32_t* sx16) {
-  const int64_t blocks = K / kBlock;
-  for (int64_t m = m0; m < m1; ++m) {
-    for (int64_t c = 0; c < blocks; ++c) {
-      const float* v = x + m * x_stride + c * kBlock;
-      int8_t* q = xq + m * K + c * kBlock;
-      float amax = 0.0f;
-      bool finite = true;
-      for (int k = 0; k < kBlock; ++k) {
-        finite = finite && std::isfinite(v[k]);
-        const float av = std::fabs(v[k]);
-        amax = av > amax ? av : amax;
-      }
-      const float d = finite ? amax / 127.0f : NAN;
-      const float s = finite && amax > 0.0f ? 127.0f / amax : 0.0f;
-      int32_t sum_lo = 0, sum_hi = 0;
-      for (int k = 0; k < kBlock; ++k) {
-        // round-half-even under the default rounding mode, as cvtps2dq does
-        const int32_t qi = finite ? int32_t(std::nearbyint(v[k] * s)) : 0;
-        q[k] = int8_t(qi);
-        (k < 16 ? sum_lo : sum_hi) += qi;
-      }
-      dx[m * blocks + c] = d;
-      sx[m * blocks + c] = sum_lo + sum_hi;
-      sx16[m * 2 * blocks + 2 * c] = sum_lo;
-      sx16[m * 2 * blocks + 2 * c + 1] = sum_hi;
-      sxd[m * blocks + c] = d * float(sum_lo + sum_hi);
-    }
-  }
-}
-
-}  // namespace scalar
 
 }  // namespace steady_q8

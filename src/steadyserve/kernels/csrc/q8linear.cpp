@@ -16,6 +16,7 @@
 #include <string>
 #include <tuple>
 
+#include "isa.h"
 #include "q8.h"
 
 namespace steady_q8_ops {
@@ -25,11 +26,7 @@ using namespace steady_q8;
 // The widest int8 build this CPU runs, capped by STEADYSERVE_ISA (scalar | avx2 | avx512) as qlinear.cpp's.
 int best_q8_isa() {
   static const int best = [] {
-    int cap = 2;
-    if (const char* env = std::getenv("STEADYSERVE_ISA")) {
-      const std::string v(env);
-      cap = v == "scalar" ? 0 : v == "avx2" ? 1 : 2;
-    }
+    const int cap = steady_isa::env_cap();
     __builtin_cpu_init();
     int have = 0;
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "ops.h"
+#include "isa.h"
 #include "q8.h"
 #include "qmm.h"
 
@@ -30,11 +31,7 @@ using namespace steady_qmm;
 // speed knob only, since every build computes the same bits (it lets one machine check them all).
 int best_isa() {
   static const int best = [] {
-    int cap = 2;
-    if (const char* env = std::getenv("STEADYSERVE_ISA")) {
-      const std::string v(env);
-      cap = v == "scalar" ? 0 : v == "avx2" ? 1 : 2;
-    }
+    const int cap = steady_isa::env_cap();
     __builtin_cpu_init();
     int have = 0;
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&

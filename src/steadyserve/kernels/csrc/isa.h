@@ -1,0 +1,19 @@
+// The cap on the native kernels' vector build from STEADYSERVE_ISA (scalar | avx2 | avx512): a speed knob only,
+// since every build computes the same bits (it lets one machine check them all). Read by both families'
+// dispatch (qlinear.cpp, q8linear.cpp), so one setting caps both.
+#pragma once
+
+#include <cstdlib>
+#include <string>
+
+namespace steady_isa {
+
+// 0 scalar, 1 AVX2, 2 AVX-512: the widest build STEADYSERVE_ISA allows (2 when unset).
+inline int env_cap() {
+  const char* env = std::getenv("STEADYSERVE_ISA");
+  if (!env) return 2;
+  const std::string v(env);
+  return v == "scalar" ? 0 : v == "avx2" ? 1 : 2;
+}
+
+}  // namespace steady_isa

@@ -1,0 +1,36 @@
+// The activation quantization of q8.h, written once over a 16-value lane type.
+//
+// Included by every build of the int8 family (q8_scalar.cpp, q8_avx2.cpp, q8_avx512.cpp) inside its namespace,
+// after it has defined QF (16 floats) and qload, qall_finite, qhmax_abs and qround_store. Each value goes
+// through the same IEEE operations in every build: amax is exact in any order, the scale is computed once
+// per block as a scalar, x * s is one multiply, and the rounding is half to even (cvtps2dq under MXCSR's
+// default, std::nearbyint in the scalar build); the sums are integers. So every build gives the same bits.
+
+void quantize_rows(const float* x, int64_t x_stride, int64_t K, int64_t m0, int64_t m1, int8_t* xq, float* dx,
+                   float* sxd, int32_t* sx, int32_t* sx16) {
+  const int64_t blocks = K / kBlock;
+  for (int64_t m = m0; m < m1; ++m) {
+    for (int64_t c = 0; c < blocks; ++c) {
+      const float* v = x + m * x_stride + c * kBlock;
+      const QF lo = qload(v), hi = qload(v + 16);
+      const bool finite = qall_finite(lo) && qall_finite(hi);
+      const float amax = qhmax_abs(lo, hi);
+      const float d = finite ? amax / 127.0f : NAN;
+      const float s = finite && amax > 0.0f ? 127.0f / amax : 0.0f;
+      int32_t sum_lo = 0, sum_hi = 0;
+      int8_t* q = xq + m * K + c * kBlock;
+      if (finite) {
+        sum_lo = qround_store(lo, s, q);
+        sum_hi = qround_store(hi, s, q + 16);
+      } else {
+        std::memset(q, 0, kBlock);
+      }
+      dx[m * blocks + c] = d;
+      sx[m * blocks + c] = sum_lo + sum_hi;
+      sx16[m * 2 * blocks + 2 * c] = sum_lo;
+      sx16[m * 2 * blocks + 2 * c + 1] = sum_hi;
+      sxd[m * blocks + c] = d * float(sum_lo + sum_hi);
+    }
+  }
+}
+
