@@ -34,11 +34,11 @@ from steadyserve.testing.server import ServerProcess
 HERE = Path(__file__).parent
 
 
-def measure(url: str, levels: list[int], tokens: int) -> dict[str, float]:
+def measure(url: str, levels: list[int], tokens: int, requests: int = 8) -> dict[str, float]:
     warm_up(url)
     out = {}
     for c in levels:
-        r = bench(url, c, c if c >= 16 else 8, tokens, None, True)
+        r = bench(url, c, c if c >= 16 else requests, tokens, None, True)
         out[f"c{c}"] = r["output_tokens_per_s"]
         print(f"    c={c}: {out[f'c{c}']:.1f} tok/s", file=sys.stderr, flush=True)
     return out
@@ -54,6 +54,8 @@ def main() -> int:
     p.add_argument("--levels", default="1,64")
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--out", type=Path, default=HERE / "results" / "cpu_contention.json")
+    p.add_argument("--only", default="quiet,busy,quota", help="which conditions to run (a subset keeps the others "
+                                                                 "from a previous --out file)")
     a = p.parse_args()
     levels = [int(x) for x in a.levels.split(",")]
     gguf = default_model_path()
@@ -61,7 +63,10 @@ def main() -> int:
                  "cpus": os.cpu_count(), "gguf": Path(gguf).name, "output_tokens": a.output_tokens,
                  "command": " ".join([".venv/bin/python benchmarks/cpu_contention.py", *sys.argv[1:]]), "runs": {}}
     common = ("--kv-cache-memory", "1GiB", "--max-num-seqs", "64", "--max-queue", "512")
-    for cond in ("quiet", "busy"):
+    only = set(a.only.split(","))
+    if a.out.exists() and only != {"quiet", "busy", "quota"}:
+        res["runs"] = json.loads(a.out.read_text()).get("runs", {})
+    for cond in [c for c in ("quiet", "busy") if c in only]:
         for name in ("steadyserve", "llama-server"):
             print(f"{name}, {cond}", file=sys.stderr, flush=True)
             if name == "steadyserve":
@@ -71,8 +76,13 @@ def main() -> int:
                 srv = start_llama_server(a.llama_cpp, gguf, 2, repack=True)
                 url, stop = srv.url, srv.stop
             hog = busy_neighbour() if cond == "busy" else None
+            res.setdefault("conditions", {})[f"{name} {cond}"] = datetime.datetime.now(datetime.timezone.utc).isoformat(
+                timespec="seconds")
             try:
-                res["runs"][f"{name} {cond}"] = measure(url, levels, a.output_tokens)
+                # llama-server's spinning OMP threads collapse beside a neighbour (1-5 tok/s): c=1 only, 2 requests
+                busy_peer = name == "llama-server" and cond == "busy"
+                res["runs"][f"{name} {cond}"] = measure(url, levels[:1] if busy_peer else levels, a.output_tokens,
+                                                        2 if busy_peer else 8)
                 if name == "steadyserve":
                     metrics = __import__("httpx").get(url + "/metrics", timeout=10).text
                     res["runs"][f"{name} {cond}"]["threads_at_end"] = next(
@@ -83,7 +93,7 @@ def main() -> int:
                     hog.wait()
                 stop()
             time.sleep(2)
-    for label, threads in (("quota default", 0), ("quota --threads 1", 1)):
+    for label, threads in [x for x in (("quota default", 0), ("quota --threads 1", 1)) if "quota" in only]:
         print(f"steadyserve, {label}", file=sys.stderr, flush=True)
         with cpu_quota_cgroup(100000) as cg:
             sp = ServerProcess("", *common, threads=threads, cgroup=str(cg.path))
@@ -96,10 +106,12 @@ def main() -> int:
     ratios = {}
     for name in ("steadyserve", "llama-server"):
         for c in levels:
-            ratios[f"{name} c{c} busy / quiet (target >= 0.4)"] = r[f"{name} busy"][f"c{c}"] / r[f"{name} quiet"][f"c{c}"]
+            if f"c{c}" in r.get(f"{name} busy", {}) and f"c{c}" in r.get(f"{name} quiet", {}):
+                ratios[f"{name} c{c} busy / quiet (target >= 0.4)"] = r[f"{name} busy"][f"c{c}"] / r[f"{name} quiet"][f"c{c}"]
     for c in levels:
-        ratios[f"steadyserve c{c} quota default / quota --threads 1 (target >= 0.9)"] = (
-            r["steadyserve quota default"][f"c{c}"] / r["steadyserve quota --threads 1"][f"c{c}"])
+        if "steadyserve quota default" in r and "steadyserve quota --threads 1" in r:
+            ratios[f"steadyserve c{c} quota default / quota --threads 1 (target >= 0.9)"] = (
+                r["steadyserve quota default"][f"c{c}"] / r["steadyserve quota --threads 1"][f"c{c}"])
     res["ratios"] = ratios
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(res, indent=2) + "\n")
