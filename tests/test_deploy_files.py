@@ -351,14 +351,17 @@ def test_deployment_probes_drain_resources_security(rendered, dockerfile) -> Non
     assert 5 <= sleep_s <= 30
     assert pod["terminationGracePeriodSeconds"] > sleep_s + cfg.server.drain_timeout + PRE_STOP_FLUSH_S
     # Resources: memory set once, as the limit (the request defaults to it), the same as Compose; the server
-    # sizes its KV cache from it (auto); threads == CPU.
+    # sizes its KV cache from it (auto); the CPU quota set once too, the same as Compose's, and no --threads: the
+    # server derives its threads from the quota (cpu_budget.py).
     res = c["resources"]
     limit = k8s_quantity(res["limits"]["memory"])
     assert "memory" not in res["requests"] and auto_kv_bytes(limit, cfg) >= 256 * MiB
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     assert docker_bytes(compose["services"]["steadyserve"]["deploy"]["resources"]["limits"]["memory"]) == limit
     assert "768Mi" not in (K8S / "deployment.yaml").read_text()  # no hand formula to keep in step
-    assert int(res["requests"]["cpu"]) == cfg.engine.threads == int(res["limits"]["cpu"])
+    assert int(res["requests"]["cpu"]) == int(res["limits"]["cpu"]) and cfg.engine.threads == 0
+    assert float(compose["services"]["steadyserve"]["deploy"]["resources"]["limits"]["cpus"]) == int(res["limits"]["cpu"])
+    assert "--threads" not in " ".join(compose["services"]["steadyserve"]["command"])
     # Security: non-root as the image's user, read-only root, writable cache and /tmp volumes.
     uid = next(i["value"] for i in reversed(dockerfile.structure) if i["instruction"] == "USER").split(":")[0]
     assert pod["securityContext"]["runAsNonRoot"] is True
