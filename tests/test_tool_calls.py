@@ -61,13 +61,16 @@ def check_valid(calls) -> None:
 
 
 def test_required_calls_always_validate_and_finish_with_tool_calls(client) -> None:
-    names = set()
+    written = set()
     for seed in range(4):  # sampled, so each seed writes other calls: all valid
         r = chat(client, tool_choice="required", temperature=1.0, seed=seed)
         ch = r.choices[0]
         check_valid(ch.message.tool_calls)
         assert ch.finish_reason == "tool_calls" and ch.message.content is None
-        names |= {c.function.name for c in ch.message.tool_calls}
+        written.add(tuple((c.function.name, c.function.arguments) for c in ch.message.tool_calls))
+    # The seeds really sampled: not one call repeated four times (which a grammar ignoring the sampler would give).
+    assert len(written) > 1, written
+    assert {name for calls in written for name, _ in calls} <= set(SCHEMAS)
     # The control: the same model without the grammar (tool_choice none) writes no call, only text.
     free = chat(client, tool_choice="none", max_tokens=40, temperature=1.0, seed=0).choices[0]
     assert free.message.tool_calls is None and free.finish_reason in ("stop", "length")
