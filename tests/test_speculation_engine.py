@@ -45,7 +45,9 @@ def test_concurrent_sequences_arriving_while_others_decode(loaded):
     assert differences(off, run_requests(on, reqs[:6], arrivals)) == []
     assert_speculated(on)
     # With the default cheap rows too (a batch this size drafts only as it drains).
-    assert differences(off, run_requests(make(loaded, "ngram"), reqs[:6], arrivals)) == []
+    default = make(loaded, "ngram")
+    assert differences(off, run_requests(default, reqs[:6], arrivals)) == []
+    assert counts(default)[0] > 0, "the default engine never drafted: the comparison was off against off"
 
 
 def test_stop_tokens_stop_strings_and_max_tokens_inside_a_draft(loaded):
@@ -105,7 +107,11 @@ def test_logits_processors_penalties_and_grammar_stay_exact(loaded):
     for name, kw in PROCESSORS.items():
         reqs = [Request(f"{name}-{r.request_id}", r.prompt_token_ids, r.params) for r in
                 requests(0.0, **kw)[:3] + requests(0.5, **kw)[:2]]
+        drafted_before = counts(on)[0]
         assert differences(one_by_one(off_engine, reqs), one_by_one(on, reqs)) == [], name
+        # Each processor's own requests drafted (drafting stays on for it). Whether a draft is kept depends on
+        # it: a presence penalty pushes the copied tokens down, so its drafts are all rejected here.
+        assert counts(on)[0] > drafted_before, name
     assert_speculated(on)
 
 
