@@ -223,23 +223,42 @@ async def _until_all_started(progress: list[StreamResult], task: asyncio.Task, t
         await asyncio.sleep(0.02)
 
 
+def running_requests(replica: int) -> float:
+    """Sequences running now in the `steadyserve serve` child of a replica, read from its own /metrics (its
+    port is in the ready file named on its command line)."""
+    (child,) = children_of(replica)
+    argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+    ready = Path(argv[argv.index(b"--ready-file") + 1].decode())
+    port = json.loads(ready.read_text())["http_port"]
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    return next(float(x.split()[-1]) for x in text.splitlines() if x.startswith("steadyserve_requests_running "))
+
+
 def test_64_sse_streams_survive_a_killed_replica(ray_app: Deployed) -> None:
     """SIGKILL one replica's worker mid-stream: every stream finishes or ends with an explicit error event."""
-    victim = ray_app.cluster.replica_pids()[0]
-    victim_children = children_of(victim)
-    assert len(victim_children) == 1, victim_children
+    replicas = ray_app.cluster.replica_pids()
+    for r in replicas:
+        assert len(children_of(r)) == 1, (r, children_of(r))
+    killed: list[int] = []
 
     async def run() -> list:
         progress = [StreamResult() for _ in range(64)]
         task = asyncio.create_task(_streams(ray_app.http_url, 64, 256, progress))
         # Kill once every stream has its first token: each is then answered by a replica, so none is retried onto
         # the survivor (whose queue a retried burst would overflow into 429s). A fixed 3 s sleep did that on a
-        # loaded machine (Counter({200: 54, 429: 10})).
+        # loaded machine (Counter({200: 54, 429: 10})). The victim is the replica running the most sequences at
+        # that moment: a fixed one could have finished its streams while the later batches started (it did once:
+        # "no stream was on the killed replica"); the batch that just started runs somewhere.
         await _until_all_started(progress, task)
-        os.kill(victim, signal.SIGKILL)
+        running = {r: running_requests(r) for r in replicas}
+        killed.append(max(running, key=lambda r: running[r]))
+        assert running[killed[0]] > 0, f"no replica runs a stream once all have started: {running}"
+        os.kill(killed[0], signal.SIGKILL)
         return await task
 
+    victim_children = {r: children_of(r) for r in replicas}
     results = asyncio.run(run())
+    victim, victim_children = killed[0], victim_children[killed[0]]
     statuses = Counter(r.status for r in results)
     truncated = [r for r in results if r.truncated or r.exception]
     # A stream killed after its finish chunk but before [DONE] ends with the error: it counts as lost.

@@ -20,7 +20,7 @@ from typing import Any
 
 from .cpu_budget import CpuBudget, cpus
 from .memory import MemoryLimit, human
-from .numerics import Numerics, active, describe
+from .numerics import NATIVE_PATHS, Numerics, active, describe
 
 # CPU feature flags that change which kernels PyTorch, oneDNN and MKL pick (from /proc/cpuinfo).
 _FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
@@ -55,7 +55,7 @@ class PlatformInfo:
 
     def lines(self) -> list[tuple[str, str]]:
         """(label, value) pairs for a human-readable report."""
-        portable = self.numerics is not None and self.numerics.mode in ("portable", "int8")
+        portable = self.numerics is not None and self.numerics.mode in NATIVE_PATHS
         quota = cpus(self.cpu_quota) if self.cpu_quota else "none"
         tiles = (", ".join(map(str, self.row_tiles)) if self.row_tiles
                  else "none (portable numerics: every row independent by construction)" if portable
