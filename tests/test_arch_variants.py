@@ -11,9 +11,11 @@ logits (3.0) hard enough to matter (its GGUF gets transformers' defaults, 50 and
 LongRoPE (HF only: transformers reads no LongRoPE from a GGUF); a Gemma 3 with linear RoPE scaling on
 its global layers only (as Gemma 3 4B and up) is HF only too, for the same reason. transformers cannot read an
 OLMo 2, SmolLM3 or Granite GGUF (it has no config map for them; steadyserve's is models/gguf_config.py), nor a
-Qwen3 one whose head_dim is not 128 (it ignores attention.key_length): for those the writer also saves the HF
-model with the weights the file stores (each matrix through Q8_0 and back), and transformers on that directory is
-the reference on the same weights. Then the engine invariance checks of test_engine_invariance (and the prefix cache's) run on them, each also
+Qwen3 one whose head_dim is not 128 (it ignores attention.key_length): those files, and Qwen2's, are written by
+llama.cpp's own converter (testing/llama_converter.py), not by the project's writer, so that a shared wrong idea of
+llama.cpp's format cannot pass; the project's writer saves the HF model with the weights a Q8_0 file stores (each
+matrix through Q8_0 and back), transformers on that directory is the reference on the same weights, and
+test_llama_cpps_converter_writes_the_tensors_of_the_reference checks that the converter's file holds exactly those. Then the engine invariance checks of test_engine_invariance (and the prefix cache's) run on them, each also
 against a TEST-ONLY drift that they must catch, and parity is shown to fail when a Gemma feature
 is switched off (the tests can fail).
 """
@@ -35,6 +37,7 @@ from steadyserve.models.extended import ExtendedTransformer
 from steadyserve.models.loader import load_model
 from steadyserve.testing import build_tiny_model
 from steadyserve.testing.drift import install_batch_drift
+from steadyserve.testing.llama_converter import convert as llama_cpp_convert
 from steadyserve.testing.tiny_gguf import write_tiny_gguf
 from test_engine_invariance import (PROCESSORS, chunked_vs_whole, engine_for, expect, probe_vs_batches,
                                     score_vs_generate)
@@ -42,6 +45,8 @@ from test_models_parity import check_parity, hf_model, prompts_for
 
 ARCHS = ["gemma3", "gemma2", "qwen3", "phi3"]  # safetensors and GGUF; the GGUF's reference: transformers reading it
 OWN_GGUF = ["olmo2", "smollm3", "granite", "qwen3-hd48"]  # safetensors and GGUF; the GGUF's reference: its weights, HF
+GGUF_ONLY = ["qwen2"]  # GGUF (safetensors parity: test_models_parity); the reference: transformers reading it
+CONVERTED = OWN_GGUF + GGUF_ONLY  # GGUF files written by llama.cpp's convert_hf_to_gguf.py, not tiny_gguf.py
 HF_ONLY = ["gemma3-linear", "phi3-longrope"]  # transformers reads neither LongRoPE nor linear scaling from a GGUF
 
 
@@ -54,25 +59,32 @@ def hf_gguf_model(path: str):
 
 def gguf_reference(tiny: dict[str, str], arch: str):
     """transformers on the weights of tiny[arch + "-gguf"]: reading the file, or the HF directory of what it stores."""
-    return hf_gguf_model(tiny[f"{arch}-gguf"]) if arch in ARCHS else hf_model(tiny[f"{arch}-stored"])
+    return hf_model(tiny[f"{arch}-stored"]) if arch in OWN_GGUF else hf_gguf_model(tiny[f"{arch}-gguf"])
 
 
 @pytest.fixture(scope="module")
 def tiny(models_dir: Path) -> dict[str, str]:
-    """arch -> HF directory, arch + "-gguf" -> the same weights as a GGUF file, and for OWN_GGUF
-    arch + "-stored" -> the HF directory of the weights that file stores."""
-    out = {}
-    for arch in ARCHS + OWN_GGUF:
+    """arch -> HF directory, arch + "-gguf" -> the same weights as a Q8_0 GGUF file (CONVERTED: written by
+    llama.cpp's converter), for OWN_GGUF arch + "-stored" -> the HF directory of the weights that file stores, and
+    for CONVERTED arch + "-own-gguf" -> the project's writer's file of the same model."""
+    out, converter_jobs = {}, {}
+    for arch in ARCHS + CONVERTED:
         d = models_dir / f"tiny-{arch}"
         if not d.exists():
             build_tiny_model(d, arch=arch)
         out[arch] = str(d)
         g, stored = models_dir / f"tiny-{arch}.gguf", models_dir / f"tiny-{arch}-stored"
-        if not g.exists():
-            write_tiny_gguf(d, g, reference_dir=stored if arch in OWN_GGUF else None)
+        own = models_dir / f"tiny-{arch}-own.gguf" if arch in CONVERTED else g
+        if not own.exists():
+            write_tiny_gguf(d, own, reference_dir=stored if arch in OWN_GGUF else None)
+        if arch in CONVERTED:
+            out[f"{arch}-own-gguf"] = str(own)
+            if not g.exists():
+                converter_jobs[d] = g
         out[f"{arch}-gguf"] = str(g)
         if arch in OWN_GGUF:
             out[f"{arch}-stored"] = str(stored)
+    llama_cpp_convert(converter_jobs)
     for arch in HF_ONLY:
         d = models_dir / f"tiny-{arch}"
         if not d.exists():
@@ -90,7 +102,7 @@ def test_tiny_parity_from_safetensors(tiny, arch, invariant):
                  prompts_for(loaded.tokenizer, loaded.args.vocab_size))
 
 
-@pytest.mark.parametrize("arch", ARCHS + OWN_GGUF)
+@pytest.mark.parametrize("arch", ARCHS + CONVERTED)
 @pytest.mark.parametrize("numerics", ["portable", "host"])
 def test_tiny_parity_from_gguf(tiny, arch, numerics, tmp_path):
     """Portable: the stored Q8_0 blocks; host: the GGUF dequantized to float32 safetensors by transformers
@@ -103,6 +115,19 @@ def test_tiny_parity_from_gguf(tiny, arch, numerics, tmp_path):
         assert {p.format_name for lw in loaded.model.layers for p in lw.wqkv.parts} == {"Q8_0"}  # type: ignore[union-attr]
     check_parity(f"tiny-{arch}-gguf-{numerics}", loaded, path, prompts_for(loaded.tokenizer, loaded.args.vocab_size),
                  ref=gguf_reference(tiny, arch))
+
+
+@pytest.mark.parametrize("arch", CONVERTED)
+def test_llama_cpps_converter_writes_the_tensors_of_the_reference(tiny, arch):
+    """The GGUF written by llama.cpp's converter holds, tensor by tensor, the names, quantization types and bytes
+    that the project's writer stores, so the reference directory made with the writer ("-stored") has the very
+    weights the converter's file holds (and tiny_gguf.py's idea of llama.cpp's layout is llama.cpp's)."""
+    import gguf
+
+    theirs, ours = (gguf.GGUFReader(tiny[k]) for k in (f"{arch}-gguf", f"{arch}-own-gguf"))
+    assert theirs.get_field("general.name").contents() == f"Tiny {arch.replace('-', ' ').title()}"  # the converter's
+    assert [(t.name, t.tensor_type.name, t.data.tobytes()) for t in theirs.tensors] == \
+        [(t.name, t.tensor_type.name, t.data.tobytes()) for t in ours.tensors]
 
 
 def as_stored(args):
@@ -277,7 +302,7 @@ def test_tiny_variants_have_the_features_under_test(tiny):
     assert (g.embed_scale, g.residual_scale, g.attn_scale, g.logits_divisor) == (4.0, 0.5, 0.2, 2.5)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + GGUF_ONLY)
 def test_gguf_chat_template_renders_as_transformers_renders_it(tiny, arch, tmp_path):
     """The template, BOS/EOS and special tokens come from the GGUF's metadata through transformers."""
     from transformers import AutoTokenizer
