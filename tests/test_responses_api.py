@@ -27,7 +27,8 @@ SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required
 
 @pytest.fixture(scope="module")
 def srv(long_model: str):
-    with ServerProcess(long_model, "--responses-store-size", "3", "--grpc-port", "-1", test_faults=True) as s:
+    with ServerProcess(long_model, "--responses-store-size", "3", "--grpc-port", "-1", test_faults=True,
+                       test_log_prompts=True) as s:  # prompt ids in the log: Responses' and chat's compared
         yield s
 
 
@@ -40,15 +41,18 @@ def create(client: OpenAI, **kw):
     return client.responses.create(**{"model": "", "max_output_tokens": 8, "temperature": 0, **kw})
 
 
-def test_string_input_and_instructions_are_a_chat_request(client) -> None:
-    r = create(client, input="Name a fox.", instructions="Be brief.")
+def test_string_input_and_instructions_are_a_chat_request(client, srv) -> None:
+    r = create(client, input="Name a fox.", instructions="Be brief.", extra_headers={"x-request-id": "fox-responses"})
     assert r.object == "response" and r.id.startswith("resp_") and r.status == "incomplete"  # 8 tokens: cut
     assert r.incomplete_details.reason == "max_output_tokens" and r.usage.output_tokens == 8
     assert r.output[0].type == "message" and r.output[0].role == "assistant" and r.output_text
     chat = client.chat.completions.create(model="", max_tokens=8, temperature=0, messages=[
-        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a fox."}])
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a fox."}],
+        extra_headers={"x-request-id": "fox-chat"})
+    prompt = srv.prompt_ids("fox-responses")  # the ids the engine got, not only their count
+    assert prompt == srv.prompt_ids("fox-chat")
     assert r.output_text == chat.choices[0].message.content  # the same prompt, the same greedy tokens
-    assert r.usage.input_tokens == chat.usage.prompt_tokens
+    assert r.usage.input_tokens == chat.usage.prompt_tokens == len(prompt)
     assert create(client, input="Name a fox.").usage.input_tokens < r.usage.input_tokens
 
 

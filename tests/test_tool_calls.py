@@ -38,7 +38,7 @@ MAX = 200  # enough for a few calls of the tiny model's near-character tokens
 
 @pytest.fixture(scope="module")
 def srv(long_model: str):
-    with ServerProcess(long_model) as s:
+    with ServerProcess(long_model, test_log_prompts=True) as s:  # prompt ids in the log: gRPC's and HTTP's compared
         yield s
 
 
@@ -208,11 +208,14 @@ def test_grpc_takes_the_same_tools_and_parses_the_same_calls(srv, client) -> Non
     c = final.tool_calls[0]
     turns = pb.ChatMessages(messages=[msgs.messages[0], pb.ChatMessage(role="assistant", tool_calls=[c]),
                                       pb.ChatMessage(role="tool", tool_call_id=c.id, content="sunny")])
-    after = grpc_generate(srv.grpc_addr, chat=turns, tools=grpc_tools(), params=pb.SamplingParameters(max_tokens=4))
-    http_after = chat(client, max_tokens=4, messages=ASK + [
+    after = grpc_generate(srv.grpc_addr, chat=turns, tools=grpc_tools(), params=pb.SamplingParameters(max_tokens=4),
+                          request_id="tools-grpc-after")
+    http_after = chat(client, max_tokens=4, extra_headers={"x-request-id": "tools-http-after"}, messages=ASK + [
         {"role": "assistant", "tool_calls": [{"id": c.id, "type": "function", "function": {
             "name": c.name, "arguments": c.arguments}}]}, {"role": "tool", "tool_call_id": c.id, "content": "sunny"}])
-    assert after[-1].final.usage.prompt_tokens == http_after.usage.prompt_tokens
+    prompt = srv.prompt_ids("tools-grpc-after")  # the ids the engine got, not only their count
+    assert prompt == srv.prompt_ids("tools-http-after")
+    assert after[-1].final.usage.prompt_tokens == http_after.usage.prompt_tokens == len(prompt)
     bad = pb.Tool(name="f", parameters_json='{"type": "bogus"}')
     with pytest.raises(grpc.RpcError) as e:
         grpc_generate(srv.grpc_addr, chat=msgs, tools=[bad])

@@ -25,8 +25,8 @@ from .cgroups import JOIN_AND_EXEC
 class ServerProcess:
     def __init__(self, model: str, *args: str, env: dict[str, str] | None = None, startup_timeout: float = 180.0,
                  threads: int = 2, test_faults: bool = False, test_drift: bool = False,
-                 test_memory_root: str = "", cgroup: str = "") -> None:
-        """`test_faults` / `test_drift` / `test_memory_root`: start through steadyserve.testing.serve with those
+                 test_memory_root: str = "", cgroup: str = "", test_log_prompts: bool = False) -> None:
+        """`test_faults` / `test_drift` / `test_memory_root` / `test_log_prompts`: start through steadyserve.testing.serve with those
         TEST-ONLY hooks (the last reads the memory limit from a fixture tree; see steadyserve/memory.py).
         `threads` 0 passes `--threads 0`: the server picks its CPU budget. `cgroup`: a cgroup directory the
         server's process joins (its cgroup.procs) before it execs the server, e.g. testing/cgroups.py's."""
@@ -34,6 +34,7 @@ class ServerProcess:
         self.ready_file = Path(self._dir) / "ready.json"
         self.log_path = Path(self._dir) / "server.log"
         hooks = ["--test-faults"] * test_faults + ["--test-drift"] * test_drift
+        hooks += ["--test-log-prompts"] * test_log_prompts
         hooks += ["--test-memory-root", test_memory_root] if test_memory_root else []
         entry = ["steadyserve.testing.serve", *hooks] if hooks else ["steadyserve.cli", "serve"]
         argv = [sys.executable, "-m", *entry, "--model", model, "--http-port", "0",
@@ -90,6 +91,15 @@ class ServerProcess:
             for s in fam.samples:
                 out[(s.name, tuple(sorted(s.labels.items())))] = s.value
         return out
+
+    def prompt_ids(self, request_id: str) -> list[int]:
+        """The prompt token ids the engine got for the request whose id is or starts with request_id (a server
+        started with test_log_prompts; testing/prompt_log.py)."""
+        from .prompt_log import logged_prompts
+
+        found = [ids for rid, ids in logged_prompts(self.logs()).items() if rid.startswith(request_id)]
+        assert len(found) == 1, f"{len(found)} logged prompts for request id {request_id!r}"
+        return found[0]
 
     def metric(self, name: str, **labels: str) -> float:
         return self.metrics().get((name, tuple(sorted(labels.items()))), 0.0)
