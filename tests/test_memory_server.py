@@ -23,7 +23,7 @@ import pytest
 
 from steadyserve.client import Client
 from steadyserve.config import EngineConfig
-from steadyserve.memory import AUTO_HEADROOM, SOURCE_CGROUP2, SOURCE_MEMINFO, human, tensor_bytes
+from steadyserve.memory import AUTO_HEADROOM, SOURCE_CGROUP1, SOURCE_CGROUP2, SOURCE_MEMINFO, human, tensor_bytes
 from steadyserve.models.loader import load_model
 from steadyserve.testing.server import ServerProcess
 
@@ -47,6 +47,36 @@ def mem_total() -> int:
     raise AssertionError("no MemTotal")
 
 
+def from_human(text: str) -> float:
+    number, unit = text.split()
+    return float(number) * 1024 ** ("B", "KiB", "MiB", "GiB", "TiB").index(unit)
+
+
+def host_cgroup_limit() -> tuple[int, Path, str] | None:
+    """(bytes, file, source) of the lowest memory limit of this process's cgroups (v2 memory.max, v1
+    memory.limit_in_bytes, each up its ancestors) at the conventional mount points, or None: the test's own
+    reading of the host, to hold the server's against. Unlimited values ("max", or v1's page-rounded 2**63 - 1)
+    are no limit."""
+    found = []
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        hid, controllers, path = line.split(":", 2)
+        if hid == "0" and controllers == "":
+            base, name, source = Path("/sys/fs/cgroup"), "memory.max", SOURCE_CGROUP2
+            if (base / "unified").is_dir() and not (base / "cgroup.controllers").exists():
+                base = base / "unified"  # hybrid layout: v2 mounted beside the v1 controllers
+        elif "memory" in controllers.split(","):
+            base, name, source = Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes", SOURCE_CGROUP1
+        else:
+            continue
+        d = base / path.lstrip("/")
+        d = d if d.is_dir() else base  # a namespaced mount shows our cgroup as its root
+        for f in [d / name, *(p / name for p in d.parents if p == base or base in p.parents)]:
+            value = f.read_text().strip() if f.is_file() else "max"
+            if value != "max" and int(value) < 2**62:
+                found.append((int(value), f, source))
+    return min(found, default=None)
+
+
 def test_budget_larger_than_the_machine_exits_with_one_line_before_allocating(tiny_model: str, tmp_path: Path):
     budget = 2 * mem_total()
     ready = tmp_path / "ready.json"
@@ -59,9 +89,20 @@ def test_budget_larger_than_the_machine_exits_with_one_line_before_allocating(ti
     errors = [line for line in r.stdout.splitlines() if line.startswith("steadyserve: error:")]
     assert rc == 2 and len(errors) == 1, r.stdout
     line = errors[0]
-    for term in ("memory budget does not fit", "weights ", f"KV cache {human(budget)}", "overhead 768.0 MiB",
-                 "limit ", f"({SOURCE_MEMINFO}: /proc/meminfo"):
+    for term in ("memory budget does not fit", "weights ", f"KV cache {human(budget)}", "overhead 768.0 MiB"):
         assert term in line, (term, line)
+    # The limit names its source, and the source is the one this host has (a CI runner in a memory-limited
+    # container has a cgroup limit below MemAvailable; a plain machine or VM has none).
+    m = re.search(r"> limit ([0-9.]+ [KMGT]?i?B) \(([^:]+): ([^)]*)\);", line)
+    assert m, line
+    limit_text, source, detail = m.groups()
+    cgroup = host_cgroup_limit()
+    if source == SOURCE_MEMINFO:
+        assert detail.startswith("/proc/meminfo MemAvailable "), line
+        assert cgroup is None or cgroup[0] >= from_human(limit_text) * 0.99, (cgroup, line)  # none lower
+    else:
+        assert cgroup is not None and source == cgroup[2], (cgroup, line)
+        assert (detail, limit_text) == (str(cgroup[1]), human(cgroup[0])), (cgroup, line)
     assert not ready.exists()  # it never served
     assert peak < 1024 * MiB < budget, f"peak RSS {human(peak)} before refusing"  # nothing large allocated
 
