@@ -29,7 +29,8 @@ from steadyserve.testing.server import ServerProcess
 
 MiB = 1024**2
 LIMIT = 1200 * MiB  # the fixture cgroup's memory.max: room for the tiny model, 768 MiB overhead and ~310 MiB KV
-MAX_SEQS, MAX_QUEUE = 4, 4  # capacity 8; the overload sends 5x that at once
+MAX_SEQS, MAX_QUEUE = 4, 4  # capacity 8; the overload sends 5x that: 8 held, then 32 refused
+HOLD = 3900  # tokens each held request would generate (4096 positions): it holds its seat until it is cancelled
 
 # Runs the server as its only child and prints the child's peak RSS (KiB, from the kernel's accounting).
 PEAK_RSS_WRAPPER = """
@@ -122,14 +123,15 @@ def cgroup_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def auto_server(tiny_model: str, cgroup_root: Path):
-    with ServerProcess(tiny_model, "--kv-cache-memory", "auto", "--max-num-seqs", str(MAX_SEQS),
+def auto_server(long_model: str, cgroup_root: Path):
+    """The tiny Llama with 4096 positions: requests long enough to hold every slot through a burst."""
+    with ServerProcess(long_model, "--kv-cache-memory", "auto", "--max-num-seqs", str(MAX_SEQS),
                        "--max-queue", str(MAX_QUEUE), "--stall-timeout", "10", threads=1,
                        test_memory_root=str(cgroup_root)) as s:
         yield s
 
 
-def test_auto_reports_the_limit_and_gets_the_expected_blocks(auto_server: ServerProcess, tiny_model: str):
+def test_auto_reports_the_limit_and_gets_the_expected_blocks(auto_server: ServerProcess, long_model: str):
     platform = httpx.get(auto_server.http_url + "/v1/models", timeout=30).json()["data"][0]["platform"]
     assert (platform["memory_limit_bytes"], platform["memory_limit_source"]) == (LIMIT, SOURCE_CGROUP2)
     with Client(auto_server.grpc_addr, timeout=30, retries=False) as c:
@@ -137,10 +139,10 @@ def test_auto_reports_the_limit_and_gets_the_expected_blocks(auto_server: Server
     assert (g.memory_limit_bytes, g.memory_limit_source) == (LIMIT, SOURCE_CGROUP2)
     assert auto_server.metric("steadyserve_memory_limit_bytes") == LIMIT
     # Blocks from the documented rule, with the weights measured here and the block size from config.json.
-    cfg = json.loads((Path(tiny_model) / "config.json").read_text())
+    cfg = json.loads((Path(long_model) / "config.json").read_text())
     per_block = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * 4 \
         * EngineConfig().block_size
-    weights = tensor_bytes(load_model(tiny_model, batch_invariant=False).model)
+    weights = tensor_bytes(load_model(long_model, batch_invariant=False).model)
     expected = (LIMIT - weights - EngineConfig().memory_overhead - int(LIMIT * AUTO_HEADROOM)) // per_block
     m = re.search(r"kv cache allocated .*?blocks=(\d+)", auto_server.logs())
     assert m and int(m.group(1)) == expected, auto_server.logs()[-3000:]
@@ -162,23 +164,60 @@ def test_auto_under_5x_overload_stays_under_the_limit(auto_server: ServerProcess
             peak[0] = max(peak[0], rss(pid))
             time.sleep(0.02)
 
-    async def one(client: httpx.AsyncClient, i: int) -> int:
-        body = {"prompt": f"overload {i} " * 20, "max_tokens": 48, "ignore_eos": True, "temperature": 0.7,
+    async def one(client: httpx.AsyncClient, i: int, max_tokens: int) -> int:
+        body = {"prompt": f"overload {i} " * 20, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.7,
                 "seed": i}
         return (await client.post(auto_server.http_url + "/v1/completions", json=body, timeout=120)).status_code
 
-    async def storm() -> list[int]:
-        async with httpx.AsyncClient(limits=httpx.Limits(max_connections=100)) as client:
-            return await asyncio.gather(*(one(client, i) for i in range(5 * (MAX_SEQS + MAX_QUEUE))))
+    def gauges() -> tuple[float, float]:
+        return (auto_server.metric("steadyserve_requests_running"),
+                auto_server.metric("steadyserve_requests_waiting"))
 
+    capacity = MAX_SEQS + MAX_QUEUE
+    finished = lambda: sum(v for (name, _), v in auto_server.metrics().items()  # noqa: E731
+                           if name == "steadyserve_requests_finished_total")
+
+    async def hold(client: httpx.AsyncClient, i: int, status: list[int]) -> None:
+        body = {"prompt": f"hold {i}", "max_tokens": HOLD, "ignore_eos": True, "stream": True}
+        async with client.stream("POST", auto_server.http_url + "/v1/completions", json=body, timeout=120) as r:
+            status.append(r.status_code)
+            async for _ in r.aiter_bytes():
+                pass
+
+    async def storm() -> tuple[list[int], list[int], float, float]:
+        """Fill every slot and the queue with streams that outlast the test (HOLD tokens), see the server's own
+        gauges say so, then send 4x capacity more: each must be refused, deterministically. Then the held
+        streams are cancelled (the client goes away; the server aborts them)."""
+        async with httpx.AsyncClient(limits=httpx.Limits(max_connections=100)) as client:
+            status: list[int] = []
+            held = [asyncio.create_task(hold(client, i, status)) for i in range(capacity)]
+            deadline = time.monotonic() + 60
+            while await asyncio.to_thread(gauges) != (MAX_SEQS, MAX_QUEUE):
+                assert not any(t.done() for t in held), [t.result() for t in held if t.done()]
+                assert time.monotonic() < deadline, f"slots and queue not filled: {gauges()}"
+                await asyncio.sleep(0.01)
+            before = await asyncio.to_thread(finished)
+            over = await asyncio.gather(*(one(client, i, 48) for i in range(capacity, 5 * capacity)))
+            during = await asyncio.to_thread(finished)  # no held request ended: the slots stayed full throughout
+            for t in held:
+                t.cancel()
+            await asyncio.gather(*held, return_exceptions=True)
+        wait = time.monotonic() + 30
+        while await asyncio.to_thread(gauges) != (0, 0):  # every held stream aborted: the server is idle again
+            assert time.monotonic() < wait, gauges()
+            await asyncio.sleep(0.05)
+        return status, over, before, during
+
+    rejected0 = auto_server.metric("steadyserve_requests_rejected_total", reason="overloaded")
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     try:
-        codes = asyncio.run(storm())
+        held, over, before, during = asyncio.run(storm())
     finally:
         stop.set()
         sampler.join(5)
-    assert codes.count(200) >= MAX_SEQS and codes.count(429) > 0, codes  # it was overloaded, and served
-    assert set(codes) <= {200, 429}, codes
+    assert held == [200] * capacity and over == [429] * (4 * capacity), (held, over)  # served, and overloaded
+    assert before == during, "a held request finished during the burst: HOLD is too short for this machine"
+    assert auto_server.metric("steadyserve_requests_rejected_total", reason="overloaded") - rejected0 == 4 * capacity
     print(f"\npeak RSS {human(peak[0])} under 5x overload, limit {human(LIMIT)}")
     assert 0 < peak[0] < LIMIT
