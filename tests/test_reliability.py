@@ -69,6 +69,23 @@ def idle(server: ServerProcess) -> bool:
     return server.metric("steadyserve_requests_running") == 0 and server.metric("steadyserve_requests_waiting") == 0
 
 
+def batch_histogram(server: ServerProcess) -> tuple[float, float]:
+    """(engine steps, sequences over those steps) of the server's steadyserve_batch_size."""
+    return server.metric("steadyserve_batch_size_count"), server.metric("steadyserve_batch_size_sum")
+
+
+def itl_histogram(server: ServerProcess) -> tuple[float, float]:
+    """(count, sum) of the server's steadyserve_inter_token_latency_seconds."""
+    return (server.metric("steadyserve_inter_token_latency_seconds_count"),
+            server.metric("steadyserve_inter_token_latency_seconds_sum"))
+
+
+def itl_window(before: tuple[float, float], after: tuple[float, float]) -> tuple[float, float]:
+    """(tokens timed, mean seconds between tokens) between two itl_histogram readings."""
+    n = after[0] - before[0]
+    return n, (after[1] - before[1]) / max(n, 1)
+
+
 def itls(results: list[StreamResult]) -> list[float]:
     return [b - a for r in results for a, b in zip(r.token_times, r.token_times[1:])]
 
@@ -199,7 +216,9 @@ def test_stalled_reader_is_cut_and_others_itl_stays_within_2x(big):
                                                      "stream": True}, timeout=60) for i in range(k)))
 
     asyncio.run(streams(2))  # warm-up
+    h0 = itl_histogram(big)
     unloaded = itls(asyncio.run(streams()) + asyncio.run(streams()))
+    h1 = itl_histogram(big)
     t0 = time.monotonic()
     stalled = _stalled_reader(big.http_port)
     try:
@@ -207,7 +226,9 @@ def test_stalled_reader_is_cut_and_others_itl_stays_within_2x(big):
         wait_for(lambda: big.metric("steadyserve_stream_backlog_bytes") > 64 * 1024, 20, interval=0.02,
                  what="the stalled stream's write blocked")
         stall_start = time.monotonic() - t0
+        h2 = itl_histogram(big)
         during = asyncio.run(streams()) + asyncio.run(streams())
+        h3 = itl_histogram(big)
         measured_until = time.monotonic() - t0
         inside = big.metric("steadyserve_streams_aborted_total", reason="stall") == stalls0
         cut = wait_for(lambda: big.metric("steadyserve_streams_aborted_total", reason="stall") == stalls0 + 1,
@@ -218,19 +239,28 @@ def test_stalled_reader_is_cut_and_others_itl_stays_within_2x(big):
         stalled.close()
     loaded = itls(during)
     p50_u, p50_l = statistics.median(unloaded), statistics.median(loaded)
+    # The server's own inter-token latency (steadyserve_inter_token_latency_seconds), over each window: the
+    # comparison streams' tokens (and, beside the stall, the stalled request's own, generated until its cut).
+    (n_u, mean_u), (n_l, mean_l) = itl_window(h0, h1), itl_window(h2, h3)
     print(f"\nstalled reader: write blocked {stall_start:.2f} s after its request, cut at {cut_after:.2f} s "
           f"(--stall-timeout 3 s); comparison streams ran {stall_start:.2f}..{measured_until:.2f} s; other streams' "
           f"inter-token p50 {p50_u * 1000:.1f} ms unloaded -> {p50_l * 1000:.1f} ms beside the stalled reader "
-          f"(ratio {p50_l / p50_u:.2f}, p90 {pct(unloaded, .9) * 1000:.1f} -> {pct(loaded, .9) * 1000:.1f} ms)")
+          f"(ratio {p50_l / p50_u:.2f}, p90 {pct(unloaded, .9) * 1000:.1f} -> {pct(loaded, .9) * 1000:.1f} ms) at "
+          f"the client; the server's mean {mean_u * 1000:.2f} ms ({n_u:.0f} tokens) -> {mean_l * 1000:.2f} ms "
+          f"({n_l:.0f} tokens), ratio {mean_l / mean_u:.2f}")
     assert all(r.done and r.finish_reason == "length" for r in during)
     assert inside, "the comparison streams outlasted the stall: nothing was measured beside it"
     # Never before --stall-timeout counted from the request (its writes cannot block before it is sent); the
     # upper bound only rules out a stall never cut: 3 s after the block was seen, plus 15 s for a slow machine.
     assert cut_after >= 3.0, cut_after
     assert cut_after - stall_start < 3.0 + 15
-    # 2x the unloaded p50, plus 5 ms absolute slack: one tiny-model step is ~1-3 ms here, so scheduling noise
-    # on 2 shared cores alone can double a p50 measured in milliseconds.
-    assert p50_l <= 2 * p50_u + 0.005, (p50_u, p50_l)
+    # Within 2x unloaded, as the server measures it (its histogram, not this client's clock, which shares the 2
+    # cores and its event loop with the streams it times): beside the stall, the batch is the same 4 comparison
+    # streams plus the stalled one until its backlog fills, so a server whose blocked write held the engine or
+    # the event loop would show it here. The 5 ms absolute slack: one tiny-model step is ~1-3 ms, and a
+    # neighbour on a shared core can double a mean measured in milliseconds. The client's p50s are printed only.
+    assert n_u >= 4 * 47 * 2 and n_l >= 4 * 47 * 2, (n_u, n_l)  # every comparison token was timed
+    assert mean_l <= 2 * mean_u + 0.005, (mean_u, mean_l)
 
 
 # ---- 3. overload over HTTP and gRPC at once -----------------------------------------------------------------
@@ -299,6 +329,7 @@ def _overload(srv: ServerProcess, model: str) -> None:
             # Offer 5x that, open loop, alternating HTTP and gRPC, for 20 s.
             rate, duration = 5 * capacity, 20.0
             tasks, rss_samples = [], []
+            steps0 = batch_histogram(srv)
             t0 = time.monotonic()
             k = num_skipped = 0
             next_sample = t0
@@ -326,11 +357,13 @@ def _overload(srv: ServerProcess, model: str) -> None:
                     next_sample += 0.5
                 await asyncio.sleep(0.005)
             offered_s = time.monotonic() - t0
+            steps1 = batch_histogram(srv)  # the engine's steps while the overload was offered
             results = await asyncio.gather(*tasks)
             print(f"\nthe client skipped {num_skipped} of {k} due requests (at most {MAX_CLIENT_IN_FLIGHT} open)")
-            return capacity, rate, offered_s, results, rss_samples, probes, solo
+            return capacity, rate, offered_s, results, rss_samples, probes, solo, steps0, steps1
 
-    capacity, rate, offered_s, results, rss_samples, probes, solo = asyncio.run(main())
+    capacity, rate, offered_s, results, rss_samples, probes, solo, steps0, steps1 = asyncio.run(main())
+    steps, seqs = steps1[0] - steps0[0], steps1[1] - steps0[1]
     codes: dict[str, int] = {}
     for tr, code, _ in results:
         codes[f"{tr}:{code}"] = codes.get(f"{tr}:{code}", 0) + 1
@@ -350,13 +383,14 @@ def _overload(srv: ServerProcess, model: str) -> None:
           f"{distinct} distinct logprob vector(s)")
     assert set(codes) <= {"http:200", "http:429", "grpc:OK", "grpc:RESOURCE_EXHAUSTED"}, codes
     assert len(refusals) >= len(results) // 2, "5x capacity must be mostly refused"
-    # Kept serving while refusing: a third of the closed-loop capacity, with a margin. During the overload the
-    # one Python client, sending 5x capacity, shares the 2 cores with the server and every refusal costs the
-    # server CPU too, so admitted throughput falls below capacity: 0.47 of it was seen once on the AMD EPYC
-    # (650 admitted against 685 for half), which failed the earlier bound of 0.5. A server that stopped
-    # serving under overload would admit a small fraction of this.
-    print(f"admitted {admitted} = {admitted / (capacity * offered_s):.2f} of capacity x {offered_s:.1f} s")
-    assert admitted >= capacity * offered_s / 3, "the server kept serving while refusing"
+    # Kept serving while refusing, as the engine counts it (steadyserve_batch_size, not a client's clock): while
+    # the overload was offered, its steps ran with their 2 slots full (a finished request's slot is refilled
+    # from the full queue at the next step). A server whose refusals starved admission, or whose engine stalled,
+    # would step with empty slots or not at all. Admitted throughput against the closed-loop capacity is printed
+    # only: the one Python client shares the 2 cores and measured itself (0.47 of capacity was seen once).
+    print(f"admitted {admitted} = {admitted / (capacity * offered_s):.2f} of capacity x {offered_s:.1f} s; engine "
+          f"{steps:.0f} steps, {seqs / max(steps, 1):.2f} sequences per step (2 slots)")
+    assert steps >= 20 * offered_s and seqs / steps >= 1.75, (steps, seqs)
     # Refused at once, not after waiting for a slot: measured at the client (which shares the 2 cores with the
     # server), the refusals' median is below the median admitted request (a 48-token generation or a Score that
     # waited its turn), on a machine of any speed. The tails are printed, not asserted: they are the client's own
@@ -520,7 +554,10 @@ def test_failing_request_fails_alone_and_dead_engine_exits_nonzero(tiny_model):
                 tasks = [asyncio.create_task(sse_post(url, {**long, "stream": True})),
                          asyncio.create_task(_ws_stream(ws_url, long)),
                          asyncio.create_task(_grpc_stream(g, long["prompt"], 450))]
-                while srv.metric("steadyserve_requests_running") < 3:
+                started = time.monotonic()
+                while srv.metric("steadyserve_requests_running") < 3:  # all three streams are generating
+                    assert time.monotonic() - started < 60, (srv.metric("steadyserve_requests_running"),
+                                                             [t.result() for t in tasks if t.done()])
                     await asyncio.sleep(0.02)
                 t_kill = time.monotonic()
                 async with httpx.AsyncClient(timeout=30) as c:
