@@ -9,8 +9,9 @@ builds the site in strict mode) fails when a flag, endpoint, request field,
 rpc, message field, metric or alert is added without it:
 
 * `cli_reference`: every `steadyserve serve` flag, from the argparse parser and
-  the config tree it maps onto (config.py: each field's comment names its flag
-  and says what it means; each `ConfigError` in a `validate()` is a constraint).
+  the config tree it is generated from (config.py: each field's Flag metadata names
+  its flag, default and choices, its comment says what it means; each `ConfigError`
+  in a `validate()` is a constraint).
 * `http_reference`: every route, from the app's own OpenAPI schema and routes;
   request fields with their types, limits and descriptions, extensions marked.
 * `grpc_reference`: every rpc, message and field, from the proto's comments
@@ -49,9 +50,9 @@ def _cell(text: Any) -> str:
 
 # ---- serve flags ------------------------------------------------------------------------------------------------
 
-def config_comments() -> dict[str, tuple[str, str]]:
-    """flag -> (config field as section.field, meaning), from the field comments in config.py."""
-    out: dict[str, tuple[str, str]] = {}
+def _field_comments() -> dict[tuple[str, str], str]:
+    """(section, field) -> the comment on the field's line in config.py (its meaning)."""
+    out: dict[tuple[str, str], str] = {}
     section = ""
     for line in CONFIG_PY.read_text().splitlines():
         m = re.match(r"class (\w+)Config\b", line)
@@ -59,11 +60,39 @@ def config_comments() -> dict[str, tuple[str, str]]:
             section = m.group(1).lower()
         m = re.match(r"\s+(\w+): [^=]+= .*?  # (.*)$", line)
         if m and section:
-            flags = re.findall(r"--[a-z0-9-]+", m.group(2).split(":")[0])
-            meaning = m.group(2).split(":", 1)[1].strip() if ":" in m.group(2) else m.group(2)
-            for flag in flags:
-                out[flag] = (f"{section}.{m.group(1)}", meaning)
+            out[(section, m.group(1))] = m.group(2)
     return out
+
+
+def config_flags() -> dict[str, tuple[str, str, Any, Any]]:
+    """flag -> (config field as section.field, meaning, default as shown, config.Flag or None), from the config
+    tree: a field's Flag metadata names its flag (the comment says what it means); a field without one may still
+    name its flag at the head of its comment (`--flag: meaning`), the older form."""
+    from dataclasses import MISSING, fields
+
+    from steadyserve.config import Config, flag_of
+
+    comments = _field_comments()
+    out: dict[str, tuple[str, str, Any, Any]] = {}
+    for sf in fields(Config):
+        section = type(getattr(Config(), sf.name))
+        for f in fields(section):
+            text = comments.get((sf.name, f.name), "")
+            spec = flag_of(f)
+            head, sep, rest = text.partition(":")
+            named = re.findall(r"--[a-z0-9-]+", head) if sep else []
+            meaning = rest.strip() if named else text
+            default = f.default if f.default is not MISSING else ""
+            if spec is not None:  # a store-true flag that turns its field off is itself off by default
+                default = (not default) if spec.sets_false else spec.shown(default)
+            for flag in [spec.name] if spec is not None else named:
+                out[flag] = (f"{sf.name}.{f.name}", meaning, default, spec)
+    return out
+
+
+def config_comments() -> dict[str, tuple[str, str]]:
+    """flag -> (config field as section.field, meaning)."""
+    return {flag: (path, meaning) for flag, (path, meaning, _, _) in config_flags().items()}
 
 
 def config_constraints() -> dict[str, list[str]]:
@@ -85,7 +114,7 @@ def cli_reference() -> str:
 
     parser = build_parser()
     serve = parser._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
-    comments, constraints = config_comments(), config_constraints()
+    flags, constraints = config_flags(), config_constraints()
     missing: list[str] = []
     lines = ["# `steadyserve serve` flags", "",
              "Generated from the command's parser and the config tree it maps onto (`src/steadyserve/config.py`): "
@@ -99,18 +128,19 @@ def cli_reference() -> str:
         for a in actions:
             flag = max(a.option_strings, key=len)
             names = " / ".join(f"`{o}`" for o in a.option_strings)
-            field, meaning = comments.get(flag.replace("--no-", "--"), ("", ""))
-            helptext = (a.help or "").replace("%(default)s", str(a.default))
+            field, meaning, shown, spec = flags.get(flag.replace("--no-", "--"), ("", "", a.default, None))
+            helptext = (a.help or "").replace("%%", "%").replace("%(default)s", str(shown))
             if not helptext:
                 missing.append(f"{flag}: no help text")
             if not field:
                 missing.append(f"{flag}: no config field comment names it")
-            default = "" if a.default in (None, "") else f"`{a.default}`"
+            default = "" if shown in (None, "") else f"`{shown}`"
             if flag == "--api-key":
                 default = "`$STEADYSERVE_API_KEY`"
             enforced = list(constraints.get(flag, []))
-            if a.choices:
-                enforced.append("one of " + ", ".join(f"`{c}`" for c in a.choices))
+            choices = spec.choices if spec is not None else a.choices
+            if choices:
+                enforced.append("one of " + ", ".join(f"`{c}`" for c in choices))
             # The config comment says what the field means; --help's text is the fallback (minus its default).
             text = meaning or re.sub(r"\s*\(default: [^)]*\)", "", helptext)
             lines.append(f"| {names} | {default} | `{field}` | {_cell(text)} | {_cell('; '.join(enforced))} |")

@@ -350,9 +350,9 @@ def test_the_flag_maps_onto_its_config_field_and_is_checked():
     assert config_from_args(parse(["serve"])).engine.speculation == "auto" == EngineConfig().speculation
     assert config_from_args(parse(["serve", "--no-batch-invariant"])).engine.speculation == "auto"  # resolves off
     assert config_from_args(parse(["serve", "--speculation", "ngram"])).engine.speculation == "ngram"
-    with pytest.raises(SystemExit):
-        parse(["serve", "--speculation", "eagle"])
+    with pytest.raises(ConfigError, match="--speculation must be one of auto, off, ngram, not 'eagle'"):
+        config_from_args(parse(["serve", "--speculation", "eagle"]))  # the one check: config.check_choices
     with pytest.raises(ConfigError, match="--speculation ngram needs --batch-invariant"):
         config_from_args(parse(["serve", "--speculation", "ngram", "--no-batch-invariant"]))
-    with pytest.raises(ConfigError, match="--speculation must be auto, off or ngram"):
+    with pytest.raises(ConfigError, match="--speculation must be one of auto, off, ngram"):
         EngineConfig(speculation="medusa").validate()

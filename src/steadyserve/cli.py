@@ -1,4 +1,5 @@
-"""`steadyserve` command line. Flags of `serve` map one-to-one onto config.Config."""
+"""`steadyserve` command line. The flags of `serve` (and `info`) are generated from config.Config: each field
+with a Flag in its metadata is one option, so a flag is added in config.py alone."""
 
 from __future__ import annotations
 
@@ -6,112 +7,67 @@ import argparse
 import asyncio
 import os
 import sys
+from dataclasses import fields
 from typing import Any, Sequence
 
-from .config import (NUMERICS_MODES, Config, ConfigError, EngineConfig, ModelConfig, ServerConfig, parse_kv_cache_memory,
-                     parse_size)
+from .config import Config, ConfigError, Flag, flag_of
 from .tools.cli import add_tool_commands  # a real import: a broken tools package must fail loudly
 
 EXIT_USAGE = 2
 
 
-def _add_model_flags(p: argparse.ArgumentParser) -> None:
-    d = ModelConfig()
-    g = p.add_argument_group("model")
-    g.add_argument("--model", default=d.path, help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
-    g.add_argument("--device", default=d.device, help="cpu | cuda | cuda:N | auto (default: %(default)s)")
-    g.add_argument("--dtype", default=d.dtype, help="float32 | bfloat16 | float16 | auto (default: %(default)s)")
-    g.add_argument("--cache-dir", default=d.cache_dir, help="converted-weight cache (default: ~/.cache/steadyserve)")
-    g.add_argument("--served-model-name", default=d.name, help="model id clients send (default: from the path)")
+def config_sections() -> list[tuple[str, type]]:
+    """(group title, section class) of the config tree, in --help's order: Config's own fields."""
+    return [(f.name, type(getattr(Config(), f.name))) for f in fields(Config)]
 
 
-def _add_engine_flags(p: argparse.ArgumentParser) -> None:
-    d = EngineConfig()
-    g = p.add_argument_group("engine")
-    g.add_argument("--kv-cache-memory", default="256MiB",
-                   help="KV cache budget, allocated once: a size, auto (fit it into the memory limit) or a fraction "
-                        "such as 0.5 of what the limit leaves after weights and overhead (default: %(default)s)")
-    g.add_argument("--memory-limit", default="",
-                   help="memory this server may use, e.g. 2GiB; the cgroup limit and MemAvailable + RSS apply too, "
-                        "the smallest wins (default: none)")
-    g.add_argument("--memory-overhead", default=f"{d.memory_overhead // 1024**2}MiB",
-                   help="runtime memory beyond weights and KV cache that the start-up check counts "
-                        "(default: %(default)s)")
-    g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block (default: %(default)s)")
-    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="running sequences (default: %(default)s)")
-    g.add_argument("--max-queue", type=int, default=d.max_queue, help="waiting requests (default: %(default)s)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
-                   help="per-step token budget (default: %(default)s)")
-    g.add_argument("--max-model-len", type=int, default=d.max_model_len, help="context cap; 0 = model's own")
-    g.add_argument("--threads", type=int, default=d.threads,
-                   help="torch intra-op threads; 0 = the CPU budget: the cgroup CPU quota (rounded down, at least "
-                        "1) or the CPU affinity mask, whichever is smaller (default: %(default)s)")
-    g.add_argument("--adaptive-threads", action=argparse.BooleanOptionalAction, default=d.adaptive_threads,
-                   help="run fewer threads while starved of CPU (the engine thread waits on a run queue, or the "
-                        "cgroup quota throttles), back up to --threads / the CPU budget when not; the output is "
-                        "bitwise the same (default: on)")
-    g.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=d.batch_invariant,
-                   help="bitwise batch-invariant numerics (default: on)")
-    g.add_argument("--row-tile", type=int, default=d.row_tile,
-                   help="most rows per row-wise kernel call (default: %(default)s)")
-    g.add_argument("--attention", default=d.attention, choices=["auto", "native", "python"],
-                   help="attention kernel: native C++ when built (auto), required (native), or Python")
-    g.add_argument("--numerics", default=d.numerics, choices=list(NUMERICS_MODES),
-                   help="portable: steadyserve's native kernels on the weights as stored, the same bits on every "
-                        "x86-64 host; int8: portable with int8 activations in the matmuls (faster, the same promises, "
-                        "a quantization error); host: weights dequantized to float32, MKL and PyTorch kernels for this CPU; "
-                        "auto: portable where the native kernels run, else host (default: %(default)s)")
-    g.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=d.prefix_caching,
-                   help="reuse the cached K/V of shared prompt prefixes, bitwise-safe (default: on)")
-    g.add_argument("--speculation", default=d.speculation, choices=["auto", "off", "ngram"],
-                   help="speculative decoding: ngram drafts tokens by prompt lookup and verifies them in one "
-                        "pass, bitwise the output of off, where it pays; auto: ngram with --batch-invariant "
-                        "and the native kernels, else off (default: %(default)s)")
+def _dest(spec: Flag) -> str:
+    return spec.name.removeprefix("--").replace("-", "_")
 
 
-def _add_server_flags(p: argparse.ArgumentParser) -> None:
-    d = ServerConfig()
-    g = p.add_argument_group("server")
-    g.add_argument("--host", default=d.host, help="bind address (default: %(default)s)")
-    g.add_argument("--http-port", type=int, default=d.http_port, help="HTTP port; 0 = any free (default: %(default)s)")
-    g.add_argument("--grpc-port", type=int, default=d.grpc_port, help="gRPC port; 0 = any free, -1 = off")
-    g.add_argument("--stall-timeout", type=float, default=d.stall_timeout, help="seconds (default: %(default)s)")
-    g.add_argument("--drain-timeout", type=float, default=d.drain_timeout, help="seconds (default: %(default)s)")
-    g.add_argument("--max-request-bytes", default=str(d.max_request_bytes), help="largest request body")
-    g.add_argument("--max-tokens-cap", type=int, default=d.max_tokens_cap, help="largest max_tokens accepted")
-    g.add_argument("--api-key", default=os.environ.get("STEADYSERVE_API_KEY", ""),
-                   help="require this bearer token (or set STEADYSERVE_API_KEY)")
-    g.add_argument("--metrics-auth", action="store_true", help="/metrics requires the API key too")
-    g.add_argument("--log-format", default=d.log_format, choices=["text", "json"],
-                   help="log lines as text or as one JSON object each (default: %(default)s)")
-    g.add_argument("--tls-cert", default=d.tls_cert, help="PEM certificate: serve HTTPS and gRPC over TLS")
-    g.add_argument("--tls-key", default=d.tls_key, help="PEM private key of --tls-cert")
-    g.add_argument("--ready-file", default=d.ready_file, help="write bound ports as JSON here once serving")
-    g.add_argument("--responses-store-size", type=int, default=d.responses_store_size,
-                   help="responses /v1/responses keeps for previous_response_id and GET, in memory; the oldest "
-                        "is evicted first (default: %(default)s; also at most 64 MiB)")
+_TYPES = {"int": int, "float": float}  # a flag without its own parse takes its field's type (str otherwise)
+
+
+def add_config_flags(p: argparse.ArgumentParser) -> None:
+    """One option per config field that has a Flag (config.py), in one argument group per section. The field's
+    default is the option's; choices are shown here and checked by Config.validate (config.check_choices)."""
+    for title, section in config_sections():
+        g = p.add_argument_group(title)
+        for f in fields(section):
+            spec = flag_of(f)
+            if spec is None:
+                continue
+            default = os.environ.get(spec.env, f.default) if spec.env else f.default
+            help_ = spec.help.replace("%", "%%").replace("%%(default)s", spec.shown(default))
+            if spec.sets_false:
+                g.add_argument(spec.name, action="store_true", help=help_)
+            elif spec.negatable:
+                g.add_argument(spec.name, action=argparse.BooleanOptionalAction, default=default, help=help_)
+            else:
+                kind = None if spec.parse else _TYPES.get(f.type if isinstance(f.type, str) else f.type.__name__)
+                metavar = "{" + ",".join(spec.choices) + "}" if spec.choices else None
+                g.add_argument(spec.name, type=kind, default=default, metavar=metavar, help=help_)
 
 
 def config_from_args(a: argparse.Namespace) -> Config:
-    cfg = Config(
-        model=ModelConfig(path=a.model, device=a.device, dtype=a.dtype, cache_dir=a.cache_dir,
-                          name=a.served_model_name),
-        engine=EngineConfig(kv_cache_memory=parse_kv_cache_memory(a.kv_cache_memory),
-                            memory_limit=parse_size(a.memory_limit, "--memory-limit") if a.memory_limit else 0,
-                            memory_overhead=parse_size(a.memory_overhead, "--memory-overhead"),
-                            block_size=a.block_size, max_num_seqs=a.max_num_seqs, max_queue=a.max_queue,
-                            max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
-                            threads=a.threads, adaptive_threads=a.adaptive_threads,
-                            batch_invariant=a.batch_invariant, row_tile=a.row_tile,
-                            attention=a.attention, prefix_caching=a.prefix_caching, numerics=a.numerics,
-                            speculation=a.speculation),
-        server=ServerConfig(host=a.host, http_port=a.http_port, grpc_port=a.grpc_port,
-                            stall_timeout=a.stall_timeout, drain_timeout=a.drain_timeout,
-                            max_request_bytes=parse_size(a.max_request_bytes, "--max-request-bytes"),
-                            max_tokens_cap=a.max_tokens_cap, api_key=a.api_key, metrics_public=not a.metrics_auth,
-                            log_format=a.log_format, tls_cert=a.tls_cert, tls_key=a.tls_key,
-                            ready_file=a.ready_file, responses_store_size=a.responses_store_size),
-    )
+    """The validated Config of parsed `serve` / `info` arguments: each flagged field from its option (text
+    parsed by the Flag's parse), the others at their defaults. Raises ConfigError naming the flag."""
+    sections: dict[str, Any] = {}
+    for title, section in config_sections():
+        values: dict[str, Any] = {}
+        for f in fields(section):
+            spec = flag_of(f)
+            if spec is None:
+                continue
+            raw = getattr(a, _dest(spec))
+            if spec.sets_false:
+                values[f.name] = not raw
+            elif spec.parse is not None and isinstance(raw, str):
+                values[f.name] = spec.parse(raw, spec.name)
+            else:
+                values[f.name] = raw
+        sections[title] = section(**values)
+    cfg = Config(**sections)
     cfg.validate()
     return cfg
 
@@ -167,9 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, fn, help_ in (("serve", cmd_serve, "serve a model over HTTP and gRPC"),
                             ("info", cmd_info, "load a model, run the self-test, print its fingerprint")):
         sp = sub.add_parser(name, help=help_)
-        _add_model_flags(sp)
-        _add_engine_flags(sp)
-        _add_server_flags(sp)
+        add_config_flags(sp)
         sp.set_defaults(fn=fn)
     add_tool_commands(sub)
     return p

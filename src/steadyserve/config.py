@@ -1,14 +1,17 @@
-"""One configuration tree for the whole server.
+"""One configuration tree for the whole server, and the one owner of every `steadyserve serve` flag.
 
-Every CLI flag of `steadyserve serve` maps one-to-one onto a field here (see
-cli.py); validation lives next to the fields so a bad value is refused with a
-message that names the flag.
+Each field that a flag sets says so in its metadata (`flag(...)`): the flag's name, its --help text, how its
+text is parsed and its allowed values. The field's default is the flag's default. cli.py builds the parser
+from these fields and the docs reference (docs/docgen.py) reads them too, so a flag is written once, here.
+Validation lives next to the fields so a bad value is refused with a message that names the flag; the
+allowed values of a choice are checked in one place (check_choices).
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, Callable
 
 
 class ConfigError(ValueError):
@@ -17,6 +20,51 @@ class ConfigError(ValueError):
 
 # The settings of --numerics (numerics.py describes each path; auto picks numerics.DEFAULT_NATIVE_PATH).
 NUMERICS_MODES = ("auto", "portable", "int8", "host")
+ATTENTION_CHOICES = ("auto", "native", "python")  # --attention (models/loader.py attention_for)
+SPECULATION_CHOICES = ("auto", "off", "ngram")  # --speculation (auto resolves in engine.py)
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How the command line sets one config field (the field's metadata["flag"]; cli.py reads it)."""
+
+    name: str  # the option, e.g. "--kv-cache-memory"; a negatable bool also gets --no-<name>
+    help: str  # the --help text; "%(default)s" becomes the field's default, as `shown` writes it
+    parse: Callable[[str, str], Any] | None = None  # (text, flag name) -> the value; None: by the field's type
+    choices: tuple[str, ...] = ()  # allowed values: shown in --help, checked by check_choices
+    negatable: bool = False  # a bool field: --name and --no-name
+    sets_false: bool = False  # a bool field that this store-true flag turns off (--metrics-auth)
+    env: str = ""  # an environment variable that replaces the default (--api-key: STEADYSERVE_API_KEY)
+    shown: Callable[[Any], str] = str  # the default as --help and the docs show it
+
+
+def flag(default: Any = MISSING, /, *, name: str, help: str, **how: Any) -> Any:
+    """A config field set by the command-line flag `name` (see Flag for the rest). Adding a flag is adding one
+    such field (with its comment, and its range check in validate() naming the flag): the parser, --help and
+    the docs reference follow."""
+    return field(default=default, metadata={"flag": Flag(name, help, **how)})
+
+
+def flag_of(f: Any) -> Flag | None:
+    """The Flag of a dataclasses.Field, or None for a field no flag sets."""
+    return f.metadata.get("flag")
+
+
+def choice_error(flag_name: str, value: Any, choices: tuple[str, ...]) -> str:
+    """The one wording of a refused choice, wherever a layer checks one."""
+    return f"{flag_name} must be one of {', '.join(choices)}, not {value!r}"
+
+
+def check_choices(section: Any) -> None:
+    """Every choice field of a config section holds one of its flag's choices. Raises ConfigError."""
+    for f in fields(section):
+        spec = flag_of(f)
+        if spec is not None and spec.choices and getattr(section, f.name) not in spec.choices:
+            raise ConfigError(choice_error(spec.name, getattr(section, f.name), spec.choices))
+
+
+def _mib(n: int) -> str:
+    return f"{n // 1024**2}MiB"
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
@@ -52,36 +100,73 @@ def parse_kv_cache_memory(text: str | int | float) -> int | float | str:
     return parse_size(text, "--kv-cache-memory")
 
 
+def _parse_kv(text: str, _flag: str) -> int | float | str:
+    return parse_kv_cache_memory(text)
+
+
 @dataclass
 class ModelConfig:
-    path: str = ""  # --model: HF directory or .gguf file; empty means the default model
-    device: str = "cpu"  # --device: cpu | cuda | cuda:N | auto; asking for a missing device is an error
-    dtype: str = "auto"  # --dtype: float32 | bfloat16 | float16 | auto (float32 on CPU)
-    cache_dir: str = ""  # --cache-dir: converted-weight cache; default ~/.cache/steadyserve
-    name: str = ""  # --served-model-name: the id clients send; default derives from the path
+    path: str = flag("", name="--model",  # HF directory or .gguf file; empty means the default model
+                     help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    device: str = flag("cpu", name="--device",  # cpu | cuda | cuda:N | auto; asking for a missing device is an error
+                       help="cpu | cuda | cuda:N | auto (default: %(default)s)")
+    dtype: str = flag("auto", name="--dtype",  # float32 | bfloat16 | float16 | auto (float32 on CPU)
+                      choices=("float32", "bfloat16", "float16", "auto"),
+                      help="float32 | bfloat16 | float16 | auto (default: %(default)s)")
+    cache_dir: str = flag("", name="--cache-dir",  # converted-weight cache; default ~/.cache/steadyserve
+                          help="converted-weight cache (default: ~/.cache/steadyserve)")
+    name: str = flag("", name="--served-model-name",  # the id clients send; default derives from the path
+                     help="model id clients send (default: from the path)")
 
 
 @dataclass
 class EngineConfig:
     # A size in bytes, a fraction in (0, 1] (float) or "auto"; memory.plan_memory turns the last two into bytes.
-    kv_cache_memory: int | float | str = 256 * 1024**2  # --kv-cache-memory: the paged KV cache, allocated once: bytes, auto (what the memory limit leaves after weights, overhead and 10% headroom) or a fraction in (0, 1] of what it leaves after weights and overhead
-    memory_limit: int = 0  # --memory-limit: bytes this server may use; the effective limit is the smallest of this, the cgroup limit and MemAvailable + RSS; 0 = no operator limit
-    memory_overhead: int = 768 * 1024**2  # --memory-overhead: bytes beyond weights and KV cache the start-up check counts for the runtime (interpreter, libraries, tokenizer, activations)
-    block_size: int = 32  # --block-size: tokens per KV block; also the attention reduction block
-    max_num_seqs: int = 64  # --max-num-seqs: sequences running in one step
-    max_queue: int = 256  # --max-queue: requests waiting for admission; beyond it, overload
-    max_num_batched_tokens: int = 512  # --max-num-batched-tokens: per-step token budget (chunked prefill)
-    max_model_len: int = 0  # --max-model-len: context cap; 0 = the model's own
-    threads: int = 0  # --threads: torch intra-op threads; 0 = the CPU budget: the smallest of the cgroup CPU quota (rounded down, at least 1) and the CPU affinity mask
-    adaptive_threads: bool = True  # --adaptive-threads / --no-adaptive-threads: run fewer intra-op threads while the engine thread waits on a CPU run queue or the cgroup quota throttles it (a busy neighbour, a CPU limit), back up to the thread count above when it stops; bitwise the same output (engine/threads.py)
-    batch_invariant: bool = True  # --batch-invariant / --no-batch-invariant: bitwise batch-invariant numerics, self-tested at start-up
-    row_tile: int = 512  # --row-tile: most rows per row-wise kernel call; fewer only in counts verified at start-up
-    attention: str = "auto"  # --attention: auto | native (C++ kernel, else refuse to start) | python
-    prefix_caching: bool = True  # --prefix-caching / --no-prefix-caching: reuse cached K/V of shared prompt prefixes
-    speculation: str = "auto"  # --speculation: auto | off | ngram (ngram: prompt lookup drafts up to 7 tokens per sequence from its prompt and output, verified in one pass, bitwise the output of off, drafted only where the expected tokens pay for the rows; auto: ngram with --batch-invariant and the native kernels, else off)
-    numerics: str = "auto"  # --numerics: auto (portable where the native kernels run, else host) | portable (same bits on every x86-64 host, native kernels on the stored weights) | int8 (portable, with int8 activations in the matmuls: faster, same promises, quantization error) | host (fp32 weights, MKL and PyTorch for this CPU)
+    kv_cache_memory: int | float | str = flag(256 * 1024**2, name="--kv-cache-memory", parse=_parse_kv, shown=_mib,  # the paged KV cache, allocated once: bytes, auto (what the memory limit leaves after weights, overhead and 10% headroom) or a fraction in (0, 1] of what it leaves after weights and overhead
+        help="KV cache budget, allocated once: a size, auto (fit it into the memory limit) or a fraction such as "
+             "0.5 of what the limit leaves after weights and overhead (default: %(default)s)")
+    memory_limit: int = flag(0, name="--memory-limit", parse=parse_size,  # bytes this server may use; the effective limit is the smallest of this, the cgroup limit and MemAvailable + RSS; 0 = no operator limit
+        help="memory this server may use, e.g. 2GiB; the cgroup limit and MemAvailable + RSS apply too, the "
+             "smallest wins (default: none)")
+    memory_overhead: int = flag(768 * 1024**2, name="--memory-overhead", parse=parse_size, shown=_mib,  # bytes beyond weights and KV cache the start-up check counts for the runtime (interpreter, libraries, tokenizer, activations)
+        help="runtime memory beyond weights and KV cache that the start-up check counts (default: %(default)s)")
+    block_size: int = flag(32, name="--block-size",  # tokens per KV block; also the attention reduction block
+                           help="tokens per KV block (default: %(default)s)")
+    max_num_seqs: int = flag(64, name="--max-num-seqs",  # sequences running in one step
+                             help="running sequences (default: %(default)s)")
+    max_queue: int = flag(256, name="--max-queue",  # requests waiting for admission; beyond it, overload
+                          help="waiting requests (default: %(default)s)")
+    max_num_batched_tokens: int = flag(512, name="--max-num-batched-tokens",  # per-step token budget (chunked prefill)
+                                       help="per-step token budget (default: %(default)s)")
+    max_model_len: int = flag(0, name="--max-model-len",  # context cap; 0 = the model's own
+                              help="context cap; 0 = model's own")
+    threads: int = flag(0, name="--threads",  # torch intra-op threads; 0 = the CPU budget: the smallest of the cgroup CPU quota (rounded down, at least 1) and the CPU affinity mask
+        help="torch intra-op threads; 0 = the CPU budget: the cgroup CPU quota (rounded down, at least 1) or the "
+             "CPU affinity mask, whichever is smaller (default: %(default)s)")
+    adaptive_threads: bool = flag(True, name="--adaptive-threads", negatable=True,  # run fewer intra-op threads while the engine thread waits on a CPU run queue or the cgroup quota throttles it (a busy neighbour, a CPU limit), back up to the thread count above when it stops; bitwise the same output (engine/threads.py)
+        help="run fewer threads while starved of CPU (the engine thread waits on a run queue, or the cgroup quota "
+             "throttles), back up to --threads / the CPU budget when not; the output is bitwise the same "
+             "(default: on)")
+    batch_invariant: bool = flag(True, name="--batch-invariant", negatable=True,  # bitwise batch-invariant numerics, self-tested at start-up
+                                 help="bitwise batch-invariant numerics (default: on)")
+    row_tile: int = flag(512, name="--row-tile",  # most rows per row-wise kernel call; fewer only in counts verified at start-up
+                         help="most rows per row-wise kernel call (default: %(default)s)")
+    attention: str = flag("auto", name="--attention", choices=ATTENTION_CHOICES,  # auto | native (C++ kernel, else refuse to start) | python
+                          help="attention kernel: native C++ when built (auto), required (native), or Python")
+    numerics: str = flag("auto", name="--numerics", choices=NUMERICS_MODES,  # auto (portable where the native kernels run, else host) | portable (same bits on every x86-64 host, native kernels on the stored weights) | int8 (portable, with int8 activations in the matmuls: faster, same promises, quantization error) | host (fp32 weights, MKL and PyTorch for this CPU)
+        help="portable: steadyserve's native kernels on the weights as stored, the same bits on every x86-64 "
+             "host; int8: portable with int8 activations in the matmuls (faster, the same promises, a "
+             "quantization error); host: weights dequantized to float32, MKL and PyTorch kernels for this CPU; "
+             "auto: portable where the native kernels run, else host (default: %(default)s)")
+    prefix_caching: bool = flag(True, name="--prefix-caching", negatable=True,  # reuse cached K/V of shared prompt prefixes
+                                help="reuse the cached K/V of shared prompt prefixes, bitwise-safe (default: on)")
+    speculation: str = flag("auto", name="--speculation", choices=SPECULATION_CHOICES,  # auto | off | ngram (ngram: prompt lookup drafts up to 7 tokens per sequence from its prompt and output, verified in one pass, bitwise the output of off, drafted only where the expected tokens pay for the rows; auto: ngram with --batch-invariant and the native kernels, else off)
+        help="speculative decoding: ngram drafts tokens by prompt lookup and verifies them in one pass, bitwise "
+             "the output of off, where it pays; auto: ngram with --batch-invariant and the native kernels, else "
+             "off (default: %(default)s)")
 
     def validate(self) -> None:
+        check_choices(self)
         kv = self.kv_cache_memory
         if isinstance(kv, str) and kv != "auto":
             raise ConfigError(f"--kv-cache-memory must be a size, auto or a fraction in (0, 1], not {kv!r}")
@@ -109,18 +194,12 @@ class EngineConfig:
             raise ConfigError("--threads must be 0 (the CPU budget) or positive")
         if self.row_tile < 1:
             raise ConfigError("--row-tile must be at least 1")
-        if self.numerics not in NUMERICS_MODES:
-            raise ConfigError(f"--numerics must be one of {', '.join(NUMERICS_MODES)}, not {self.numerics!r}")
         if self.numerics in ("portable", "int8") and not self.batch_invariant:
             raise ConfigError(f"--no-batch-invariant: {self.numerics} numerics are batch-invariant by construction; "
                               "the plain (variant) path is --numerics host --no-batch-invariant")
-        if self.speculation not in ("auto", "off", "ngram"):
-            raise ConfigError(f"--speculation must be auto, off or ngram, not {self.speculation!r}")
         if self.speculation == "ngram" and not self.batch_invariant:
             raise ConfigError("--speculation ngram needs --batch-invariant: its output equals --speculation off "
                               "because a verified chunk's rows are bitwise those of one-token steps")
-        if self.attention not in ("auto", "native", "python"):
-            raise ConfigError(f"--attention must be auto, native or python, not {self.attention!r}")
 
     @property
     def num_threads(self) -> int:
@@ -133,22 +212,38 @@ class EngineConfig:
 
 @dataclass
 class ServerConfig:
-    host: str = "127.0.0.1"  # --host: bind address; loopback unless said otherwise
-    http_port: int = 8000  # --http-port: HTTP (and WebSocket) listen port; 0 picks a free one
-    grpc_port: int = 50051  # --grpc-port: gRPC listen port; 0 picks a free one, -1 disables gRPC
-    stall_timeout: float = 30.0  # --stall-timeout: seconds a stream's client may accept nothing
-    drain_timeout: float = 120.0  # --drain-timeout: seconds SIGTERM waits for in-flight work
-    max_request_bytes: int = 1024 * 1024  # --max-request-bytes: largest accepted request body
-    max_tokens_cap: int = 4096  # --max-tokens-cap: largest max_tokens a request may ask for
-    api_key: str = ""  # --api-key (or STEADYSERVE_API_KEY): bearer token; empty = open
-    metrics_public: bool = True  # --metrics-auth: sets this false, and /metrics then needs the API key too
-    log_format: str = "text"  # --log-format: text | json
-    tls_cert: str = ""  # --tls-cert: PEM certificate for HTTP and gRPC
-    tls_key: str = ""  # --tls-key: PEM private key
-    ready_file: str = ""  # --ready-file: written with the bound ports once serving (for tests, scripts)
-    responses_store_size: int = 1024  # --responses-store-size: stored /v1/responses kept, oldest evicted first
+    host: str = flag("127.0.0.1", name="--host",  # bind address; loopback unless said otherwise
+                     help="bind address (default: %(default)s)")
+    http_port: int = flag(8000, name="--http-port",  # HTTP (and WebSocket) listen port; 0 picks a free one
+                          help="HTTP port; 0 = any free (default: %(default)s)")
+    grpc_port: int = flag(50051, name="--grpc-port",  # gRPC listen port; 0 picks a free one, -1 disables gRPC
+                          help="gRPC port; 0 = any free, -1 = off")
+    stall_timeout: float = flag(30.0, name="--stall-timeout",  # seconds a stream's client may accept nothing
+                                help="seconds (default: %(default)s)")
+    drain_timeout: float = flag(120.0, name="--drain-timeout",  # seconds SIGTERM waits for in-flight work
+                                help="seconds (default: %(default)s)")
+    max_request_bytes: int = flag(1024 * 1024, name="--max-request-bytes", parse=parse_size,  # largest accepted request body
+                                  help="largest request body")
+    max_tokens_cap: int = flag(4096, name="--max-tokens-cap",  # largest max_tokens a request may ask for
+                               help="largest max_tokens accepted")
+    api_key: str = flag("", name="--api-key", env="STEADYSERVE_API_KEY",  # bearer token (or STEADYSERVE_API_KEY); empty = open
+                        help="require this bearer token (or set STEADYSERVE_API_KEY)")
+    metrics_public: bool = flag(True, name="--metrics-auth", sets_false=True,  # sets this false, and /metrics then needs the API key too
+                                help="/metrics requires the API key too")
+    log_format: str = flag("text", name="--log-format", choices=("text", "json"),  # text | json
+                           help="log lines as text or as one JSON object each (default: %(default)s)")
+    tls_cert: str = flag("", name="--tls-cert",  # PEM certificate for HTTP and gRPC
+                         help="PEM certificate: serve HTTPS and gRPC over TLS")
+    tls_key: str = flag("", name="--tls-key",  # PEM private key
+                        help="PEM private key of --tls-cert")
+    ready_file: str = flag("", name="--ready-file",  # written with the bound ports once serving (for tests, scripts)
+                           help="write bound ports as JSON here once serving")
+    responses_store_size: int = flag(1024, name="--responses-store-size",  # stored /v1/responses kept, oldest evicted first
+        help="responses /v1/responses keeps for previous_response_id and GET, in memory; the oldest is evicted "
+             "first (default: %(default)s; also at most 64 MiB)")
 
     def validate(self) -> None:
+        check_choices(self)
         if not 0 <= self.http_port <= 65535:
             raise ConfigError("--http-port must be in 0..65535")
         if not -1 <= self.grpc_port <= 65535:
@@ -163,8 +258,6 @@ class ServerConfig:
             raise ConfigError("--max-tokens-cap must be at least 1")
         if self.responses_store_size < 1:
             raise ConfigError("--responses-store-size must be at least 1")
-        if self.log_format not in ("text", "json"):
-            raise ConfigError("--log-format must be text or json")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("--tls-cert and --tls-key must be given together")
 
@@ -178,7 +271,6 @@ class Config:
     def validate(self) -> None:
         if self.model.device not in ("cpu", "cuda", "auto") and not self.model.device.startswith("cuda:"):
             raise ConfigError(f"--device must be cpu, cuda, cuda:N or auto, not {self.model.device!r}")
-        if self.model.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ConfigError(f"--dtype must be float32, bfloat16, float16 or auto, not {self.model.dtype!r}")
+        check_choices(self.model)
         self.engine.validate()
         self.server.validate()

@@ -40,7 +40,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from .config import NUMERICS_MODES, ConfigError
+from .config import NUMERICS_MODES, ConfigError, choice_error
 from .kernel_versions import PATH_KERNELS, kernels_of
 
 # 1: fma attention kernel nat1, MKL strict mode; 2: LM head computed in 2048-column GEMMs;
@@ -92,7 +92,7 @@ def choose(mode: str, *, native_available: bool, native_detail: str, device_type
     """The concrete path (portable | int8 | host) for the setting `mode`. Raises NumericsError when `mode`
     is portable or int8 and the model cannot run on it; `auto` falls back to host instead (the caller warns)."""
     if mode not in MODES:
-        raise NumericsError(f"--numerics must be one of {', '.join(MODES)}, not {mode!r}")
+        raise NumericsError(choice_error("--numerics", mode, MODES))
     if mode == "host":
         return "host"
     why = ""

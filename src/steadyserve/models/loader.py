@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from .. import numerics as numerics_mod
+from ..config import ATTENTION_CHOICES, choice_error
 from ..kernels import build as kernels
 from ..kernels.quant import UnsupportedFormat
 from ..memory import tensor_bytes
@@ -333,8 +334,8 @@ def select_attention(choice: str, device: torch.device, dtype: torch.dtype, batc
     auto takes the native kernel where it is built and fits (CPU, float32, block
     size and head dim multiples of 16), else the Python path; native insists.
     """
-    if choice not in ("auto", "native", "python"):
-        raise LoadError(f"--attention must be auto, native or python, not {choice!r}")
+    if choice not in ATTENTION_CHOICES:
+        raise LoadError(choice_error("--attention", choice, ATTENTION_CHOICES))
     if choice != "python":
         fits = device.type == "cpu" and dtype == torch.float32 and block_size % 16 == 0 and head_dim % 16 == 0
         status = kernels.load() if fits else None
