@@ -274,3 +274,28 @@ def test_prompt_and_max_tokens_filling_the_context(loaded):
     assert all(c.finish_reason == "length" and c.num_prompt_tokens + c.num_generated_tokens == ctx
                for c in got.values())
     assert_speculated(on, rejections=False)
+
+
+def test_a_failed_selftest_turns_speculation_off_whatever_was_asked(loaded):
+    """One owner of the decision (engine._speculation_mode, applied by LLMEngine.settle_speculation after the
+    start-up self-test): an engine whose self-test fails (a TEST-ONLY batch drift) drafts nothing, auto or ngram;
+    one whose self-test passes keeps the mode it was given."""
+    from steadyserve.engine.selftest import run_selftest
+    from steadyserve.testing.drift import install_batch_drift
+
+    for mode in ("auto", "ngram"):
+        engine = make(loaded, mode)
+        assert engine.speculator.enabled  # provisional: the self-test runs with it
+        restore = install_batch_drift(engine)
+        try:
+            result = run_selftest(engine)
+            assert not result.passed, result.detail
+            assert engine.settle_speculation(result.passed) is False and not engine.speculator.enabled
+            before = counts(engine)
+            run_requests(engine, requests(0.0)[:2])
+            assert counts(engine) == before, mode  # no draft
+        finally:
+            restore()
+    passing = make(loaded, "auto")
+    result = run_selftest(passing)
+    assert result.passed and passing.settle_speculation(result.passed) and passing.speculator.enabled

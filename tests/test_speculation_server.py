@@ -83,6 +83,16 @@ def test_responses_are_bitwise_those_of_off(servers):
     assert off.metric(counters[0]) == off_before == 0
 
 
+def test_speculation_is_logged_once_decided_after_the_selftest(servers):
+    """Start-up logs whether it speculates once, after the self-test that has the last word (engine.py
+    settle_speculation): ngram on, off off."""
+    for server, speculating in zip(servers, (False, True)):
+        logs = server.logs()
+        lines = [line for line in logs.splitlines() if "speculating" in line]
+        assert len(lines) == 1 and f"speculating={speculating}" in lines[0], lines
+        assert logs.index("batch-invariance self-test") < logs.index(lines[0])
+
+
 def test_validate_passes_against_the_speculating_server(servers):
     """`steadyserve validate`: identical probes at once among background traffic, one vector per kind."""
     import asyncio

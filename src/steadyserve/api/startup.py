@@ -83,8 +83,7 @@ def _load_and_check(config: Config, hooks: EngineHooks, limit: MemoryLimit,
     log.info("kv cache allocated", extra={"fields": {
         "budget_bytes": plan.kv, "blocks": engine.kv.num_blocks, "block_size": ec.block_size,
         "token_capacity": engine.kv.num_blocks * ec.block_size, "max_num_seqs": ec.max_num_seqs,
-        "max_queue": ec.max_queue, "threads": torch.get_num_threads(), "speculation": ec.speculation,
-        "speculating": engine.speculator.enabled, "speculation_cheap_rows": engine.speculator.cheap_rows}})
+        "max_queue": ec.max_queue, "threads": torch.get_num_threads()}})
     selftest = run_selftest(engine)
     if ec.batch_invariant:
         (log.info if selftest.passed else log.error)("batch-invariance self-test", extra={"fields": {
@@ -92,11 +91,14 @@ def _load_and_check(config: Config, hooks: EngineHooks, limit: MemoryLimit,
     else:
         log.warning("batch invariance is OFF (--no-batch-invariant): logprobs depend on batch composition",
                     extra={"fields": {"selftest": selftest.detail}})
-    if engine.speculator.enabled and not selftest.passed:
-        # Exactness rests on chunk rows equal to one-token rows, which the self-test just failed to show.
-        engine.speculator.enabled = False
-        log.error("speculation turned off: the batch-invariance self-test failed", extra={"fields": {
-            "speculation": ec.speculation}})
+    provisional = engine.speculator.enabled
+    speculating = engine.settle_speculation(selftest.passed)  # the engine's one decision, now with the self-test
+    fields_ = {"speculation": ec.speculation, "speculating": speculating,
+               "speculation_cheap_rows": engine.speculator.cheap_rows}
+    if provisional and not speculating:
+        log.error("speculation turned off: the batch-invariance self-test failed", extra={"fields": fields_})
+    else:
+        log.info("speculation", extra={"fields": fields_})
     for hook in hooks.after_selftest:
         hook(engine)
     engine.reset_threads()  # serving starts at the budget, whatever a starved self-test made of it

@@ -166,6 +166,12 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq
 
+    def settle_speculation(self, selftest_passed: bool) -> bool:
+        """Final say on speculation once the start-up self-test has run (it runs with the provisional mode, the
+        same decision before any test): _speculation_mode with its result. Returns whether this engine speculates."""
+        self.speculator.enabled = _speculation_mode(self.cfg, self.speculator.cheap_rows, selftest_passed) == "ngram"
+        return self.speculator.enabled
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
         seq = self.scheduler.abort(request_id)
         if seq is None:
@@ -386,10 +392,13 @@ def _cheap_rows(model) -> int:  # noqa: ANN001 - a Transformer
     return 16 if model.device.type == "cuda" else 4
 
 
-def _speculation_mode(cfg: EngineConfig, cheap_rows: int) -> str:
-    """--speculation auto: ngram where its output is exactly off's (batch-invariant numerics, so a verified
-    chunk's rows are bitwise one-token steps' rows) and a step has rows to spare (cheap_rows > 1: more than
-    one register row in the matmul kernels); off elsewhere."""
+def _speculation_mode(cfg: EngineConfig, cheap_rows: int, selftest_passed: bool = True) -> str:
+    """The one decision of whether an engine speculates (off | ngram). --speculation auto: ngram where its output
+    is exactly off's (batch-invariant numerics, so a verified chunk's rows are bitwise one-token steps' rows) and
+    a step has rows to spare (cheap_rows > 1: more than one register row in the matmul kernels); off elsewhere.
+    Whatever was asked: off once the batch-invariance self-test failed, since exactness rests on what it checks."""
+    if not selftest_passed:
+        return "off"
     if cfg.speculation != "auto":
         return cfg.speculation
     return "ngram" if cfg.batch_invariant and cheap_rows > 1 else "off"
