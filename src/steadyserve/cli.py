@@ -90,6 +90,10 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--responses-store-size", type=int, default=d.responses_store_size,
                    help="responses /v1/responses keeps for previous_response_id and GET, in memory; the oldest "
                         "is evicted first (default: %(default)s; also at most 64 MiB)")
+    g.add_argument("--otlp-traces-endpoint", default=d.otlp_traces_endpoint,
+                   help="export an OpenTelemetry trace per request to this OTLP/HTTP collector, e.g. "
+                        "http://127.0.0.1:4318 (/v1/traces is added to a URL without a path); default: the "
+                        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT variable, else off")
 
 
 def config_from_args(a: argparse.Namespace) -> Config:
@@ -110,7 +114,8 @@ def config_from_args(a: argparse.Namespace) -> Config:
                             max_request_bytes=parse_size(a.max_request_bytes, "--max-request-bytes"),
                             max_tokens_cap=a.max_tokens_cap, api_key=a.api_key, metrics_public=not a.metrics_auth,
                             log_format=a.log_format, tls_cert=a.tls_cert, tls_key=a.tls_key,
-                            ready_file=a.ready_file, responses_store_size=a.responses_store_size),
+                            ready_file=a.ready_file, responses_store_size=a.responses_store_size,
+                            otlp_traces_endpoint=a.otlp_traces_endpoint),
     )
     cfg.validate()
     return cfg

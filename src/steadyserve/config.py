@@ -147,6 +147,7 @@ class ServerConfig:
     tls_key: str = ""  # --tls-key: PEM private key
     ready_file: str = ""  # --ready-file: written with the bound ports once serving (for tests, scripts)
     responses_store_size: int = 1024  # --responses-store-size: stored /v1/responses kept, oldest evicted first
+    otlp_traces_endpoint: str = ""  # --otlp-traces-endpoint: OTLP/HTTP collector URL to export a trace span per request to (a URL without a path gets /v1/traces); empty = the OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / OTEL_EXPORTER_OTLP_ENDPOINT variables, else no tracing
 
     def validate(self) -> None:
         if not 0 <= self.http_port <= 65535:
@@ -165,6 +166,9 @@ class ServerConfig:
             raise ConfigError("--responses-store-size must be at least 1")
         if self.log_format not in ("text", "json"):
             raise ConfigError("--log-format must be text or json")
+        if self.otlp_traces_endpoint and not re.match(r"^https?://[^/\s:]+", self.otlp_traces_endpoint):
+            raise ConfigError("--otlp-traces-endpoint must be an http:// or https:// URL of an OTLP/HTTP collector "
+                              f"(e.g. http://127.0.0.1:4318), not {self.otlp_traces_endpoint!r}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("--tls-cert and --tls-key must be given together")
 
