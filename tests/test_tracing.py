@@ -10,6 +10,7 @@ import json
 import secrets
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import httpx
@@ -30,6 +31,7 @@ SERVER_KIND, INTERNAL_KIND = 2, 1  # OTLP Span.SpanKind
 ERROR = 2  # OTLP Status.StatusCode
 EXPORT_TIMEOUT_S = 2  # OTEL_EXPORTER_OTLP_TRACES_TIMEOUT of the traced server
 MAX_QUEUE = 64  # OTEL_BSP_MAX_QUEUE_SIZE of the traced server
+KV_BLOCK_BYTES = 2 * 2 * 2 * 16 * 4 * 32  # the tiny model's K and V: layers x kv heads x head dim x fp32 x 32 tokens
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +45,9 @@ def receiver():
 def traced(tiny_model: str, receiver: OtlpReceiver):
     env = {"OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": str(EXPORT_TIMEOUT_S),
            "OTEL_BSP_MAX_QUEUE_SIZE": str(MAX_QUEUE)}
-    with ServerProcess(tiny_model, "--otlp-traces-endpoint", receiver.url, "--stall-timeout", "5", env=env) as s:
+    # A KV cache of 12 blocks (384 tokens): a few long generations at once must preempt each other.
+    with ServerProcess(tiny_model, "--otlp-traces-endpoint", receiver.url, "--stall-timeout", "5",
+                       "--kv-cache-memory", f"{12 * KV_BLOCK_BYTES}", env=env) as s:
         yield s
 
 
@@ -114,7 +118,7 @@ def test_http_completion_joins_the_callers_trace(traced, receiver, model):
     assert a["gen_ai.response.finish_reasons"] == ["length"]
     assert a["gen_ai.request.max_tokens"] == 6 and a["gen_ai.request.temperature"] == 0.0
     assert a["gen_ai.request.seed"] == 7 and a["gen_ai.request.stream"] is False
-    assert a["gen_ai.response.id"] == body["id"] or a["steadyserve.request_id"] in body["id"]
+    assert body["id"] == "cmpl-" + a["gen_ai.response.id"] and a["steadyserve.request_id"] == a["gen_ai.response.id"]
     assert a["steadyserve.fingerprint"] == body["system_fingerprint"] == r.headers["x-steadyserve-fingerprint"]
     assert a["http.response.status_code"] == 200 and a["http.route"] == "/v1/completions"
     assert a["steadyserve.transport"] == "http"
@@ -198,6 +202,35 @@ def test_grpc_generate_and_score_join_the_callers_trace(traced, receiver, model)
         assert root.attrs["gen_ai.usage.input_tokens"] == resp.usage.prompt_tokens
         assert root.attrs["gen_ai.usage.output_tokens"] == 0
         check_phases(root, children, generated=False)
+
+
+def test_preemptions_are_events_of_the_preempted_requests(traced, receiver):
+    """Five 150-token generations at once need 25 of the 12 KV blocks: the engine preempts, and each preemption
+    is an event on that request's span (as many as steadyserve_preemptions_total counted)."""
+    before = traced.metric("steadyserve_preemptions_total")
+    parents = [traceparent() for _ in range(5)]
+
+    def one(header: str) -> dict:
+        r = httpx.post(traced.http_url + "/v1/completions", headers={"traceparent": header}, timeout=60,
+                       json={"prompt": "count with me", "max_tokens": 150, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    with ThreadPoolExecutor(len(parents)) as pool:
+        bodies = list(pool.map(one, [p[0] for p in parents]))
+    preempted = traced.metric("steadyserve_preemptions_total") - before
+    assert preempted > 0, "the test needs preemptions"
+    events = 0
+    for (_, trace_id, parent), body in zip(parents, bodies):
+        root, children = request_spans(receiver, trace_id)
+        assert root.parent_id == parent
+        assert root.attrs["gen_ai.usage.output_tokens"] == body["usage"]["completion_tokens"] == 150
+        times = check_phases(root, children)
+        for name, when, _ in root.events:
+            if name == "preempted":
+                events += 1
+                assert times["scheduled"] <= when <= times["finished"]
+    assert events == preempted
 
 
 def test_refused_requests_are_error_spans(traced, receiver, model):
