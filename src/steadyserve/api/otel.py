@@ -193,6 +193,8 @@ class Tracing:
         resource = Resource.create({"service.version": __version__})  # OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES
         if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
             resource = resource.merge(Resource({"service.name": "steadyserve"}))
+        # The exporter warns at each retry of a batch; one error per batch lost is enough beside the drop counter.
+        logging.getLogger(OTLPSpanExporter.__module__).setLevel(logging.ERROR)
         self.provider = TracerProvider(resource=resource)  # sampler: OTEL_TRACES_SAMPLER, parent-based by default
         self.provider.add_span_processor(self.processor)  # type: ignore[arg-type]
         self.tracer = self.provider.get_tracer("steadyserve", __version__)
