@@ -22,10 +22,9 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ..engine.sequence import RequestOutput, RequestTimings
 
-if TYPE_CHECKING:  # type names only: requests.py imports this module
+if TYPE_CHECKING:  # type names only
     from ..engine.async_engine import RequestStream
     from ..limits import Refused
-    from .requests import ValidatedRequest
 
 _current: ContextVar["RequestTrace | None"] = ContextVar("steadyserve_request_trace", default=None)
 
@@ -92,9 +91,10 @@ class RequestTrace:
         """A time on the monotonic clock as the span's wall-clock nanoseconds."""
         return self.start_ns + int((mono - self.start_mono) * 1e9)
 
-    def admitted(self, req: "ValidatedRequest", streams: list["RequestStream"]) -> None:
-        """The request passed validation and its engine requests were admitted: note what it asked for, and watch
-        each engine request's final output (chained after the state's own observer)."""
+    def admitted(self, req: Any, streams: list["RequestStream"]) -> None:
+        """The request (a requests.ValidatedRequest, which imports this module) passed validation and its engine
+        requests were admitted: note what it asked for, and watch each engine request's final output (chained
+        after the state's own observer)."""
         self.validated = time.monotonic()
         self.operation = OPERATIONS.get(req.kind, req.kind)
         self.request_id = req.request_id
