@@ -257,6 +257,22 @@ def test_refused_requests_are_error_spans(traced, receiver, model):
     assert root.attrs["error.type"] == "invalid_value"
 
 
+def test_a_stream_the_client_leaves_is_an_error_span(traced, receiver):
+    """The client reads one chunk and hangs up: the request's events end with client_disconnect, the engine
+    aborts it, and the span (sent once the engine's final output is in) says so."""
+    header, trace_id, parent = traceparent()
+    with httpx.stream("POST", traced.http_url + "/v1/completions", headers={"traceparent": header}, timeout=30,
+                      json={"prompt": "go", "max_tokens": 300, "ignore_eos": True, "stream": True}) as r:
+        assert r.status_code == 200
+        next(r.iter_raw())
+    root, children = request_spans(receiver, trace_id)
+    assert root.parent_id == parent and root.status_code == ERROR
+    assert root.attrs["error.type"] == "client_disconnect"
+    assert root.attrs["gen_ai.response.finish_reasons"] == ["abort"]
+    assert 0 < root.attrs["gen_ai.usage.output_tokens"] < 300
+    assert [n for n, _, _ in root.events][-1] == "finished"
+
+
 def test_a_request_without_traceparent_starts_a_trace(traced, receiver):
     rid = "trace-" + secrets.token_hex(6)
     r = httpx.post(traced.http_url + "/v1/completions", headers={"x-request-id": rid}, timeout=30,
