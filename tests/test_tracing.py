@@ -20,7 +20,7 @@ import websockets.sync.client as ws_client
 
 from steadyserve.api.otel import traces_endpoint
 from steadyserve.client import generate_request, pb, score_request
-from steadyserve.config import ConfigError
+from steadyserve.config import ConfigError, ServerConfig
 from steadyserve.testing.server import ServerProcess
 from steadyserve.api.protos.steadyserve.v1 import inference_pb2_grpc as pb_grpc
 
@@ -335,8 +335,11 @@ def test_endpoint_from_the_flag_or_the_standard_variables():
     assert traces_endpoint("", env) == "http://t/x"  # the signal's own variable is taken as given
     assert traces_endpoint("http://flag:1", env) == "http://flag:1/v1/traces"  # the flag wins
     assert traces_endpoint("http://flag:1", {"OTEL_SDK_DISABLED": "true"}) == ""
-    for bad, env in (("collector:4318", {}), ("", {"OTEL_EXPORTER_OTLP_ENDPOINT": "localhost"}),
+    for bad, env in (("", {"OTEL_EXPORTER_OTLP_ENDPOINT": "localhost"}),
+                     ("", {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "ftp://c/"}),
                      ("http://c:4318", {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"})):
-        with pytest.raises(ConfigError) as e:
+        with pytest.raises(ConfigError, match=next(iter(env))):
             traces_endpoint(bad, env)
-        assert ("--otlp-traces-endpoint" if bad and "PROTOCOL" not in str(env) else "OTEL_EXPORTER_OTLP") in str(e.value)
+    with pytest.raises(ConfigError, match="--otlp-traces-endpoint"):  # the flag's own check, with the others
+        ServerConfig(otlp_traces_endpoint="collector:4318").validate()
+    ServerConfig(otlp_traces_endpoint="http://[::1]:4318").validate()

@@ -31,7 +31,7 @@ SHUTDOWN_TIMEOUT_S = 5.0  # the most a server's stop waits to flush spans to a c
 
 
 def check_url(url: str, name: str) -> str:
-    """`url` if it is an http(s) URL with a host; else ConfigError naming the flag or variable `name`."""
+    """`url` if it is an http(s) URL with a host; else ConfigError naming the variable `name`."""
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ConfigError(f"{name} must be an http:// or https:// URL of an OTLP/HTTP collector "
@@ -47,8 +47,8 @@ def traces_endpoint(flag: str, env: Mapping[str, str] = os.environ) -> str:
     turns tracing off. Only http/protobuf is spoken: another OTEL_EXPORTER_OTLP_(TRACES_)PROTOCOL is refused."""
     if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return ""
-    if flag:
-        url = check_url(flag, "--otlp-traces-endpoint")
+    if flag:  # ServerConfig.validate has checked it
+        url = flag
         if urlsplit(url).path in ("", "/"):
             url = url.rstrip("/") + "/" + TRACES_PATH
     elif env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "").strip():
