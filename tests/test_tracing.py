@@ -343,3 +343,35 @@ def test_endpoint_from_the_flag_or_the_standard_variables():
     with pytest.raises(ConfigError, match="--otlp-traces-endpoint"):  # the flag's own check, with the others
         ServerConfig(otlp_traces_endpoint="collector:4318").validate()
     ServerConfig(otlp_traces_endpoint="http://[::1]:4318").validate()
+
+
+def test_a_collector_that_is_gone_costs_a_counted_drop(monkeypatch):
+    """Nothing listens at the collector's address (connection refused): recording a request's spans returns at
+    once and the batch is counted as dropped when the exporter gives up (the Tracing object of a server, used
+    in-process with the server's own metrics)."""
+    import socket
+
+    from steadyserve.api.otel import Tracing
+    from steadyserve.metrics import Metrics
+
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "1")
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+    metrics = Metrics("m", "fp", "cpu", "float32", True)
+    tracing = Tracing(f"http://127.0.0.1:{port}/v1/traces", "m", "fp", metrics)
+    try:
+        header, _, _ = traceparent()
+        t0 = time.perf_counter()
+        for _ in range(20):
+            tracing.begin("http", "chat", {"traceparent": header}).ended(("400", "HTTP 400"))
+        assert time.perf_counter() - t0 < 0.5  # 40 spans recorded without waiting on the exporter
+        dropped = metrics.trace_spans_dropped.labels("export_failed")
+        deadline = time.monotonic() + 15
+        while dropped._value.get() < 40:
+            assert time.monotonic() < deadline, dropped._value.get()
+            time.sleep(0.05)
+        assert metrics.trace_spans_exported._value.get() == 0
+    finally:
+        assert tracing.shutdown(5.0)
