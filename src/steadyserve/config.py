@@ -241,6 +241,10 @@ class ServerConfig:
     responses_store_size: int = flag(1024, name="--responses-store-size",  # stored /v1/responses kept, oldest evicted first
         help="responses /v1/responses keeps for previous_response_id and GET, in memory; the oldest is evicted "
              "first (default: %(default)s; also at most 64 MiB)")
+    otlp_traces_endpoint: str = flag("", name="--otlp-traces-endpoint",  # OTLP/HTTP collector URL for one trace span per request; empty = the OTEL_EXPORTER_OTLP_* variables, else no tracing
+        help="export an OpenTelemetry trace per request to this OTLP/HTTP collector, e.g. http://127.0.0.1:4318 "
+             "(/v1/traces is added to a URL without a path); default: the OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or "
+             "OTEL_EXPORTER_OTLP_ENDPOINT variable, else off")
 
     def validate(self) -> None:
         check_choices(self)
@@ -258,6 +262,9 @@ class ServerConfig:
             raise ConfigError("--max-tokens-cap must be at least 1")
         if self.responses_store_size < 1:
             raise ConfigError("--responses-store-size must be at least 1")
+        if self.otlp_traces_endpoint and not re.match(r"^https?://[^/\s:]+", self.otlp_traces_endpoint):
+            raise ConfigError("--otlp-traces-endpoint must be an http:// or https:// URL of an OTLP/HTTP collector "
+                              f"(e.g. http://127.0.0.1:4318), not {self.otlp_traces_endpoint!r}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("--tls-cert and --tls-key must be given together")
 

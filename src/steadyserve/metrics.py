@@ -26,6 +26,7 @@ ACCEPTANCE_BUCKETS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 ABORT_REASONS = ("client_disconnect", "stall", "deadline", "drain_timeout", "engine_error")
+TRACE_DROP_REASONS = ("queue_full", "export_failed")  # api/otel.py counts each
 
 
 class _ProcessCollector:
@@ -146,6 +147,12 @@ class Metrics:
                                  "the cgroup whose quota binds, summed over CPUs; 0 without a quota).", registry=r)
         self.cpu_quota = Gauge(p + "cpu_quota_cpus", "CPUs the cgroup CPU quota allows (quota / period, the "
                                "smallest up the cgroup tree), read at start-up; 0 = no quota.", registry=r)
+        self.trace_spans_exported = Counter(p + "trace_spans_exported_total", "Trace spans the OTLP collector "
+                                            "accepted (--otlp-traces-endpoint).", registry=r)
+        self.trace_spans_dropped = Counter(p + "trace_spans_dropped_total", "Trace spans lost instead of waited "
+                                           "for: queue_full (the export queue, OTEL_BSP_MAX_QUEUE_SIZE, was full) "
+                                           "or export_failed (the collector did not take the batch in time, "
+                                           "retries included).", ["reason"], registry=r)
         self._process = _ProcessCollector(device)
         r.register(self._process)
         self.model_info.labels(model, fingerprint, device, dtype, str(batch_invariant).lower()).set(1)
@@ -157,6 +164,8 @@ class Metrics:
             self.aborted.labels(reason)
         for reason in CHANGE_REASONS:
             self.thread_changes.labels(reason)
+        for reason in TRACE_DROP_REASONS:
+            self.trace_spans_dropped.labels(reason)
         self.engine_alive.set(0)
         self._last_token_time: dict[str, float] = {}
         self.backlog_sources: dict[int, object] = {}  # id -> callable returning bytes, summed at scrape

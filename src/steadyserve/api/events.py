@@ -17,6 +17,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from ..engine.sequence import Accumulated, RequestOutput  # Accumulated: the one fold, shared with offline use
 from .streams import StreamHandle
+from .tracing import note_end
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,7 @@ class RequestEvents:
             self._timer.cancel()
         if self._iter is not None:
             await self._iter.aclose()  # type: ignore[attr-defined]  # stops the choices' reader tasks
+        note_end(self.error)  # the request's trace, when tracing is on, ends in this error
         reason = self._unfinished_reason
         for h in self.handles:
             if not h.stream.finished:  # left before the engine finished: cancelled, failed, gone client

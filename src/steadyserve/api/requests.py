@@ -24,6 +24,7 @@ from .protocol import encode_prompt, render_chat
 from .state import ServerState
 from .streams import StreamHandle
 from .tools import ToolFormat, ToolRequest, format_for
+from .tracing import current as current_trace
 
 
 @dataclass(frozen=True)
@@ -235,4 +236,7 @@ def admit(state: ServerState, req: ValidatedRequest) -> list[StreamHandle]:
         tag = uuid.uuid4().hex[:8]
         ids = [f"{rid}.{tag}" for rid in ids]
         streams = state.submit_all([(rid, p, sp) for rid, (_, p, sp) in zip(ids, items)], req.transport)
+    trace = current_trace()
+    if trace is not None:  # tracing on: the span notes what was asked and the engine's times when each ends
+        trace.admitted(req, streams)
     return [state.streams.open_stream(rid, st, req.transport) for rid, st in zip(ids, streams)]

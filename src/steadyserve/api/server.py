@@ -31,6 +31,7 @@ from .console import mount_console
 from .http.app import create_app
 from .http.envelope import Envelope
 from .startup import EngineHooks, build_state
+from .otel import traces_endpoint
 from .state import ServerState
 
 log = logging.getLogger("steadyserve.server")
@@ -86,8 +87,11 @@ class Server:
         self._http: _Uvicorn | None = None
         self._http_task: asyncio.Task | None = None
         self._lag_task: asyncio.Task | None = None
+        self._traces_endpoint = ""  # the OTLP/HTTP URL traces go to (otel.traces_endpoint); "" = off
 
     def load(self) -> ServerState:
+        # Where traces go (flag or OTEL_* variables) is settled before the model loads: a bad URL fails fast.
+        self._traces_endpoint = traces_endpoint(self.config.server.otlp_traces_endpoint)
         self.state = build_state(self.config, self.hooks)
         if self.config.engine.batch_invariant and self.state.selftest and not self.state.selftest.passed:
             self.exit_code = EXIT_SELFTEST_FAILED
@@ -123,6 +127,11 @@ class Server:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
         self._lag_task = asyncio.create_task(sample_loop_lag(state.metrics))
+        if self._traces_endpoint:
+            from .otel import Tracing
+
+            state.tracing = Tracing(self._traces_endpoint, state.model_name, str(state.fingerprint), state.metrics)
+            log.info("exporting traces", extra={"fields": {"otlp_endpoint": self._traces_endpoint}})
 
         sock = _bind(sc.host, sc.http_port)
         http_port = sock.getsockname()[1]
@@ -173,6 +182,9 @@ class Server:
             # On the loop, not in a worker thread: asyncio.run would wait for a stuck worker at exit. The
             # engine's join has its own timeout.
             await self._step("engine", self.state.engine.shutdown, None)
+        if self.state is not None and self.state.tracing is not None:
+            tracing = self.state.tracing
+            await self._step("tracing", lambda: _flushed(tracing), None)  # bounded by otel.SHUTDOWN_TIMEOUT_S
         fields: dict[str, Any] = {"exit_code": self.exit_code}
         if self.shutdown_failures:
             fields["shutdown_failures"] = list(self.shutdown_failures)
@@ -232,3 +244,9 @@ class Server:
         if self.grpc is not None:
             self.grpc.set_serving(False)
         asyncio.get_running_loop().call_later(1.0, self._stop.set)  # let error events reach the clients
+
+
+def _flushed(tracing: Any) -> None:
+    """Flush and stop the trace exporter; a collector that does not answer in time is given up on."""
+    if not tracing.shutdown():
+        raise TimeoutError("the trace collector did not take the last spans in time; they are dropped")

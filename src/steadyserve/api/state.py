@@ -41,6 +41,7 @@ class ServerState:
     metrics: Any = None  # steadyserve.metrics.Metrics, when enabled
     memory: Any = None  # steadyserve.memory.MemoryPlan: the limit, its source and the budget checked against it
     cpu: CpuBudget | None = None  # the CPU budget read at start-up: the engine's thread count and what decided it
+    tracing: Any = None  # steadyserve.api.otel.Tracing while traces are exported (--otlp-traces-endpoint), else None
     streams: StreamRegistry = field(default_factory=StreamRegistry)
     # The last finished requests, newest last, for the web console's table (api/console/routes.py).
     recent: deque = field(default_factory=lambda: deque(maxlen=200))

@@ -27,7 +27,7 @@ from .scheduler import ScheduledSeq, Scheduler
 from .speculation import SeqDrafter, Speculator, TokenKeys
 from .stop import end_token_ids, final_reason, stop_reason
 from ..limits import Refused, check_token_ids
-from .sequence import Request, RequestOutput, Sequence, TokenLogprob
+from .sequence import Request, RequestOutput, RequestTimings, Sequence, TokenLogprob
 from .structured import Grammars
 from .threads import CpuSignals, ThreadChange, ThreadPolicy
 from ..cpu_budget import read_cpu_quota
@@ -199,6 +199,8 @@ class LLMEngine:
         for item in sched.scheduled:  # queue wait ends when a request is first scheduled, not computed
             if item.seq.first_scheduled_time is None:
                 item.seq.first_scheduled_time = now
+        for seq in sched.preempted:  # the step's time, kept for the request's trace (RequestTimings)
+            seq.preempted_times.append(now)
         outputs: list[RequestOutput] = []
         num_generated = 0
         if not sched.is_empty:
@@ -260,6 +262,8 @@ class LLMEngine:
         if not draft:  # a verification counts only what it accepts (_verify)
             self._count(seq, item.num_new_tokens)
         now = time.monotonic()
+        if seq.prefill_done_time is None and result.sample_row is not None:  # the prompt's last token computed
+            seq.prefill_done_time = now
         emitted = _Emitted()
         try:
             if self.fault_hook is not None:
@@ -379,7 +383,14 @@ class LLMEngine:
                              prompt_logprobs=prompt_lps, finished=finish_reason is not None,
                              finish_reason=finish_reason, error=error, num_prompt_tokens=seq.num_prompt_tokens,
                              num_generated_tokens=seq.num_generated_tokens, num_batch_seqs=num_batch_seqs,
-                             num_cached_tokens=min(seq.num_cached_tokens, seq.num_prompt_tokens))
+                             num_cached_tokens=min(seq.num_cached_tokens, seq.num_prompt_tokens),
+                             timings=None if finish_reason is None else _timings(seq))
+
+
+def _timings(seq: Sequence) -> RequestTimings:
+    """The times the engine kept for `seq`, copied for its final output (the engine thread calls no tracer)."""
+    return RequestTimings(seq.request.arrival_time, seq.first_scheduled_time, seq.prefill_done_time,
+                          seq.first_token_time, list(seq.preempted_times), time.monotonic())
 
 
 def _cheap_rows(model) -> int:  # noqa: ANN001 - a Transformer

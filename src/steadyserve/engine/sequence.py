@@ -103,6 +103,20 @@ class TokenLogprob:
 
 
 @dataclass
+class RequestTimings:
+    """When the engine did what to one request, on its monotonic clock (time.monotonic()): the times it already
+    takes for its own bookkeeping, copied off the Sequence onto the request's final output. The request path
+    builds its trace from them after the fact (api/tracing.py); the engine thread never calls a tracer."""
+
+    arrival: float  # Request.arrival_time: admitted on the event loop
+    first_scheduled: float | None  # first step that scheduled it (the queue wait ends); None if never scheduled
+    prefill_done: float | None  # the step that computed its last prompt token (and sampled the first token)
+    first_token: float | None  # the step that emitted its first generated token
+    preempted: list[float]  # each step that preempted it for KV space (its K/V recomputed later)
+    finished: float  # when the engine produced the final output
+
+
+@dataclass
 class RequestOutput:
     """One engine step's news for one request; the last one has `finished`."""
 
@@ -119,6 +133,7 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
     num_batch_seqs: int = 0  # sequences in the step that produced this output (for validate)
     queue_wait: float | None = None  # seconds from arrival to first step; on the first output only
+    timings: RequestTimings | None = None  # on the final output of a request the engine held (for traces)
 
 
 @dataclass
@@ -189,6 +204,8 @@ class Sequence:
         self.num_preemptions = 0
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
+        self.prefill_done_time: float | None = None  # the step that computed the last prompt token, first time
+        self.preempted_times: list[float] = []  # the steps that preempted it (RequestTimings)
         self.state: Any = None  # sampler/detokenizer state, owned by the engine
 
     @property

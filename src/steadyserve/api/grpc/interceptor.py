@@ -18,6 +18,7 @@ from typing import Any, Awaitable, Callable
 import grpc
 
 from ..state import ServerState
+from ..tracing import RequestTrace
 from . import ERROR_CODE_KEY, FINGERPRINT_KEY
 from .servicer import deadline_passed
 
@@ -26,6 +27,9 @@ log = logging.getLogger("steadyserve.grpc")
 # Services reachable without the API key: health probes and schema listing carry no model data.
 OPEN_SERVICES = ("grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection",
                  "grpc.reflection.v1.ServerReflection")
+
+# The RPCs a trace is recorded for, and their gen_ai.operation.name before the request is parsed.
+TRACED_RPCS = {"Generate": "text_completion", "Score": "score", "Embed": "embeddings"}
 
 _KINDS = (  # (handler attribute, grpc_type label, factory)
     ("unary_unary", "unary", grpc.unary_unary_rpc_method_handler),
@@ -45,6 +49,18 @@ def _code_name(context: grpc.aio.ServicerContext, exc: BaseException | None) -> 
     if isinstance(code, grpc.StatusCode):
         return code.name
     return next((c.name for c in grpc.StatusCode if c.value[0] == code), str(code))
+
+
+def _code_value(name: str) -> int:
+    """The numeric status code of a code name (rpc.grpc.status_code); 2 (UNKNOWN) for one gRPC does not name."""
+    return next((c.value[0] for c in grpc.StatusCode if c.name == name), 2)
+
+
+def _details(context: grpc.aio.ServicerContext) -> str:
+    try:
+        return context.details() or ""
+    except Exception:  # not every context keeps them
+        return ""
 
 
 class ServerInterceptor(grpc.aio.ServerInterceptor):
@@ -70,7 +86,7 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
         for attr, grpc_type, factory in _KINDS:
             behavior = getattr(handler, attr)
             if behavior is not None:
-                wrapped = self._wrap(behavior, (grpc_type, service, method), authorized)
+                wrapped = self._wrap(behavior, (grpc_type, service, method), authorized, details)
                 deserializer = handler.request_deserializer
                 if deserializer is not None and attr in ("unary_unary", "unary_stream"):
                     deserializer = _tolerant(deserializer)
@@ -78,14 +94,28 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
                                response_serializer=handler.response_serializer)
         return handler
 
-    def _wrap(self, behavior: Callable, labels: tuple[str, str, str], authorized: bool) -> Callable:
+    def _trace(self, labels: tuple[str, str, str], details: grpc.HandlerCallDetails) -> RequestTrace | None:
+        """Open the RPC's trace record when tracing is on and it is an inference RPC; it joins the trace of the
+        caller's traceparent metadata."""
+        tracing = self.state.tracing
+        operation = TRACED_RPCS.get(labels[2])
+        if tracing is None or operation is None or labels[1] in OPEN_SERVICES:
+            return None
+        carrier = {k.lower(): v for k, v in (details.invocation_metadata or ()) if isinstance(v, str)}
+        return tracing.begin("grpc", operation, carrier, **{"rpc.system": "grpc", "rpc.service": labels[1],
+                                                             "rpc.method": labels[2]})
+
+    def _wrap(self, behavior: Callable, labels: tuple[str, str, str], authorized: bool,
+              details: grpc.HandlerCallDetails) -> Callable:
         metrics = self.state.metrics
         trailer = ((FINGERPRINT_KEY, self.fingerprint),)
+        trace: list[RequestTrace | None] = [None]
 
         def begin(context: grpc.aio.ServicerContext) -> float:
             if metrics is not None:
                 metrics.grpc_started.labels(*labels).inc()
             context.set_trailing_metadata(trailer)
+            trace[0] = self._trace(labels, details)
             return time.perf_counter()
 
         async def malformed(context: grpc.aio.ServicerContext, request: "_Malformed") -> None:
@@ -105,9 +135,14 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
             if exc is not None and not isinstance(exc, (grpc.aio.AbortError, asyncio.CancelledError)) \
                     and not context.cancelled():
                 log.error("rpc failed", exc_info=exc, extra={"fields": {"method": labels[2]}})
+            code = _code_name(context, exc)
             if metrics is not None:
-                metrics.grpc_handled.labels(*labels, _code_name(context, exc)).inc()
+                metrics.grpc_handled.labels(*labels, code).inc()
                 metrics.grpc_seconds.labels(*labels).observe(time.perf_counter() - t0)
+            if trace[0] is not None:
+                details_text = _details(context)
+                trace[0].ended(None if code == "OK" else (code, details_text or code), **{"rpc.grpc.status_code":
+                                                                                          _code_value(code)})
 
         async def admit(request: Any, context: grpc.aio.ServicerContext) -> None:
             """Abort before the handler runs: no key, or a message that did not decode."""

@@ -26,6 +26,7 @@ from ..requests import RequestSpec, ValidatedRequest, admit, build, prompt_ids
 from ..state import ServerState
 from ..streams import END_MESSAGES, StreamHandle
 from ..tools import tool_calls_json
+from ..tracing import note_refusal
 from ..protos.steadyserve.v1 import inference_pb2 as pb
 from ..protos.steadyserve.v1 import inference_pb2_grpc as pb_grpc
 from . import ERROR_CODE_KEY, ERROR_FIELD_KEY, FINGERPRINT_KEY, PUSHBACK_KEY, REQUEST_ID_KEY, RETRY_AFTER_KEY
@@ -98,6 +99,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         INVALID_ARGUMENT naming the proto field, with the HTTP API's message."""
         if self.state.metrics is not None:
             self.state.metrics.rejected.labels(e.metric_reason).inc()
+        note_refusal(e)
         if e.reason in RETRY_REASONS:
             ms = str(max(1, math.ceil((e.retry_after or 1.0) * 1000)))
             trailers = {ERROR_CODE_KEY: e.reason, RETRY_AFTER_KEY: ms}

@@ -20,6 +20,7 @@ from ..protocol import encode_prompt, render_chat
 from ..requests import admit, check_model
 from ..responses_store import ResponseStore
 from ..state import ServerState
+from ..tracing import note_refusal
 from .errors import error_response, refusal_response
 from .inputs import build_from_body, client_request_id, read_json, validated
 from .openai_format import Formatter, formatters, full_body, mean_logprob
@@ -40,6 +41,7 @@ def create_app(state: ServerState) -> FastAPI:
         """Every refusal of every route: counted under its reason, answered with its status."""
         if state.metrics is not None:
             state.metrics.rejected.labels(e.metric_reason).inc()
+        note_refusal(e)
         return refusal_response(e)
 
     @app.exception_handler(StarletteHTTPException)

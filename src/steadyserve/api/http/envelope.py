@@ -8,7 +8,26 @@ from typing import Any
 
 from ...limits import valid_request_id
 from ..state import ServerState
+from ..tracing import RequestTrace
 from .errors import error_response
+
+# gen_ai.operation.name of each traced route before its body is read (a refused request is never parsed).
+ROUTE_OPERATIONS = {"/v1/completions": "text_completion", "/v1/chat/completions": "chat", "/v1/responses": "chat",
+                    "/v1/messages": "chat", "/v1/embeddings": "embeddings", "/v1/stream": "text_completion"}
+
+
+def _route(scope: dict) -> str:
+    return getattr(scope.get("route"), "path", None) or "unmatched"
+
+
+def trace_end(scope: dict, status: int | None) -> tuple[str, str] | None:
+    """The failure a traced HTTP or WebSocket request's answer reports: an HTTP status >= 400, a WebSocket
+    closed with a code other than 1000 (normal); None when it reports none."""
+    if scope["type"] == "websocket":
+        return None if status in (None, 1000) else (f"websocket_close_{status}", f"closed with code {status}")
+    if status is None:
+        return "no_response", "the request ended before a response was sent"
+    return (str(status), f"HTTP {status}") if status >= 400 else None
 
 
 class Envelope:
@@ -55,9 +74,39 @@ class Envelope:
         st["request_id"] = rid
         st["transport"] = getattr(getattr(send, "__self__", None), "transport", None)
         extra = [(b"x-request-id", rid.encode("latin-1")), (b"x-steadyserve-fingerprint", self.fingerprint)]
+        trace = self._trace(scope, headers)
+        if trace is not None:
+            try:
+                return await self._serve(scope, receive, send, headers, extra, trace)
+            finally:
+                attrs: dict[str, Any] = {}
+                if scope["type"] == "http":
+                    attrs["http.route"] = _route(scope)
+                    if trace.status is not None:
+                        attrs["http.response.status_code"] = trace.status
+                trace.ended(trace_end(scope, trace.status), **attrs)
+        return await self._serve(scope, receive, send, headers, extra, None)
+
+    def _trace(self, scope: dict, headers: dict) -> RequestTrace | None:
+        """Open the request's trace record when tracing is on and this is an inference route."""
+        tracing = self.state.tracing
+        path = scope.get("path", "")
+        if tracing is None or not path.startswith("/v1/") or path.startswith("/v1/console"):
+            return None
+        if scope["type"] == "http" and scope.get("method") != "POST":
+            return None
+        carrier = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in headers.items()}
+        transport = "ws" if scope["type"] == "websocket" else "http"
+        return tracing.begin(transport, ROUTE_OPERATIONS.get(path, path), carrier,
+                             **{"http.request.method": scope.get("method", "GET"), "url.path": path})
+
+    async def _serve(self, scope: dict, receive: Any, send: Any, headers: dict, extra: list,
+                     trace: RequestTrace | None) -> None:
         if scope["type"] == "websocket":
             if not self._authorized(scope):
                 await receive()
+                if trace is not None:
+                    trace.status = 1008
                 await send({"type": "websocket.close", "code": 1008, "reason": "missing or invalid API key"})
                 return
 
@@ -65,6 +114,8 @@ class Envelope:
             bearer = next((p for p in offered if p.startswith("bearer.")), None)
 
             async def ws_send(message: dict) -> None:  # the handshake response carries the headers too
+                if trace is not None and message["type"] == "websocket.close":
+                    trace.status = message.get("code", 1000)
                 if message["type"] == "websocket.accept":
                     message = {**message, "headers": list(message.get("headers") or []) + extra}
                     if bearer and not message.get("subprotocol"):  # a browser fails a handshake that drops it
@@ -78,6 +129,8 @@ class Envelope:
         async def send_wrapper(message: dict) -> None:
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
+                if trace is not None:
+                    trace.status = status[0]
                 message = {**message, "headers": list(message.get("headers", [])) + extra}
             await send(message)
 
@@ -98,6 +151,6 @@ class Envelope:
         finally:
             m = self.state.metrics
             if m is not None:
-                route = getattr(scope.get("route"), "path", None) or "unmatched"
+                route = _route(scope)
                 m.http_requests.labels(scope.get("method", ""), route, str(status[0])).inc()
                 m.http_seconds.labels(scope.get("method", ""), route).observe(time.perf_counter() - t0)

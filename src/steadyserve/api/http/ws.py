@@ -21,6 +21,7 @@ from ..events import RequestEvents, StreamStalled, end_status
 from ..requests import ValidatedRequest, admit
 from ..state import ServerState
 from ..tools import tool_calls_json
+from ..tracing import note_refusal
 from .errors import error_body, refusal_status
 from .inputs import build_from_body, client_request_id
 from .openai_format import tool_finish
@@ -87,6 +88,7 @@ async def websocket_stream(ws: WebSocket, state: ServerState) -> None:
     except Refused as e:
         if state.metrics is not None:
             state.metrics.rejected.labels(e.metric_reason).inc()
+        note_refusal(e)
         return await _refusal(ws, e)
     transport = ws.scope.get("state", {}).get("transport")
     fp = str(state.fingerprint)
