@@ -23,6 +23,10 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default=d.dtype, help="float32 | bfloat16 | float16 | auto (default: %(default)s)")
     g.add_argument("--cache-dir", default=d.cache_dir, help="converted-weight cache (default: ~/.cache/steadyserve)")
     g.add_argument("--served-model-name", default=d.name, help="model id clients send (default: from the path)")
+    g.add_argument("--pooling", default=d.pooling, choices=["auto", "last", "mean"],
+                   help="how /v1/embeddings pools a prompt's hidden states: the last token's or their mean; auto "
+                        "takes the model's own metadata (GGUF pooling_type, sentence-transformers modules.json), "
+                        "else last (default: %(default)s)")
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -95,7 +99,7 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
 def config_from_args(a: argparse.Namespace) -> Config:
     cfg = Config(
         model=ModelConfig(path=a.model, device=a.device, dtype=a.dtype, cache_dir=a.cache_dir,
-                          name=a.served_model_name),
+                          name=a.served_model_name, pooling=a.pooling),
         engine=EngineConfig(kv_cache_memory=parse_kv_cache_memory(a.kv_cache_memory),
                             memory_limit=parse_size(a.memory_limit, "--memory-limit") if a.memory_limit else 0,
                             memory_overhead=parse_size(a.memory_overhead, "--memory-overhead"),

@@ -59,6 +59,7 @@ class ModelConfig:
     dtype: str = "auto"  # --dtype: float32 | bfloat16 | float16 | auto (float32 on CPU)
     cache_dir: str = ""  # --cache-dir: converted-weight cache; default ~/.cache/steadyserve
     name: str = ""  # --served-model-name: the id clients send; default derives from the path
+    pooling: str = "auto"  # --pooling: auto | last | mean: how /v1/embeddings pools a prompt's hidden states; auto takes the model's own metadata (GGUF pooling_type, sentence-transformers modules.json), else last; last or mean overrides it (models/pooling.py)
 
 
 @dataclass
@@ -180,5 +181,7 @@ class Config:
             raise ConfigError(f"--device must be cpu, cuda, cuda:N or auto, not {self.model.device!r}")
         if self.model.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"--dtype must be float32, bfloat16, float16 or auto, not {self.model.dtype!r}")
+        if self.model.pooling not in ("auto", "last", "mean"):
+            raise ConfigError(f"--pooling must be auto, last or mean, not {self.model.pooling!r}")
         self.engine.validate()
         self.server.validate()
