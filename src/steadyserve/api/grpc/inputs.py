@@ -14,6 +14,7 @@ import json
 
 from ...engine.sequence import SamplingParams
 from ...limits import InvalidRequest
+from ..embeddings import EmbedSpec
 from ..requests import OutputOptions, RequestSpec
 from ..tools import ToolChoice, ToolRequest, parse_tool_choice, tool_from_fields, tool_request
 
@@ -103,6 +104,27 @@ def tokenize_spec(msg: Any) -> RequestSpec:
     """Tokenize: the input as Score sees it (it may fill the context)."""
     return RequestSpec(kind="score", transport="grpc", request_id="", model="", params=SamplingParams(),
                        requested_max_tokens=0, **input_spec(msg))
+
+
+def embed_spec(msg: Any) -> EmbedSpec:
+    """Embed: each EmbedInput's text or token ids; dimensions 0 means all."""
+    inputs: list[str | list[int]] = []
+    for i, item in enumerate(msg.inputs):
+        which = item.WhichOneof("input")
+        if which is None:
+            raise InvalidRequest(f"input[{i}]", f"inputs[{i}]: one of text, tokens must be set")
+        inputs.append(item.text if which == "text" else list(item.tokens.ids))
+    return EmbedSpec(transport="grpc", request_id=msg.request_id, model=msg.model, inputs=inputs,
+                     dimensions=msg.dimensions or None)
+
+
+def embed_field_name(param: str | None) -> str:
+    """The EmbedRequest field a refusal's `param` (the HTTP API's: input, input[3], dimensions) refers to."""
+    if param is None or param == "input":
+        return "inputs"
+    if param.startswith("input["):
+        return "inputs" + param[len("input"):]
+    return param
 
 
 def field_name(param: str | None, msg: Any, scoring: bool = False) -> str:
