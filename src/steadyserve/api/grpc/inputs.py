@@ -112,19 +112,26 @@ def embed_spec(msg: Any) -> EmbedSpec:
     for i, item in enumerate(msg.inputs):
         which = item.WhichOneof("input")
         if which is None:
-            raise InvalidRequest(f"input[{i}]", f"inputs[{i}]: one of text, tokens must be set")
+            raise InvalidRequest("input", f"input: inputs[{i}] sets neither text nor tokens")
         inputs.append(item.text if which == "text" else list(item.tokens.ids))
     return EmbedSpec(transport="grpc", request_id=msg.request_id, model=msg.model, inputs=inputs,
                      dimensions=msg.dimensions or None)
 
 
-def embed_field_name(param: str | None) -> str:
-    """The EmbedRequest field a refusal's `param` (the HTTP API's: input, input[3], dimensions) refers to."""
-    if param is None or param == "input":
+def embed_field_name(param: str | None, msg: Any) -> str:
+    """The EmbedRequest field a refusal's `param` refers to. The HTTP API names an input `input` when it is
+    alone (its token k `input[k]`) and `input[i]` in a batch (token k `input[i][k]`); the proto always names
+    the input by its index and its member: `inputs[0].text`, `inputs[2].tokens.ids[5]`."""
+    if param is None or not param.startswith("input"):
+        return param or "inputs"
+    parts = [int(x) for x in param[len("input"):].strip("[]").split("][") if x]  # indices after `input`
+    single = len(msg.inputs) == 1
+    if not single and not parts:  # the batch itself: empty, or too many inputs
         return "inputs"
-    if param.startswith("input["):
-        return "inputs" + param[len("input"):]
-    return param
+    i = 0 if single else parts.pop(0)
+    which = msg.inputs[i].WhichOneof("input") if i < len(msg.inputs) else None
+    member = {"text": ".text", "tokens": ".tokens.ids"}.get(which or "", "")
+    return f"inputs[{i}]{member}" + "".join(f"[{k}]" for k in parts)
 
 
 def field_name(param: str | None, msg: Any, scoring: bool = False) -> str:

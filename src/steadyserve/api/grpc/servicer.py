@@ -107,7 +107,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             code = Code.RESOURCE_EXHAUSTED if e.reason == "overloaded" else Code.UNAVAILABLE
             await call.abort(code, str(e), trailers)
         if isinstance(msg, pb.EmbedRequest):
-            field = embed_field_name(e.param)
+            field = embed_field_name(e.param, msg)
         else:
             field = field_name(e.param, msg, scoring=isinstance(msg, pb.ScoreRequest)) if msg is not None else "input"
         await call.abort(Code.INVALID_ARGUMENT, e.message_for(field), {ERROR_FIELD_KEY: field,
