@@ -28,10 +28,10 @@ POOLING_CHOICES = ("auto", "last", "mean")  # --pooling
 POOLING_MODES = ("last", "mean")  # what the engine computes (engine/pooler.py)
 # llama.cpp's enum llama_pooling_type, as GGUF files store it in `<arch>.pooling_type`.
 GGUF_POOLING = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
-# sentence-transformers' Pooling config keys -> our mode (None: a pooling we do not compute).
-ST_POOLING = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": None,
-              "pooling_mode_max_tokens": None, "pooling_mode_mean_sqrt_len_tokens": None,
-              "pooling_mode_weightedmean_tokens": None}
+# sentence-transformers' Pooling config keys -> the pooling's name (only POOLING_MODES are computed).
+ST_POOLING = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls",
+              "pooling_mode_max_tokens": "max", "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len",
+              "pooling_mode_weightedmean_tokens": "weightedmean"}
 ST_NORMALIZE = "sentence_transformers.models.Normalize"
 ST_POOLING_MODULE = "sentence_transformers.models.Pooling"
 
@@ -86,7 +86,7 @@ def sentence_transformers_pooling(model_dir: Path) -> _Stated:
     on = [k for k in ST_POOLING if cfg.get(k)]
     if len(on) != 1:
         return _Stated(f"a combination of {on}" if on else None, normalize, where)
-    return _Stated(ST_POOLING[on[0]] or on[0].removeprefix("pooling_mode_"), normalize, f"{where} {on[0]}")
+    return _Stated(ST_POOLING[on[0]], normalize, f"{where} {on[0]}")
 
 
 def resolve_pooling(flag: str, src: Path, model_dir: Path) -> Pooling:
