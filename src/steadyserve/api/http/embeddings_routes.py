@@ -12,10 +12,10 @@ from typing import Any, ClassVar, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import Field, StrictInt
+from pydantic import Field, StrictInt, field_validator
 
 from ...limits import Refused
-from ..embeddings import EmbedSpec, admit_embed, build_embed, float32_base64, vectors
+from ..embeddings import EmbedSpec, ValidatedEmbed, admit_embed, build_embed, float32_base64, vectors
 from ..state import ServerState
 from .errors import error_response
 from .inputs import client_request_id, find_surrogate, read_json, validated
@@ -37,6 +37,19 @@ class EmbeddingRequest(RequestBody):
     dimensions: StrictInt | None = Field(default=None, description="keep the first this many components (1..the "
                                          "model's width) and re-normalise, as OpenAI's text-embedding-3 models do")
 
+    @field_validator("input", mode="before")
+    @classmethod
+    def _one_of_the_four_shapes(cls, v: Any) -> Any:
+        """Name the four shapes rather than pydantic's four union errors (`input.str: ...`)."""
+        def ids(x: Any) -> bool:
+            return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+        if isinstance(v, str) or ids(v) or (isinstance(v, list) and (all(isinstance(x, str) for x in v)
+                                                                     or all(ids(x) for x in v))):
+            return v
+        raise ValueError("input must be a string, a list of strings, a list of token ids, or a list of token-id "
+                         "lists")
+
     def inputs(self) -> list[str | list[int]]:
         """The inputs, one embedding each: a string or a token-id list alone is a batch of one."""
         x = self.input
@@ -45,23 +58,26 @@ class EmbeddingRequest(RequestBody):
         return list(x)  # type: ignore[arg-type]
 
 
-def parse_embedding_body(body: Any, transport: str, request_id: str) -> EmbedSpec:
-    """An HTTP body as the transport-neutral EmbedSpec. Raises Refused naming the field."""
+def parse_embedding_body(body: Any, transport: str, request_id: str) -> tuple[EmbedSpec, str]:
+    """An HTTP body as the transport-neutral EmbedSpec, and its encoding_format. Raises Refused naming the
+    field."""
     bad = find_surrogate(body)
     if bad is not None:
         raise Refused("invalid_unicode", f"{bad}: contains an unpaired UTF-16 surrogate escape; not valid Unicode",
                       bad)
     req = validated(EmbeddingRequest, body)
-    return EmbedSpec(transport=transport, request_id=request_id, model=req.model, inputs=req.inputs(),
+    spec = EmbedSpec(transport=transport, request_id=request_id, model=req.model, inputs=req.inputs(),
                      dimensions=req.dimensions)
+    return spec, req.encoding_format
 
 
 def add_embeddings_routes(app: FastAPI, state: ServerState) -> None:
     cfg = state.config.server
 
-    def build(body: Any, request_id: str) -> tuple:
-        spec = parse_embedding_body(body, "http", request_id)
-        return build_embed(state, spec), body.get("encoding_format", "float")
+    def build(body: Any, request_id: str) -> tuple[ValidatedEmbed, str]:
+        """Parse, validate and tokenize, on the tokenizer thread."""
+        spec, encoding = parse_embedding_body(body, "http", request_id)
+        return build_embed(state, spec), encoding
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
