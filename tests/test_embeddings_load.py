@@ -109,3 +109,9 @@ def test_a_256_input_batch_stalls_no_stream_and_admission_bounds_it(srv: ServerP
     assert float(over.headers["retry-after"]) >= 1
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (err.code(), err.details())
     assert res["rejected"] == 2
+
+
+def test_the_pooling_is_named_at_start(srv: ServerProcess):
+    """The tiny model states no pooling: the start-up log says which one serves, and why."""
+    line = next(ln for ln in srv.logs().splitlines() if "embedding pooling" in ln)
+    assert "pooling=last" in line and "normalize=True" in line and "source=default" in line, line
