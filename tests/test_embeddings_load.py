@@ -1,11 +1,12 @@
 """Embeddings under load share the engine fairly: a 256-input embedding batch beside running generation streams
 stalls none of them, and admission bounds embeddings like any other request (429 / RESOURCE_EXHAUSTED).
 
-The stall budget: every step serves the running streams first (one token each) and gives the prefill chunks of
-the embeddings what is left of --max-num-batched-tokens, so a stream's gap between tokens is one step, however
-large the batch. Measured twice: by the server's own inter-token-latency histogram (no observation above the
-budget while the batch ran) and by the client (the largest gap between a stream's events). The batch must take
-several budgets for the check to mean anything, and does: it is asserted.
+The stall budget is one step: every step serves the running streams first (one token each) and gives the prefill
+chunks of the embeddings what is left of --max-num-batched-tokens, so however large the batch, no stream goes a
+step without a token. Measured by the server's own counters, independent of how busy the machine is: over the
+batch's lifetime, tokens generated >= streams x engine steps (and nothing was preempted). In wall-clock terms,
+measured by the client: no stream's gap between events comes near the batch's duration (a stream made to wait
+for the batch would wait all of it). The server's inter-token-latency histogram is printed beside them.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from steadyserve.client import AsyncClient
 from steadyserve.testing.server import ServerProcess
 from steadyserve.tools.sse_client import StreamResult, sse_post
 
-BUDGET_S = 0.5  # a stream may wait at most this long for its next token (a bucket of LATENCY_BUCKETS)
+BUDGET_S = 0.5  # a bucket of LATENCY_BUCKETS: inter-token latencies above it are printed (the machine may be busy)
 NUM_STREAMS = 4
 BATCH = 256
 INPUT_TOKENS = 900  # 256 x 900 tokens: hundreds of steps of prefill on the tiny model
@@ -35,12 +36,14 @@ def srv(long_model: str):  # 4096 positions: streams that outlast the batch; bod
         yield s
 
 
-def itl_over_budget(srv: ServerProcess) -> tuple[float, float]:
-    """(observations, of which above BUDGET_S) of the server's inter-token-latency histogram so far."""
-    m = srv.metrics()  # one scrape: count and bucket of the same moment
-    total = m.get((ITL + "_count", ()), 0.0)
-    within = m.get((ITL + "_bucket", (("le", str(BUDGET_S)),)), 0.0)
-    return total, total - within
+def counters(srv: ServerProcess) -> dict[str, float]:
+    """The server's step, token and latency counters, from one scrape (all of the same moment)."""
+    m = srv.metrics()
+    get = lambda name, **labels: m.get((name, tuple(sorted(labels.items()))), 0.0)  # noqa: E731
+    return {"steps": get("steadyserve_step_duration_seconds_count"),
+            "generated": get("steadyserve_generated_tokens_total"),
+            "preempted": get("steadyserve_preemptions_total"),
+            "itl": get(ITL + "_count"), "itl_over": get(ITL + "_count") - get(ITL + "_bucket", le=str(BUDGET_S))}
 
 
 async def until(pred, timeout: float, what: str) -> None:
@@ -66,7 +69,7 @@ def test_a_256_input_batch_stalls_no_stream_and_admission_bounds_it(srv: ServerP
             while min(len(r.token_times) for r in results) < 5:  # every stream is decoding
                 assert not any(t.done() for t in streams), [t.result() for t in streams if t.done()]
                 await asyncio.sleep(0.02)
-            itl0 = await asyncio.to_thread(itl_over_budget, srv)
+            c0 = await asyncio.to_thread(counters, srv)
             rejected0 = await asyncio.to_thread(srv.metric, "steadyserve_requests_rejected_total", reason="overloaded")
             async with httpx.AsyncClient(base_url=srv.http_url, timeout=600) as c, \
                     AsyncClient(srv.grpc_addr, timeout=60, retries=False) as g:
@@ -80,13 +83,13 @@ def test_a_256_input_batch_stalls_no_stream_and_admission_bounds_it(srv: ServerP
                 r = await batch
                 t1 = time.monotonic()
             assert not any(t.done() for t in streams), "a stream ended before the batch did"
-            itl1 = await asyncio.to_thread(itl_over_budget, srv)
+            c1 = await asyncio.to_thread(counters, srv)
         finally:
             for t in streams:
                 t.cancel()
             await asyncio.gather(*streams, return_exceptions=True)
         gaps = [b - a for res in results for a, b in zip(res.token_times, res.token_times[1:]) if t0 <= b <= t1]
-        return {"response": r, "over": over, "grpc_error": e.value, "t": t1 - t0, "itl": (itl0, itl1),
+        return {"response": r, "over": over, "grpc_error": e.value, "t": t1 - t0, "counters": {k: c1[k] - c0[k] for k in c0},
                 "gaps": gaps, "rejected": srv.metric("steadyserve_requests_rejected_total", reason="overloaded")
                 - rejected0}
 
@@ -95,15 +98,15 @@ def test_a_256_input_batch_stalls_no_stream_and_admission_bounds_it(srv: ServerP
     assert r.status_code == 200, r.text
     body = r.json()
     assert len(body["data"]) == BATCH and body["usage"]["prompt_tokens"] == BATCH * INPUT_TOKENS
-    (n0, over0), (n1, over1) = res["itl"]
-    gaps = res["gaps"]
-    print(f"\n{BATCH} x {INPUT_TOKENS}-token batch took {res['t']:.2f} s beside {NUM_STREAMS} streams; "
-          f"{n1 - n0:.0f} inter-token latencies observed meanwhile, {over1 - over0:.0f} above {BUDGET_S} s; "
-          f"client gaps: {len(gaps)}, largest {max(gaps) * 1000:.0f} ms")
-    assert res["t"] > 4 * BUDGET_S, "the batch was too quick for the stall check to mean anything"
-    assert n1 - n0 > 0 and len(gaps) > 0, "no stream produced a token while the batch ran"
-    assert over1 - over0 == 0, "a stream waited longer than its budget for a token (server histogram)"
-    assert max(gaps) < 2 * BUDGET_S, f"a stream's client waited {max(gaps):.2f} s between events"
+    d, gaps = res["counters"], res["gaps"]
+    print(f"\n{BATCH} x {INPUT_TOKENS}-token batch took {res['t']:.2f} s beside {NUM_STREAMS} streams: "
+          f"{d['steps']:.0f} engine steps, {d['generated']:.0f} tokens generated, {d['preempted']:.0f} preemptions; "
+          f"{d['itl']:.0f} inter-token latencies, {d['itl_over']:.0f} above {BUDGET_S} s; client gaps: {len(gaps)}, "
+          f"largest {max(gaps, default=0) * 1000:.0f} ms")
+    assert d["steps"] > 100 and res["t"] > 4 * BUDGET_S, "the batch was too small for the stall check to mean anything"
+    assert d["preempted"] == 0, d
+    assert d["generated"] >= NUM_STREAMS * d["steps"], f"a stream went a step without a token: {d}"
+    assert len(gaps) > 0 and max(gaps) < res["t"] / 4, f"a stream's client waited {max(gaps):.2f} s between events"
     over, err = res["over"], res["grpc_error"]
     assert over.status_code == 429 and over.json()["error"]["code"] == "overloaded", over.text
     assert float(over.headers["retry-after"]) >= 1
