@@ -23,6 +23,7 @@ import torch
 
 from steadyserve.config import EngineConfig
 from steadyserve.engine.engine import LLMEngine
+from steadyserve.engine.kv_cache import bytes_per_block
 from steadyserve.engine.offline import run_requests
 from steadyserve.engine.pooler import finish_vector
 from steadyserve.engine.sequence import Request, SamplingParams
@@ -193,3 +194,20 @@ def test_last_pooling_uses_cached_prefixes_and_mean_pooling_does_not(tiny_model:
         hits = eng.block_manager.num_hit_tokens - before
         assert again == first and again == embed(engine(loaded, prefix_caching=False), [shared])[0]
         assert (hits > 0) == (mode == "last"), (mode, hits)
+
+
+@pytest.mark.parametrize("mode", ["last", "mean"])
+def test_preempted_embeddings_give_the_same_bits(tiny_model: str, mode: str):
+    """A KV cache too small for the batch preempts sequences mid-prompt; recomputed rows are the same bits and
+    are folded once, so every vector equals its vector alone."""
+    loaded = load_model(tiny_model, pooling=mode)
+    ps = prompts(7, [300, 280, 310])  # 10 blocks each, of the 12
+    alone = [embed(engine(loaded), [p])[0] for p in ps]
+    per_block = bytes_per_block(loaded.args, 32, loaded.dtype)
+    small = LLMEngine(loaded, EngineConfig(kv_cache_memory=per_block * 12, threads=1, max_num_batched_tokens=64,
+                                           prefix_caching=False))
+    gen = [Request(f"g{i}", p, SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
+           for i, p in enumerate(prompts(8, [20, 30]))]
+    together = embed(small, ps, others=gen)
+    assert small.scheduler.num_preemptions > 0, "nothing was preempted: the cache is too large for this test"
+    assert together == alone

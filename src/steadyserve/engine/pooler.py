@@ -36,8 +36,10 @@ class PoolState:
             if self._last is None and first_pos <= last < first_pos + rows.shape[0]:
                 self._last = rows[last - first_pos].float().clone()
             return
+        if first_pos > self.num_rows:  # rows never computed (a prefix-cache hit): fail the request, never hang it
+            raise RuntimeError(f"mean pooling lacks the hidden rows of positions {self.num_rows}..{first_pos - 1}")
         for i in range(rows.shape[0]):
-            if first_pos + i != self.num_rows:  # recomputed after a preemption: already folded, the same bits
+            if first_pos + i < self.num_rows:  # recomputed after a preemption: already folded, the same bits
                 continue
             self.num_rows += 1
             row = rows[i].to(torch.float64)
