@@ -237,7 +237,6 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         return pb.TokenizeResponse(token_ids=ids, tokens=[self._text(t) for t in ids],
                                    context_length=self.state.loaded.max_model_len)
 
-
     async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
         call = _Call(context, self.fingerprint)
         try:
@@ -257,6 +256,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                                 embeddings=[pb.Embedding(values=v, prompt_tokens=len(p))
                                             for v, p in zip(vecs, req.prompts)],  # type: ignore[arg-type]
                                 usage=pb.Usage(prompt_tokens=req.num_prompt_tokens))
+
 
 class _ClientGone(Exception):
     pass
