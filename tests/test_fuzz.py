@@ -21,6 +21,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
 from http_util import five_xx, status_counts
+from steadyserve.api.http.embeddings_routes import EmbeddingRequest
 from steadyserve.api.http.inputs import validation_refusal
 from steadyserve.api.http.schemas import ChatCompletionRequest, CompletionRequest
 from steadyserve.engine.sequence import InvalidRequest
@@ -41,10 +42,11 @@ def fz(tiny_model: str):
 
 def test_openapi_spec_describes_the_request_bodies(fz):
     spec = httpx.get(fz.http_url + "/openapi.json").json()
-    for path in ("/v1/completions", "/v1/chat/completions"):
+    for path, field in (("/v1/completions", "max_tokens"), ("/v1/chat/completions", "max_tokens"),
+                        ("/v1/embeddings", "input")):
         body = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
         name = body["$ref"].rsplit("/", 1)[1]
-        assert "max_tokens" in spec["components"]["schemas"][name]["properties"]
+        assert field in spec["components"]["schemas"][name]["properties"]
 
 
 def test_schemathesis_every_http_operation_no_5xx(fz):
@@ -72,9 +74,9 @@ def test_schemathesis_every_http_operation_no_5xx(fz):
         run()
     print(f"\nschemathesis: {sum(sum(c.values()) for c in seen.values())} requests over {len(seen)} operations: "
           f"{seen}")
-    assert {"POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /healthz",
-            "GET /readyz", "GET /metrics"} <= set(seen)
-    assert sum(seen["POST /v1/completions"].values()) >= 10
+    assert {"POST /v1/completions", "POST /v1/chat/completions", "POST /v1/embeddings", "GET /v1/models",
+            "GET /healthz", "GET /readyz", "GET /metrics"} <= set(seen)
+    assert sum(seen["POST /v1/completions"].values()) >= 10 and sum(seen["POST /v1/embeddings"].values()) >= 10
     assert fz.proc.poll() is None and five_xx(fz) == 0, status_counts(fz)
     assert httpx.get(fz.http_url + "/readyz").status_code == 200
 
@@ -129,6 +131,32 @@ def test_request_parsing_refuses_by_name_and_never_crashes(body, chat):
     assert params.logprobs is None or 0 <= params.logprobs <= 20
 
 
+EMBED_FIELDS = ["input", "model", "encoding_format", "dimensions", "user", "prompt", "max_tokens"]
+embed_bodies = st.dictionaries(st.sampled_from(EMBED_FIELDS), json_values, max_size=5)
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(body=embed_bodies)
+def test_embedding_body_parsing_refuses_by_name_and_never_crashes(body):
+    """/v1/embeddings bodies: refused naming an unknown field or a field of the body, or parsed into inputs
+    that are strings or token-id lists."""
+    fields = set(EmbeddingRequest.model_fields) | {"user"}
+    try:
+        req = EmbeddingRequest.model_validate(body)
+    except ValidationError as e:
+        r = validation_refusal(e)
+        if r.reason == "unknown_field":
+            assert r.param in set(body) - fields, (r.param, body)
+            return
+        assert r.reason == "invalid_value" and set(body) <= fields and (r.param or "").split(".")[0] in fields, \
+            (r.reason, str(r), body)
+        return
+    assert set(body) <= fields, body
+    for item in req.inputs():
+        assert isinstance(item, str) or all(isinstance(t, int) for t in item), body
+    assert req.encoding_format in ("float", "base64")
+
+
 # ---- gRPC: raw bytes --------------------------------------------------------------------------------------
 
 def _raw(ch: grpc.Channel, method: str):
@@ -179,9 +207,16 @@ def test_grpc_raw_bytes_get_clean_status_codes(fz):
                 seen["gen-" + name] = grpc.StatusCode.OK
             except grpc.RpcError as e:
                 seen["gen-" + name] = e.code()
+        embed = _raw(ch, "/steadyserve.v1.Inference/Embed")
+        for name, payload, _ in RAW_SCORE:
+            try:
+                embed(payload, timeout=10)
+                seen["embed-" + name] = grpc.StatusCode.OK
+            except grpc.RpcError as e:
+                seen["embed-" + name] = e.code()
     print(f"\ngRPC raw bytes: { {k: v.name for k, v in seen.items()} }")
     for name, _, kind in RAW_SCORE:
-        for key in (name, "gen-" + name):
+        for key in (name, "gen-" + name, "embed-" + name):
             assert seen[key] in CLEAN, (key, seen[key])
             if kind == "bad":
                 assert seen[key] != grpc.StatusCode.OK, key

@@ -17,7 +17,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
 from steadyserve.api.grpc import ERROR_CODE_KEY, ERROR_FIELD_KEY
-from steadyserve.client import Client, generate_request, pb
+from steadyserve.client import Client, embed_request, generate_request, pb
 from steadyserve.testing.server import ServerProcess
 
 MAX_TOKENS_CAP = 64
@@ -235,3 +235,76 @@ def test_refusals_are_counted_and_disturb_nothing(srv, grpc_client):
     assert grpc_client.score("still fine").usage.prompt_tokens > 0
     r = httpx.post(srv.http_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+# ---- /v1/embeddings and gRPC Embed: the same table, two transports (embeddings have no WebSocket form) --------
+
+@dataclass
+class EmbedRow:
+    """One bad embedding request: its /v1/embeddings body, its pb.EmbedRequest, and the refusal expected."""
+
+    name: str  # the test id
+    body: dict[str, Any]  # /v1/embeddings body
+    grpc_request: Any  # pb.EmbedRequest
+    reason: str  # the error code on both transports
+    param: str  # HTTP's `param`
+    grpc_field: str  # the proto's name for it (steadyserve-error-field)
+    http_status: int = 400
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+def embed_rows(vocab_size: int, context: int, width: int) -> list[EmbedRow]:
+    long_ids = token_ids(context + 1)  # one token over: an embedding may fill the context, not more
+    return [
+        EmbedRow("empty-input-list", {"input": []}, embed_request([]), "invalid_value", "input", "inputs"),
+        EmbedRow("empty-string", {"input": ""}, embed_request([""]), "invalid_value", "input", "inputs[0].text"),
+        EmbedRow("second-input-empty", {"input": ["a", ""]}, embed_request(["a", ""]), "invalid_value", "input[1]",
+                 "inputs[1].text"),
+        EmbedRow("token-out-of-vocab", {"input": [1, vocab_size]}, embed_request([[1, vocab_size]]), "invalid_value",
+                 "input[1]", "inputs[0].tokens.ids[1]"),
+        EmbedRow("batch-token-out-of-vocab", {"input": [[1], [2, vocab_size]]}, embed_request([[1], [2, vocab_size]]),
+                 "invalid_value", "input[1][1]", "inputs[1].tokens.ids[1]"),
+        EmbedRow("input-over-context", {"input": long_ids}, embed_request([long_ids]), "too_long", "input",
+                 "inputs[0].tokens.ids"),
+        EmbedRow("dimensions-over-width", {"input": "hi", "dimensions": width + 1},
+                 embed_request(["hi"], dimensions=width + 1), "invalid_value", "dimensions", "dimensions"),
+        EmbedRow("wrong-model", {"input": "hi", "model": "text-embedding-3-small"},
+                 embed_request(["hi"], model="text-embedding-3-small"), "model_not_found", "model", "model",
+                 http_status=404),
+        EmbedRow("request-id-200-chars", {"input": "hi"}, embed_request(["hi"], request_id="x" * 200),
+                 "invalid_value", "request_id", "request_id", headers={"x-request-id": "x" * 200}),
+    ]
+
+
+EMBED_ROW_NAMES = [r.name for r in embed_rows(1000, 16, 8)]
+
+
+@pytest.fixture(scope="module")
+def embed_table(srv, grpc_client) -> list[EmbedRow]:
+    info = grpc_client.model_info()
+    width = len(grpc_client.embed(["width"]).embeddings[0].values)
+    return embed_rows(info.vocab_size, info.context_length, width)
+
+
+@pytest.mark.parametrize("name", EMBED_ROW_NAMES)
+def test_embeddings_refused_alike_over_http_and_grpc(srv, grpc_client, embed_table, name):
+    row = next(r for r in embed_table if r.name == name)
+    r = httpx.post(srv.http_url + "/v1/embeddings", json=row.body, headers=row.headers, timeout=60)
+    err = r.json()["error"]
+    assert r.status_code == row.http_status, err
+    assert (err["code"], err["param"]) == (row.reason, row.param), err
+    with pytest.raises(grpc.RpcError) as e:
+        grpc_client.stub.Embed(row.grpc_request, timeout=30)
+    trailers = dict(e.value.trailing_metadata())
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (e.value.code(), e.value.details())
+    assert (trailers[ERROR_CODE_KEY], trailers[ERROR_FIELD_KEY]) == (row.reason, row.grpc_field), trailers
+    assert e.value.details() == grpc_details(err["message"], row.param, row.grpc_field), (e.value.details(), err)
+
+
+def test_an_embedding_may_fill_the_context(srv, grpc_client):
+    """An embedding generates nothing: an input of exactly the context length is embedded on both transports."""
+    context = grpc_client.model_info().context_length
+    ids = token_ids(context)
+    assert grpc_client.embed([ids]).usage.prompt_tokens == context
+    r = httpx.post(srv.http_url + "/v1/embeddings", json={"input": ids}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == context, r.text

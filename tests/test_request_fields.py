@@ -1,4 +1,4 @@
-"""Every field of the completion and chat request schemas, one row each: set to a non-default value, it must
+"""Every field of the completion, chat, responses and embeddings request schemas, one row each: set to a non-default value, it must
 change what it promises to change (or, for what is not supported, be refused with a 400 that names it).
 Nothing is accepted and ignored. A field added to a schema without a row here fails the first test.
 
@@ -9,7 +9,10 @@ endpoint and the WebSocket; the only fields accepted without effect are OpenAI's
 
 from __future__ import annotations
 
+import base64
 import json
+import math
+import struct
 from typing import Callable
 
 import httpx
@@ -18,14 +21,16 @@ import pytest
 from websockets.sync.client import connect
 
 from http_util import parse_stream, sse_events
+from steadyserve.api.http.embeddings_routes import EmbeddingRequest
 from steadyserve.api.http.responses import ResponsesRequest
 from steadyserve.api.http.schemas import IGNORED_FIELDS, ChatCompletionRequest, CompletionRequest
 from steadyserve.testing.server import ServerProcess
 
-C, CH, R = "/v1/completions", "/v1/chat/completions", "/v1/responses"
+C, CH, R, E = "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings"
 BASE = {C: {"prompt": "The fox and the dog", "max_tokens": 6, "temperature": 0},
         CH: {"messages": [{"role": "user", "content": "Name a fox."}], "max_tokens": 6, "temperature": 0},
-        R: {"input": "Name a fox.", "max_output_tokens": 6, "temperature": 0}}
+        R: {"input": "Name a fox.", "max_output_tokens": 6, "temperature": 0},
+        E: {"input": "The fox and the dog"}}
 # Small tools: the generic format's prompt must fit the tiny model's 512-token context with a call after it.
 ARG = {"type": "object", "properties": {"x": {"type": "boolean"}}, "required": ["x"], "additionalProperties": False}
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": ARG}},
@@ -324,6 +329,42 @@ def check_metadata(http, path):
     assert post(http, path, metadata={"k": "v"})["metadata"] == {"k": "v"}
 
 
+def vectors(body: dict) -> list[list[float]]:
+    assert body["object"] == "list" and [d["index"] for d in body["data"]] == list(range(len(body["data"]))), body
+    return [d["embedding"] for d in body["data"]]
+
+
+def check_e_input(http, path):  # a string, a batch of strings, token ids, a batch of token-id lists: one vector each
+    one = vectors(post(http, path, input="a fox"))
+    batch = vectors(post(http, path, input=["the dog", "a fox", "and"]))
+    assert len(one) == 1 and len(batch) == 3 and batch[1] == one[0] and batch[0] != batch[1]
+    ids = http.post("/tokenize", json={"prompt": "a fox"}).json()["tokens"]  # with BOS, as the input is tokenized
+    assert vectors(post(http, path, input=ids)) == one
+    assert vectors(post(http, path, input=[ids, ids[:2]]))[0] == one[0]
+    assert post(http, path, input=[ids, ids[:2]])["usage"] == {"prompt_tokens": len(ids) + 2,
+                                                              "total_tokens": len(ids) + 2}
+
+
+def check_e_model(http, path):
+    assert post(http, path, model="tiny")["model"] == "tiny"
+    assert http.post(path, json={**BASE[path], "model": "other"}).status_code == 404
+
+
+def check_encoding_format(http, path):  # base64: the very float32 values, little-endian
+    floats = vectors(post(http, path))[0]
+    raw = base64.b64decode(vectors(post(http, path, encoding_format="base64"))[0])
+    assert list(struct.unpack(f"<{len(raw) // 4}f", raw)) == floats
+
+
+def check_dimensions(http, path):  # truncated, then re-normalised: a unit vector along the full one's first k
+    full = vectors(post(http, path))[0]
+    short = vectors(post(http, path, dimensions=8))[0]
+    norm = math.sqrt(sum(x * x for x in full[:8]))
+    assert len(short) == 8 and abs(math.sqrt(sum(x * x for x in short)) - 1) < 1e-6
+    assert max(abs(a - b / norm) for a, b in zip(short, full)) < 1e-6
+    refused(http, path, "dimensions", len(full) + 1)
+
+
 CHECKS: dict[tuple[str, str], Callable] = {
     **{(p, f): fn for p in (C, CH) for f, fn in (
         ("model", check_model), ("max_tokens", check_max_tokens), ("temperature", check_temperature),
@@ -345,17 +386,19 @@ CHECKS: dict[tuple[str, str], Callable] = {
     (R, "tool_choice"): check_tool_choice, (R, "parallel_tool_calls"): check_parallel_tool_calls,
     (R, "stream"): check_r_stream, (R, "store"): check_store, (R, "previous_response_id"): check_previous_response_id,
     (R, "metadata"): check_metadata,
+    (E, "input"): check_e_input, (E, "model"): check_e_model, (E, "encoding_format"): check_encoding_format,
+    (E, "dimensions"): check_dimensions,
 }
 
 
 def test_every_schema_field_has_a_row() -> None:
     fields = {(C, f) for f in CompletionRequest.model_fields} | {(CH, f) for f in ChatCompletionRequest.model_fields} | \
-        {(R, f) for f in ResponsesRequest.model_fields}
+        {(R, f) for f in ResponsesRequest.model_fields} | {(E, f) for f in EmbeddingRequest.model_fields}
     assert fields - set(CHECKS) == set(), "fields without a row: give each a check in CHECKS"
     assert set(CHECKS) - fields == set(), "rows for fields the schemas no longer have"
 
 
-NAMES = {C: "completions", CH: "chat", R: "responses"}
+NAMES = {C: "completions", CH: "chat", R: "responses", E: "embeddings"}
 
 
 @pytest.mark.parametrize("path,field", sorted(CHECKS), ids=[f"{NAMES[p]}-{f}" for p, f in sorted(CHECKS)])
@@ -393,6 +436,25 @@ def test_unknown_fields_are_refused_by_name(http, path, stream) -> None:
                                          "alpha": {}}), "zeta", "alpha")
     # A real field misspelt is unknown, not ignored (its default would have been used).
     assert_unknown(http.post(path, json={**BASE[path], "stream": stream, "temprature": 0.5}), "temprature")
+
+
+def test_unknown_fields_are_refused_on_embeddings(http) -> None:
+    assert_unknown(http.post(E, json={**BASE[E], "bogus_field": 1}), "bogus_field")
+    assert_unknown(http.post(E, json={**BASE[E], "zeta": None, "dimensions": "8", "alpha": {}}), "zeta", "alpha")
+    assert_unknown(http.post(E, json={**BASE[E], "max_tokens": 3}), "max_tokens")  # a completion's field
+    # OpenAI's `user` is accepted and changes nothing.
+    assert vectors(post(http, E, user="u-1")) == vectors(post(http, E))
+
+
+def test_the_openai_sdk_embeds(srv) -> None:
+    """The SDK asks for base64 by default and decodes it itself: its floats are the server's float values."""
+    client = openai.OpenAI(base_url=srv.http_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    res = client.embeddings.create(model="tiny", input=["The fox and the dog", "a fox"])
+    plain = httpx.post(srv.http_url + E, json={"input": ["The fox and the dog", "a fox"]}, timeout=60).json()
+    assert [d.embedding for d in res.data] == vectors(plain) and res.usage.prompt_tokens == plain["usage"]["prompt_tokens"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.embeddings.create(model="tiny", input="x", extra_body={"bogus_field": 1})
+    assert e.value.code == "unknown_field"
 
 
 def test_a_field_of_another_endpoint_is_unknown(http) -> None:

@@ -168,6 +168,14 @@ def tokenize_request(text: str | None = None, *, messages: Sequence[dict[str, st
     return msg
 
 
+def embed_request(inputs: Sequence[str | Sequence[int]], *, dimensions: int = 0, model: str = "",
+                  request_id: str = "") -> pb.EmbedRequest:
+    """Embed's message: each input a text or a token-id list."""
+    items = [pb.EmbedInput(text=x) if isinstance(x, str) else pb.EmbedInput(tokens=pb.TokenIds(ids=list(x)))
+             for x in inputs]
+    return pb.EmbedRequest(inputs=items, dimensions=dimensions, model=model, request_id=request_id)
+
+
 def _status_name(resp: health_pb2.HealthCheckResponse) -> str:
     return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
@@ -212,6 +220,10 @@ class Client(_Base):
 
     def tokenize(self, text: str | None = None, *, timeout: float | None = None, **kw: Any) -> pb.TokenizeResponse:
         return self.stub.Tokenize(tokenize_request(text, **kw), timeout=self._t(timeout), metadata=self._metadata)
+
+    def embed(self, inputs: Sequence[str | Sequence[int]], *, timeout: float | None = None,
+              **kw: Any) -> pb.EmbedResponse:
+        return self.stub.Embed(embed_request(inputs, **kw), timeout=self._t(timeout), metadata=self._metadata)
 
     def health(self, service: str = "", timeout: float | None = None) -> str:
         """"SERVING" or "NOT_SERVING" (grpc.health.v1 Check)."""
@@ -261,6 +273,10 @@ class AsyncClient(_Base):
                        ) -> pb.TokenizeResponse:
         return await self.stub.Tokenize(tokenize_request(text, **kw), timeout=self._t(timeout),
                                         metadata=self._metadata)
+
+    async def embed(self, inputs: Sequence[str | Sequence[int]], *, timeout: float | None = None,
+                    **kw: Any) -> pb.EmbedResponse:
+        return await self.stub.Embed(embed_request(inputs, **kw), timeout=self._t(timeout), metadata=self._metadata)
 
     async def health(self, service: str = "", timeout: float | None = None) -> str:
         return _status_name(await self.health_stub.Check(health_pb2.HealthCheckRequest(service=service),

@@ -117,6 +117,10 @@ class ModelConfig:
                           help="converted-weight cache (default: ~/.cache/steadyserve)")
     name: str = flag("", name="--served-model-name",  # the id clients send; default derives from the path
                      help="model id clients send (default: from the path)")
+    pooling: str = flag("auto", name="--pooling", choices=("auto", "last", "mean"),  # how /v1/embeddings pools a prompt's hidden states; auto takes the model's own metadata (GGUF pooling_type, sentence-transformers modules.json), else last; last or mean overrides it (models/pooling.py)
+        help="how /v1/embeddings pools a prompt's hidden states: the last token's or their mean; auto takes the "
+             "model's own metadata (GGUF pooling_type, sentence-transformers modules.json), else last "
+             "(default: %(default)s)")
 
 
 @dataclass

@@ -60,7 +60,8 @@ def _load_and_check(config: Config, hooks: EngineHooks, limit: MemoryLimit,
     torch.set_num_threads(cpu.threads)
     loaded = load_model(mc.path, mc.device, mc.dtype, batch_invariant=ec.batch_invariant, row_tile=ec.row_tile,
                         max_model_len=ec.max_model_len, name=mc.name, cache_dir=mc.cache_dir,
-                        attention=ec.attention, block_size=ec.block_size, numerics=ec.numerics)
+                        attention=ec.attention, block_size=ec.block_size, numerics=ec.numerics,
+                        pooling=mc.pooling)
     assert loaded.numerics is not None
     log.info("cpu budget", extra={"fields": {
         "threads": cpu.threads, "source": cpu.source, "quota_cpus": cpu.quota, "quota": cpu.quota_detail,
@@ -75,6 +76,8 @@ def _load_and_check(config: Config, hooks: EngineHooks, limit: MemoryLimit,
         "model": loaded.name, "architecture": loaded.args.architecture, "params": loaded.args.num_params,
         "device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch."),
         "load_s": round(loaded.load_seconds, 2), "cached": loaded.from_cache, "context": loaded.max_model_len}})
+    log.info("embedding pooling", extra={"fields": {
+        "pooling": loaded.pooling.mode, "normalize": loaded.pooling.normalize, "source": loaded.pooling.source}})
     plan = _fit_memory(loaded, ec, limit)
     # KV in bytes, whatever was asked; threads as the CPU budget chose them (--threads when given).
     engine = LLMEngine(loaded, dataclasses.replace(ec, kv_cache_memory=plan.kv, threads=cpu.threads))

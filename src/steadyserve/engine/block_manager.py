@@ -111,7 +111,8 @@ class BlockManager:
         token's distribution), and a sequence that still needs prompt logprobs
         gets no hits: those come from hidden states a cache does not keep.
         """
-        if not self.prefix_caching or seq.num_computed_tokens or not seq.prompt_logprobs_done:
+        if not self.prefix_caching or seq.num_computed_tokens or not seq.prompt_logprobs_done \
+                or seq.needs_prompt_rows:  # a mean-pooled embedding: the same, for its hidden rows
             return []
         hits: list[int] = []
         for h in self._prefix_hashes(seq, (seq.num_tokens - 1) // self.block_size):

@@ -22,6 +22,7 @@ from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache import allocate_kv_cache
 from .model_runner import ModelRunner, SeqResult
+from .pooler import PoolState
 from .sampler import NumericalError, make_generator, process_row, sample, token_logprob
 from .scheduler import ScheduledSeq, Scheduler
 from .speculation import SeqDrafter, Speculator, TokenKeys
@@ -60,7 +61,7 @@ class _SeqState:
     """Per-request sampling and text state, owned by the engine thread."""
 
     def __init__(self, seq: Sequence, tokenizer, device: torch.device, grammars: Grammars,
-                 eos_ids: set[int], drafter: SeqDrafter | None) -> None:
+                 eos_ids: set[int], drafter: SeqDrafter | None, pooling: str = "last") -> None:
         # The tokens that end this sequence, fixed at admission (stop_reason and min_tokens both use them).
         self.end_ids = end_token_ids(eos_ids, seq.params.ignore_eos, set(seq.params.stop_token_ids))
         self.generator = make_generator(seq.params.seed, device)
@@ -69,6 +70,8 @@ class _SeqState:
         self.prompt_logprobs: list[TokenLogprob] = []  # for prompt tokens 1.. in order
         self.first_output = True
         self.drafter = drafter  # speculative drafting state (speculation.py); None with --speculation off
+        # An embedding's fold of its hidden rows (pooler.py); None for a generation.
+        self.pool = PoolState(pooling, seq.num_prompt_tokens) if seq.embed else None
 
 
 @dataclass
@@ -126,7 +129,12 @@ class LLMEngine:
         The server runs it once per request, on the event loop at submit (AsyncEngine.submit_all); offline
         callers get it from add_request."""
         p = request.params
-        p.validate()  # InvalidRequest: a Refused with the builder's reason, invalid_value
+        if request.embed:  # prefill only: no sampling fields apply
+            if p.max_tokens != 0:
+                raise Refused("invalid_value", "an embedding request generates nothing: max_tokens must be 0",
+                              "max_tokens")
+        else:
+            p.validate()  # InvalidRequest: a Refused with the builder's reason, invalid_value
         n = len(request.prompt_token_ids)
         if n == 0:
             raise Refused("invalid_value", "the prompt is empty", "prompt")
@@ -161,8 +169,10 @@ class LLMEngine:
     def add_checked(self, request: Request) -> Sequence:
         """Queue a request that `check` has already passed (AsyncEngine checks at submit, on the loop)."""
         seq = Sequence(next(self._seq_ids), request)
+        pooling = self.loaded.pooling.mode
+        seq.needs_prompt_rows = request.embed and pooling == "mean"  # every row: no prefix-cache hits
         seq.state = _SeqState(seq, self.tokenizer, torch.device("cpu"), self.grammars, self.eos_token_ids,
-                              self.speculator.new_drafter())
+                              None if request.embed else self.speculator.new_drafter(), pooling)
         self.scheduler.add(seq)
         return seq
 
@@ -268,6 +278,8 @@ class LLMEngine:
         try:
             if self.fault_hook is not None:
                 self.fault_hook(seq)
+            if seq.embed:
+                return self._pool(seq, result, num_batch_seqs)
             prompt_lps = self._collect_prompt_logprobs(seq, result)
             if result.sample_row is None:  # a prefill chunk: nothing sampled yet
                 if prompt_lps is None:
@@ -293,6 +305,18 @@ class LLMEngine:
             # have been in the steps before it without speculation.
             return self._output(seq, emitted.tokens, emitted.text, emitted.logprobs, finish_reason="error",
                                 error=f"{type(e).__name__}: {e}", num_batch_seqs=num_batch_seqs)
+
+    def _pool(self, seq: Sequence, result: SeqResult, num_batch_seqs: int) -> RequestOutput | None:
+        """An embedding's step: fold the chunk's hidden rows; once the prompt is computed, finish with the vector."""
+        pool: PoolState = seq.state.pool
+        assert result.hidden_rows is not None
+        pool.add(result.hidden_rows, result.hidden_pos)
+        if not pool.done:
+            return None
+        self.scheduler.retire(seq)
+        out = self._output(seq, [], "", [], finish_reason="length", num_batch_seqs=num_batch_seqs)
+        out.embedding = pool.vector()
+        return out
 
     def _count(self, seq: Sequence, num_new_tokens: int) -> None:
         """The tokens just computed, the full blocks they complete published to the prefix cache, and the

@@ -36,6 +36,10 @@ class SeqResult:
     draft_rows: list[torch.Tensor] = field(default_factory=list)  # (V,) each, one per draft token
     draft_argmax: list[int] = field(default_factory=list)  # argmax of each draft row
     draft_has_nan: list[bool] = field(default_factory=list)  # whether each draft row contains NaN
+    # An embedding sequence (Request.embed): its chunk's final-norm hidden rows, for the engine to pool
+    # (engine/pooler.py), instead of any LM-head row; views of the step's hidden states, valid in this step.
+    hidden_rows: torch.Tensor | None = None  # (n, hidden)
+    hidden_pos: int = 0  # the position of its first row
 
     def choice_rows(self) -> list[tuple[torch.Tensor, int, bool]]:
         """(row, argmax, has_nan) of each position that picks a token: the next one, then one per draft token."""
@@ -101,8 +105,13 @@ class ModelRunner:
         sample_rows: list[int] = []  # hidden rows that pick a token: each sequence's last token (and its drafts)
         prompt_rows: list[tuple[int, int, int]] = []  # (hidden row, index of seq, position of the token it scores)
         plans = []
+        pooled: dict[int, tuple[torch.Tensor, int]] = {}  # embedding sequences: index -> (hidden rows, first pos)
         for i, (sched, (row0, n, start)) in enumerate(zip(out.scheduled, spans)):
             seq = sched.seq
+            if seq.embed:  # no LM head: the engine pools the rows (no prompt logprobs, nothing to sample)
+                pooled[i] = (hidden[row0:row0 + n], start)
+                plans.append((0, -1, 0))
+                continue
             first_pp = last_pp = 0
             if not seq.prompt_logprobs_done:
                 # The row at position p scores prompt token p + 1.
@@ -136,6 +145,8 @@ class ModelRunner:
         results = []
         for i, (first_pp, si, num_choices) in enumerate(plans):
             r = SeqResult(sample_row=None, prompt_logprobs=prompt_lps[i], first_prompt_pos=first_pp)
+            if i in pooled:
+                r.hidden_rows, r.hidden_pos = pooled[i]
             if si >= 0 and sample_lp is not None:
                 r.sample_row, r.sample_argmax, r.sample_has_nan = sample_lp[si], argmax[si], bool(has_nan[si])
                 drafts = range(si + 1, si + num_choices)

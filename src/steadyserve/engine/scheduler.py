@@ -123,7 +123,7 @@ class Scheduler:
         hits instead of recomputing them: the bits are the same either way (equal prefixes give equal K/V).
         """
         bm = self.block_manager
-        if not bm.prefix_caching or seq.num_computed_tokens or not seq.prompt_logprobs_done:
+        if not bm.prefix_caching or seq.num_computed_tokens or not seq.prompt_logprobs_done or seq.needs_prompt_rows:
             return False
         bs = bm.block_size
         limit = (seq.num_tokens - 1) // bs  # blocks match_prefix could ever return for it

@@ -93,6 +93,9 @@ class Request:
     params: SamplingParams
     transport: str = "internal"  # http | ws | grpc | internal; for logs and metrics
     arrival_time: float = field(default_factory=time.monotonic)
+    # An embedding (engine/pooler.py): the prompt is computed and its hidden states pooled; nothing is sampled,
+    # params.max_tokens is 0. Its one output carries `embedding` and finish_reason "length", as a score's does.
+    embed: bool = False
 
 
 @dataclass
@@ -134,6 +137,7 @@ class RequestOutput:
     num_batch_seqs: int = 0  # sequences in the step that produced this output (for validate)
     queue_wait: float | None = None  # seconds from arrival to first step; on the first output only
     timings: RequestTimings | None = None  # on the final output of a request the engine held (for traces)
+    embedding: list[float] | None = None  # an embedding request's pooled vector (float32 values), on its last output
 
 
 @dataclass
@@ -153,9 +157,12 @@ class Accumulated:
     max_batch_seqs: int = 0  # largest step this request shared (for `steadyserve validate`)
     queue_wait: float | None = None  # seconds from arrival to the first step
     num_outputs: int = 0  # RequestOutputs folded in
+    embedding: list[float] | None = None  # an embedding request's pooled vector, once finished
 
     def add(self, out: RequestOutput) -> None:
         self.num_outputs += 1
+        if out.embedding is not None:
+            self.embedding = out.embedding
         self.max_batch_seqs = max(self.max_batch_seqs, out.num_batch_seqs)
         if out.queue_wait is not None:
             self.queue_wait = out.queue_wait
@@ -201,6 +208,10 @@ class Sequence:
         self.block_hashes: list[bytes] = []  # prefix hash of each full block of token_ids, as far as computed
         self.status = SequenceStatus.WAITING
         self.prompt_logprobs_done = request.params.prompt_logprobs is None
+        self.embed = request.embed  # prefill only, pooled (Request.embed)
+        # Every prompt position's hidden row is needed (mean pooling): no prefix-cache hits, whose rows a cache
+        # does not keep. Set by the engine at admission.
+        self.needs_prompt_rows = False
         self.num_preemptions = 0
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None

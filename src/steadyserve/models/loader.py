@@ -39,6 +39,7 @@ from . import known
 from .args import ModelArgs
 from .attention import AttentionFn, attention_invariant, attention_native, attention_plain
 from .layers import RowTiler
+from .pooling import Pooling, PoolingError, resolve_pooling
 from .registry import model_args, model_class
 from .transformer import Transformer
 
@@ -84,6 +85,7 @@ class LoadedModel:
     numerics: Numerics | None = None  # the path the model computes on, and its fingerprint id
     weights_bytes: int = 0  # bytes of the model's tensors (tensor_bytes): stored blocks or float32, RoPE tables
     keepalive: Any = None  # the memory mapping the stored weights are views of (a numpy memmap of the GGUF)
+    pooling: Pooling = Pooling("last", True, "default")  # how /v1/embeddings pools and normalises (pooling.py)
 
 
 def default_model_path() -> str:
@@ -380,7 +382,8 @@ def _release_pages(mapping: Any) -> None:
 
 def load_model(path: str, device: str = "cpu", dtype: str = "auto", *, batch_invariant: bool = True,
                row_tile: int = 512, max_model_len: int = 0, name: str = "", cache_dir: str = "",
-               attention: str = "auto", block_size: int = 32, numerics: str = "auto") -> LoadedModel:
+               attention: str = "auto", block_size: int = 32, numerics: str = "auto",
+               pooling: str = "auto") -> LoadedModel:
     """Load and build the model. Raises LoadError with a one-line message."""
     t0 = time.perf_counter()
     if known.looks_like_a_name(path):  # `--model gemma3-270m`: a packaged model (models/known.py)
@@ -405,6 +408,10 @@ def load_model(path: str, device: str = "cpu", dtype: str = "auto", *, batch_inv
     if not (model_dir / "config.json").is_file():
         raise LoadError(f"{model_dir}: no config.json (not a Hugging Face model directory)")
     converted = src.is_file()
+    try:
+        pool = resolve_pooling(pooling, src, model_dir)
+    except PoolingError as e:
+        raise LoadError(f"{src}: {e}") from None
     try:
         hf_config = _read_config(model_dir, converted)
     except Exception as e:
@@ -448,4 +455,4 @@ def load_model(path: str, device: str = "cpu", dtype: str = "auto", *, batch_inv
                        name=name or (src.stem if src.is_file() else src.name),
                        weights_hash=_sha256_files(files), device=dev, dtype=dt, max_model_len=max_len,
                        load_seconds=time.perf_counter() - t0, from_cache=from_cache, numerics=num,
-                       weights_bytes=tensor_bytes(model), keepalive=keepalive)
+                       weights_bytes=tensor_bytes(model), keepalive=keepalive, pooling=pool)

@@ -35,9 +35,10 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def write_tiny_gguf(hf_dir: str | Path, out: str | Path, quant: str = "Q8_0",
-                    reference_dir: str | Path | None = None) -> Path:
+                    reference_dir: str | Path | None = None, pooling_type: int | None = None) -> Path:
     """Convert the model in hf_dir to the GGUF file `out` and return its path; with reference_dir, also
-    write there the HF model with the weights as the file stores them (see the module docstring)."""
+    write there the HF model with the weights as the file stores them (see the module docstring); with
+    pooling_type, the `<arch>.pooling_type` key (llama.cpp's enum: 1 mean, 3 last) an embedding model has."""
     import gguf
     from safetensors.numpy import load_file
     from transformers import AutoConfig
@@ -52,6 +53,8 @@ def write_tiny_gguf(hf_dir: str | Path, out: str | Path, quant: str = "Q8_0",
     w.add_name(f"tiny-{arch}")
     _add_hparams(w, cfg, json.loads((hf_dir / "config.json").read_text()), arch)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if quant == "Q8_0" else gguf.LlamaFileType.ALL_F32)
+    if pooling_type is not None:
+        w.add_pooling_type(gguf.PoolingType(pooling_type))
     _add_tokenizer(w, hf_dir)
 
     qtype = gguf.GGMLQuantizationType[quant]

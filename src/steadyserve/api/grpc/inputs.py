@@ -14,6 +14,7 @@ import json
 
 from ...engine.sequence import SamplingParams
 from ...limits import InvalidRequest
+from ..embeddings import EmbedSpec
 from ..requests import OutputOptions, RequestSpec
 from ..tools import ToolChoice, ToolRequest, parse_tool_choice, tool_from_fields, tool_request
 
@@ -103,6 +104,34 @@ def tokenize_spec(msg: Any) -> RequestSpec:
     """Tokenize: the input as Score sees it (it may fill the context)."""
     return RequestSpec(kind="score", transport="grpc", request_id="", model="", params=SamplingParams(),
                        requested_max_tokens=0, **input_spec(msg))
+
+
+def embed_spec(msg: Any) -> EmbedSpec:
+    """Embed: each EmbedInput's text or token ids; dimensions 0 means all."""
+    inputs: list[str | list[int]] = []
+    for i, item in enumerate(msg.inputs):
+        which = item.WhichOneof("input")
+        if which is None:
+            raise InvalidRequest("input", f"input: inputs[{i}] sets neither text nor tokens")
+        inputs.append(item.text if which == "text" else list(item.tokens.ids))
+    return EmbedSpec(transport="grpc", request_id=msg.request_id, model=msg.model, inputs=inputs,
+                     dimensions=msg.dimensions or None)
+
+
+def embed_field_name(param: str | None, msg: Any) -> str:
+    """The EmbedRequest field a refusal's `param` refers to. The HTTP API names an input `input` when it is
+    alone (its token k `input[k]`) and `input[i]` in a batch (token k `input[i][k]`); the proto always names
+    the input by its index and its member: `inputs[0].text`, `inputs[2].tokens.ids[5]`."""
+    if param is None or not param.startswith("input"):
+        return param or "inputs"
+    parts = [int(x) for x in param[len("input"):].strip("[]").split("][") if x]  # indices after `input`
+    single = len(msg.inputs) == 1
+    if not single and not parts:  # the batch itself: empty, or too many inputs
+        return "inputs"
+    i = 0 if single else parts.pop(0)
+    which = msg.inputs[i].WhichOneof("input") if i < len(msg.inputs) else None
+    member = {"text": ".text", "tokens": ".tokens.ids"}.get(which or "", "")
+    return f"inputs[{i}]{member}" + "".join(f"[{k}]" for k in parts)
 
 
 def field_name(param: str | None, msg: Any, scoring: bool = False) -> str:

@@ -1,4 +1,4 @@
-"""steadyserve.v1.Inference: Score, Generate, GetModelInfo and Tokenize on the shared engine.
+"""steadyserve.v1.Inference: Score, Generate, GetModelInfo, Tokenize and Embed on the shared engine.
 
 Handlers turn a message into a RequestSpec (inputs.py), validate it with the
 HTTP API's builder (requests.build), admit it, and encode its events
@@ -20,6 +20,7 @@ import grpc
 from ...engine.sequence import TokenLogprob
 from ...limits import MAX_LOGPROBS, RETRY_REASONS, Refused
 from ...platform_info import platform_info, row_tiles_of
+from ..embeddings import admit_embed, build_embed, vectors
 from ..events import RequestEvents, StreamStalled, end_status
 from ..protocol import token_text
 from ..requests import RequestSpec, ValidatedRequest, admit, build, prompt_ids
@@ -30,7 +31,7 @@ from ..tracing import note_refusal
 from ..protos.steadyserve.v1 import inference_pb2 as pb
 from ..protos.steadyserve.v1 import inference_pb2_grpc as pb_grpc
 from . import ERROR_CODE_KEY, ERROR_FIELD_KEY, FINGERPRINT_KEY, PUSHBACK_KEY, REQUEST_ID_KEY, RETRY_AFTER_KEY
-from .inputs import field_name, generate_spec, score_spec, tokenize_spec
+from .inputs import embed_field_name, embed_spec, field_name, generate_spec, score_spec, tokenize_spec
 
 Code = grpc.StatusCode
 
@@ -107,7 +108,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 trailers[PUSHBACK_KEY] = ms
             code = Code.RESOURCE_EXHAUSTED if e.reason == "overloaded" else Code.UNAVAILABLE
             await call.abort(code, str(e), trailers)
-        field = field_name(e.param, msg, scoring=isinstance(msg, pb.ScoreRequest)) if msg is not None else "input"
+        if isinstance(msg, pb.EmbedRequest):
+            field = embed_field_name(e.param, msg)
+        else:
+            field = field_name(e.param, msg, scoring=isinstance(msg, pb.ScoreRequest)) if msg is not None else "input"
         await call.abort(Code.INVALID_ARGUMENT, e.message_for(field), {ERROR_FIELD_KEY: field,
                                                                        ERROR_CODE_KEY: e.reason})
 
@@ -234,6 +238,26 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             await self._refuse(call, e, request)
         return pb.TokenizeResponse(token_ids=ids, tokens=[self._text(t) for t in ids],
                                    context_length=self.state.loaded.max_model_len)
+
+    async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
+        call = _Call(context, self.fingerprint)
+        try:
+            req = await self.state.run_tokenizer(build_embed, self.state, embed_spec(request))
+            call.set(REQUEST_ID_KEY, req.request_id)
+            handles = admit_embed(self.state, req)
+        except Refused as e:
+            await self._refuse(call, e, request)
+        async with self._events(context, handles) as events:
+            async for _ in events:
+                pass
+        vecs = vectors(self.state, req, events.accs) if events.error is None else None
+        if vecs is None:
+            await self._end_with_problem(call, events.error or ("engine_error", "the engine finished an embedding "
+                                                                               "without its vector"))
+        return pb.EmbedResponse(request_id=req.request_id, fingerprint=self.fingerprint, model=self.state.model_name,
+                                embeddings=[pb.Embedding(values=v, prompt_tokens=len(p))
+                                            for v, p in zip(vecs, req.prompts)],  # type: ignore[arg-type]
+                                usage=pb.Usage(prompt_tokens=req.num_prompt_tokens))
 
 
 class _ClientGone(Exception):

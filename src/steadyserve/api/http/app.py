@@ -21,6 +21,7 @@ from ..requests import admit, check_model
 from ..responses_store import ResponseStore
 from ..state import ServerState
 from ..tracing import note_refusal
+from .embeddings_routes import EmbeddingRequest, add_embeddings_routes
 from .errors import error_response, refusal_response
 from .inputs import build_from_body, client_request_id, read_json, validated
 from .openai_format import Formatter, formatters, full_body, mean_logprob
@@ -105,6 +106,7 @@ def create_app(state: ServerState) -> FastAPI:
         return await run(request, "chat")
 
     add_responses_routes(app, state, ResponseStore(cfg.responses_store_size))
+    add_embeddings_routes(app, state)
 
     def tokenize(body: Any) -> dict[str, Any]:
         req = validated(TokenizeRequest, body)
@@ -196,7 +198,8 @@ def openapi_schema(app: FastAPI) -> dict[str, Any]:
     spec = get_openapi(title=app.title, version=app.version, routes=app.routes)
     schemas = spec.setdefault("components", {}).setdefault("schemas", {})
     for path, model in (("/v1/completions", CompletionRequest), ("/v1/chat/completions", ChatCompletionRequest),
-                        ("/v1/responses", ResponsesRequest), ("/tokenize", TokenizeRequest),
+                        ("/v1/responses", ResponsesRequest), ("/v1/embeddings", EmbeddingRequest),
+                        ("/tokenize", TokenizeRequest),
                         ("/detokenize", DetokenizeRequest)):
         js = model.model_json_schema(ref_template="#/components/schemas/{model}")
         schemas.update(js.pop("$defs", {}))

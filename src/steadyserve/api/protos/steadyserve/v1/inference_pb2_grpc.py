@@ -55,6 +55,11 @@ class InferenceStub:
                 request_serializer=steadyserve_dot_v1_dot_inference__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=steadyserve_dot_v1_dot_inference__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/steadyserve.v1.Inference/Embed',
+                request_serializer=steadyserve_dot_v1_dot_inference__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=steadyserve_dot_v1_dot_inference__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -94,6 +99,18 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Embeds texts or token-id lists: one vector per input, pooled from the
+        model's final-norm hidden states (the model's own pooling, else the
+        server's --pooling) and L2-normalised as the model's config says. The
+        same path as HTTP /v1/embeddings: every input is admitted at once or the
+        call is RESOURCE_EXHAUSTED; the values are float32, bitwise the same for
+        the same input whatever else the server computes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -116,6 +133,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.Tokenize,
                     request_deserializer=steadyserve_dot_v1_dot_inference__pb2.TokenizeRequest.FromString,
                     response_serializer=steadyserve_dot_v1_dot_inference__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=steadyserve_dot_v1_dot_inference__pb2.EmbedRequest.FromString,
+                    response_serializer=steadyserve_dot_v1_dot_inference__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -227,6 +249,33 @@ class Inference:
             '/steadyserve.v1.Inference/Tokenize',
             steadyserve_dot_v1_dot_inference__pb2.TokenizeRequest.SerializeToString,
             steadyserve_dot_v1_dot_inference__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/steadyserve.v1.Inference/Embed',
+            steadyserve_dot_v1_dot_inference__pb2.EmbedRequest.SerializeToString,
+            steadyserve_dot_v1_dot_inference__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,
