@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import signal
 import threading
-import time
 
 import anthropic
 import httpx
@@ -44,8 +43,10 @@ def client(srv) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=srv.http_url, api_key="unused", max_retries=0, timeout=120)
 
 
-def create(client: anthropic.Anthropic, **kw):
-    return client.messages.create(**{"model": "", "max_tokens": 8, "temperature": 0, "messages": USER, **kw})
+def create(client: anthropic.Anthropic, temperature: float = 0, **kw):
+    """This SDK's create has no sampling fields (Anthropic dropped them): they go as extra_body, as clients send them."""
+    extra = {"temperature": temperature, **kw.pop("extra_body", {})}
+    return client.messages.create(**{"model": "", "max_tokens": 8, "messages": USER, **kw}, extra_body=extra)
 
 
 def events(srv, body: dict) -> list[dict]:
@@ -90,6 +91,16 @@ def test_a_message_is_the_chat_request_in_anthropics_shape(srv, client) -> None:
     assert create(client, metadata={"user_id": "u-1"}).content == create(client).content  # accepted, no effect
 
 
+def test_output_config_format_is_structured_output(client) -> None:
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    m = create(client, max_tokens=40, output_config={"format": {"type": "json_schema", "schema": schema}})
+    jsonschema.validate(json.loads(m.content[0].text), schema)
+    with pytest.raises(anthropic.BadRequestError) as e:
+        create(client, output_config={"effort": "high"})
+    assert e.value.body["error"]["message"].startswith("output_config.effort")
+
+
 def first_new_pair(text: str) -> str:
     """Two characters of `text` that first occur after its start (a stop sequence that cuts it mid-way)."""
     return next(text[i:i + 2] for i in range(1, len(text) - 1) if text.find(text[i:i + 2]) == i)
@@ -130,7 +141,7 @@ def test_stream_events_in_order_and_the_sdk_stream_helpers(srv, client) -> None:
     assert text == whole.content[0].text
     assert evs[-2]["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
     assert evs[-2]["usage"]["output_tokens"] == 8
-    with client.messages.stream(model="", max_tokens=8, temperature=0, messages=USER) as s:
+    with client.messages.stream(model="", max_tokens=8, messages=USER, extra_body={"temperature": 0}) as s:
         streamed = "".join(s.text_stream)
         final = s.get_final_message()
     assert streamed == final.content[0].text == whole.content[0].text
@@ -156,7 +167,7 @@ def test_forced_tool_use_whole_and_streamed(srv, client) -> None:
     assert all(d["type"] == "input_json_delta" for d in deltas)
     assert json.loads("".join(d["partial_json"] for d in deltas)) == use.input
     assert evs[-2]["delta"]["stop_reason"] == "tool_use"
-    with client.messages.stream(model="", temperature=0, messages=USER, **kw) as s:
+    with client.messages.stream(model="", messages=USER, extra_body={"temperature": 0}, **kw) as s:
         final = s.get_final_message()
     assert [(b.type, b.name, b.input) for b in final.content] == [("tool_use", "get_time", use.input)]
     # any: a call of one of the tools, held to its schema whatever the sampling.
@@ -253,7 +264,7 @@ def test_other_errors_in_anthropics_shape(srv, client) -> None:
     error_of(httpx.post(url + "/nope", json={}), 404, "not_found_error")
     error_of(httpx.post(url, content=b"{nope"), 400, "invalid_request_error")
     with pytest.raises(anthropic.BadRequestError) as e:
-        create(client, max_tokens=8, extra_body={"bogus_field": 1})
+        create(client, extra_body={"bogus_field": 1})
     assert e.value.status_code == 400 and "bogus_field" in e.value.message
     assert e.value.body == {"type": "error", "error": {"type": "invalid_request_error",
                                                        "message": "Unrecognized request argument supplied: bogus_field"}}
@@ -279,8 +290,8 @@ def test_an_error_mid_stream_ends_with_an_error_event(srv, client) -> None:
 # ---- a server with an API key and one seat: authentication, 429 and the SDK's retry --------------------------
 
 @pytest.fixture(scope="module")
-def seat(tiny_model: str):
-    with ServerProcess(tiny_model, "--grpc-port", "-1", "--max-num-seqs", "1", "--max-queue", "0",
+def seat(long_model: str):  # 4096 positions: a stream long enough to hold the seat
+    with ServerProcess(long_model, "--grpc-port", "-1", "--max-num-seqs", "1", "--max-queue", "0",
                        "--api-key", KEY) as s:
         yield s
 
@@ -356,7 +367,8 @@ def test_a_429_is_honoured_by_the_sdk_retry(seat) -> None:
 def test_a_drain_answers_529_and_ends_a_stream_with_an_error_event(long_model: str) -> None:
     """Draining: a new request gets 529 overloaded_error with retry-after (the SDK would retry elsewhere); a
     stream the drain timeout cuts ends with Anthropic's `error` event, not a message_stop."""
-    with ServerProcess(long_model, "--grpc-port", "-1", "--drain-timeout", "1", threads=1) as s:
+    # 4000 tokens cannot finish in 0.5 s on any CPU (125 us per engine step): the drain timeout cuts the stream.
+    with ServerProcess(long_model, "--grpc-port", "-1", "--drain-timeout", "0.5", threads=1) as s:
         out: dict = {}
 
         def stream() -> None:
@@ -369,13 +381,10 @@ def test_a_drain_answers_529_and_ends_a_stream_with_an_error_event(long_model: s
         t.start()
         wait_for(lambda: s.metric("steadyserve_requests_running") == 1, 60, what="the stream running")
         s.signal(signal.SIGTERM)
-        t0 = time.monotonic()
-        r = None
-        while time.monotonic() - t0 < 5:
-            r = httpx.post(s.http_url + "/v1/messages", json={"max_tokens": 2, "messages": USER}, timeout=10)
-            if r.status_code != 200:
-                break
-        assert r is not None and "draining" in error_of(r, 529, "overloaded_error")
+        with httpx.Client(base_url=s.http_url, timeout=10) as c:
+            wait_for(lambda: c.get("/readyz").status_code == 503, 2, interval=0.01, what="/readyz 503")
+            r = c.post("/v1/messages", json={"max_tokens": 2, "messages": USER})
+        assert "draining" in error_of(r, 529, "overloaded_error")
         assert int(r.headers["retry-after"]) >= 1
         assert s.wait(60) == 0
         t.join(30)

@@ -7,8 +7,9 @@ requests.build validates for every endpoint, so a Messages request is a chat req
 tool format (api/tools) render exactly as they render OpenAI tool calls. Custom `tools` (`input_schema`) and
 `tool_choice` (auto, any, tool, none) map onto the chat tools, held to their schemas by the same constrained
 decoding. What this server cannot do is refused by name: image and document blocks, extended thinking,
-server tools, an assistant prefill. `cache_control` is accepted and ignored (the prefix cache is automatic);
-`metadata.user_id` is accepted and ignored. The response and stream are messages_format.py's.
+server tools, an assistant prefill, an effort level. `cache_control` is accepted and ignored (the prefix cache is
+automatic), as are `metadata.user_id` and the fields of Anthropic's own service (IGNORED). `output_config.format`
+(a JSON schema) is the chat API's json_schema response_format. The response and stream are messages_format.py's.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from ...engine.sequence import SamplingParams
 from ...limits import MAX_TEMPERATURE, InvalidRequest
 from ..requests import OutputOptions, RequestSpec
 from ..tools import ToolChoice, ToolRequest, tool_from_fields, tool_request
-from .schemas import Number, RequestBody, shared_range
+from .schemas import Number, RequestBody, grammar_for, shared_range
 
 # Anthropic's request fields that would change the result and that steadyserve does not implement: refused by
 # name when set (`thinking` also passes as {"type": "disabled"}, which asks for nothing).
@@ -30,8 +31,11 @@ UNSUPPORTED = {"thinking": "extended thinking is not supported by this model",
                "container": "containers (code execution) are not supported",
                "mcp_servers": "MCP servers are not supported: run the tools in the client and send tool_result blocks",
                "context_management": "context management is not supported"}
-# Anthropic's fields that cannot change the result here: accepted without effect.
-IGNORED = frozenset({"service_tier"})
+# Anthropic's fields that cannot change the result here: accepted without effect (one tier, one region, one
+# speed, no workspaces; top-level cache_control marks a prefix for caching, which the prefix cache does for every
+# prompt unmarked; diagnostics only asks for a cache-miss explanation in the response).
+IGNORED = frozenset({"service_tier", "cache_control", "inference_geo", "speed", "user_profile_id", "workspace_id",
+                     "diagnostics"})
 BLOCK_HINT = "text, tool_use and tool_result blocks are supported"
 REFUSED_BLOCKS = {"image": "image blocks are not supported: this server serves text-only models",
                   "document": "document blocks are not supported: send the text as text blocks",
@@ -69,6 +73,9 @@ class MessagesRequest(RequestBody):
     tool_choice: dict[str, Any] | None = Field(default=None, description='{"type": "auto" | "any" | "none"} or '
                                                '{"type": "tool", "name"}; "disable_parallel_tool_use": true '
                                                'allows at most one call')
+    output_config: dict[str, Any] | None = Field(default=None, description='{"format": {"type": "json_schema", '
+                                                 '"schema": {...}}}: the text follows the schema (constrained '
+                                                 'decoding); an effort level is refused')
 
 
 def refuse_unsupported(body: dict[str, Any]) -> None:
@@ -77,6 +84,29 @@ def refuse_unsupported(body: dict[str, Any]) -> None:
         if value is None or (name == "thinking" and value == {"type": "disabled"}):
             continue
         raise InvalidRequest(name, f"{name}: {why}; leave it out")
+
+
+def output_grammar(config: dict[str, Any] | None) -> str | None:
+    """output_config: its format as the chat API's json_schema response_format (the same grammar); an effort
+    level (a reasoning budget) is refused by name."""
+    if not config:
+        return None
+    for key, value in config.items():
+        if key == "effort" and value is not None:
+            raise InvalidRequest("output_config.effort", "output_config.effort: effort levels are not supported by "
+                                 "this model; leave it out")
+        if key not in ("effort", "format"):
+            raise InvalidRequest(f"output_config.{key}", f"output_config.{key}: unknown field (format, effort)")
+    fmt = config.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise InvalidRequest("output_config.format", 'output_config.format must be {"type": "json_schema", '
+                             '"schema": {...}}')
+    try:
+        return grammar_for({"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}})
+    except (ValueError, TypeError) as e:  # a schema the grammar compiler refuses
+        raise InvalidRequest("output_config.format", f"output_config.format: {e}") from None
 
 
 def check_metadata(metadata: dict[str, Any] | None) -> None:
@@ -248,7 +278,8 @@ def messages_spec(body: dict[str, Any], parsed: MessagesRequest, request_id: str
     refuse_unsupported(body)
     check_metadata(parsed.metadata)
     params = SamplingParams(temperature=parsed.temperature, top_p=1.0 if parsed.top_p is None else parsed.top_p,
-                            top_k=parsed.top_k or 0, stop=list(parsed.stop_sequences or []))
+                            top_k=parsed.top_k or 0, stop=list(parsed.stop_sequences or []),
+                            grammar=output_grammar(parsed.output_config))
     return RequestSpec(kind="chat", transport="http", request_id=request_id, model=parsed.model, params=params,
                        messages=conversation(parsed.system, parsed.messages), requested_max_tokens=parsed.max_tokens,
                        stream=parsed.stream, output=OutputOptions(), tools=tools_of(parsed))

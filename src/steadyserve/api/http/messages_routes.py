@@ -40,13 +40,14 @@ def parse(body: Any, request_id: str) -> tuple[MessagesRequest, Any]:
 
 def prepare(state: ServerState, body: Any, request_id: str) -> tuple[ValidatedRequest, MessagesRequest]:
     """Parse and validate (requests.build), for the tokenizer thread. Raises Refused, named as this API names
-    its fields (stop_sequences)."""
+    its fields (stop_sequences, output_config.format)."""
     parsed, spec = parse(body, request_id)
     try:
         return build(state, spec), parsed
     except InvalidRequest as e:
-        if e.param == "stop":
-            raise InvalidRequest("stop_sequences", e.message_for("stop_sequences")) from None
+        for ours, theirs in (("stop", "stop_sequences"), ("response_format", "output_config.format")):
+            if e.param == ours:
+                raise InvalidRequest(theirs, e.message_for(theirs)) from None
         raise
 
 
