@@ -415,6 +415,12 @@ def check_m_tool_choice(http, path):
     m_refused(http, "tool_choice", {"type": "sometimes"})
 
 
+def check_output_config(http, path):
+    fmt = {"format": {"type": "json_schema", "schema": ARG}}
+    assert json.loads(m_text(post(http, path, output_config=fmt, max_tokens=20)))["x"] in (True, False)
+    m_refused(http, "output_config", {"effort": "high"})
+
+
 CHECKS: dict[tuple[str, str], Callable] = {
     **{(p, f): fn for p in (C, CH) for f, fn in (
         ("model", check_model), ("max_tokens", check_max_tokens), ("temperature", check_temperature),
@@ -440,6 +446,7 @@ CHECKS: dict[tuple[str, str], Callable] = {
     (M, "system"): check_system, (M, "stop_sequences"): check_stop_sequences, (M, "temperature"): check_m_temperature,
     (M, "top_p"): check_m_top_p, (M, "top_k"): check_m_top_k, (M, "metadata"): check_m_metadata,
     (M, "stream"): check_m_stream, (M, "tools"): check_m_tools, (M, "tool_choice"): check_m_tool_choice,
+    (M, "output_config"): check_output_config,
 }
 
 
