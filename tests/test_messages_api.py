@@ -263,6 +263,8 @@ def test_other_errors_in_anthropics_shape(srv, client) -> None:
     error_of(httpx.get(url), 405, "invalid_request_error")
     error_of(httpx.post(url + "/nope", json={}), 404, "not_found_error")
     error_of(httpx.post(url, content=b"{nope"), 400, "invalid_request_error")
+    big = {"max_tokens": 8, "messages": [{"role": "user", "content": "x" * (2 << 20)}]}  # > --max-request-bytes
+    assert "--max-request-bytes" in error_of(httpx.post(url, json=big, timeout=60), 413, "request_too_large")
     with pytest.raises(anthropic.BadRequestError) as e:
         create(client, extra_body={"bogus_field": 1})
     assert e.value.status_code == 400 and "bogus_field" in e.value.message
