@@ -91,6 +91,25 @@ def test_a_message_is_the_chat_request_in_anthropics_shape(srv, client) -> None:
     assert create(client, metadata={"user_id": "u-1"}).content == create(client).content  # accepted, no effect
 
 
+def test_a_final_assistant_message_is_continued(srv, client) -> None:
+    """A prefill: the prompt is the user's turn with the assistant's turn opened and the prefill written in it, so
+    greedy decoding after a prefix of the greedy answer goes on with the rest of that answer."""
+    go = [{"role": "user", "content": "Go"}]
+    answer = create(client, max_tokens=64, messages=go).content[0].text  # the tiny model: "IIII...IIIoverover..."
+    assert "Iover" in answer, answer
+    prefix = answer[:answer.index("over") + 4]  # up to the first "over" (one token): the second comes next
+    m = create(client, max_tokens=8, messages=[*go, {"role": "assistant", "content": prefix}])
+    cont = m.content[0].text
+    assert cont.startswith("over") and answer.startswith(prefix + cont[:8]), (answer, prefix, cont)
+    # The prompt is exactly the answer's prompt (the assistant's turn opened) and the prefill's tokens: no end of
+    # turn after the prefill, no new turn.
+    prefill_ids = httpx.post(srv.http_url + "/tokenize", json={"prompt": prefix, "add_special_tokens": False}).json()
+    assert m.usage.input_tokens == create(client, messages=go).usage.input_tokens + prefill_ids["count"]
+    counted = httpx.post(srv.http_url + "/v1/messages/count_tokens",
+                         json={"messages": [*go, {"role": "assistant", "content": prefix}]}).json()
+    assert counted["input_tokens"] == m.usage.input_tokens
+
+
 def test_output_config_format_is_structured_output(client) -> None:
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
               "additionalProperties": False}
@@ -231,7 +250,9 @@ def error_of(r: httpx.Response, status: int, type_: str) -> str:
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "base64"}}]}]},
      "messages[0].content[0].type"),
     ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, "messages[0].content[0].type"),
-    ({"messages": [*USER, {"role": "assistant", "content": "A"}]}, "messages[1].role"),
+    ({"messages": [*USER, {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f",
+                                                              "input": {}}]}]}, "messages[1].content"),
+    ({"messages": [*USER, {"role": "assistant", "content": ""}]}, "messages[1].content"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_x"}]}]},
      "messages[0].content[0].tool_use_id"),
     ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),

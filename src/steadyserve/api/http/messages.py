@@ -7,7 +7,8 @@ requests.build validates for every endpoint, so a Messages request is a chat req
 tool format (api/tools) render exactly as they render OpenAI tool calls. Custom `tools` (`input_schema`) and
 `tool_choice` (auto, any, tool, none) map onto the chat tools, held to their schemas by the same constrained
 decoding. What this server cannot do is refused by name: image and document blocks, extended thinking,
-server tools, an assistant prefill, an effort level. `cache_control` is accepted and ignored (the prefix cache is
+server tools, an effort level. A final assistant message is a prefill: the answer continues it (and does not
+repeat it). `cache_control` is accepted and ignored (the prefix cache is
 automatic), as are `metadata.user_id` and the fields of Anthropic's own service (IGNORED). `output_config.format`
 (a JSON schema) is the chat API's json_schema response_format. The response and stream are messages_format.py's.
 """
@@ -230,9 +231,11 @@ def conversation(system: str | list[dict[str, Any]] | None, messages: list[Any])
             out += [{"role": "user", "content": content}] if isinstance(content, str) else \
                 user_messages(content, f"{param}.content", call_ids)
             call_ids = set()
-    if messages[-1].get("role") == "assistant":
-        raise InvalidRequest(f"messages[{len(messages) - 1}].role", f"messages[{len(messages) - 1}].role: a final "
-                             "assistant message (prefill) is not supported; end with a user message")
+    last = out[-1]
+    if last["role"] == "assistant" and (last.get("tool_calls") or not last["content"]):
+        i = len(messages) - 1
+        raise InvalidRequest(f"messages[{i}].content", f"messages[{i}].content: a final assistant message (a "
+                             "prefill, which the answer continues) must be text only and not empty")
     return out
 
 
@@ -277,9 +280,10 @@ def messages_spec(body: dict[str, Any], parsed: MessagesRequest, request_id: str
     """The chat RequestSpec of a Messages body. Raises Refused naming the field as this API names it."""
     refuse_unsupported(body)
     check_metadata(parsed.metadata)
+    messages = conversation(parsed.system, parsed.messages)
     params = SamplingParams(temperature=parsed.temperature, top_p=1.0 if parsed.top_p is None else parsed.top_p,
                             top_k=parsed.top_k or 0, stop=list(parsed.stop_sequences or []),
                             grammar=output_grammar(parsed.output_config))
     return RequestSpec(kind="chat", transport="http", request_id=request_id, model=parsed.model, params=params,
-                       messages=conversation(parsed.system, parsed.messages), requested_max_tokens=parsed.max_tokens,
-                       stream=parsed.stream, output=OutputOptions(), tools=tools_of(parsed))
+                       messages=messages, requested_max_tokens=parsed.max_tokens, stream=parsed.stream,
+                       output=OutputOptions(), tools=tools_of(parsed), continue_final=messages[-1]["role"] == "assistant")

@@ -111,7 +111,7 @@ def count(state: ServerState, body: Any) -> int:
     _, spec = parse(body, "")
     check_model(state, spec.model)
     tools = spec.tools if spec.tools is not None and spec.tools.active else None
-    return len(render_chat(state.loaded.tokenizer, spec.messages or [], tools))
+    return len(render_chat(state.loaded.tokenizer, spec.messages or [], tools, spec.continue_final))
 
 
 class MessagesSSE(Response):
