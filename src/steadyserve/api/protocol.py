@@ -44,9 +44,11 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: ToolReque
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequest("messages", "this model has no chat template; use /v1/completions")
     rendered, kwargs = format_for(tokenizer).template_input(messages, tools)
+    if continue_final:
+        kwargs["continue_final_message"] = True
     try:
         text = tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=not continue_final,
-                                             continue_final_message=continue_final, **kwargs)
+                                             **kwargs)
     except Exception as e:  # template errors are the caller's messages' fault
         raise InvalidRequest("messages", f"cannot render messages with the chat template: {e}") from None
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
