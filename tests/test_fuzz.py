@@ -23,6 +23,7 @@ from websockets.sync.client import connect
 from http_util import five_xx, status_counts
 from steadyserve.api.http.embeddings_routes import EmbeddingRequest
 from steadyserve.api.http.inputs import validation_refusal
+from steadyserve.api.http.messages import MessagesRequest, messages_spec
 from steadyserve.api.http.schemas import ChatCompletionRequest, CompletionRequest
 from steadyserve.engine.sequence import InvalidRequest
 from steadyserve.client import Client
@@ -43,7 +44,7 @@ def fz(tiny_model: str):
 def test_openapi_spec_describes_the_request_bodies(fz):
     spec = httpx.get(fz.http_url + "/openapi.json").json()
     for path, field in (("/v1/completions", "max_tokens"), ("/v1/chat/completions", "max_tokens"),
-                        ("/v1/embeddings", "input")):
+                        ("/v1/embeddings", "input"), ("/v1/messages", "max_tokens")):
         body = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
         name = body["$ref"].rsplit("/", 1)[1]
         assert field in spec["components"]["schemas"][name]["properties"]
@@ -69,14 +70,18 @@ def test_schemathesis_every_http_operation_no_5xx(fz):
             ctype = r.headers.get("content-type") or [""]
             ctype = ctype[0] if isinstance(ctype, list) else ctype
             if r.status_code >= 400 and ctype.startswith("application/json"):
-                assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+                if op.path.startswith("/v1/messages"):  # Anthropic's error shape
+                    assert r.json()["type"] == "error" and set(r.json()["error"]) == {"type", "message"}
+                else:
+                    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
 
         run()
     print(f"\nschemathesis: {sum(sum(c.values()) for c in seen.values())} requests over {len(seen)} operations: "
           f"{seen}")
-    assert {"POST /v1/completions", "POST /v1/chat/completions", "POST /v1/embeddings", "GET /v1/models",
-            "GET /healthz", "GET /readyz", "GET /metrics"} <= set(seen)
+    assert {"POST /v1/completions", "POST /v1/chat/completions", "POST /v1/embeddings", "POST /v1/messages",
+            "GET /v1/models", "GET /healthz", "GET /readyz", "GET /metrics"} <= set(seen)
     assert sum(seen["POST /v1/completions"].values()) >= 10 and sum(seen["POST /v1/embeddings"].values()) >= 10
+    assert sum(seen["POST /v1/messages"].values()) >= 10
     assert fz.proc.poll() is None and five_xx(fz) == 0, status_counts(fz)
     assert httpx.get(fz.http_url + "/readyz").status_code == 200
 
@@ -155,6 +160,56 @@ def test_embedding_body_parsing_refuses_by_name_and_never_crashes(body):
     for item in req.inputs():
         assert isinstance(item, str) or all(isinstance(t, int) for t in item), body
     assert req.encoding_format in ("float", "base64")
+# The Messages API's body: its fields, content blocks and tool shapes, nested at random.
+M_FIELDS = ["model", "messages", "max_tokens", "system", "stop_sequences", "temperature", "top_p", "top_k",
+            "metadata", "stream", "tools", "tool_choice", "thinking", "service_tier", "user_id"]
+M_KEYS = ["role", "content", "type", "text", "id", "name", "input", "tool_use_id", "is_error", "input_schema",
+          "disable_parallel_tool_use", "cache_control"]
+M_STRINGS = ["user", "assistant", "system", "text", "tool_use", "tool_result", "image", "thinking", "auto", "any",
+             "tool", "none", "custom", "web_search_20250305", "disabled", "f", "object"]
+m_values = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-2**40, max_value=2**40) | st.floats(allow_nan=True)
+    | st.sampled_from(M_STRINGS) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(M_KEYS), inner, max_size=5),
+    max_leaves=14)
+m_blocks = st.fixed_dictionaries({"type": st.sampled_from(M_STRINGS)}, optional={
+    "text": st.text(max_size=8) | m_values, "id": st.sampled_from(["t1", "t2"]) | m_values,
+    "tool_use_id": st.sampled_from(["t1", "t2"]) | m_values, "name": st.sampled_from(["f", "g"]) | m_values,
+    "input": st.just({"x": 1}) | m_values, "content": st.text(max_size=8) | m_values, "is_error": m_values})
+m_messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant"]) | m_values,
+                                             "content": st.text(max_size=8) | st.lists(m_blocks, max_size=3)}),
+                      max_size=4)
+m_tools = st.lists(st.fixed_dictionaries({"name": st.sampled_from(["f", "g"]) | m_values}, optional={
+    "type": st.sampled_from(["custom", "web_search_20250305"]), "input_schema": st.just({"type": "object"}) | m_values,
+    "description": m_values}), max_size=3)
+m_bodies = st.fixed_dictionaries({"messages": m_messages | m_values, "max_tokens": st.integers(-1, 8) | m_values},
+                                 optional={"tools": m_tools, "tool_choice": st.dictionaries(
+                                     st.sampled_from(["type", "name", "disable_parallel_tool_use"]),
+                                     st.sampled_from(M_STRINGS) | m_values, max_size=3)}) \
+    .flatmap(lambda b: st.dictionaries(st.sampled_from(M_FIELDS), m_values, max_size=4).map(lambda x: {**x, **b}))
+
+
+@settings(max_examples=400, deadline=None, database=None)
+@given(body=m_bodies)
+def test_messages_parsing_refuses_by_name_and_never_crashes(body):
+    """The Messages body to its chat RequestSpec: refused with a field named, or a spec, never another error."""
+    fields = set(MessagesRequest.model_fields)
+    try:
+        spec = messages_spec(body, MessagesRequest.model_validate(body), "")
+        spec.params.validate()
+    except ValidationError as e:
+        r = validation_refusal(e)
+        if r.reason == "unknown_field":
+            assert r.param in set(body) - fields - {"thinking", "service_tier"}, (str(r), body)
+        else:
+            assert r.param is None or r.param.split(".")[0] in fields, (r.param, str(r), body)
+        return
+    except InvalidRequest as e:
+        root = e.param.split(".")[0].split("[")[0]
+        assert root in fields | {"thinking"} and str(e).startswith(root), (e.param, str(e), body)
+        return
+    assert set(body) <= fields | {"thinking", "service_tier"}, body
+    assert spec.messages and all(m["role"] in ("system", "user", "assistant", "tool") for m in spec.messages)
 
 
 # ---- gRPC: raw bytes --------------------------------------------------------------------------------------

@@ -308,3 +308,38 @@ def test_an_embedding_may_fill_the_context(srv, grpc_client):
     assert grpc_client.embed([ids]).usage.prompt_tokens == context
     r = httpx.post(srv.http_url + "/v1/embeddings", json={"input": ids}, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == context, r.text
+# ---- /v1/messages (Anthropic's shape): the same refusal, the same words, its own status and error type --------
+
+# Rows whose request the Messages API can state, and the name it gives the field (None: the same name).
+MESSAGES_ROWS = {"temperature-3": None, "top-p-1.5": None, "5-stop-strings": "stop_sequences",
+                 "max-tokens-over-cap": None, "chat-max-tokens-0": None, "request-id-200-chars": None,
+                 "wrong-model": None, "empty-messages": None, "chat-prompt-fills-the-context": None,
+                 "tool-schema-bogus": "tools[0].input_schema", "tool-choice-unknown-function": "tool_choice.name"}
+ANTHROPIC_TYPE = {400: "invalid_request_error", 404: "not_found_error"}
+
+
+def as_messages_body(body: dict[str, Any]) -> dict[str, Any]:
+    """A completion or chat row's body as a /v1/messages body."""
+    out: dict[str, Any] = {"max_tokens": 8, "messages": body.get("messages", CHAT)}
+    for key in ("temperature", "top_p", "max_tokens", "model"):
+        if key in body:
+            out[key] = body[key]
+    if "stop" in body:
+        out["stop_sequences"] = body["stop"]
+    if "tools" in body:
+        out["tools"] = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]}
+                        for t in body["tools"]]
+    if "tool_choice" in body:
+        out["tool_choice"] = {"type": "tool", "name": body["tool_choice"]["function"]["name"]}
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(MESSAGES_ROWS))
+def test_the_messages_api_refuses_alike_in_its_own_shape(srv, table, name):
+    row = _row(table, name)
+    status, err = http_refusal(srv, row)
+    r = httpx.post(srv.http_url + "/v1/messages", json=as_messages_body(row.body), headers=row.headers, timeout=60)
+    assert r.status_code == row.http_status, r.text
+    field = MESSAGES_ROWS[name] or row.param
+    message = grpc_details(err["message"], row.param, field) if field != row.param else err["message"]
+    assert r.json() == {"type": "error", "error": {"type": ANTHROPIC_TYPE[status], "message": message}}

@@ -22,15 +22,17 @@ from websockets.sync.client import connect
 
 from http_util import parse_stream, sse_events
 from steadyserve.api.http.embeddings_routes import EmbeddingRequest
+from steadyserve.api.http.messages import MessagesRequest
 from steadyserve.api.http.responses import ResponsesRequest
 from steadyserve.api.http.schemas import IGNORED_FIELDS, ChatCompletionRequest, CompletionRequest
 from steadyserve.testing.server import ServerProcess
 
-C, CH, R, E = "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings"
+C, CH, R, E, M = "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/v1/messages"
 BASE = {C: {"prompt": "The fox and the dog", "max_tokens": 6, "temperature": 0},
         CH: {"messages": [{"role": "user", "content": "Name a fox."}], "max_tokens": 6, "temperature": 0},
         R: {"input": "Name a fox.", "max_output_tokens": 6, "temperature": 0},
-        E: {"input": "The fox and the dog"}}
+        E: {"input": "The fox and the dog"},
+        M: {"messages": [{"role": "user", "content": "Name a fox."}], "max_tokens": 6, "temperature": 0}}
 # Small tools: the generic format's prompt must fit the tiny model's 512-token context with a call after it.
 ARG = {"type": "object", "properties": {"x": {"type": "boolean"}}, "required": ["x"], "additionalProperties": False}
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": ARG}},
@@ -363,6 +365,99 @@ def check_dimensions(http, path):  # truncated, then re-normalised: a unit vecto
     assert len(short) == 8 and abs(math.sqrt(sum(x * x for x in short)) - 1) < 1e-6
     assert max(abs(a - b / norm) for a, b in zip(short, full)) < 1e-6
     refused(http, path, "dimensions", len(full) + 1)
+# ---- the Messages API's fields (Anthropic's shapes: content blocks, its own error body) ---------------------------
+
+def m_text(body: dict) -> str:
+    return "".join(b["text"] for b in body["content"] if b["type"] == "text")
+
+
+def m_calls(body: dict) -> list[tuple[str, dict]]:
+    return [(b["name"], b["input"]) for b in body["content"] if b["type"] == "tool_use"]
+
+
+def m_refused(http: httpx.Client, name: str, value, status: int = 400) -> None:
+    r = http.post(M, json={**BASE[M], name: value})
+    assert r.status_code == status and r.json()["type"] == "error" and name in r.json()["error"]["message"], r.text
+
+
+M_TOOLS = [{"name": t["function"]["name"], "input_schema": ARG} for t in TOOLS]
+
+
+def check_m_model(http, path):
+    assert post(http, path, model="tiny")["model"] == "tiny"
+    assert http.post(path, json={**BASE[path], "model": "other"}).json()["error"]["type"] == "not_found_error"
+
+
+def check_m_messages(http, path):
+    other = post(http, path, messages=[{"role": "user", "content": "Something else entirely."}])
+    assert other["usage"]["input_tokens"] != post(http, path)["usage"]["input_tokens"]
+
+
+def check_m_max_tokens(http, path):
+    assert post(http, path, max_tokens=2)["usage"]["output_tokens"] == 2
+    r = http.post(path, json={k: v for k, v in BASE[path].items() if k != "max_tokens"})
+    assert r.status_code == 400 and r.json()["error"]["message"] == "max_tokens: field required", r.text
+
+
+def check_system(http, path):
+    assert post(http, path, system="Be brief.")["usage"]["input_tokens"] > post(http, path)["usage"]["input_tokens"]
+
+
+def check_stop_sequences(http, path):
+    full = m_text(post(http, path, max_tokens=16))
+    stop = next(full[i:i + 2] for i in range(1, len(full) - 1) if full.find(full[i:i + 2]) == i)  # cuts mid-way
+    cut = post(http, path, max_tokens=16, stop_sequences=[stop])
+    assert m_text(cut) == full[:full.index(stop)] and (cut["stop_reason"], cut["stop_sequence"]) == (
+        "stop_sequence", stop)
+
+
+def check_m_temperature(http, path):
+    greedy = m_text(post(http, path))
+    assert any(m_text(post(http, path, temperature=2.0)) != greedy for _ in range(4))
+
+
+def check_m_top_p(http, path):
+    assert m_text(post(http, path, temperature=2.0, top_p=1e-6)) == m_text(post(http, path))
+
+
+def check_m_top_k(http, path):
+    assert m_text(post(http, path, temperature=2.0, top_k=1)) == m_text(post(http, path))
+
+
+def check_m_metadata(http, path):  # Anthropic's metadata.user_id: accepted, no effect; any other key refused
+    assert post(http, path, metadata={"user_id": "u-1"})["content"] == post(http, path)["content"]
+    m_refused(http, "metadata", {"user": "u-1"})
+
+
+def check_m_stream(http, path):
+    with http.stream("POST", path, json={**BASE[path], "stream": True}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        types = [json.loads(e)["type"] for e in sse_events(r.read())]
+    assert types[0] == "message_start" and types[-1] == "message_stop"
+
+
+def check_m_tools(http, path):
+    body = post(http, path, tools=M_TOOLS, tool_choice={"type": "any"}, max_tokens=120)
+    assert m_calls(body) and all(a["x"] in (True, False) for _, a in m_calls(body))
+    assert not m_calls(post(http, path))
+    m_refused(http, "tools", [{"name": "f", "input_schema": {"type": "bogus"}}])
+
+
+def check_m_tool_choice(http, path):
+    named = post(http, path, tools=M_TOOLS, tool_choice={"type": "tool", "name": "g"}, max_tokens=120)
+    assert {n for n, _ in m_calls(named)} == {"g"}
+    one = post(http, path, tools=M_TOOLS, tool_choice={"type": "any", "disable_parallel_tool_use": True},
+               max_tokens=120)
+    assert len(m_calls(one)) == 1
+    none = post(http, path, tools=M_TOOLS, tool_choice={"type": "none"})
+    assert not m_calls(none) and none["usage"]["input_tokens"] < post(http, path, tools=M_TOOLS)["usage"]["input_tokens"]
+    m_refused(http, "tool_choice", {"type": "sometimes"})
+
+
+def check_output_config(http, path):
+    fmt = {"format": {"type": "json_schema", "schema": ARG}}
+    assert json.loads(m_text(post(http, path, output_config=fmt, max_tokens=20)))["x"] in (True, False)
+    m_refused(http, "output_config", {"effort": "high"})
 
 
 CHECKS: dict[tuple[str, str], Callable] = {
@@ -388,17 +483,23 @@ CHECKS: dict[tuple[str, str], Callable] = {
     (R, "metadata"): check_metadata,
     (E, "input"): check_e_input, (E, "model"): check_e_model, (E, "encoding_format"): check_encoding_format,
     (E, "dimensions"): check_dimensions,
+    (M, "model"): check_m_model, (M, "messages"): check_m_messages, (M, "max_tokens"): check_m_max_tokens,
+    (M, "system"): check_system, (M, "stop_sequences"): check_stop_sequences, (M, "temperature"): check_m_temperature,
+    (M, "top_p"): check_m_top_p, (M, "top_k"): check_m_top_k, (M, "metadata"): check_m_metadata,
+    (M, "stream"): check_m_stream, (M, "tools"): check_m_tools, (M, "tool_choice"): check_m_tool_choice,
+    (M, "output_config"): check_output_config,
 }
 
 
 def test_every_schema_field_has_a_row() -> None:
     fields = {(C, f) for f in CompletionRequest.model_fields} | {(CH, f) for f in ChatCompletionRequest.model_fields} | \
-        {(R, f) for f in ResponsesRequest.model_fields} | {(E, f) for f in EmbeddingRequest.model_fields}
+        {(R, f) for f in ResponsesRequest.model_fields} | {(E, f) for f in EmbeddingRequest.model_fields} | \
+        {(M, f) for f in MessagesRequest.model_fields}
     assert fields - set(CHECKS) == set(), "fields without a row: give each a check in CHECKS"
     assert set(CHECKS) - fields == set(), "rows for fields the schemas no longer have"
 
 
-NAMES = {C: "completions", CH: "chat", R: "responses", E: "embeddings"}
+NAMES = {C: "completions", CH: "chat", R: "responses", E: "embeddings", M: "messages"}
 
 
 @pytest.mark.parametrize("path,field", sorted(CHECKS), ids=[f"{NAMES[p]}-{f}" for p, f in sorted(CHECKS)])
@@ -455,6 +556,16 @@ def test_the_openai_sdk_embeds(srv) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         client.embeddings.create(model="tiny", input="x", extra_body={"bogus_field": 1})
     assert e.value.code == "unknown_field"
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_unknown_fields_are_refused_by_name_on_the_messages_api(http, stream) -> None:
+    """In Anthropic's error shape, with the same words as every endpoint's unknown_field refusal."""
+    for extra, names in (({"bogus_field": 1}, ["bogus_field"]), ({"zeta": None, "temperature": "hot", "alpha": {}},
+                                                                  ["zeta", "alpha"]), ({"stop": ["x"]}, ["stop"])):
+        r = http.post(M, json={**BASE[M], "stream": stream, **extra})
+        s = "s" if len(names) > 1 else ""
+        assert r.status_code == 400 and r.json() == {"type": "error", "error": {
+            "type": "invalid_request_error",
+            "message": f"Unrecognized request argument{s} supplied: {', '.join(names)}"}}, r.text
 
 
 def test_a_field_of_another_endpoint_is_unknown(http) -> None:
@@ -504,3 +615,14 @@ def test_openai_fields_without_effect_are_accepted_and_change_nothing(http, path
     assert answer(post(http, path, **harmless, **NOTHING_ASKED[path])) == plain
     msg = ws_first(http, {**BASE[path], **harmless, **NOTHING_ASKED[path]}) if path != R else None
     assert msg is None or msg["type"] == "delta", msg
+
+
+def test_anthropic_fields_without_effect_are_accepted_and_change_nothing(http) -> None:
+    """The Messages API's fields that ask for nothing here: one service tier, thinking disabled, null server-side
+    features, cache_control marks (the prefix cache is automatic)."""
+    plain = post(http, M)
+    marked = [{"role": "user", "content": [{"type": "text", "text": "Name a fox.",
+                                            "cache_control": {"type": "ephemeral"}}]}]
+    same = post(http, M, service_tier="auto", thinking={"type": "disabled"}, mcp_servers=None, container=None,
+                context_management=None, messages=marked)
+    assert same["content"] == plain["content"] and same["usage"] == plain["usage"]

@@ -31,10 +31,12 @@ def encode_prompt(tokenizer: Any, prompt: str | list[int], param: str = "prompt"
     return ids
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: ToolRequest | None = None) -> list[int]:
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: ToolRequest | None = None,
+                continue_final: bool = False) -> list[int]:
     """Render messages with the model's chat template, ready for the assistant's turn. With tools, the model's
     tool format (api/tools) decides how they and the conversation's calls are shown: through the template
-    (Hermes, Llama 3) or in the system prompt (the generic format)."""
+    (Hermes, Llama 3) or in the system prompt (the generic format). `continue_final`: the last message is an
+    assistant's to be continued, not answered (Anthropic's prefill): no new turn is opened after it."""
     if not messages:
         raise InvalidRequest("messages", "messages must not be empty")
     for i, m in enumerate(messages):
@@ -42,8 +44,11 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: ToolReque
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequest("messages", "this model has no chat template; use /v1/completions")
     rendered, kwargs = format_for(tokenizer).template_input(messages, tools)
+    if continue_final:
+        kwargs["continue_final_message"] = True
     try:
-        text = tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True, **kwargs)
+        text = tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=not continue_final,
+                                             **kwargs)
     except Exception as e:  # template errors are the caller's messages' fault
         raise InvalidRequest("messages", f"cannot render messages with the chat template: {e}") from None
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -56,6 +56,7 @@ class RequestSpec:
     stream: bool = False  # the client asked for a stream of events rather than one response
     output: OutputOptions = OutputOptions()  # what the encoders add: logprobs, echo, usage
     tools: ToolRequest | None = None  # chat: tools, tool_choice, parallel_tool_calls; None when none were sent
+    continue_final: bool = False  # chat: the last (assistant) message is continued, not answered (a prefill)
 
 
 @dataclass
@@ -105,7 +106,7 @@ def prompt_ids(state: ServerState, spec: RequestSpec) -> tuple[list[list[int]], 
     tok, context = state.loaded.tokenizer, state.loaded.max_model_len
     scoring = spec.kind == "score" or spec.requested_max_tokens == 0
     if spec.messages is not None:
-        ids = render_chat(tok, spec.messages, spec.tools)
+        ids = render_chat(tok, spec.messages, spec.tools, spec.continue_final)
         check_context(len(ids), "messages", context, scoring, verb="render to")
         return [ids], [""]
     if not spec.prompts:

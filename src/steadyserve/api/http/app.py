@@ -24,6 +24,9 @@ from ..tracing import note_refusal
 from .embeddings_routes import EmbeddingRequest, add_embeddings_routes
 from .errors import error_response, refusal_response
 from .inputs import build_from_body, client_request_id, read_json, validated
+from .messages import MessagesRequest
+from .messages_errors import anthropic_error, anthropic_refusal, is_messages_path
+from .messages_routes import add_messages_routes
 from .openai_format import Formatter, formatters, full_body, mean_logprob
 from .responses import ResponsesRequest
 from .responses_routes import add_responses_routes
@@ -38,19 +41,22 @@ def create_app(state: ServerState) -> FastAPI:
     app.state.ss = state
 
     @app.exception_handler(Refused)
-    async def _refused(_: Request, e: Refused) -> JSONResponse:
+    async def _refused(request: Request, e: Refused) -> JSONResponse:
         """Every refusal of every route: counted under its reason, answered with its status."""
         if state.metrics is not None:
             state.metrics.rejected.labels(e.metric_reason).inc()
         note_refusal(e)
+        if is_messages_path(request.url.path):  # Anthropic's Messages API answers in its own error shape
+            return anthropic_refusal(e)
         return refusal_response(e)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-        """Unknown routes and methods get OpenAI-style bodies too."""
-        resp = error_response(e.status_code, f"{e.detail}: {request.method} {request.url.path}",
-                              "invalid_request_error", None,
-                              {404: "not_found", 405: "method_not_allowed"}.get(e.status_code))
+        """Unknown routes and methods get OpenAI-style bodies too (Anthropic-style under /v1/messages)."""
+        message = f"{e.detail}: {request.method} {request.url.path}"
+        resp = anthropic_error(e.status_code, message) if is_messages_path(request.url.path) else \
+            error_response(e.status_code, message, "invalid_request_error", None,
+                           {404: "not_found", 405: "method_not_allowed"}.get(e.status_code))
         for k, v in (e.headers or {}).items():
             resp.headers[k] = v
         return resp
@@ -107,6 +113,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     add_responses_routes(app, state, ResponseStore(cfg.responses_store_size))
     add_embeddings_routes(app, state)
+    add_messages_routes(app, state)
 
     def tokenize(body: Any) -> dict[str, Any]:
         req = validated(TokenizeRequest, body)
@@ -199,6 +206,7 @@ def openapi_schema(app: FastAPI) -> dict[str, Any]:
     schemas = spec.setdefault("components", {}).setdefault("schemas", {})
     for path, model in (("/v1/completions", CompletionRequest), ("/v1/chat/completions", ChatCompletionRequest),
                         ("/v1/responses", ResponsesRequest), ("/v1/embeddings", EmbeddingRequest),
+                        ("/v1/messages", MessagesRequest),
                         ("/tokenize", TokenizeRequest),
                         ("/detokenize", DetokenizeRequest)):
         js = model.model_json_schema(ref_template="#/components/schemas/{model}")

@@ -10,6 +10,7 @@ from ...limits import valid_request_id
 from ..state import ServerState
 from ..tracing import RequestTrace
 from .errors import error_response
+from .messages_errors import anthropic_error, is_messages_path
 
 # gen_ai.operation.name of each traced route before its body is read (a refused request is never parsed).
 ROUTE_OPERATIONS = {"/v1/completions": "text_completion", "/v1/chat/completions": "chat", "/v1/responses": "chat",
@@ -33,6 +34,8 @@ def trace_end(scope: dict, status: int | None) -> tuple[str, str] | None:
 class Envelope:
     """Outermost ASGI layer: request ids, fingerprint headers, auth, body-size precheck, metrics.
 
+    The API key is taken from `Authorization: Bearer`, else `x-api-key` (as Anthropic's clients send it).
+
     It also keeps the connection's transport (uvicorn's) in scope["state"], so
     streams can measure their send backlog and abort a stalled connection.
     """
@@ -54,6 +57,8 @@ class Envelope:
         headers = dict(scope.get("headers") or [])
         auth = headers.get(b"authorization", b"").decode("latin-1")
         token = auth[7:] if auth.lower().startswith("bearer ") else ""
+        if not token:  # Anthropic's clients send the key as x-api-key
+            token = headers.get(b"x-api-key", b"").decode("latin-1")
         if not token and scope["type"] == "websocket":  # browsers cannot set headers on WebSockets
             for proto in headers.get(b"sec-websocket-protocol", b"").decode("latin-1").split(","):
                 proto = proto.strip()
@@ -138,14 +143,16 @@ class Envelope:
             if not self._authorized(scope):
                 if self.state.metrics is not None:
                     self.state.metrics.rejected.labels("unauthenticated").inc()
-                resp = error_response(401, "missing or invalid API key (Authorization: Bearer ...)",
-                                      "authentication_error", None, "invalid_api_key")
+                why = "missing or invalid API key (Authorization: Bearer ... or x-api-key)"
+                resp = anthropic_error(401, why) if is_messages_path(scope.get("path", "")) else \
+                    error_response(401, why, "authentication_error", None, "invalid_api_key")
                 return await resp(scope, receive, send_wrapper)
             length = headers.get(b"content-length")
             limit = self.state.config.server.max_request_bytes
             if length is not None and length.isdigit() and int(length) > limit:
-                resp = error_response(413, f"request body exceeds {limit} bytes (--max-request-bytes)",
-                                      "invalid_request_error", None, "request_too_large")
+                why = f"request body exceeds {limit} bytes (--max-request-bytes)"
+                resp = anthropic_error(413, why) if is_messages_path(scope.get("path", "")) else \
+                    error_response(413, why, "invalid_request_error", None, "request_too_large")
                 return await resp(scope, receive, send_wrapper)
             await self.app(scope, receive, send_wrapper)
         finally:
