@@ -73,11 +73,12 @@ class ServerState:
             why = f": {self.engine.dead}" if self.engine.dead else ""
             raise Refused("dead", f"the engine is not running{why}")
 
-    def submit_all(self, items: list[tuple[str, list[int], SamplingParams]], transport: str) -> list:
+    def submit_all(self, items: list[tuple[str, list[int], SamplingParams]], transport: str,
+                   receipt: bool = False) -> list:
         """Admit all of (request id, prompt ids, params), one client call, or none (Refused);
-        returns their RequestStreams in order."""
+        returns their RequestStreams in order. `receipt`: their final outputs carry what a receipt needs."""
         self.refuse_if_closed()  # again: the server may have begun draining while the request was tokenized
-        requests = [Request(rid, ids, params, transport) for rid, ids, params in items]
+        requests = [Request(rid, ids, params, transport, receipt=receipt) for rid, ids, params in items]
         streams = self.engine.submit_all(requests)
         for request, stream in zip(requests, streams):
             self._observe(request, stream)

@@ -93,6 +93,9 @@ class Request:
     params: SamplingParams
     transport: str = "internal"  # http | ws | grpc | internal; for logs and metrics
     arrival_time: float = field(default_factory=time.monotonic)
+    # A receipt was asked for (api/receipts.py): the finishing output carries the seed the sampler ran with.
+    # Off, the engine does nothing more than without receipts.
+    receipt: bool = False
 
 
 @dataclass
@@ -119,6 +122,7 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
     num_batch_seqs: int = 0  # sequences in the step that produced this output (for validate)
     queue_wait: float | None = None  # seconds from arrival to first step; on the first output only
+    seed: int | None = None  # on the finishing output of a Request with receipt: its generator's seed (drawn if none)
 
 
 @dataclass
@@ -138,9 +142,12 @@ class Accumulated:
     max_batch_seqs: int = 0  # largest step this request shared (for `steadyserve validate`)
     queue_wait: float | None = None  # seconds from arrival to the first step
     num_outputs: int = 0  # RequestOutputs folded in
+    seed: int | None = None  # the seed the sampler ran with, when a receipt was asked for (RequestOutput.seed)
 
     def add(self, out: RequestOutput) -> None:
         self.num_outputs += 1
+        if out.seed is not None:
+            self.seed = out.seed
         self.max_batch_seqs = max(self.max_batch_seqs, out.num_batch_seqs)
         if out.queue_wait is not None:
             self.queue_wait = out.queue_wait
