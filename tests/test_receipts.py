@@ -272,3 +272,46 @@ def test_drawn_seed_is_the_seed_sampled_with(server) -> None:
         # A bad value for the field is refused by name, like any field.
         r = c.post("/v1/completions", json={**body, "receipt": "yes"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "receipt"
+
+
+def _greedy_receipts_under_load(srv, n: int = 12) -> list[dict[str, Any]]:
+    def one(i: int) -> dict[str, Any]:
+        with httpx.Client(base_url=srv.http_url, timeout=120) as c:
+            r = c.post("/v1/completions", json={"prompt": PROMPTS[i % 4] + " x" * (i % 5), "max_tokens": 6,
+                                                "temperature": 0, "logprobs": 1, "receipt": True})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["receipt"]
+
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(one, range(n)))
+
+
+def test_verify_catches_a_server_that_breaks_batch_invariance(sw_invariant, sw_drift, smolwidth_model) -> None:
+    """Receipts from the TEST-ONLY drifting server (it claims -bi; its logprobs shift with the step's size) do not
+    verify: the first differing logprob is named while the tokens agree (a uniform shift keeps the argmax).
+    The same requests to the invariant server verify."""
+    good = _greedy_receipts_under_load(sw_invariant)
+    drifted = _greedy_receipts_under_load(sw_drift)
+    verdicts = verify([(f"good{i}", parse(r)) for i, r in enumerate(good)]
+                      + [(f"drift{i}", parse(r)) for i, r in enumerate(drifted)], model=smolwidth_model)
+    assert [v.status for v in verdicts[:len(good)]] == [VERIFIED] * len(good)
+    caught = verdicts[len(good):]
+    assert all(v.status == MISMATCH and v.first_token is None and v.first_logprob is not None for v in caught)
+    # The fleet check names the drifting replica too: validate --receipts fails against it.
+    rc, rep = _validate(sw_drift, smolwidth_model)
+    assert rc == 1 and not rep["passed"] and rep["receipts"]["mismatch"] == 6, rep["receipts"]
+
+
+def _validate(srv, model: str, extra: tuple[str, ...] = ()) -> tuple[int, dict[str, Any]]:
+    p = subprocess.run([sys.executable, "-m", "steadyserve.cli", "validate", "--http", srv.http_url, "--grpc",
+                        srv.grpc_addr, "-n", "6", "-c", "8", "--receipts", "6", "--max-tokens", "5", "--model", model,
+                        "--json", *extra], capture_output=True, text=True, timeout=900)
+    return p.returncode, json.loads(p.stdout)
+
+
+def test_validate_collects_receipts_under_load_and_verifies_them(server, tiny_model) -> None:
+    """`steadyserve validate --receipts N`: N receipts (scoring, greedy, unseeded sampling over HTTP and gRPC)
+    collected under background load, all verified on this machine."""
+    rc, rep = _validate(server, tiny_model)
+    assert rc == 0 and rep["passed"], rep
+    assert rep["receipts"]["receipts"] == 6 and rep["receipts"]["verified"] == 6 and rep["background"] > 0

@@ -19,6 +19,10 @@ def add_tool_commands(sub: argparse._SubParsersAction) -> None:
     v.add_argument("--max-tokens", type=int, default=16, help="tokens per generation probe")
     v.add_argument("--api-key", default=key)
     v.add_argument("--json", action="store_true", help="print the report as JSON")
+    v.add_argument("--receipts", type=int, default=0, metavar="N", help="also collect N receipts (scoring, greedy, "
+                   "unseeded sampling) under the background load and verify them on this machine (default: none)")
+    v.add_argument("--model", default="", help="with --receipts: the served model's file or directory, to replay "
+                   "with (default: the packaged model whose weights hash the receipts name)")
     v.set_defaults(fn=_validate)
 
     b = sub.add_parser("bench", help="token- and stream-aware load generator")
