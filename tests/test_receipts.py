@@ -315,3 +315,33 @@ def test_validate_collects_receipts_under_load_and_verifies_them(server, tiny_mo
     rc, rep = _validate(server, tiny_model)
     assert rc == 0 and rep["passed"], rep
     assert rep["receipts"]["receipts"] == 6 and rep["receipts"]["verified"] == 6 and rep["background"] > 0
+
+
+def test_a_host_numerics_receipt_replays_on_its_own_path(tiny_model) -> None:
+    """A receipt made on `--numerics host` names its host id: this machine computes that id, so verify replays it
+    on the host path (not the default portable one) and it verifies; the same receipt with the portable id
+    would need other bits and is caught."""
+    from steadyserve.config import EngineConfig
+    from steadyserve.engine.engine import LLMEngine
+    from steadyserve.engine.offline import run_requests
+    from steadyserve.engine.sequence import Request, SamplingParams
+    from steadyserve.models.loader import Fingerprint, load_model
+    from steadyserve.receipts.format import identity_of, make_receipt
+
+    loaded = load_model(tiny_model, numerics="host")
+    assert loaded.numerics is not None and loaded.numerics.mode == "host"
+    engine = LLMEngine(loaded, EngineConfig(kv_cache_memory=16 * 1024**2, threads=2, numerics="host"))
+    fp = Fingerprint(loaded.weights_hash[:12], "float32", "cpu", True, loaded.model.kernel_id,
+                     loaded.numerics.numerics_id)
+    params = SamplingParams(max_tokens=6, temperature=0.9, seed=5, logprobs=2)
+    ids = list(loaded.tokenizer("host numerics")["input_ids"])
+    out = run_requests(engine, [Request("h", ids, params)])["h"]
+    receipt = make_receipt(identity_of(loaded, fp), "h", 0, ids, params, 5, out.token_ids, out.finish_reason,
+                           out.prompt_logprobs, out.logprobs)
+    assert receipt["model"]["numerics"]["id"].startswith("h")
+    as_portable = copy.deepcopy(receipt)
+    as_portable["model"]["numerics"] = {"mode": "portable", "id": "p4b3701"}
+    as_portable["model"]["weights_sha256"] = receipt["model"]["weights_sha256"]
+    v = verify([("host", parse(receipt)), ("portable", parse(as_portable))], model=tiny_model)
+    assert v[0].status == VERIFIED and v[0].numerics.startswith("host"), v[0]
+    assert v[1].status != VERIFIED, v[1]
