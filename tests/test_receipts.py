@@ -345,3 +345,29 @@ def test_a_host_numerics_receipt_replays_on_its_own_path(tiny_model) -> None:
     v = verify([("host", parse(receipt)), ("portable", parse(as_portable))], model=tiny_model)
     assert v[0].status == VERIFIED and v[0].numerics.startswith("host"), v[0]
     assert v[1].status != VERIFIED, v[1]
+
+
+def test_grammar_constrained_receipts_check_their_logprobs_by_scoring(server, tiny_model) -> None:
+    """A receipt of structured output (response_format) or tool calls names its grammar by hash only: verify
+    scores the output after the prompt and checks every logprob bit (a flipped one is caught); without logprobs
+    there is nothing to check and it is not reproducible here."""
+    schema = {"type": "object", "properties": {"x": {"type": "boolean"}}, "required": ["x"],
+              "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+    base = {"messages": [{"role": "user", "content": "Answer in JSON."}], "max_tokens": 12, "receipt": True}
+    with httpx.Client(base_url=server.http_url, timeout=120) as c:
+        bodies = [{**base, "response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}},
+                   "logprobs": True, "top_logprobs": 2, "temperature": 0.9},
+                  {**base, "tools": tools, "tool_choice": "required", "logprobs": True, "temperature": 0},
+                  {**base, "response_format": {"type": "json_object"}, "temperature": 0}]
+        recs = []
+        for b in bodies:
+            r = c.post("/v1/chat/completions", json=b)
+            assert r.status_code == 200, r.text
+            recs.append(r.json()["choices"][0]["receipt"])
+    assert all(r["grammar_sha256"] for r in recs) and recs[0]["grammar_sha256"] != recs[1]["grammar_sha256"]
+    flipped = _flip_bit(recs[0], len(recs[0]["output_token_ids"]), 1, rehash=True)
+    v = verify([(str(i), parse(r)) for i, r in enumerate([*recs, flipped])], model=tiny_model)
+    assert [x.status for x in v] == [VERIFIED, VERIFIED, NOT_REPRODUCIBLE, MISMATCH], v
+    assert "scoring the output" in v[0].detail and "no logprobs" in v[2].detail
+    assert v[3].first_logprob["index"] == len(recs[0]["output_token_ids"]) and v[3].first_token is None

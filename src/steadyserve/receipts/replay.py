@@ -70,9 +70,9 @@ def host_reason(r: Receipt, numerics_for: Callable[[str], Any]) -> str:
                 else "this build (other kernel versions)")
         return (f"numerics {ident.numerics_mode} id {ident.numerics_id}, but {what} computes "
                 f"{ident.numerics_mode} as {here}")
-    if r.grammar_sha256 is not None:
+    if r.grammar_sha256 is not None and r.params.logprobs is None:
         return (f"its output was constrained by a grammar (sha256 {r.grammar_sha256[:12]}…), which a receipt names "
-                "by hash but does not carry")
+                "by hash but does not carry, and it has no logprobs to check by scoring the output")
     return ""
 
 
@@ -179,7 +179,8 @@ def replay(engine: Any, receipts: list[Receipt], batched: bool = True) -> list[A
 
     requests: list[Request | str] = []
     for i, r in enumerate(receipts):
-        req = Request(f"receipt-{i}", list(r.prompt_token_ids), r.params)
+        req = Request(f"receipt-{i}", list(r.prompt_token_ids), r.params) if r.grammar_sha256 is None \
+            else forced_request(f"receipt-{i}", r)
         try:
             engine.check(req)
             requests.append(req)
@@ -192,7 +193,40 @@ def replay(engine: Any, receipts: list[Receipt], batched: bool = True) -> list[A
     else:
         for q in ok:
             done.update(run_requests(engine, [q]))
-    return [q if isinstance(q, str) else done[q.request_id] for q in requests]
+    return [q if isinstance(q, str) else done[q.request_id] if r.grammar_sha256 is None
+            else forced_result(r, done[q.request_id]) for q, r in zip(requests, receipts)]
+
+
+GRAMMAR_NOTE = ("constrained by a grammar that a receipt names only by hash: its logprobs were checked by scoring "
+                "the output after the prompt (the same bits as generating it); the grammar's masks were not replayed")
+
+
+def forced_request(request_id: str, r: Receipt) -> Any:
+    """A grammar-constrained receipt, teacher-forced: its prompt and output scored as one prompt, with as many
+    alternatives as either part reported (the first k of the top k' values are the top k)."""
+    from ..engine.sequence import Request, SamplingParams
+
+    k = max(r.params.logprobs or 0, r.params.prompt_logprobs or 0)
+    return Request(request_id, list(r.prompt_token_ids) + list(r.output_token_ids),
+                   SamplingParams(max_tokens=0, prompt_logprobs=k))
+
+
+def forced_result(r: Receipt, scored: Any) -> Any:
+    """The scoring of forced_request, laid out as the receipt's generation would be: the prompt's positions
+    (when it reported prompt logprobs) and each output token's, each cut to the alternatives it reported."""
+    from dataclasses import replace
+
+    from ..engine.offline import Completed
+
+    def cut(lps: list[Any], k: int | None) -> list[Any]:
+        return [None if lp is None else replace(lp, top=lp.top[:k or 0]) for lp in lps]
+
+    n = len(r.prompt_token_ids)
+    lps = list(scored.prompt_logprobs or [])
+    out = Completed(token_ids=list(r.output_token_ids), finish_reason=r.finish_reason)
+    out.prompt_logprobs = cut(lps[:n], r.params.prompt_logprobs) if r.params.prompt_logprobs is not None else None
+    out.logprobs = cut(lps[n:], r.params.logprobs)
+    return out
 
 
 def model_for(r: Receipt, model: str, hashes: dict[str, str]) -> str:
@@ -256,5 +290,7 @@ def verify(receipts: list[tuple[str, Receipt]], model: str = "", threads: int = 
                 continue
             v = compare(r, out)
             v.source, v.numerics = src, f"{loaded.mode} ({loaded.numerics_id})"
+            if r.grammar_sha256 is not None:
+                v.detail = "; ".join(x for x in (v.detail, GRAMMAR_NOTE) if x)
             verdicts[i] = v
     return [v for v in verdicts if v is not None]
