@@ -458,6 +458,19 @@ def check_output_config(http, path):
     fmt = {"format": {"type": "json_schema", "schema": ARG}}
     assert json.loads(m_text(post(http, path, output_config=fmt, max_tokens=20)))["x"] in (True, False)
     m_refused(http, "output_config", {"effort": "high"})
+def check_receipt(http, path):
+    """A receipt beside the answer when asked (its output ids are the response's), none otherwise; a non-bool
+    is refused by name. What a receipt proves is tests/test_receipts.py's."""
+    def receipt_of(body: dict) -> dict | None:
+        return body.get("receipt") if path == R else body["choices"][0].get("receipt")
+
+    plain, asked = post(http, path), post(http, path, receipt=True)
+    assert receipt_of(plain) is None
+    rec = receipt_of(asked)
+    assert rec["receipt_version"] == 1 and rec["finish_reason"] in ("stop", "length")
+    n = asked["usage"]["output_tokens"] if path == R else asked["usage"]["completion_tokens"]
+    assert len(rec["output_token_ids"]) == n and rec["sampling"]["temperature"] == 0
+    refused(http, path, "receipt", "yes")
 
 
 CHECKS: dict[tuple[str, str], Callable] = {
@@ -469,7 +482,7 @@ CHECKS: dict[tuple[str, str], Callable] = {
         ("ignore_eos", check_ignore_eos), ("frequency_penalty", check_frequency_penalty),
         ("presence_penalty", check_presence_penalty), ("logit_bias", check_logit_bias),
         ("repetition_penalty", check_repetition_penalty), ("min_tokens", check_min_tokens),
-        ("response_format", check_response_format))},
+        ("response_format", check_response_format), ("receipt", check_receipt))},
     (C, "prompt"): check_prompt, (C, "echo"): check_echo, (C, "logprobs"): check_completion_logprobs,
     (C, "best_of"): check_best_of, (C, "suffix"): check_suffix,
     (CH, "messages"): check_messages, (CH, "logprobs"): check_chat_logprobs, (CH, "top_logprobs"): check_top_logprobs,
@@ -480,7 +493,7 @@ CHECKS: dict[tuple[str, str], Callable] = {
     (R, "top_p"): check_r_top_p, (R, "text"): check_text, (R, "tools"): check_tools,
     (R, "tool_choice"): check_tool_choice, (R, "parallel_tool_calls"): check_parallel_tool_calls,
     (R, "stream"): check_r_stream, (R, "store"): check_store, (R, "previous_response_id"): check_previous_response_id,
-    (R, "metadata"): check_metadata,
+    (R, "metadata"): check_metadata, (R, "receipt"): check_receipt,
     (E, "input"): check_e_input, (E, "model"): check_e_model, (E, "encoding_format"): check_encoding_format,
     (E, "dimensions"): check_dimensions,
     (M, "model"): check_m_model, (M, "messages"): check_m_messages, (M, "max_tokens"): check_m_max_tokens,

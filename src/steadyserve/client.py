@@ -138,8 +138,8 @@ def _prompt(msg: Any, text: str | None, token_ids: Sequence[int] | None,
 
 
 def score_request(text: str | None = None, *, token_ids: Sequence[int] | None = None, top_logprobs: int = 0,
-                  model: str = "", request_id: str = "") -> pb.ScoreRequest:
-    msg = pb.ScoreRequest(top_logprobs=top_logprobs, model=model, request_id=request_id)
+                  model: str = "", request_id: str = "", receipt: bool = False) -> pb.ScoreRequest:
+    msg = pb.ScoreRequest(top_logprobs=top_logprobs, model=model, request_id=request_id, receipt=receipt)
     _prompt(msg, text, token_ids)
     return msg
 
@@ -149,14 +149,14 @@ def generate_request(text: str | None = None, *, token_ids: Sequence[int] | None
                      temperature: float | None = None, top_p: float | None = None, top_k: int = 0,
                      seed: int | None = None, stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
                      ignore_eos: bool = False, logprobs: int | None = None, model: str = "",
-                     request_id: str = "") -> pb.GenerateRequest:
+                     request_id: str = "", receipt: bool = False) -> pb.GenerateRequest:
     params = pb.SamplingParameters(top_k=top_k, stop=list(stop), stop_token_ids=list(stop_token_ids),
                                    ignore_eos=ignore_eos)
     for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p),
                         ("seed", seed), ("logprobs", logprobs)):
         if value is not None:  # unset fields take the server's defaults
             setattr(params, name, value)
-    msg = pb.GenerateRequest(params=params, model=model, request_id=request_id)
+    msg = pb.GenerateRequest(params=params, model=model, request_id=request_id, receipt=receipt)
     _prompt(msg, text, token_ids, messages)
     return msg
 

@@ -57,6 +57,7 @@ class RequestSpec:
     output: OutputOptions = OutputOptions()  # what the encoders add: logprobs, echo, usage
     tools: ToolRequest | None = None  # chat: tools, tool_choice, parallel_tool_calls; None when none were sent
     continue_final: bool = False  # chat: the last (assistant) message is continued, not answered (a prefill)
+    receipt: bool = False  # a receipt per choice (api/receipts.py): the body's field, gRPC's, or the header
 
 
 @dataclass
@@ -76,6 +77,7 @@ class ValidatedRequest:
     output: OutputOptions = OutputOptions()  # what the encoders add: logprobs, echo, usage
     tools: ToolRequest | None = None  # the tools the model may call (None: none, or tool_choice none)
     tool_format: ToolFormat | None = None  # with tools: how this model writes calls, to parse its output
+    receipt: bool = False  # each choice's final event carries its receipt (api/receipts.py)
 
     @property
     def engine_ids(self) -> list[str]:
@@ -183,7 +185,8 @@ def build(state: ServerState, spec: RequestSpec) -> ValidatedRequest:
             choice_params.append(p)
             choice_texts.append(text)
     return ValidatedRequest(state.new_request_id(spec.request_id or None), spec.kind, spec.transport, choices,
-                            choice_params, choice_texts, k, spec.n, spec.stream, spec.output, tools, tool_format)
+                            choice_params, choice_texts, k, spec.n, spec.stream, spec.output, tools, tool_format,
+                            spec.receipt)
 
 
 def tool_grammar(state: ServerState, tools: ToolRequest, params: SamplingParams) -> ToolFormat:
@@ -230,13 +233,14 @@ def admit(state: ServerState, req: ValidatedRequest) -> list[StreamHandle]:
     ids = req.engine_ids
     items = list(zip(ids, req.prompts, req.params))
     try:
-        streams = state.submit_all(items, req.transport)
+        streams = state.submit_all(items, req.transport, receipt=req.receipt)
     except Refused as e:
         if e.reason != "invalid" or e.param != "request_id":
             raise
         tag = uuid.uuid4().hex[:8]
         ids = [f"{rid}.{tag}" for rid in ids]
-        streams = state.submit_all([(rid, p, sp) for rid, (_, p, sp) in zip(ids, items)], req.transport)
+        streams = state.submit_all([(rid, p, sp) for rid, (_, p, sp) in zip(ids, items)], req.transport,
+                                   receipt=req.receipt)
     trace = current_trace()
     if trace is not None:  # tracing on: the span notes what was asked and the engine's times when each ends
         trace.admitted(req, streams)

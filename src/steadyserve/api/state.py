@@ -75,11 +75,12 @@ class ServerState:
             raise Refused("dead", f"the engine is not running{why}")
 
     def submit_all(self, items: list[tuple[str, list[int], SamplingParams]], transport: str,
-                   embed: bool = False) -> list:
+                   embed: bool = False, receipt: bool = False) -> list:
         """Admit all of (request id, prompt ids, params), one client call, or none (Refused);
-        returns their RequestStreams in order. `embed`: embedding requests (Request.embed)."""
+        returns their RequestStreams in order. `embed`: embedding requests (Request.embed); `receipt`: their final
+        outputs carry what a receipt needs."""
         self.refuse_if_closed()  # again: the server may have begun draining while the request was tokenized
-        requests = [Request(rid, ids, params, transport, embed=embed) for rid, ids, params in items]
+        requests = [Request(rid, ids, params, transport, embed=embed, receipt=receipt) for rid, ids, params in items]
         streams = self.engine.submit_all(requests)
         for request, stream in zip(requests, streams):
             self._observe(request, stream)

@@ -403,12 +403,16 @@ class LLMEngine:
     def _output(self, seq: Sequence, toks: list[int], delta: str, lps: list[TokenLogprob],
                 prompt_lps: list[TokenLogprob | None] | None = None, finish_reason: str | None = None,
                 error: str | None = None, num_batch_seqs: int = 0) -> RequestOutput:
-        return RequestOutput(request_id=seq.request_id, new_token_ids=toks, text_delta=delta, logprobs=lps,
-                             prompt_logprobs=prompt_lps, finished=finish_reason is not None,
-                             finish_reason=finish_reason, error=error, num_prompt_tokens=seq.num_prompt_tokens,
-                             num_generated_tokens=seq.num_generated_tokens, num_batch_seqs=num_batch_seqs,
-                             num_cached_tokens=min(seq.num_cached_tokens, seq.num_prompt_tokens),
-                             timings=None if finish_reason is None else _timings(seq))
+        out = RequestOutput(request_id=seq.request_id, new_token_ids=toks, text_delta=delta, logprobs=lps,
+                            prompt_logprobs=prompt_lps, finished=finish_reason is not None,
+                            finish_reason=finish_reason, error=error, num_prompt_tokens=seq.num_prompt_tokens,
+                            num_generated_tokens=seq.num_generated_tokens, num_batch_seqs=num_batch_seqs,
+                            num_cached_tokens=min(seq.num_cached_tokens, seq.num_prompt_tokens),
+                            timings=None if finish_reason is None else _timings(seq))
+        if finish_reason is not None and seq.request.receipt:
+            # The seed the generator was made with: the request's, or the one make_generator drew for it.
+            out.seed = seq.state.generator.initial_seed()
+        return out
 
 
 def _timings(seq: Sequence) -> RequestTimings:

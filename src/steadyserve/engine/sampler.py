@@ -20,6 +20,9 @@ class NumericalError(RuntimeError):
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator | None:
+    """The request's own generator. Unseeded, it draws a fresh 64-bit seed (Generator.seed()), which
+    `initial_seed()` reads back for receipts: manual_seed() with it replays every draw, so unseeded sampling is
+    replayable without changing how seeded requests (manual_seed) or greedy ones (no draws) run."""
     g = torch.Generator(device=device)
     if seed is None:
         g.seed()

@@ -96,6 +96,9 @@ class Request:
     # An embedding (engine/pooler.py): the prompt is computed and its hidden states pooled; nothing is sampled,
     # params.max_tokens is 0. Its one output carries `embedding` and finish_reason "length", as a score's does.
     embed: bool = False
+    # A receipt was asked for (api/receipts.py): the finishing output carries the seed the sampler ran with.
+    # Off, the engine does nothing more than without receipts.
+    receipt: bool = False
 
 
 @dataclass
@@ -138,6 +141,7 @@ class RequestOutput:
     queue_wait: float | None = None  # seconds from arrival to first step; on the first output only
     timings: RequestTimings | None = None  # on the final output of a request the engine held (for traces)
     embedding: list[float] | None = None  # an embedding request's pooled vector (float32 values), on its last output
+    seed: int | None = None  # on the finishing output of a Request with receipt: its generator's seed (drawn if none)
 
 
 @dataclass
@@ -158,11 +162,14 @@ class Accumulated:
     queue_wait: float | None = None  # seconds from arrival to the first step
     num_outputs: int = 0  # RequestOutputs folded in
     embedding: list[float] | None = None  # an embedding request's pooled vector, once finished
+    seed: int | None = None  # the seed the sampler ran with, when a receipt was asked for (RequestOutput.seed)
 
     def add(self, out: RequestOutput) -> None:
         self.num_outputs += 1
         if out.embedding is not None:
             self.embedding = out.embedding
+        if out.seed is not None:
+            self.seed = out.seed
         self.max_batch_seqs = max(self.max_batch_seqs, out.num_batch_seqs)
         if out.queue_wait is not None:
             self.queue_wait = out.queue_wait

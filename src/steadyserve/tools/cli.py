@@ -1,4 +1,4 @@
-"""Sub-commands `validate` and `bench` of the `steadyserve` command."""
+"""Sub-commands `validate`, `bench` and `verify` of the `steadyserve` command."""
 
 from __future__ import annotations
 
@@ -19,6 +19,10 @@ def add_tool_commands(sub: argparse._SubParsersAction) -> None:
     v.add_argument("--max-tokens", type=int, default=16, help="tokens per generation probe")
     v.add_argument("--api-key", default=key)
     v.add_argument("--json", action="store_true", help="print the report as JSON")
+    v.add_argument("--receipts", type=int, default=0, metavar="N", help="also collect N receipts (scoring, greedy, "
+                   "unseeded sampling) under the background load and verify them on this machine (default: none)")
+    v.add_argument("--model", default="", help="with --receipts: the served model's file or directory, to replay "
+                   "with (default: the packaged model whose weights hash the receipts name)")
     v.set_defaults(fn=_validate)
 
     b = sub.add_parser("bench", help="token- and stream-aware load generator")
@@ -43,11 +47,29 @@ def add_tool_commands(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--plot", help="write latency CDF and throughput PNGs into this directory")
     b.set_defaults(fn=_bench)
 
+    r = sub.add_parser("verify", help="replay receipts offline and check every bit (exit 0 only if all verify)")
+    r.add_argument("receipts", nargs="+", metavar="RECEIPT", help="receipt files (a receipt, a list, a response "
+                   "body with receipts, or JSON lines); - reads stdin")
+    r.add_argument("--model", default="", help="the model the receipts name (HF directory or .gguf); default: the "
+                   "packaged model whose weights hash the receipt names")
+    r.add_argument("--threads", type=int, default=0, help="intra-op threads (default: the CPU budget); the bits "
+                   "do not depend on it")
+    r.add_argument("--one-at-a-time", action="store_true", help="replay each receipt alone instead of all "
+                   "together (the verdicts must be the same)")
+    r.add_argument("--json", action="store_true", help="print the verdicts as JSON")
+    r.set_defaults(fn=_verify)
+
 
 def _validate(a: argparse.Namespace) -> int:
     from .validate import DEFAULT_PROMPT, main
 
     a.prompt = a.prompt or DEFAULT_PROMPT
+    return main(a)
+
+
+def _verify(a: argparse.Namespace) -> int:
+    from .verify import main
+
     return main(a)
 
 

@@ -190,7 +190,10 @@ def summarize(probes: list[Probe], seconds: float, num_background: int, num_over
 
 
 async def run_validate(http: str | None, grpc: str | None, n: int, concurrency: int, background: float,
-                       prompt: str, max_tokens: int, api_key: str, progress: bool, seed: int = 0) -> dict[str, Any]:
+                       prompt: str, max_tokens: int, api_key: str, progress: bool, seed: int = 0,
+                       num_receipts: int = 0, model: str = "") -> dict[str, Any]:
+    from .validate_receipts import KINDS, collect_receipt, verify_collected
+
     runner = Runner(http, grpc, prompt, max_tokens, api_key)
     rng = random.Random(seed)
     jobs: list[Any] = []
@@ -199,7 +202,9 @@ async def run_validate(http: str | None, grpc: str | None, n: int, concurrency: 
         t = transports[i % len(transports)]
         kind = "score" if (i // len(transports)) % 2 == 0 else "generate"
         jobs.append((t, kind))
-    num_bg = int(n * background) if http else 0
+    for i in range(num_receipts):  # receipt probes: each transport and kind in turn
+        jobs.append((f"receipt:{transports[i % len(transports)]}", f"{KINDS[(i // len(transports)) % 3]}:{i}"))
+    num_bg = int((n + num_receipts) * background) if http else 0
     jobs += [("bg", None)] * num_bg
     rng.shuffle(jobs)
     sem = asyncio.Semaphore(concurrency)
@@ -211,11 +216,17 @@ async def run_validate(http: str | None, grpc: str | None, n: int, concurrency: 
 
         bar = tqdm(total=len(jobs), desc="validate", unit="req", file=sys.stderr)
 
+    collected: list[tuple[str, Any]] = []
+
     async def one(job: tuple[str, str | None]) -> Probe | None:
         nonlocal done
         async with sem:
             t, kind = job
-            if t == "bg":
+            if t.startswith("receipt:"):
+                rkind, i = kind.split(":")  # type: ignore[union-attr]
+                collected.append(await collect_receipt(runner, t.split(":")[1], rkind, int(i)))
+                res = None
+            elif t == "bg":
                 await runner.background(random.Random(rng.random()))
                 res = None
             elif t == "http":
@@ -233,7 +244,14 @@ async def run_validate(http: str | None, grpc: str | None, n: int, concurrency: 
     await runner.client.aclose()
     if runner.grpc_client is not None:
         await runner.grpc_client.close()
-    return summarize([p for p in results if p is not None], time.monotonic() - t0, num_bg, runner.num_overloaded)
+    report = summarize([p for p in results if p is not None], time.monotonic() - t0, num_bg, runner.num_overloaded)
+    if num_receipts:  # replayed here, after the load: the model loads in this process
+        if n == 0:  # receipts only: no probe kinds to compare
+            report["passed"] = not report["errors"]
+        collected.sort(key=lambda item: int(item[0].rsplit(":", 1)[1]))
+        report["receipts"] = await asyncio.to_thread(verify_collected, collected, model)
+        report["passed"] = report["passed"] and report["receipts"]["passed"]
+    return report
 
 
 def print_summary(rep: dict[str, Any]) -> None:
@@ -253,6 +271,13 @@ def print_summary(rep: dict[str, Any]) -> None:
                 print(f"      HTTP probes per replica (x-steadyserve-replica): {g['by_replica']}")
         if len(k["fingerprints"]) > 1:
             print(f"    note: {len(k['fingerprints'])} fingerprints seen (different replicas/models), compared separately")
+    rc = rep.get("receipts")
+    if rc:
+        print(f"  receipts: {rc['receipts']} collected under load, verified here: {rc['verified']} verified, "
+              f"{rc['mismatch']} mismatched, {rc['not reproducible here']} not reproducible here, "
+              f"{rc['invalid']} invalid")
+        for v in rc["not_verified"]:
+            print(f"    [{v['status'].upper()}] {v['source']} {v['request_id']}: {v['detail']}")
     for e in rep["error_examples"]:
         print(f"  error: {e}")
     print("PASS: exactly one distinct vector per probe kind" if rep["passed"] else "FAIL")
@@ -263,7 +288,8 @@ def main(a: Any) -> int:
         print("steadyserve validate: give --http URL and/or --grpc ADDR", file=sys.stderr)
         return 2
     rep = asyncio.run(run_validate(a.http, a.grpc, a.n, a.concurrency, a.background, a.prompt, a.max_tokens,
-                                   a.api_key, progress=not a.json and sys.stderr.isatty()))
+                                   a.api_key, progress=not a.json and sys.stderr.isatty(),
+                                   num_receipts=getattr(a, "receipts", 0), model=getattr(a, "model", "")))
     if a.json:
         print(json.dumps(rep, indent=2))
     else:

@@ -81,7 +81,7 @@ def score_spec(msg: Any) -> RequestSpec:
     """Score: generate nothing, return every prompt token's logprob (and top-k). The prompt may fill the context."""
     return RequestSpec(kind="score", transport="grpc", request_id=msg.request_id, model=msg.model,
                        params=SamplingParams(max_tokens=0, prompt_logprobs=msg.top_logprobs),
-                       requested_max_tokens=0, **input_spec(msg))
+                       requested_max_tokens=0, receipt=msg.receipt, **input_spec(msg))
 
 
 def generate_spec(msg: Any) -> RequestSpec:
@@ -97,7 +97,7 @@ def generate_spec(msg: Any) -> RequestSpec:
                        requested_max_tokens=p.max_tokens if p.HasField("max_tokens") else None, stream=True,
                        output=OutputOptions(logprobs=p.HasField("logprobs"),
                                             top_logprobs=p.logprobs if p.HasField("logprobs") else 0),
-                       tools=tools_spec(msg), **input_spec(msg))
+                       tools=tools_spec(msg), receipt=msg.receipt, **input_spec(msg))
 
 
 def tokenize_spec(msg: Any) -> RequestSpec:

@@ -12,6 +12,7 @@ or when the client reads nothing for --stall-timeout.
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any, Callable, NoReturn
 
@@ -23,6 +24,7 @@ from ...platform_info import platform_info, row_tiles_of
 from ..embeddings import admit_embed, build_embed, vectors
 from ..events import RequestEvents, StreamStalled, end_status
 from ..protocol import token_text
+from ..receipts import HEADER as RECEIPT_HEADER, header_asks, receipt_for
 from ..requests import RequestSpec, ValidatedRequest, admit, build, prompt_ids
 from ..state import ServerState
 from ..streams import END_MESSAGES, StreamHandle
@@ -78,6 +80,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         """requests.build on the message (on the tokenizer thread unless it is short), or abort the RPC."""
         try:
             spec = spec_of(msg)
+            if not spec.receipt:  # a client that cannot set the field: the x-steadyserve-receipt metadata
+                spec.receipt = any(k == RECEIPT_HEADER and header_asks(v)
+                                   for k, v in call.context.invocation_metadata() or ())
             which = msg.WhichOneof("input")
             if which == "chat" or (which == "text" and len(msg.text) > INLINE_TOKENIZE_CHARS):
                 req = await self.state.run_tokenizer(build, self.state, spec)
@@ -155,7 +160,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         tokens = [pb.TokenLogprob(token_id=ids[0], text=self._text(ids[0]))]
         tokens += [self._logprob(lp) for lp in prompt_lps[1:]]  # type: ignore[index, union-attr, arg-type]
         return pb.ScoreResponse(request_id=req.request_id, tokens=tokens, fingerprint=self.fingerprint,
-                                model=self.state.model_name, usage=pb.Usage(prompt_tokens=len(ids)))
+                                model=self.state.model_name, usage=pb.Usage(prompt_tokens=len(ids)),
+                                receipt=self._receipt(req, events))
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         call = _Call(context, self.fingerprint)
@@ -199,11 +205,18 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                             request_id=req.request_id, fingerprint=self.fingerprint, model=self.state.model_name)
                         if req.tool_format is not None:
                             self._tool_final(final, req, events.accs[0].text, last.finish_reason)
+                        final.receipt = self._receipt(req, events)
                         await write(pb.GenerateResponse(final=final))
         except _ClientGone:
             return  # nobody to tell; leaving `events` counts why the stream ended
         except StreamStalled:
             await self._end_with_problem(call, ("stall", END_MESSAGES["stall"]))
+
+    def _receipt(self, req: ValidatedRequest, events: RequestEvents) -> str:
+        """The one choice's receipt as JSON text, or "" when none was asked for."""
+        if not req.receipt:
+            return ""
+        return json.dumps(receipt_for(self.state, req, 0, events.accs[0]), separators=(",", ":"))
 
     @staticmethod
     def _tool_final(final: pb.GenerateFinal, req: ValidatedRequest, text: str, reason: str | None) -> None:

@@ -17,6 +17,7 @@ from ...limits import Refused, check_token_ids
 from ...platform_info import platform_info, row_tiles_of
 from ..events import sum_usage
 from ..protocol import encode_prompt, render_chat
+from ..receipts import HEADER as RECEIPT_HEADER, header_asks, receipts_of
 from ..requests import admit, check_model
 from ..responses_store import ResponseStore
 from ..state import ServerState
@@ -64,9 +65,11 @@ def create_app(state: ServerState) -> FastAPI:
     async def run(request: Request, kind: str) -> Response:
         """Read, validate (requests.build, on the tokenizer thread), admit, then stream or collect."""
         body = await read_json(request, cfg.max_request_bytes)
-        req = await state.run_tokenizer(build_from_body, state, body, kind, "http", client_request_id(request.scope))
+        req = await state.run_tokenizer(build_from_body, state, body, kind, "http", client_request_id(request.scope),
+                                        header_asks(request.headers.get(RECEIPT_HEADER)))
         handles = admit(state, req)
-        fmts = formatters(req, state.model_name, str(state.fingerprint), state.loaded.tokenizer)
+        fmts = formatters(req, state.model_name, str(state.fingerprint), state.loaded.tokenizer,
+                          receipts_of(state, req))
         want_lp = req.output.logprobs  # asked for by the client (best_of asks the engine anyway, to rank)
         if req.stream:
             return SSEResponse(handles, fmts, want_lp, req.output.include_usage, cfg.stall_timeout,

@@ -76,8 +76,9 @@ def parse_body(body: Any, kind: str) -> CompletionRequest | ChatCompletionReques
     return validated(ChatCompletionRequest if kind == "chat" else CompletionRequest, body)
 
 
-def request_spec(body: Any, kind: str, transport: str, request_id: str) -> RequestSpec:
-    """An HTTP or WebSocket body as the transport-neutral RequestSpec. Raises Refused."""
+def request_spec(body: Any, kind: str, transport: str, request_id: str, receipt_header: bool = False) -> RequestSpec:
+    """An HTTP or WebSocket body as the transport-neutral RequestSpec (`receipt_header`: the request's
+    x-steadyserve-receipt header asked for a receipt). Raises Refused."""
     req = parse_body(body, kind)
     try:
         params = req.sampling_params(DEFAULT_MAX_TOKENS[kind])  # max_tokens: requests.build decides
@@ -92,7 +93,7 @@ def request_spec(body: Any, kind: str, transport: str, request_id: str) -> Reque
         requested_max_tokens=req.requested_max_tokens,
         max_tokens_param="max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None
         else "max_tokens", num_samples=req.num_samples, n=req.n, stream=req.stream, output=output_options(req),
-        tools=req.tool_request() if chat else None)
+        tools=req.tool_request() if chat else None, receipt=req.receipt or receipt_header)
 
 
 def output_options(req: CompletionRequest | ChatCompletionRequest) -> OutputOptions:
@@ -135,9 +136,10 @@ def validation_refusal(e: ValidationError) -> Refused:
     return Refused("invalid_value", msg, param)
 
 
-def build_from_body(state: ServerState, body: Any, kind: str, transport: str, request_id: str) -> ValidatedRequest:
+def build_from_body(state: ServerState, body: Any, kind: str, transport: str, request_id: str,
+                    receipt_header: bool = False) -> ValidatedRequest:
     """Parse and validate in one call, for the tokenizer thread. Raises Refused."""
-    return build(state, request_spec(body, kind, transport, request_id))
+    return build(state, request_spec(body, kind, transport, request_id, receipt_header))
 
 
 def validation_message(e: ValidationError) -> tuple[str, str | None]:

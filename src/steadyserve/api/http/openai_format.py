@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from typing import Any
+from typing import Any, Callable
 
 from ...engine.sequence import RequestOutput, TokenLogprob
 from ..events import Accumulated, sum_usage
@@ -92,7 +92,8 @@ class Formatter:
 
     def __init__(self, kind: str, request_id: str, model: str, fingerprint: str, tokenizer: Any,
                  echo_prompt_ids: list[int] | None = None, echo_text: str = "", index: int = 0,
-                 tool_format: ToolFormat | None = None) -> None:
+                 tool_format: ToolFormat | None = None,
+                 receipt: Callable[[Accumulated], dict[str, Any]] | None = None) -> None:
         self.kind = kind  # "completion" | "chat"
         self.index = index  # the choice's index: its prompt's position in a batched request
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + request_id
@@ -108,6 +109,7 @@ class Formatter:
         self.request_id = request_id
         self.tool_format = tool_format  # chat with tools: the output is parsed into content and tool_calls
         self.tool_stream = ToolCallStream(tool_format, request_id, index) if tool_format is not None else None
+        self.receipt = receipt  # the choice's receipt from its outputs (api/receipts.py); None: not asked for
 
     def _envelope(self, chunk: bool) -> dict[str, Any]:
         obj = {"completion": "text_completion", "chat": "chat.completion.chunk" if chunk else "chat.completion"}
@@ -172,6 +174,8 @@ class Formatter:
         else:
             choice = {"index": self.index, "text": self.echo_text + acc.text, "logprobs": lp,
                       "finish_reason": acc.finish_reason}
+        if self.receipt is not None:
+            choice["receipt"] = self.receipt(acc)
         body["choices"] = [choice]
         body["usage"] = acc.usage()
         # Extension: how this request was batched, so clients can see that identical
@@ -265,12 +269,19 @@ def full_body(fmts: list[Formatter], accs: list[Accumulated], want_logprobs: boo
     return body
 
 
-def formatters(req: ValidatedRequest, model: str, fingerprint: str, tokenizer: Any) -> list[Formatter]:
-    """One Formatter per choice of a validated completion or chat request."""
+def formatters(req: ValidatedRequest, model: str, fingerprint: str, tokenizer: Any,
+               receipts: Callable[[int, Accumulated], dict[str, Any]] | None = None) -> list[Formatter]:
+    """One Formatter per choice of a validated completion or chat request; `receipts` (api/receipts.py) when
+    the request asked for them."""
     echo = req.output.echo  # only a completion's builder sets it
     # Echo: a text prompt as sent; token ids decoded (the builder has checked they are ids of this model).
     return [Formatter(req.kind, req.request_id, model, fingerprint, tokenizer,
                       echo_prompt_ids=ids if echo else None,
                       echo_text=(text if text is not None else tokenizer.decode(ids)) if echo else "", index=i,
-                      tool_format=req.tool_format)
+                      tool_format=req.tool_format, receipt=_bind(receipts, i))
             for i, (ids, text) in enumerate(zip(req.prompts, req.echo_texts))]
+
+
+def _bind(receipts: Callable[[int, Accumulated], dict[str, Any]] | None,
+          i: int) -> Callable[[Accumulated], dict[str, Any]] | None:
+    return None if receipts is None else (lambda acc: receipts(i, acc))

@@ -67,6 +67,9 @@ class ResponsesRequest(RequestBody):
     previous_response_id: str | None = Field(default=None, description="continue the conversation of a stored "
                                              "response: its input and output come before this input")
     metadata: dict[str, str] | None = Field(default=None, description="echoed in the response")
+    receipt: StrictBool = Field(default=False, description="return the response's receipt (a stream: in "
+                                "response.completed) for `steadyserve verify`; the header x-steadyserve-receipt: 1 "
+                                "asks too", json_schema_extra={"x-extension": True})
 
 
 def refuse_unsupported(body: dict[str, Any]) -> None:
@@ -181,5 +184,5 @@ def responses_spec(store: ResponseStore, body: Any, request_id: str,
     spec = RequestSpec(kind="chat", transport="http", request_id=request_id, model=parsed.model, params=params,
                        messages=messages, requested_max_tokens=parsed.max_output_tokens,
                        max_tokens_param="max_output_tokens", stream=parsed.stream, output=OutputOptions(),
-                       tools=tools_of(parsed))
+                       tools=tools_of(parsed), receipt=parsed.receipt)
     return spec, conversation

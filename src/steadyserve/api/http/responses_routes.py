@@ -8,14 +8,15 @@ server-sent events whose stream ends with response.completed / response.incomple
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from ...limits import InvalidRequest, Refused
-from ..events import RequestEvents, StreamStalled, end_status
+from ..events import Accumulated, RequestEvents, StreamStalled, end_status
+from ..receipts import HEADER as RECEIPT_HEADER, header_asks, receipts_of
 from ..requests import ValidatedRequest, admit, build
 from ..responses_store import ResponseStore
 from ..state import ServerState
@@ -26,7 +27,7 @@ from .responses_format import EventWriter, ResponseBuilder, conversation_output,
 from .sse import collect_events, guarded_send, http_disconnect
 
 
-def prepare(state: ServerState, store: ResponseStore, body: Any, request_id: str
+def prepare(state: ServerState, store: ResponseStore, body: Any, request_id: str, receipt_header: bool = False
             ) -> tuple[ValidatedRequest, ResponsesRequest, list[dict[str, Any]]]:
     """Parse and validate (requests.build), for the tokenizer thread. Raises Refused, named as this API names
     its fields (text.format, input)."""
@@ -36,6 +37,7 @@ def prepare(state: ServerState, store: ResponseStore, body: Any, request_id: str
                       bad)
     parsed = validated(ResponsesRequest, body)
     spec, conversation = responses_spec(store, body, request_id, parsed)
+    spec.receipt = spec.receipt or receipt_header
     try:
         return build(state, spec), parsed, conversation
     except InvalidRequest as e:
@@ -58,17 +60,21 @@ def add_responses_routes(app: FastAPI, state: ServerState, store: ResponseStore)
         --responses-store-size, at most 64 MiB, oldest evicted first); an id not there is a 404."""
         body = await read_json(request, cfg.max_request_bytes)
         req, parsed, conversation = await state.run_tokenizer(prepare, state, store, body,
-                                                              client_request_id(request.scope))
+                                                              client_request_id(request.scope),
+                                                              header_asks(request.headers.get(RECEIPT_HEADER)))
         handles = admit(state, req)
         builder = ResponseBuilder("resp_" + uuid.uuid4().hex, req.request_id, state.model_name,
                                   str(state.fingerprint), parsed, req.tool_format)
         keep = store if parsed.store else None
+        receipt = receipts_of(state, req)
         if parsed.stream:
-            return ResponsesSSE(handles, builder, keep, conversation, cfg.stall_timeout)
+            return ResponsesSSE(handles, builder, keep, conversation, cfg.stall_timeout, receipt)
         events = await collect_events(request.receive, handles)
         if isinstance(events, Response):
             return events
         out = builder.final(events.accs[0])
+        if receipt is not None:
+            out["receipt"] = receipt(0, events.accs[0])
         if keep is not None:
             keep.put(out, conversation + conversation_output(out))
         return JSONResponse(out)
@@ -91,7 +97,8 @@ class ResponsesSSE(Response):
     media_type = "text/event-stream"
 
     def __init__(self, handles: list[StreamHandle], builder: ResponseBuilder, store: ResponseStore | None,
-                 conversation: list[dict[str, Any]], stall_timeout: float) -> None:
+                 conversation: list[dict[str, Any]], stall_timeout: float,
+                 receipt: Callable[[int, Accumulated], dict[str, Any]] | None = None) -> None:
         self.status_code = 200
         self.background = None
         self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
@@ -101,6 +108,7 @@ class ResponsesSSE(Response):
         self.store = store  # where the finished response is kept; None with store: false
         self.conversation = conversation
         self.stall_timeout = stall_timeout
+        self.receipt = receipt  # api/receipts.py: set when the request asked for one
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         transport = scope.get("state", {}).get("transport")
@@ -129,6 +137,8 @@ class ResponsesSSE(Response):
                     await emit(w.feed(ev.text, ev.finished))
                 if events.completed and not events.client_gone:
                     closing, body = w.finish(events.accs[0])
+                    if self.receipt is not None:  # in response.completed's response object (the same dict)
+                        body["receipt"] = self.receipt(0, events.accs[0])
                     await emit(closing)
                     if self.store is not None:
                         self.store.put(body, self.conversation + conversation_output(body))

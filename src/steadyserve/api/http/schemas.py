@@ -149,6 +149,10 @@ class _Common(RequestBody):
     min_tokens: StrictInt = Field(default=0, description="end-of-sequence and stop tokens cannot be "
                                   "generated before this many tokens (at most max_tokens)",
                                   json_schema_extra=shared_range(0, **{"x-extension": True}))
+    receipt: StrictBool = Field(default=False, description="return a receipt with each choice (a stream: in its "
+                                "last chunk) that `steadyserve verify` replays bit for bit; the header "
+                                "x-steadyserve-receipt: 1 asks too (docs/reference/receipts.md)",
+                                json_schema_extra={"x-extension": True})
 
     def processors(self) -> dict[str, Any]:
         """The logits processors' SamplingParams fields."""

@@ -115,7 +115,10 @@ class SSEResponse(Response):
                     # string) is sent with its logprobs if asked, else with the next batch.
                     if ev.finished or any(o.text_delta or o.prompt_logprobs is not None or
                                           (self.want_logprobs and o.logprobs) for o in ev.outputs):
-                        for body in fmt.chunks(pending[ev.index] + ev.outputs, self.want_logprobs):
+                        bodies = fmt.chunks(pending[ev.index] + ev.outputs, self.want_logprobs)
+                        if ev.finished and fmt.receipt is not None:  # the choice's last chunk carries it
+                            bodies[-1]["choices"][0]["receipt"] = fmt.receipt(events.accs[ev.index])
+                        for body in bodies:
                             await emit(sse_event(body))
                         pending[ev.index] = []
                     else:

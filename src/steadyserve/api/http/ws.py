@@ -3,7 +3,8 @@
 Protocol (`WS /v1/stream`):
   client -> {"prompt": ...} or {"messages": [...]} plus sampling fields, once
   server -> {"type": "delta", "text", "token_ids", "logprobs"?, "system_fingerprint"} per batch
-  server -> {"type": "final", "finish_reason", "usage", "system_fingerprint"}, then close 1000
+  server -> {"type": "final", "finish_reason", "usage", "system_fingerprint", "receipt"?}, then close 1000
+            (`"receipt": true` in the request, or the x-steadyserve-receipt header: api/receipts.py)
             (with tools: the deltas carry the raw output, the final also "content" and "tool_calls")
   errors -> {"type": "error", "error": {...}}, then close 1008 (bad request) or 1011 (server)
 """
@@ -18,6 +19,7 @@ from starlette.websockets import WebSocketDisconnect
 
 from ...limits import RETRY_REASONS, InvalidRequest, Refused
 from ..events import RequestEvents, StreamStalled, end_status
+from ..receipts import HEADER as RECEIPT_HEADER, header_asks, receipt_for
 from ..requests import ValidatedRequest, admit
 from ..state import ServerState
 from ..tools import tool_calls_json
@@ -83,7 +85,8 @@ async def websocket_stream(ws: WebSocket, state: ServerState) -> None:
     kind = "chat" if "messages" in body else "completion"
     try:
         req = _single_choice(await state.run_tokenizer(build_from_body, state, body, kind, "ws",
-                                                       client_request_id(ws.scope)))
+                                                       client_request_id(ws.scope),
+                                                       header_asks(ws.headers.get(RECEIPT_HEADER))))
         handles = admit(state, req)
     except Refused as e:
         if state.metrics is not None:
@@ -139,6 +142,8 @@ async def websocket_stream(ws: WebSocket, state: ServerState) -> None:
                     if acc.prompt_logprobs is not None:
                         final["prompt_logprobs"] = [None if lp is None else _lp_json([lp])[0]
                                                     for lp in acc.prompt_logprobs]
+                    if req.receipt:
+                        final["receipt"] = receipt_for(state, req, 0, acc)
                     await emit(final)
                     await ws.close(CLOSE_OK)
     except StreamStalled:
