@@ -207,7 +207,8 @@ def test_plain_score_vs_generation_drifts_found_by_search(plain):
 
 
 def chunked_vs_whole(engine, budget: int, seqs: int, name: str, prompt_lens=(45, 9, 70)) -> dict[str, float]:
-    chunked = engine_for(engine.loaded, max_num_batched_tokens=budget, max_num_seqs=seqs)
+    chunked = engine_for(engine.loaded, max_num_batched_tokens=budget, max_num_seqs=seqs,
+                         kv_cache_dtype=engine.cfg.kv_cache_dtype)
     if name == "broken":
         install_batch_drift(chunked)
     vocab = engine.loaded.args.vocab_size
@@ -370,4 +371,36 @@ def test_speculation_keeps_the_probe_and_generation_invariant(mode, speculating)
     finally:
         if restore is not None:
             restore()
+    expect(name, diffs)
+
+
+@pytest.fixture(scope="module", params=["f16", "bf16", "q8_0"])
+def kv_engine(request, bi):
+    """The invariant engine's model with its KV cache stored in another format (--kv-cache-dtype), drafting
+    in batches too (as `speculating`)."""
+    engine = engine_for(bi.loaded, kv_cache_dtype=request.param, kv_cache_memory=16 * 1024**2, speculation="ngram")
+    assert engine.kv.fmt == request.param and engine.kv.k.dtype != bi.kv.k.dtype
+    engine.speculator.cheap_rows = 64
+    engine.speculator.row_cost = 0.0
+    return engine
+
+
+@pytest.mark.parametrize("name", ["invariant", "broken"])
+def test_every_kv_dtype_keeps_every_promise(kv_engine, name):
+    """In every KV format: the probe alone vs in batches (its prompt's first block comes from the prefix cache
+    after the first run), generation vs scoring (prefill == decode, drafts verified and rolled back), and
+    chunked vs whole prefill, all bitwise. Broken (the TEST-ONLY drift): caught in every format."""
+    restore = install_batch_drift(kv_engine) if name == "broken" else None
+    bm, spec = kv_engine.block_manager, kv_engine.speculator
+    hits0, accepted0, drafted0 = bm.num_hit_tokens, spec.total_accepted, spec.total_drafted
+    try:
+        diffs = probe_vs_batches(kv_engine, [7, 33], name=name)
+        diffs.update(score_vs_generate(kv_engine, ((5, 12), (40, 16)), name=name))
+        diffs.update(chunked_vs_whole(kv_engine, 7, 4, name))
+    finally:
+        if restore is not None:
+            restore()
+    assert bm.num_hit_tokens > hits0, "no prefix-cache hit: the cached-block check would be vacuous"
+    assert spec.total_accepted > accepted0 and spec.total_drafted > spec.total_accepted - accepted0 + drafted0, \
+        "no draft rejected or none accepted: the rollback check would be vacuous"
     expect(name, diffs)

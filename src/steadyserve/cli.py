@@ -8,8 +8,8 @@ import os
 import sys
 from typing import Any, Sequence
 
-from .config import (NUMERICS_MODES, Config, ConfigError, EngineConfig, ModelConfig, ServerConfig, parse_kv_cache_memory,
-                     parse_size)
+from .config import (KV_CACHE_DTYPES, NUMERICS_MODES, Config, ConfigError, EngineConfig, ModelConfig, ServerConfig,
+                     parse_kv_cache_memory, parse_size)
 from .tools.cli import add_tool_commands  # a real import: a broken tools package must fail loudly
 
 EXIT_USAGE = 2
@@ -31,6 +31,10 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", default="256MiB",
                    help="KV cache budget, allocated once: a size, auto (fit it into the memory limit) or a fraction "
                         "such as 0.5 of what the limit leaves after weights and overhead (default: %(default)s)")
+    g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=list(KV_CACHE_DTYPES),
+                   help="KV cache storage: fp32, f16 or bf16 (half the bytes), q8_0 (int8 per 32 values with an f16 "
+                        "scale, 3.76x the tokens of fp32 per byte); auto: the activations' dtype, fp32 on the CPU; "
+                        "named in the fingerprint (default: %(default)s)")
     g.add_argument("--memory-limit", default="",
                    help="memory this server may use, e.g. 2GiB; the cgroup limit and MemAvailable + RSS apply too, "
                         "the smallest wins (default: none)")
@@ -104,7 +108,7 @@ def config_from_args(a: argparse.Namespace) -> Config:
                             threads=a.threads, adaptive_threads=a.adaptive_threads,
                             batch_invariant=a.batch_invariant, row_tile=a.row_tile,
                             attention=a.attention, prefix_caching=a.prefix_caching, numerics=a.numerics,
-                            speculation=a.speculation),
+                            speculation=a.speculation, kv_cache_dtype=a.kv_cache_dtype),
         server=ServerConfig(host=a.host, http_port=a.http_port, grpc_port=a.grpc_port,
                             stall_timeout=a.stall_timeout, drain_timeout=a.drain_timeout,
                             max_request_bytes=parse_size(a.max_request_bytes, "--max-request-bytes"),

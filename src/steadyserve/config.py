@@ -18,6 +18,9 @@ class ConfigError(ValueError):
 # The settings of --numerics (numerics.py describes each path; auto picks numerics.DEFAULT_NATIVE_PATH).
 NUMERICS_MODES = ("auto", "portable", "int8", "host")
 
+# The settings of --kv-cache-dtype (engine/kv_cache.py owns what each stores; kernels/csrc/kv_format.h how).
+KV_CACHE_DTYPES = ("auto", "fp32", "f16", "bf16", "q8_0")
+
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
           "KI": 1024, "MI": 1024**2, "GI": 1024**3, "TI": 1024**4}
@@ -79,6 +82,7 @@ class EngineConfig:
     attention: str = "auto"  # --attention: auto | native (C++ kernel, else refuse to start) | python
     prefix_caching: bool = True  # --prefix-caching / --no-prefix-caching: reuse cached K/V of shared prompt prefixes
     speculation: str = "auto"  # --speculation: auto | off | ngram (ngram: prompt lookup drafts up to 7 tokens per sequence from its prompt and output, verified in one pass, bitwise the output of off, drafted only where the expected tokens pay for the rows; auto: ngram with --batch-invariant and the native kernels, else off)
+    kv_cache_dtype: str = "auto"  # --kv-cache-dtype: how the KV cache stores keys and values: auto (the activations' dtype: float32 on the CPU, the cache as it always was) | fp32 | f16 | bf16 (IEEE round to nearest even; half the bytes) | q8_0 (llama.cpp's int8 per 32 values with an f16 scale; 34 bytes per 128 of fp32, native attention kernel only); every format keeps the bitwise promises
     numerics: str = "auto"  # --numerics: auto (portable where the native kernels run, else host) | portable (same bits on every x86-64 host, native kernels on the stored weights) | int8 (portable, with int8 activations in the matmuls: faster, same promises, quantization error) | host (fp32 weights, MKL and PyTorch for this CPU)
 
     def validate(self) -> None:
@@ -109,6 +113,9 @@ class EngineConfig:
             raise ConfigError("--threads must be 0 (the CPU budget) or positive")
         if self.row_tile < 1:
             raise ConfigError("--row-tile must be at least 1")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                              f"not {self.kv_cache_dtype!r}")
         if self.numerics not in NUMERICS_MODES:
             raise ConfigError(f"--numerics must be one of {', '.join(NUMERICS_MODES)}, not {self.numerics!r}")
         if self.numerics in ("portable", "int8") and not self.batch_invariant:
