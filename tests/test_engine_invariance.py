@@ -385,22 +385,38 @@ def kv_engine(request, bi):
     return engine
 
 
+def cached_vs_computed(engine, name: str) -> dict[str, float]:
+    """A prompt computed alone, then again inside a batch with its two full blocks taken from the prefix cache
+    (blocks in the cache's storage format): the same tokens and logprobs."""
+    vocab = engine.loaded.args.vocab_size
+    rng = random.Random(f"cached-{name}")
+    prompt = [rng.randrange(vocab) for _ in range(70)]
+    params = SamplingParams(max_tokens=8, temperature=0, logprobs=0, ignore_eos=True)  # no prompt logprobs: hits
+    first = run_requests(engine, [Request("p0", prompt, params)])["p0"]
+    again = run_requests(engine, [Request("p1", prompt, params)] + others(rng, vocab, 5))["p1"]
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens == 64
+    if name == "invariant":
+        assert same(again, first), "a prefix-cache hit changed the result"
+    return {"cached": max_diff(again.logprob_values, first.logprob_values)
+            if again.token_ids == first.token_ids else float("inf")}
+
+
 @pytest.mark.parametrize("name", ["invariant", "broken"])
 def test_every_kv_dtype_keeps_every_promise(kv_engine, name):
-    """In every KV format: the probe alone vs in batches (its prompt's first block comes from the prefix cache
-    after the first run), generation vs scoring (prefill == decode, drafts verified and rolled back), and
-    chunked vs whole prefill, all bitwise. Broken (the TEST-ONLY drift): caught in every format."""
+    """In every KV format: the probe alone vs in batches, a prompt from the prefix cache vs computed,
+    generation vs scoring (prefill == decode, drafts verified and rolled back), and chunked vs whole prefill,
+    all bitwise. Broken (the TEST-ONLY drift): caught in every format."""
     restore = install_batch_drift(kv_engine) if name == "broken" else None
-    bm, spec = kv_engine.block_manager, kv_engine.speculator
-    hits0, accepted0, drafted0 = bm.num_hit_tokens, spec.total_accepted, spec.total_drafted
+    spec = kv_engine.speculator
+    accepted0, drafted0 = spec.total_accepted, spec.total_drafted
     try:
         diffs = probe_vs_batches(kv_engine, [7, 33], name=name)
+        diffs.update(cached_vs_computed(kv_engine, name))
         diffs.update(score_vs_generate(kv_engine, ((5, 12), (40, 16)), name=name))
         diffs.update(chunked_vs_whole(kv_engine, 7, 4, name))
     finally:
         if restore is not None:
             restore()
-    assert bm.num_hit_tokens > hits0, "no prefix-cache hit: the cached-block check would be vacuous"
     assert spec.total_accepted > accepted0 and spec.total_drafted > spec.total_accepted - accepted0 + drafted0, \
         "no draft rejected or none accepted: the rollback check would be vacuous"
     expect(name, diffs)
