@@ -215,3 +215,36 @@ def test_each_format_is_named_in_the_fingerprint() -> None:
     assert kv_format_id("fp32", "fp32") == ""  # today's cache: today's fingerprint
     ids = {kv_format_id(fmt, "fp32") for fmt in FORMATS}
     assert len(ids) == 3 and "" not in ids and ids <= set(KV_FORMATS.values())
+
+
+def test_a_server_admits_and_reports_the_tokens_its_format_holds(tiny_model: str) -> None:
+    """64 KiB of KV cache holds 128 tokens of the tiny model in fp32 and 256 in bf16: a 220-token request is
+    refused by the fp32 engine and served by a bf16 server, whose fingerprint and metrics name the format and
+    count its blocks; past 256 tokens it refuses, naming the KV cache."""
+    import httpx
+
+    from steadyserve.engine.engine import LLMEngine
+    from steadyserve.engine.sequence import Request, SamplingParams
+    from steadyserve.limits import Refused
+    from steadyserve.models.loader import load_model
+    from steadyserve.testing.server import ServerProcess
+
+    budget = 64 * 1024
+    prompt = [(7 * i) % 300 + 3 for i in range(200)]
+    fp32 = LLMEngine(load_model(tiny_model), EngineConfig(kv_cache_memory=budget, threads=1))
+    with pytest.raises(Refused, match="exceeds the KV cache of 128 tokens"):
+        fp32.check(Request("r", prompt, SamplingParams(max_tokens=20)))
+    with ServerProcess(tiny_model, "--kv-cache-dtype", "bf16", "--kv-cache-memory", "64KiB") as s:
+        with httpx.Client(base_url=s.http_url, timeout=60) as http:
+            fingerprint = http.get("/readyz").json()["system_fingerprint"]
+            assert fingerprint.split("-")[-2] == KV_FORMATS["bf16"], fingerprint
+            r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 20,
+                                                   "temperature": 0, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 20 and r.json()["system_fingerprint"] == fingerprint
+            too_long = http.post("/v1/completions", json={"prompt": prompt + prompt[:50],
+                                                          "max_tokens": 20})
+            assert too_long.status_code == 400 and "KV cache of 256 tokens" in too_long.text, too_long.text
+        assert s.metric("steadyserve_kv_cache_blocks", kv_dtype="bf16") == 8
+        assert s.metric("steadyserve_kv_cache_capacity_tokens", kv_dtype="bf16") == 256
+        assert s.metric("steadyserve_kv_cache_bytes", kv_dtype="bf16") == budget
