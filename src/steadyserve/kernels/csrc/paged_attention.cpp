@@ -53,6 +53,8 @@ constexpr int kLanes = 16;  // accumulator lanes; part of the numerics, not a tu
 // in the respective clone, with the same element-wise IEEE operations on each.
 typedef float f16v __attribute__((vector_size(64)));
 typedef int32_t i16v __attribute__((vector_size(64)));
+typedef uint32_t u16v __attribute__((vector_size(64)));
+typedef uint16_t h16v __attribute__((vector_size(32)));  // 16 binary16 bit patterns
 
 // x[i] = exp(x[i] - m) for 16 lanes, in place, from IEEE add/sub/mul only (Cephes expf
 // coefficients, ~1 ulp) for x - m <= 0; x - m < -87 gives 0, so a masked score (-inf)
@@ -76,6 +78,23 @@ STEADY_INLINE void exp_det16(float* x, float m) {
   std::memcpy(&scale, &bits, sizeof scale);
   const f16v e = low ? f16v{} : y * scale;
   std::memcpy(x, &e, sizeof e);
+}
+
+// 16 binary16 values -> floats, exactly: kv_format.h's f16_to_f32 written on 16 lanes, so that every build
+// vectorizes it (the scalar form ran f16 attention ~6x slower than float32's). Normal halves by moving bits,
+// subnormal ones as m * 2^-24 (an exact product), infinities and NaNs (quieted) by bits.
+STEADY_INLINE void halves16(const uint16_t* h, float* out) {
+  h16v raw;
+  std::memcpy(&raw, h, sizeof raw);
+  const u16v x = __builtin_convertvector(raw, u16v);
+  const u16v sign = (x & 0x8000u) << 16, e = (x >> 10) & 0x1fu, m = x & 0x3ffu;
+  const u16v normal = sign | (((x & 0x7fffu) + (112u << 10)) << 13);
+  const u16v special = sign | 0x7f800000u | (m << 13) | ((u16v)(m != 0u) & 0x400000u);
+  const f16v subf = __builtin_convertvector((i16v)m, f16v) * 5.9604644775390625e-8f;
+  u16v sub;
+  std::memcpy(&sub, &subf, sizeof sub);
+  const u16v bits = e == 0u ? (sub | sign) : (e == 31u ? special : normal);
+  std::memcpy(out, &bits, sizeof bits);
 }
 
 // x[i] = tanh(x[i] / cap) * cap for 16 lanes (Gemma 2's soft-capping), from IEEE operations only:
@@ -119,9 +138,12 @@ STEADY_INLINE const float* k_row(const uint8_t* kh, int64_t dd, int64_t off, int
   } else if constexpr (F == kQ8) {
     const int8_t* qv = reinterpret_cast<const int8_t*>(kh) + dd * Bs + off;
     for (int l = 0; l < N; ++l) buf[l] = float(qv[l]) * scales[l];
+  } else if constexpr (F == kF16) {
+    const uint16_t* hv = reinterpret_cast<const uint16_t*>(kh) + dd * Bs + off;
+    for (int c = 0; c < N; c += kLanes) halves16(hv + c, buf + c);
   } else {
     const uint16_t* hv = reinterpret_cast<const uint16_t*>(kh) + dd * Bs + off;
-    for (int l = 0; l < N; ++l) buf[l] = F == kF16 ? steady_kv::f16_to_f32(hv[l]) : steady_kv::bf16_to_f32(hv[l]);
+    for (int l = 0; l < N; ++l) buf[l] = bf16_to_f32(hv[l]);
   }
   return buf;
 }
@@ -138,7 +160,7 @@ STEADY_INLINE void score_keys(const float* qg, const uint8_t* kh, int64_t off, i
   for (int64_t dd = 0; dd < D; ++dd) {
     if (F == steady_kv::kQ8 && dd % steady_kv::kQBlock == 0) {  // the keys' scales of dims [dd, dd + 32)
       const uint16_t* sc = reinterpret_cast<const uint16_t*>(kh + D * Bs) + (dd / steady_kv::kQBlock) * Bs + off;
-      for (int l = 0; l < N; ++l) scales[l] = steady_kv::f16_to_f32(sc[l]);
+      for (int c = 0; c < N; c += kLanes) halves16(sc + c, scales + c);
     }
     const float* kr = k_row<F, N>(kh, dd, off, Bs, scales, buf);
     for (int r = 0; r < G; ++r) {
@@ -183,9 +205,12 @@ STEADY_INLINE const float* v_row(const uint8_t* vh, int64_t row, int64_t d0, int
       const float d = f16_to_f32(sc[(d0 + c) / kQBlock]);
       for (int l = 0; l < kLanes; ++l) buf[c + l] = float(qv[d0 + c + l]) * d;
     }
+  } else if constexpr (F == kF16) {
+    const uint16_t* hv = reinterpret_cast<const uint16_t*>(vh) + row * D + d0;
+    for (int c = 0; c < NV; c += kLanes) halves16(hv + c, buf + c);
   } else {
     const uint16_t* hv = reinterpret_cast<const uint16_t*>(vh) + row * D + d0;
-    for (int l = 0; l < NV; ++l) buf[l] = F == kF16 ? f16_to_f32(hv[l]) : bf16_to_f32(hv[l]);
+    for (int l = 0; l < NV; ++l) buf[l] = bf16_to_f32(hv[l]);
   }
   return buf;
 }
@@ -261,8 +286,13 @@ void attend_one(const Problem& P, int64_t t, int64_t g, float* scores, int64_t s
 
 using AttendFn = void (*)(const Problem&, int64_t, int64_t, float*, int64_t);
 
+// STEADY_TEST_GROUP (tests/test_attention_kernel.py's single-width builds only): instantiate that one group
+// size, so each build compiles 8 kernels instead of 64 (minutes of one core on the test machine).
 template <int F, bool W>
 AttendFn attend_for(int64_t group) {
+#ifdef STEADY_TEST_GROUP
+  return group == STEADY_TEST_GROUP ? attend_one<F, STEADY_TEST_GROUP, W> : nullptr;
+#else
   switch (group) {
     case 1: return attend_one<F, 1, W>;
     case 2: return attend_one<F, 2, W>;
@@ -274,6 +304,7 @@ AttendFn attend_for(int64_t group) {
     case 8: return attend_one<F, 8, W>;
     default: return nullptr;
   }
+#endif
 }
 
 template <int F>
