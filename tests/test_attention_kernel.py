@@ -6,7 +6,6 @@ machines have a compiler): a missing kernel fails here rather than skipping.
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 import subprocess
 import sys
@@ -197,20 +196,40 @@ def test_refuses_shapes_it_does_not_support() -> None:
 # The AVX-512 subsets x86-64-v4 requires (besides v3's): a CPU with them all runs the v4 clone of a target_clones
 # function.
 X86_64_V4 = {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
-VECTOR_WIDTH_SCRIPT = r"""
-import hashlib, sys, torch
+# The outputs over one random cache in each KV storage format (kv_format.h): float32, f16, bf16 and q8_0 (random
+# int8 values with random f16 scales, laid out as kv_cache.py allocates them), hashed together.
+VECTOR_WIDTH_CASE = r"""
+import hashlib, torch
+def caches():
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(20, 3, 64, 32, generator=g), torch.randn(20, 3, 32, 64, generator=g)
+    yield k, v
+    yield k.half(), v.half()
+    yield k.bfloat16(), v.bfloat16()
+    kq, vq = (torch.randint(-127, 128, s, generator=g, dtype=torch.int8) for s in ((20, 3, 64, 32), (20, 3, 32, 64)))
+    ks, vs = (torch.rand(s, generator=g).half().view(torch.int8) for s in ((20, 3, 2, 32), (20, 3, 32, 2)))
+    yield torch.cat([kq, ks.reshape(20, 3, 4, 32)], 2), torch.cat([vq, vs], 3)
+def digest(attend):
+    g = torch.Generator().manual_seed(1)
+    tables = torch.randperm(20, generator=g)[:10].view(1, 10)
+    pos = torch.arange(300); seq_of = torch.zeros(300, dtype=torch.int64)
+    q = torch.randn(300, 9, 64, generator=g)
+    h = hashlib.sha256()
+    for k, v in caches():
+        h.update(attend(q, k, v, tables, seq_of, pos).numpy().tobytes())
+    return h.hexdigest()
+"""
+VECTOR_WIDTH_SCRIPT = VECTOR_WIDTH_CASE + r"""
+import sys
 from torch.utils.cpp_extension import load
 src, flags, build = sys.argv[1], sys.argv[2].split(), sys.argv[3]
 load(name="steadyserve_kernels", sources=[src], extra_cflags=flags, extra_ldflags=["-fopenmp"],
      build_directory=build, is_python_module=False)
-g = torch.Generator().manual_seed(0)
-k, v = torch.randn(20, 3, 64, 32, generator=g), torch.randn(20, 3, 32, 64, generator=g)
-tables = torch.randperm(20, generator=g)[:10].view(1, 10)
-pos = torch.arange(300); seq_of = torch.zeros(300, dtype=torch.int64)
-q = torch.randn(300, 9, 64, generator=g)
-out = torch.empty_like(q)
-torch.ops.steadyserve.paged_attention(q, k, v, tables, seq_of, pos, out, 0.125, 0)
-print(hashlib.sha256(out.numpy().tobytes()).hexdigest())
+def attend(q, k, v, tables, seq_of, pos):
+    out = torch.empty_like(q)
+    torch.ops.steadyserve.paged_attention(q, k, v, tables, seq_of, pos, out, 0.125, 0)
+    return out
+print(digest(attend))
 """
 
 
@@ -218,7 +237,8 @@ def test_vector_width_does_not_change_the_bits(tmp_path) -> None:
     """The kernel's target_clones pick the baseline, AVX2 or AVX-512 build at run time; build
     each alone (no clones) and compare the outputs' hashes, and the shipped build's. On a CPU with all of
     x86-64-v4's AVX-512 subsets the shipped build runs its AVX-512 clone, so that width is compared there
-    (a third build of ~16 s of one core would compute it again); elsewhere AVX-512 is built alone."""
+    (a third build of ~16 s of one core would compute it again); elsewhere AVX-512 is built alone.
+    Every KV storage format is compared (VECTOR_WIDTH_CASE)."""
     from steadyserve.kernels.build import CFLAGS, SOURCES
 
     src = SOURCES[0].read_text().replace(
@@ -226,9 +246,11 @@ def test_vector_width_does_not_change_the_bits(tmp_path) -> None:
     assert src != SOURCES[0].read_text(), "the kernel no longer uses target_clones: update this test"
     plain_src = tmp_path / "paged_attention.cpp"
     plain_src.write_text(src)
-    shutil.copy(SOURCES[0].parent / "ops.h", tmp_path)  # the header it includes
+    for header in ("ops.h", "kv_format.h"):  # the headers it includes
+        shutil.copy(SOURCES[0].parent / header, tmp_path)
     have = set(open("/proc/cpuinfo").read().split())
     # The baseline build computes each fma with libm's fmaf; AVX2 and AVX-512 builds with the instruction.
+    # STEADY_TEST_GROUP=3: each builds only the 3-query-heads-per-kv-head kernels the case runs (every format).
     variants = {"default": [], "avx2+fma": ["-march=x86-64-v3"]}
     shipped_runs_avx512 = X86_64_V4 <= have  # GCC's target_clones resolver picks arch=x86-64-v4 on these
     if "avx512f" in have and not shipped_runs_avx512:
@@ -238,7 +260,7 @@ def test_vector_width_does_not_change_the_bits(tmp_path) -> None:
         build = tmp_path / name
         build.mkdir()
         procs[name] = subprocess.Popen([sys.executable, "-c", VECTOR_WIDTH_SCRIPT, str(plain_src),
-                                        " ".join(CFLAGS + extra), str(build)],
+                                        " ".join(CFLAGS + extra + ["-DSTEADY_TEST_GROUP=3"]), str(build)],
                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     hashes = {}
     for name, proc in procs.items():
@@ -247,14 +269,11 @@ def test_vector_width_does_not_change_the_bits(tmp_path) -> None:
         hashes[name] = out.strip().splitlines()[-1]
     assert len(set(hashes.values())) == 1, f"vector widths disagree: {hashes}"
     # And the shipped build (clones dispatched at run time) gives the same bits.
-    g = torch.Generator().manual_seed(0)
-    k, v = torch.randn(20, 3, 64, 32, generator=g), torch.randn(20, 3, 32, 64, generator=g)
-    tables = torch.randperm(20, generator=g)[:10].view(1, 10)
-    pos = torch.arange(300)
-    q = torch.randn(300, 9, 64, generator=g)
-    out = attention_native(q, k, v, tables, torch.zeros(300, dtype=torch.int64), pos, 0.125, 0)
+    case: dict = {}
+    exec(VECTOR_WIDTH_CASE, case)
+    got = case["digest"](lambda q, k, v, tables, seq_of, pos: attention_native(q, k, v, tables, seq_of, pos, 0.125, 0))
     shipped = "avx512 (the shipped build's x86-64-v4 clone)" if shipped_runs_avx512 else "shipped"
-    assert hashlib.sha256(out.numpy().tobytes()).hexdigest() == hashes["default"], f"{shipped} differs: {hashes}"
+    assert got == hashes["default"], f"{shipped} differs: {hashes}"
 
 
 def test_native_rope_equals_the_pytorch_expression_bitwise() -> None:

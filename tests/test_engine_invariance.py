@@ -207,7 +207,8 @@ def test_plain_score_vs_generation_drifts_found_by_search(plain):
 
 
 def chunked_vs_whole(engine, budget: int, seqs: int, name: str, prompt_lens=(45, 9, 70)) -> dict[str, float]:
-    chunked = engine_for(engine.loaded, max_num_batched_tokens=budget, max_num_seqs=seqs)
+    chunked = engine_for(engine.loaded, max_num_batched_tokens=budget, max_num_seqs=seqs,
+                         kv_cache_dtype=engine.cfg.kv_cache_dtype)
     if name == "broken":
         install_batch_drift(chunked)
     vocab = engine.loaded.args.vocab_size
@@ -370,4 +371,52 @@ def test_speculation_keeps_the_probe_and_generation_invariant(mode, speculating)
     finally:
         if restore is not None:
             restore()
+    expect(name, diffs)
+
+
+@pytest.fixture(scope="module", params=["f16", "bf16", "q8_0"])
+def kv_engine(request, bi):
+    """The invariant engine's model with its KV cache stored in another format (--kv-cache-dtype), drafting
+    in batches too (as `speculating`)."""
+    engine = engine_for(bi.loaded, kv_cache_dtype=request.param, kv_cache_memory=16 * 1024**2, speculation="ngram")
+    assert engine.kv.fmt == request.param and engine.kv.k.dtype != bi.kv.k.dtype
+    engine.speculator.cheap_rows = 64
+    engine.speculator.row_cost = 0.0
+    return engine
+
+
+def cached_vs_computed(engine, name: str) -> dict[str, float]:
+    """A prompt computed alone, then again inside a batch with its two full blocks taken from the prefix cache
+    (blocks in the cache's storage format): the same tokens and logprobs."""
+    vocab = engine.loaded.args.vocab_size
+    rng = random.Random(f"cached-{name}")
+    prompt = [rng.randrange(vocab) for _ in range(70)]
+    params = SamplingParams(max_tokens=8, temperature=0, logprobs=0, ignore_eos=True)  # no prompt logprobs: hits
+    first = run_requests(engine, [Request("p0", prompt, params)])["p0"]
+    again = run_requests(engine, [Request("p1", prompt, params)] + others(rng, vocab, 5))["p1"]
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens == 64
+    if name == "invariant":
+        assert same(again, first), "a prefix-cache hit changed the result"
+    return {"cached": max_diff(again.logprob_values, first.logprob_values)
+            if again.token_ids == first.token_ids else float("inf")}
+
+
+@pytest.mark.parametrize("name", ["invariant", "broken"])
+def test_every_kv_dtype_keeps_every_promise(kv_engine, name):
+    """In every KV format: the probe alone vs in batches, a prompt from the prefix cache vs computed,
+    generation vs scoring (prefill == decode, drafts verified and rolled back), and chunked vs whole prefill,
+    all bitwise. Broken (the TEST-ONLY drift): caught in every format."""
+    restore = install_batch_drift(kv_engine) if name == "broken" else None
+    spec = kv_engine.speculator
+    accepted0, drafted0 = spec.total_accepted, spec.total_drafted
+    try:
+        diffs = probe_vs_batches(kv_engine, [7, 33], name=name)
+        diffs.update(cached_vs_computed(kv_engine, name))
+        diffs.update(score_vs_generate(kv_engine, ((5, 12), (40, 16)), name=name))
+        diffs.update(chunked_vs_whole(kv_engine, 7, 4, name))
+    finally:
+        if restore is not None:
+            restore()
+    assert spec.total_accepted > accepted0 and spec.total_drafted > spec.total_accepted - accepted0 + drafted0, \
+        "no draft rejected or none accepted: the rollback check would be vacuous"
     expect(name, diffs)

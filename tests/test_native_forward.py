@@ -31,20 +31,22 @@ def _requests(vocab: int) -> list[Request]:
     return reqs
 
 
-def _run(loaded, fused: bool, saved, step_tokens: int, threads: int = 2) -> tuple[dict, torch.Tensor, torch.Tensor]:
+def _run(loaded, fused: bool, saved, step_tokens: int, threads: int = 2,
+         kv: str = "auto") -> tuple[dict, torch.Tensor, torch.Tensor]:
     """The requests on a fresh engine (no prefix cache carried over), with or without the native layers.
     step_tokens 32: long prompts prefill in chunks beside other sequences' decodes; 512: whole prompts in
     one step, the 300-token one past the MLP's row slice."""
     loaded.model.native_layers = saved if fused else None
     engine = LLMEngine(loaded, EngineConfig(kv_cache_memory=16 * 1024**2, max_num_seqs=5,
-                                            max_num_batched_tokens=step_tokens, threads=threads))
+                                            max_num_batched_tokens=step_tokens, threads=threads,
+                                            kv_cache_dtype=kv))
     done = run_requests(engine, _requests(loaded.args.vocab_size))
     out = {rid: (c.token_ids, [(lp.logprob, list(lp.top)) for lp in c.logprobs], c.prompt_logprob_values)
            for rid, c in done.items()}
     return out, engine.kv.k, engine.kv.v
 
 
-def _check_bitwise(path: str, loaded=None) -> None:
+def _check_bitwise(path: str, loaded=None, kv: str = "auto") -> None:
     """`loaded`: the model already loaded from `path` (the session's SmolLM2); its native layers are put back."""
     loaded = loaded or load_model(path)
     saved = loaded.model.native_layers
@@ -53,9 +55,9 @@ def _check_bitwise(path: str, loaded=None) -> None:
     for step_tokens in (32, 512):
         threads = torch.get_num_threads()
         try:
-            fused, k1, v1 = _run(loaded, True, saved, step_tokens)
-            per_op, k2, v2 = _run(loaded, False, saved, step_tokens)
-            one_thread, k3, v3 = _run(loaded, True, saved, step_tokens, threads=1)  # threads split columns only
+            fused, k1, v1 = _run(loaded, True, saved, step_tokens, kv=kv)
+            per_op, k2, v2 = _run(loaded, False, saved, step_tokens, kv=kv)
+            one_thread, k3, v3 = _run(loaded, True, saved, step_tokens, threads=1, kv=kv)  # threads split columns only
         finally:
             loaded.model.native_layers = saved
             torch.set_num_threads(threads)
@@ -66,6 +68,13 @@ def _check_bitwise(path: str, loaded=None) -> None:
 
 def test_native_layers_match_the_per_op_path_tiny_llama(tiny_model: str) -> None:
     _check_bitwise(tiny_model)
+
+
+@pytest.mark.parametrize("kv", ["f16", "bf16", "q8_0"])
+def test_native_layers_match_the_per_op_path_in_every_kv_format(request, kv: str) -> None:
+    """Both paths store the new K/V through one converter (kv_write.cpp): the same stored bytes, the same bits.
+    q8_0 on SmolLM2's widths: its blocks of 32 need a head dim of 64 (tiny's is 16)."""
+    _check_bitwise(request.getfixturevalue("smolwidth_model" if kv == "q8_0" else "tiny_model"), kv=kv)
 
 
 def test_native_layers_match_the_per_op_path_tiny_qwen2_with_biases(tiny_qwen2: str) -> None:

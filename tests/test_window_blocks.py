@@ -34,9 +34,23 @@ def phi3(models_dir: Path):
     return load_model(str(d), max_model_len=512)
 
 
-def engine(loaded, keep_all: bool = False, budget: int = 512, speculation: str = "off") -> LLMEngine:
+@pytest.fixture(scope="module")
+def phi3_d64(models_dir: Path):
+    """The tiny Phi-3 at SmolLM2's widths: a head dim of 64, which q8_0's blocks of 32 need (tiny's is 16)."""
+    d = models_dir / "smolwidth-phi3"
+    if not d.exists():
+        build_tiny_model(d, arch="phi3", size="smolwidth")
+    return load_model(str(d), max_model_len=512)
+
+
+def model_for(request, kv: str):
+    return request.getfixturevalue("phi3_d64" if kv == "q8_0" else "phi3")
+
+
+def engine(loaded, keep_all: bool = False, budget: int = 512, speculation: str = "off", kv: str = "auto") -> LLMEngine:
     e = LLMEngine(loaded, EngineConfig(kv_cache_memory=16 * 1024**2, threads=THREADS, block_size=BS,
-                                       max_num_batched_tokens=budget, max_num_seqs=16, speculation=speculation))
+                                       max_num_batched_tokens=budget, max_num_seqs=16, speculation=speculation,
+                                       kv_cache_dtype=kv))
     if keep_all:
         e.block_manager.window = 0  # the reference: every block held to the end
     return e
@@ -68,14 +82,18 @@ def same(a: Completed, b: Completed) -> bool:
             and a.prompt_logprob_values == b.prompt_logprob_values)
 
 
-@pytest.mark.parametrize("speculation", ["off", "ngram"])
-def test_out_of_window_blocks_are_released_with_the_same_bits(phi3, speculation):
+# Every KV storage format (--kv-cache-dtype) releases blocks the same way: the blocks are the format's.
+@pytest.mark.parametrize("speculation, kv", [("off", "auto"), ("ngram", "auto"), ("off", "f16"), ("off", "bf16"),
+                                             ("off", "q8_0"), ("ngram", "q8_0")])
+def test_out_of_window_blocks_are_released_with_the_same_bits(request, speculation, kv):
     """Speculation off: the plain step's order of growing and releasing; ngram: verifications grow by drafts
     and truncate rejected ones as blocks leave the window. The reference keeps every block, without
     speculation (its peak needs both sequences alive at their longest, so one order of steps)."""
+    phi3 = model_for(request, kv)
     assert engine(phi3).block_manager.window == 24
-    ref, ref_peak = run_tracking(engine(phi3, keep_all=True), requests(phi3.args.vocab_size))
-    e = engine(phi3, speculation=speculation)
+    ref, ref_peak = run_tracking(engine(phi3, keep_all=True, kv=kv), requests(phi3.args.vocab_size))
+    e = engine(phi3, speculation=speculation, kv=kv)
+    assert e.kv.fmt == ("fp32" if kv == "auto" else kv)
     got, peak = run_tracking(e, requests(phi3.args.vocab_size))
     if speculation == "ngram":
         assert e.speculator.total_accepted > 0, "no draft accepted: the ngram case would be the off case"
@@ -89,11 +107,14 @@ def test_out_of_window_blocks_are_released_with_the_same_bits(phi3, speculation)
     again = Request("c", requests(phi3.args.vocab_size)[0].prompt_token_ids,
                     SamplingParams(max_tokens=8, temperature=0, logprobs=1, ignore_eos=True))
     hit = run_requests(e, [again])["c"]
-    alone = run_requests(engine(phi3, keep_all=True), [again])["c"]
+    alone = run_requests(engine(phi3, keep_all=True, kv=kv), [again])["c"]
     assert hit.num_cached_tokens == 64 and same(hit, alone)
 
 
-def test_releasing_a_block_still_in_the_window_is_caught(phi3, monkeypatch):
+@pytest.mark.parametrize("kv", ["auto", "q8_0"])
+def test_releasing_a_block_still_in_the_window_is_caught(request, monkeypatch, kv):
+    phi3 = model_for(request, kv)
+
     def too_early(self, seq):  # TEST-ONLY fault: one block more than the window allows
         dead = max(0, seq.num_computed_tokens - self.window + 1) // self.block_size + 1
         for i in range(min(dead, len(seq.block_table) - 1)):
@@ -102,9 +123,9 @@ def test_releasing_a_block_still_in_the_window_is_caught(phi3, monkeypatch):
                 seq.block_table[i] = RELEASED
         return 0
 
-    ref, _ = run_tracking(engine(phi3, keep_all=True), requests(phi3.args.vocab_size))
+    ref, _ = run_tracking(engine(phi3, keep_all=True, kv=kv), requests(phi3.args.vocab_size))
     monkeypatch.setattr(BlockManager, "release_out_of_window", too_early)
-    got, _ = run_tracking(engine(phi3), requests(phi3.args.vocab_size))
+    got, _ = run_tracking(engine(phi3, kv=kv), requests(phi3.args.vocab_size))
     assert not all(same(got[rid], ref[rid]) for rid in ref)
 
 

@@ -66,6 +66,9 @@ def check_choices(section: Any) -> None:
 def _mib(n: int) -> str:
     return f"{n // 1024**2}MiB"
 
+# The settings of --kv-cache-dtype (engine/kv_cache.py owns what each stores; kernels/csrc/kv_format.h how).
+KV_CACHE_DTYPES = ("auto", "fp32", "f16", "bf16", "q8_0")
+
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
           "KI": 1024, "MI": 1024**2, "GI": 1024**3, "TI": 1024**4}
@@ -168,6 +171,10 @@ class EngineConfig:
         help="speculative decoding: ngram drafts tokens by prompt lookup and verifies them in one pass, bitwise "
              "the output of off, where it pays; auto: ngram with --batch-invariant and the native kernels, else "
              "off (default: %(default)s)")
+    kv_cache_dtype: str = flag("auto", name="--kv-cache-dtype", choices=KV_CACHE_DTYPES,  # how the KV cache stores keys and values: auto (the activations' dtype: float32 on the CPU, the cache as it always was) | fp32 | f16 | bf16 (IEEE round to nearest even; half the bytes) | q8_0 (llama.cpp's int8 per 32 values with an f16 scale; 34 bytes per 128 of fp32, native attention kernel only); every format keeps the bitwise promises
+        help="KV cache storage: fp32, f16 or bf16 (half the bytes), q8_0 (int8 per 32 values with an f16 scale, "
+             "3.76x the tokens of fp32 per byte); auto: the activations' dtype, fp32 on the CPU; named in the "
+             "fingerprint (default: %(default)s)")
 
     def validate(self) -> None:
         check_choices(self)

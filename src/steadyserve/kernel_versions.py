@@ -15,6 +15,16 @@ KERNELS: dict[str, str] = {
     "int8": "q8a1",  # csrc/q8.h: int8 activations per 32, exact integer block sums, one float chain per output
 }
 
+# KV cache storage format (--kv-cache-dtype) -> version of its rounding on write and of the attention kernel's
+# exact read of it (csrc/kv_format.h, kv_write.cpp). The fingerprint names it wherever the cache is not stored
+# in the activations' own dtype (the float32 cache, which "attention" above already stands for).
+KV_FORMATS: dict[str, str] = {
+    "fp32": "kvf1",  # the float itself
+    "f16": "kvh1",  # IEEE binary16, round to nearest even
+    "bf16": "kvb1",  # bfloat16, round to nearest even
+    "q8_0": "kvq1",  # llama.cpp's q8_0: d = amax / 127 as f16, q = roundf(x * (1 / d)), per 32 values
+}
+
 # numerics path -> the families whose bits it stands for, in the order its id names them
 PATH_KERNELS: dict[str, tuple[str, ...]] = {
     "portable": ("matmul", "attention"),
@@ -25,3 +35,8 @@ PATH_KERNELS: dict[str, tuple[str, ...]] = {
 def kernels_of(path: str) -> str:
     """The kernel ids a numerics path's id stands for, e.g. "qmm1+nat1"."""
     return "+".join(KERNELS[family] for family in PATH_KERNELS[path])
+
+
+def kv_format_id(fmt: str, activations_fmt: str) -> str:
+    """The fingerprint's name for a KV storage format; "" where the cache stores the activations' own dtype."""
+    return "" if fmt == activations_fmt else KV_FORMATS[fmt]

@@ -105,6 +105,11 @@ class Metrics:
         self.prefix_hits = Counter(p + "prefix_cache_hit_tokens_total",
                                    "Prompt tokens whose K/V came from the prefix cache (hit rate: this / queried).",
                                    registry=r)
+        self.kv_blocks = Gauge(p + "kv_cache_blocks", "KV blocks allocated at start-up, in the cache's storage "
+                               "format (--kv-cache-dtype).", ["kv_dtype"], registry=r)
+        self.kv_capacity = Gauge(p + "kv_cache_capacity_tokens", "Tokens the KV cache holds: blocks x block size.",
+                                 ["kv_dtype"], registry=r)
+        self.kv_bytes = Gauge(p + "kv_cache_bytes", "Bytes of the KV cache tensors.", ["kv_dtype"], registry=r)
         self.cached_blocks = Gauge(p + "kv_cache_cached_blocks",
                                    "KV blocks holding a cached prefix, in use or reclaimable.", registry=r)
         self.spec_drafted = Counter(p + "speculation_drafted_tokens_total",
@@ -172,6 +177,12 @@ class Metrics:
 
     def set_memory_limit(self, limit_bytes: int) -> None:
         self._process.memory_limit = limit_bytes
+
+    def set_kv_cache(self, kv_dtype: str, blocks: int, block_size: int, nbytes: int) -> None:
+        """The KV cache as allocated: its storage format, blocks, token capacity and bytes."""
+        self.kv_blocks.labels(kv_dtype).set(blocks)
+        self.kv_capacity.labels(kv_dtype).set(blocks * block_size)
+        self.kv_bytes.labels(kv_dtype).set(nbytes)
 
     def set_cpu_budget(self, threads: int, quota_cpus: float | None) -> None:
         """The CPU budget read at start-up (cpu_budget.py): threads run, and the quota (None = no quota)."""

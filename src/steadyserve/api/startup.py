@@ -18,9 +18,10 @@ from ..config import Config, EngineConfig
 from ..cpu_budget import CpuBudget, read_cpu_budget
 from ..engine.async_engine import AsyncEngine
 from ..engine.engine import LLMEngine
-from ..engine.kv_cache import bytes_per_block
+from ..engine.kv_cache import bytes_per_block, resolve_kv_dtype
 from ..engine.model_thread import ModelThread
 from ..engine.selftest import SelfTestResult, run_selftest
+from ..kernel_versions import kv_format_id
 from ..memory import MemoryLimit, MemoryPlan, plan_memory, read_memory_limit, release_free_memory
 from ..metrics import Metrics
 from ..models.loader import Fingerprint, LoadedModel, load_model
@@ -43,8 +44,9 @@ class EngineHooks:
 def _fit_memory(loaded: LoadedModel, ec: EngineConfig, limit: MemoryLimit) -> MemoryPlan:
     """Measure the weights and check (or, for auto / a fraction, derive) the KV budget against the limit,
     before the cache is allocated: a budget that cannot fit raises MemoryBudgetError here, not the OOM killer."""
-    plan = plan_memory(limit, loaded.weights_bytes, ec.memory_overhead, ec.kv_cache_memory,
-                       bytes_per_block(loaded.args, ec.block_size, loaded.dtype), on_host=loaded.device.type == "cpu")
+    per_block = bytes_per_block(loaded.args, ec.block_size, resolve_kv_dtype(ec.kv_cache_dtype, loaded.dtype))
+    plan = plan_memory(limit, loaded.weights_bytes, ec.memory_overhead, ec.kv_cache_memory, per_block,
+                       on_host=loaded.device.type == "cpu")
     log.info("memory budget", extra={"fields": {
         "weights_bytes": plan.weights, "kv_cache_bytes": plan.kv, "kv_cache_memory": plan.kv_request,
         "derived": plan.derived, "overhead_bytes": plan.overhead, "total_bytes": plan.total,
@@ -84,7 +86,7 @@ def _load_and_check(config: Config, hooks: EngineHooks, limit: MemoryLimit,
     for hook in hooks.after_engine:
         hook(engine)
     log.info("kv cache allocated", extra={"fields": {
-        "budget_bytes": plan.kv, "blocks": engine.kv.num_blocks, "block_size": ec.block_size,
+        "budget_bytes": plan.kv, "blocks": engine.kv.num_blocks, "block_size": ec.block_size, "kv_dtype": engine.kv.fmt,
         "token_capacity": engine.kv.num_blocks * ec.block_size, "max_num_seqs": ec.max_num_seqs,
         "max_queue": ec.max_queue, "threads": torch.get_num_threads()}})
     selftest = run_selftest(engine)
@@ -131,7 +133,8 @@ def build_state(config: Config, hooks: EngineHooks | None = None) -> ServerState
         raise
     fp = Fingerprint(loaded.weights_hash[:12], str(loaded.dtype).removeprefix("torch."), str(loaded.device),
                      ec.batch_invariant and selftest.passed, loaded.model.kernel_id,
-                     loaded.numerics.numerics_id if loaded.numerics else "")
+                     loaded.numerics.numerics_id if loaded.numerics else "",
+                     kv_format_id(engine.kv.fmt, resolve_kv_dtype("auto", loaded.dtype)))
     log.info("model fingerprint", extra={"fields": {"fingerprint": str(fp)}})
     async_engine = AsyncEngine(engine, ec.max_queue, model_thread)
     metrics = Metrics(loaded.name, str(fp), fp.device, fp.dtype, fp.batch_invariant)
@@ -139,6 +142,7 @@ def build_state(config: Config, hooks: EngineHooks | None = None) -> ServerState
     async_engine.state_observers.append(metrics.on_state)
     metrics.device_mismatch.set(0 if _device_matches(config.model.device, fp.device) else 1)
     metrics.set_memory_limit(limit.limit)
+    metrics.set_kv_cache(engine.kv.fmt, engine.kv.num_blocks, engine.kv.block_size, engine.kv.nbytes)
     metrics.set_cpu_budget(cpu.threads, cpu.quota)
     state = ServerState(config=config, loaded=loaded, engine=async_engine, fingerprint=fp,
                         selftest=selftest if ec.batch_invariant else None, metrics=metrics,

@@ -20,7 +20,7 @@ from ..kernels.build import NATIVE_KERNEL_ID
 from ..models.loader import LoadedModel
 from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer
-from .kv_cache import allocate_kv_cache
+from .kv_cache import allocate_kv_cache, check_kv_dtype, resolve_kv_dtype
 from .model_runner import ModelRunner, SeqResult
 from .pooler import PoolState
 from .sampler import NumericalError, make_generator, process_row, sample, token_logprob
@@ -105,9 +105,11 @@ class LLMEngine:
         if loaded.model.kernel_id == NATIVE_KERNEL_ID and cfg.block_size % 16:
             raise ConfigError("--block-size must be a multiple of 16 for the native attention kernel "
                               "(or use --attention python)")
-        self.kv = allocate_kv_cache(loaded.args, cfg.kv_cache_memory, cfg.block_size, loaded.dtype, loaded.device)
+        kv_fmt = resolve_kv_dtype(cfg.kv_cache_dtype, loaded.dtype)
+        check_kv_dtype(kv_fmt, loaded.args, loaded.model.kernel_id == NATIVE_KERNEL_ID)
+        self.kv = allocate_kv_cache(loaded.args, cfg.kv_cache_memory, cfg.block_size, kv_fmt, loaded.device)
         # The prefix cache's hashes start from what determines a block's contents besides its tokens.
-        root = f"{loaded.weights_hash}-{loaded.dtype}-{loaded.model.kernel_id}-{cfg.batch_invariant}"
+        root = f"{loaded.weights_hash}-{loaded.dtype}-{loaded.model.kernel_id}-{cfg.batch_invariant}-{kv_fmt}"
         # Blocks leave every layer's window only when every layer has one (block_manager.py).
         windows = [loaded.args.window(i) for i in range(loaded.args.num_layers)]
         window = max(windows) if all(windows) else 0

@@ -12,6 +12,10 @@
 * `attention_plain`: gathers each token's keys for one padded SDPA call: the
   plain path's fallback, not batch-invariant.
 
+The cache may be stored in another format than the activations (--kv-cache-dtype, engine/kv_cache.py): the
+native kernel reads fp32, f16, bf16 and q8_0 caches, each value as the exact float it stores; the Python paths
+read fp32, f16 and bf16 ones, upcast to the queries' dtype (exact), and refuse q8_0.
+
 All take q: (T, H, D); k_cache: (NB, Hkv, D, Bs); v_cache: (NB, Hkv, Bs, D);
 block_tables: (S, NBmax) int64, one row per sequence; seq_of: (T,) int64,
 each token's row in block_tables; positions: (T,) int64; softcap > 0: Gemma 2's soft-capping of the
@@ -25,6 +29,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from ..kernels import kernel_status
+
 # (q, k_cache, v_cache, block_tables, seq_of, positions, scale, window[, softcap]) -> (T, H, D)
 AttentionFn = Callable[..., torch.Tensor]
 
@@ -35,9 +41,26 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
     k_cache: (NB, Hkv, D, Bs), keys stored transposed so a block is a GEMM operand as is.
     v_cache: (NB, Hkv, Bs, D). k, v: (T, Hkv, D). slot_*: (T,) block id and offset.
+    A cache in another format than k and v stores each value rounded (kernels/csrc/kv_format.h): by the native
+    kernel wherever it is built, the one converter NativeLayers stores through too, so both forward paths store
+    the same bytes; without it, f16 and bf16 by torch's casts (the same IEEE round to nearest even).
     """
+    if k_cache.dtype != k.dtype:
+        status = kernel_status()
+        if status is not None and status.available:
+            torch.ops.steadyserve.kv_write(k_cache, v_cache, k, v, slot_blocks, slot_offsets)
+            return
+        if k_cache.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise ValueError(f"a {k_cache.dtype} KV cache is written by the native kernels only")
+        k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
     k_cache.permute(0, 3, 1, 2)[slot_blocks, slot_offsets] = k
     v_cache.permute(0, 2, 1, 3)[slot_blocks, slot_offsets] = v
+
+
+def _readable(k_cache: torch.Tensor) -> None:
+    """The Python paths read float caches only (upcast exactly); q8_0 is the native kernel's alone."""
+    if not k_cache.dtype.is_floating_point:
+        raise ValueError("a q8_0 KV cache is read by the native attention kernel only")
 
 
 def attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -71,6 +94,7 @@ def attention_invariant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     its result cannot depend on the other tokens, and the KV blocks are reduced in
     the same order whether the token came in prefill or decode.
     """
+    _readable(k_cache)
     t, h, d = q.shape
     nb, hkv, _, bs = k_cache.shape
     rep = h // hkv
@@ -83,8 +107,8 @@ def attention_invariant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     offsets = torch.arange(bs, device=q.device)
     for j in range(num_blocks):
         ids = block_tables[:, j]
-        kb = k_cache.index_select(0, ids).view(t * hkv, d, bs)
-        vb = v_cache.index_select(0, ids).view(t * hkv, bs, d)
+        kb = k_cache.index_select(0, ids).view(t * hkv, d, bs).to(q.dtype)
+        vb = v_cache.index_select(0, ids).view(t * hkv, bs, d).to(q.dtype)
         key_pos = j * bs + offsets  # (Bs,)
         masked = key_pos[None, :] > positions[:, None]  # (T, Bs)
         if window:
@@ -109,12 +133,13 @@ def attention_plain(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     seq_of: torch.Tensor, positions: torch.Tensor, scale: float, window: int = 0,
                     softcap: float = 0.0) -> torch.Tensor:
     """The usual way: gather each token's keys, one padded SDPA call. Not batch-invariant."""
+    _readable(k_cache)
     t, h, d = q.shape
     nb, hkv, _, bs = k_cache.shape
     num_blocks = int(positions.max().item()) // bs + 1
     tables = block_tables[seq_of, :num_blocks]
-    keys = k_cache[tables].permute(0, 2, 1, 4, 3).reshape(t, hkv, num_blocks * bs, d)
-    values = v_cache[tables].permute(0, 2, 1, 3, 4).reshape(t, hkv, num_blocks * bs, d)
+    keys = k_cache[tables].permute(0, 2, 1, 4, 3).reshape(t, hkv, num_blocks * bs, d).to(q.dtype)
+    values = v_cache[tables].permute(0, 2, 1, 3, 4).reshape(t, hkv, num_blocks * bs, d).to(q.dtype)
     key_pos = torch.arange(num_blocks * bs, device=q.device)
     allowed = key_pos[None, :] <= positions[:, None]
     if window:

@@ -63,9 +63,10 @@ class Fingerprint:
     batch_invariant: bool  # enabled and confirmed by the start-up self-test
     kernel: str  # attention kernel: "nat1" (native C++) or "py" (Python fallback); their bits differ
     numerics: str = ""  # numerics path id (numerics.py): "p…" portable, "i…" int8, "h…" this host's kernels
+    kv: str = ""  # KV cache format (kernel_versions.kv_format_id): "" for the activations' dtype, "kvh1" f16 ...
 
     def __str__(self) -> str:
-        parts = [self.weights, self.dtype, self.device, self.numerics, self.kernel,
+        parts = [self.weights, self.dtype, self.device, self.numerics, self.kernel, self.kv,
                  "bi" if self.batch_invariant else "nbi"]
         return "-".join(p for p in parts if p)
 

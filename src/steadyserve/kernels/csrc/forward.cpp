@@ -10,7 +10,7 @@
 // the host numerics path); tests/test_native_forward.py checks the two bitwise, prefill and decode.
 //
 // Shapes: x (T, hidden); cos, sin (T, D) by absolute position; k_cache (L, NB, Hkv, D, Bs) and
-// v_cache (L, NB, Hkv, Bs, D); slot_blocks, slot_offsets, seq_of, positions (T,); block_tables
+// v_cache (L, NB, Hkv, Bs, D) (in float32; other storage formats as kv_format.h lays them out); slot_blocks, slot_offsets, seq_of, positions (T,); block_tables
 // (S, NBmax). Elementwise adds are exact whatever their order, so in place or not is only memory.
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
@@ -57,26 +57,6 @@ at::Tensor linear(const Matrix& w, const at::Tensor& x) {
   }
   if (w.bias.defined()) y.add_(w.bias);
   return y;
-}
-
-// The new tokens' keys and values into their cache slots (models/attention.py write_kv): copies.
-void write_kv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& qkv, int64_t k_col, int64_t v_col,
-              int64_t hkv, int64_t d, const int64_t* blocks, const int64_t* offsets) {
-  const int64_t T = qkv.size(0), stride = qkv.stride(0), bs = k_cache.size(3);
-  const float* src = qkv.data_ptr<float>();
-  float* kc = k_cache.data_ptr<float>();  // (NB, Hkv, D, Bs)
-  float* vc = v_cache.data_ptr<float>();  // (NB, Hkv, Bs, D)
-  for (int64_t t = 0; t < T; ++t) {
-    const float* k = src + t * stride + k_col;
-    const float* v = src + t * stride + v_col;
-    const int64_t b = blocks[t], o = offsets[t];
-    for (int64_t h = 0; h < hkv; ++h) {
-      float* kb = kc + ((b * hkv + h) * d) * bs + o;
-      float* vb = vc + ((b * hkv + h) * bs + o) * d;
-      for (int64_t j = 0; j < d; ++j) kb[j * bs] = k[h * d + j];
-      for (int64_t j = 0; j < d; ++j) vb[j] = v[h * d + j];
-    }
-  }
 }
 
 class NativeLayers : public torch::CustomClassHolder {
@@ -135,7 +115,8 @@ class NativeLayers : public torch::CustomClassHolder {
       at::Tensor kc = k_cache.select(0, i), vc = v_cache.select(0, i);
       at::Tensor qkv = linear(L.wqkv, steady_ops::qrms_norm(x, L.input_norm, eps_, -1));  // (T, (H + 2 Hkv) D)
       steady_ops::rope_inplace(qkv, cos, sin, h_ + hkv_);  // q and k heads
-      write_kv(kc, vc, qkv, qd, qd + kvd, hkv_, d_, blocks, offsets);
+      const float* row = qkv.data_ptr<float>();  // k at column qd, v at qd + kvd of each row
+      steady_ops::kv_write_rows(kc, vc, row + qd, row + qd + kvd, qkv.stride(0), T, hkv_, d_, blocks, offsets);
       at::Tensor q = qkv.narrow(1, 0, qd).contiguous().view({T, h_, d_});  // (T, H, D)
       at::Tensor attn = at::empty_like(q);
       steady_ops::paged_attention(q, kc, vc, block_tables, seq_of, positions, attn, scale_, window_, 0.0);

@@ -21,6 +21,10 @@ void rope_inplace(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, i
 void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_of, const at::Tensor& positions,
                      at::Tensor& out, double scale, int64_t window, double softcap);
+// Rows t of k and v (float32, head h at + t * row_stride + h * d) into their cache slots, in the cache's
+// storage format, chosen by its dtype (kv_format.h; steadyserve::kv_write).
+void kv_write_rows(at::Tensor& k_cache, at::Tensor& v_cache, const float* k, const float* v, int64_t row_stride,
+                   int64_t T, int64_t hkv, int64_t d, const int64_t* blocks, const int64_t* offsets);
 
 }  // namespace steady_ops
 

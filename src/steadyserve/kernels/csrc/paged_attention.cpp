@@ -14,6 +14,9 @@
 //   4. l = sum_j e[j] over 16 lanes: lane i sums the keys with j % 16 == i in
 //      ascending j; the 16 lanes are then added in one fixed pairwise tree.
 //   5. out[d] = a / l, where a accumulates fma(e[j], v_j[d], a) over j ascending.
+// The KV cache may be stored as float32, f16, bf16 or q8_0 (kv_format.h). Each stored K or V value is first
+// turned back into the float it stands for, exactly (no rounding: see kv_format.h), and steps 1-5 then run on
+// those floats: the order above is the same for every format, and a format changes only the values read.
 // Every lane of every vector computes one element with the same sequence of IEEE
 // operations, so the vector width (x86-64-v4 = AVX-512, v3 = AVX2 + FMA, chosen by
 // target_clones at run time) changes speed, never bits. The fused multiply-adds are
@@ -35,6 +38,7 @@
 #include <limits>
 #include <vector>
 
+#include "kv_format.h"
 #include "ops.h"
 
 namespace {
@@ -49,6 +53,8 @@ constexpr int kLanes = 16;  // accumulator lanes; part of the numerics, not a tu
 // in the respective clone, with the same element-wise IEEE operations on each.
 typedef float f16v __attribute__((vector_size(64)));
 typedef int32_t i16v __attribute__((vector_size(64)));
+typedef uint32_t u16v __attribute__((vector_size(64)));
+typedef uint16_t h16v __attribute__((vector_size(32)));  // 16 binary16 bit patterns
 
 // x[i] = exp(x[i] - m) for 16 lanes, in place, from IEEE add/sub/mul only (Cephes expf
 // coefficients, ~1 ulp) for x - m <= 0; x - m < -87 gives 0, so a masked score (-inf)
@@ -74,6 +80,23 @@ STEADY_INLINE void exp_det16(float* x, float m) {
   std::memcpy(x, &e, sizeof e);
 }
 
+// 16 binary16 values -> floats, exactly: kv_format.h's f16_to_f32 written on 16 lanes, so that every build
+// vectorizes it (the scalar form ran f16 attention ~6x slower than float32's). Normal halves by moving bits,
+// subnormal ones as m * 2^-24 (an exact product), infinities and NaNs (quieted) by bits.
+STEADY_INLINE void halves16(const uint16_t* h, float* out) {
+  h16v raw;
+  std::memcpy(&raw, h, sizeof raw);
+  const u16v x = __builtin_convertvector(raw, u16v);
+  const u16v sign = (x & 0x8000u) << 16, e = (x >> 10) & 0x1fu, m = x & 0x3ffu;
+  const u16v normal = sign | (((x & 0x7fffu) + (112u << 10)) << 13);
+  const u16v special = sign | 0x7f800000u | (m << 13) | ((u16v)(m != 0u) & 0x400000u);
+  const f16v subf = __builtin_convertvector((i16v)m, f16v) * 5.9604644775390625e-8f;
+  u16v sub;
+  std::memcpy(&sub, &subf, sizeof sub);
+  const u16v bits = e == 0u ? (sub | sign) : (e == 31u ? special : normal);
+  std::memcpy(out, &bits, sizeof bits);
+}
+
 // x[i] = tanh(x[i] / cap) * cap for 16 lanes (Gemma 2's soft-capping), from IEEE operations only:
 // tanh|t| = (1 - e) / (1 + e) with e = exp(-2|t|) <= 1, the sign restored exactly. Elementwise.
 STEADY_INLINE void softcap16(float* x, float cap) {
@@ -91,8 +114,9 @@ STEADY_INLINE void softcap16(float* x, float cap) {
 
 struct Problem {
   const float* q;        // (T, H, D)
-  const float* k;        // (NB, Hkv, D, Bs)
-  const float* v;        // (NB, Hkv, Bs, D)
+  const uint8_t* k;      // (NB, Hkv, D, Bs) in the storage format (kv_format.h lays out q8_0)
+  const uint8_t* v;      // (NB, Hkv, Bs, D) likewise
+  int64_t head_bytes;    // bytes of one (block, kv head) region of K or of V
   const int64_t* tables; // (S, NBmax)
   const int64_t* seq_of; // (T,)
   const int64_t* pos;    // (T,)
@@ -103,15 +127,42 @@ struct Problem {
   float softcap;  // 0: none
 };
 
+// Row dd of a K block region `kh` (D, Bs), keys [off, off + N), as floats: the stored floats themselves for
+// float32, else converted exactly into `buf` (kv_format.h). `scales`: the N keys' q8_0 scales of dd's block.
+template <int F, int N>
+STEADY_INLINE const float* k_row(const uint8_t* kh, int64_t dd, int64_t off, int64_t Bs, const float* scales,
+                                 float* buf) {
+  using namespace steady_kv;
+  if constexpr (F == kF32) {
+    return reinterpret_cast<const float*>(kh) + dd * Bs + off;
+  } else if constexpr (F == kQ8) {
+    const int8_t* qv = reinterpret_cast<const int8_t*>(kh) + dd * Bs + off;
+    for (int l = 0; l < N; ++l) buf[l] = float(qv[l]) * scales[l];
+  } else if constexpr (F == kF16) {
+    const uint16_t* hv = reinterpret_cast<const uint16_t*>(kh) + dd * Bs + off;
+    for (int c = 0; c < N; c += kLanes) halves16(hv + c, buf + c);
+  } else {
+    const uint16_t* hv = reinterpret_cast<const uint16_t*>(kh) + dd * Bs + off;
+    for (int l = 0; l < N; ++l) buf[l] = bf16_to_f32(hv[l]);
+  }
+  return buf;
+}
+
 // Scores of N consecutive keys of one block (N a multiple of 16) for G query heads:
 // out[r * stride + i] = (sum over d ascending of q_r[d] * k_i[d]) * scale, or -inf for
 // keys outside [first, p]. More keys per pass only means more independent chains.
-template <int G, int N>
-STEADY_INLINE void score_keys(const float* qg, const float* kb, int64_t D, int64_t Bs, int64_t key0, int64_t first,
-                       int64_t p, float scale, float softcap, float* out, int64_t stride) {
+// kh: the block's K region of this kv head, in format F; off: the first key's offset in the block.
+template <int F, int G, int N>
+STEADY_INLINE void score_keys(const float* qg, const uint8_t* kh, int64_t off, int64_t D, int64_t Bs, int64_t key0,
+                              int64_t first, int64_t p, float scale, float softcap, float* out, int64_t stride) {
   float s[G][N] = {};
+  float buf[N], scales[N];
   for (int64_t dd = 0; dd < D; ++dd) {
-    const float* kr = kb + dd * Bs;
+    if (F == steady_kv::kQ8 && dd % steady_kv::kQBlock == 0) {  // the keys' scales of dims [dd, dd + 32)
+      const uint16_t* sc = reinterpret_cast<const uint16_t*>(kh + D * Bs) + (dd / steady_kv::kQBlock) * Bs + off;
+      for (int c = 0; c < N; c += kLanes) halves16(sc + c, scales + c);
+    }
+    const float* kr = k_row<F, N>(kh, dd, off, Bs, scales, buf);
     for (int r = 0; r < G; ++r) {
       const float qv = qg[r * D + dd];
       for (int l = 0; l < N; ++l) s[r][l] = std::fmaf(qv, kr[l], s[r][l]);
@@ -141,7 +192,30 @@ STEADY_INLINE void score_keys(const float* qg, const float* kb, int64_t D, int64
 // is `first` rounded down to a multiple of 16, so lanes sit at fixed absolute positions.
 // W (wide) handles 32 keys and 64 dimensions per pass where the shapes allow; the
 // arithmetic of every element is the same either way.
-template <int G, bool W>
+// Values [d0, d0 + NV) of row `row` of a V block region `vh` (Bs, D), as floats (as k_row).
+template <int F, int NV>
+STEADY_INLINE const float* v_row(const uint8_t* vh, int64_t row, int64_t d0, int64_t D, float* buf) {
+  using namespace steady_kv;
+  if constexpr (F == kF32) {
+    return reinterpret_cast<const float*>(vh) + row * D + d0;
+  } else if constexpr (F == kQ8) {
+    const int8_t* qv = reinterpret_cast<const int8_t*>(vh) + row * (D + D / 16);
+    const uint16_t* sc = reinterpret_cast<const uint16_t*>(qv + D);
+    for (int c = 0; c < NV; c += kLanes) {  // 16 dims share one scale: d0 and NV are multiples of 16
+      const float d = f16_to_f32(sc[(d0 + c) / kQBlock]);
+      for (int l = 0; l < kLanes; ++l) buf[c + l] = float(qv[d0 + c + l]) * d;
+    }
+  } else if constexpr (F == kF16) {
+    const uint16_t* hv = reinterpret_cast<const uint16_t*>(vh) + row * D + d0;
+    for (int c = 0; c < NV; c += kLanes) halves16(hv + c, buf + c);
+  } else {
+    const uint16_t* hv = reinterpret_cast<const uint16_t*>(vh) + row * D + d0;
+    for (int l = 0; l < NV; ++l) buf[l] = bf16_to_f32(hv[l]);
+  }
+  return buf;
+}
+
+template <int F, int G, bool W>
 STEADY_CLONES
 void attend_one(const Problem& P, int64_t t, int64_t g, float* scores, int64_t stride) {
   const int64_t D = P.d, Bs = P.bs;
@@ -154,12 +228,12 @@ void attend_one(const Problem& P, int64_t t, int64_t g, float* scores, int64_t s
   // 1. Scores (a pass never straddles a block: Bs % 16 == 0).
   for (int64_t c = c0, blk = c0 / Bs, off = c0 % Bs; c <= p;) {
     if (off == Bs) off = 0, ++blk;
-    const float* kb = P.k + ((table[blk] * P.hkv + g) * D) * Bs + off;  // row d at kb + d * Bs
+    const uint8_t* kh = P.k + (table[blk] * P.hkv + g) * P.head_bytes;  // (D, Bs) of this block and kv head
     if (W && off + 2 * kLanes <= Bs && c + kLanes <= p) {
-      score_keys<G, 2 * kLanes>(qg, kb, D, Bs, c, first, p, P.scale, P.softcap, scores + (c - c0), stride);
+      score_keys<F, G, 2 * kLanes>(qg, kh, off, D, Bs, c, first, p, P.scale, P.softcap, scores + (c - c0), stride);
       c += 2 * kLanes, off += 2 * kLanes;
     } else {
-      score_keys<G, kLanes>(qg, kb, D, Bs, c, first, p, P.scale, P.softcap, scores + (c - c0), stride);
+      score_keys<F, G, kLanes>(qg, kh, off, D, Bs, c, first, p, P.scale, P.softcap, scores + (c - c0), stride);
       c += kLanes, off += kLanes;
     }
   }
@@ -191,11 +265,12 @@ void attend_one(const Problem& P, int64_t t, int64_t g, float* scores, int64_t s
   constexpr int NV = W ? 4 * kLanes : kLanes;
   for (int64_t d0 = 0; d0 < D; d0 += NV) {
     float acc[G][NV] = {};
+    float buf[NV];
     for (int64_t b = first / Bs; b * Bs <= p; ++b) {
-      const float* vb = P.v + ((table[b] * P.hkv + g) * Bs) * D + d0;  // (Bs, D) from column d0
+      const uint8_t* vh = P.v + (table[b] * P.hkv + g) * P.head_bytes;  // (Bs, D) of this block and kv head
       const int64_t k0 = b * Bs > first ? b * Bs : first, k1 = b * Bs + Bs - 1 < p ? b * Bs + Bs - 1 : p;
       for (int64_t key = k0; key <= k1; ++key) {
-        const float* vr = vb + (key - b * Bs) * D;
+        const float* vr = v_row<F, NV>(vh, key - b * Bs, d0, D, buf);
         for (int r = 0; r < G; ++r) {
           const float e = scores[r * stride + (key - c0)];
           for (int l = 0; l < NV; ++l) acc[r][l] = std::fmaf(e, vr[l], acc[r][l]);
@@ -211,31 +286,61 @@ void attend_one(const Problem& P, int64_t t, int64_t g, float* scores, int64_t s
 
 using AttendFn = void (*)(const Problem&, int64_t, int64_t, float*, int64_t);
 
-template <bool W>
+// STEADY_TEST_GROUP (tests/test_attention_kernel.py's single-width builds only): instantiate that one group
+// size, so each build compiles 8 kernels instead of 64 (minutes of one core on the test machine).
+template <int F, bool W>
 AttendFn attend_for(int64_t group) {
+#ifdef STEADY_TEST_GROUP
+  return group == STEADY_TEST_GROUP ? attend_one<F, STEADY_TEST_GROUP, W> : nullptr;
+#else
   switch (group) {
-    case 1: return attend_one<1, W>;
-    case 2: return attend_one<2, W>;
-    case 3: return attend_one<3, W>;
-    case 4: return attend_one<4, W>;
-    case 5: return attend_one<5, W>;
-    case 6: return attend_one<6, W>;
-    case 7: return attend_one<7, W>;
-    case 8: return attend_one<8, W>;
+    case 1: return attend_one<F, 1, W>;
+    case 2: return attend_one<F, 2, W>;
+    case 3: return attend_one<F, 3, W>;
+    case 4: return attend_one<F, 4, W>;
+    case 5: return attend_one<F, 5, W>;
+    case 6: return attend_one<F, 6, W>;
+    case 7: return attend_one<F, 7, W>;
+    case 8: return attend_one<F, 8, W>;
+    default: return nullptr;
+  }
+#endif
+}
+
+template <int F>
+AttendFn attend_for_fmt(int64_t group, bool wide) {
+  return wide ? attend_for<F, true>(group) : attend_for<F, false>(group);
+}
+
+// Wide passes need 32-key blocks and 64-dimension heads; other shapes take 16 at a time.
+AttendFn attend_for_shape(int fmt, int64_t group, int64_t bs, int64_t d) {
+  const bool wide = bs % (2 * kLanes) == 0 && d % (4 * kLanes) == 0;
+  switch (fmt) {
+    case steady_kv::kF32: return attend_for_fmt<steady_kv::kF32>(group, wide);
+    case steady_kv::kF16: return attend_for_fmt<steady_kv::kF16>(group, wide);
+    case steady_kv::kBF16: return attend_for_fmt<steady_kv::kBF16>(group, wide);
+    case steady_kv::kQ8: return attend_for_fmt<steady_kv::kQ8>(group, wide);
     default: return nullptr;
   }
 }
 
-// Wide passes need 32-key blocks and 64-dimension heads; other shapes take 16 at a time.
-AttendFn attend_for_shape(int64_t group, int64_t bs, int64_t d) {
-  return bs % (2 * kLanes) == 0 && d % (4 * kLanes) == 0 ? attend_for<true>(group) : attend_for<false>(group);
+// The storage format of a cache tensor, from its dtype (kv_format.h); -1 for none.
+int kv_fmt(const at::Tensor& cache) {
+  switch (cache.scalar_type()) {
+    case at::kFloat: return steady_kv::kF32;
+    case at::kHalf: return steady_kv::kF16;
+    case at::kBFloat16: return steady_kv::kBF16;
+    case at::kChar: return steady_kv::kQ8;
+    default: return -1;
+  }
 }
 
 void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_of, const at::Tensor& positions,
                      at::Tensor& out, double scale, int64_t window, double softcap) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-              v_cache.scalar_type() == at::kFloat, "paged_attention: float32 only");
+  const int fmt = kv_fmt(k_cache);
+  TORCH_CHECK(q.scalar_type() == at::kFloat && fmt >= 0 && v_cache.scalar_type() == k_cache.scalar_type(),
+              "paged_attention: float32 queries; a float32, float16, bfloat16 or int8 (q8_0) K/V cache");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_of.scalar_type() == at::kLong &&
               positions.scalar_type() == at::kLong, "paged_attention: int64 indices");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
@@ -249,16 +354,21 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   P.hkv = k_cache.size(1);
   P.bs = k_cache.size(3);
   P.nb_max = block_tables.size(1);
-  TORCH_CHECK(k_cache.size(2) == P.d && v_cache.size(2) == P.bs && v_cache.size(3) == P.d,
+  const int64_t stored_d = fmt == steady_kv::kQ8 ? P.d + P.d / 16 : P.d;  // q8_0 rows carry their scales
+  TORCH_CHECK(fmt != steady_kv::kQ8 || P.d % steady_kv::kQBlock == 0,
+              "paged_attention: a q8_0 cache needs a head dim that is a multiple of 32");
+  TORCH_CHECK(k_cache.size(2) == stored_d && v_cache.size(2) == P.bs && v_cache.size(3) == stored_d &&
+                  v_cache.size(0) == k_cache.size(0) && v_cache.size(1) == P.hkv,
               "paged_attention: cache shapes do not match q");
-  TORCH_CHECK(P.h % P.hkv == 0 && attend_for_shape(P.h / P.hkv, 16, 16) != nullptr,
+  TORCH_CHECK(P.h % P.hkv == 0 && attend_for_shape(fmt, P.h / P.hkv, 16, 16) != nullptr,
               "paged_attention: 1 to 8 query heads per kv head");
   TORCH_CHECK(P.bs % kLanes == 0 && P.d % kLanes == 0, "paged_attention: block size and head dim must be multiples of 16");
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.sizes() == q.sizes(),
               "paged_attention: out must be a contiguous float32 tensor shaped like q");
   P.q = q.data_ptr<float>();
-  P.k = k_cache.data_ptr<float>();
-  P.v = v_cache.data_ptr<float>();
+  P.k = static_cast<const uint8_t*>(k_cache.data_ptr());
+  P.v = static_cast<const uint8_t*>(v_cache.data_ptr());
+  P.head_bytes = steady_kv::head_bytes(fmt, P.d, P.bs);
   P.tables = block_tables.data_ptr<int64_t>();
   P.seq_of = seq_of.data_ptr<int64_t>();
   P.pos = positions.data_ptr<int64_t>();
@@ -267,7 +377,7 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   P.window = window;
   P.softcap = static_cast<float>(softcap);
   const int64_t group = P.h / P.hkv;
-  const AttendFn attend = attend_for_shape(group, P.bs, P.d);
+  const AttendFn attend = attend_for_shape(fmt, group, P.bs, P.d);
   // Units (token, kv head) are dealt round-robin, not in contiguous ranges: in a causal
   // prefill later tokens attend to more keys, and with contiguous halves the thread
   // holding the first half idled for two thirds of the call (AMD EPYC, 2 threads,

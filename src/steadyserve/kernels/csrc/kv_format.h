@@ -1,0 +1,104 @@
+// The KV cache's storage formats (--kv-cache-dtype): how a float32 key or value is stored, and read back.
+//
+// Writing (kv_write.cpp) rounds each value once, from that token's own K/V row only, so what a token stores
+// depends on nothing else in the batch:
+//   fp32: the float itself.
+//   f16:  IEEE binary16, round to nearest even (the rounding of F16C's vcvtps2ph and of torch's .half()).
+//   bf16: the top 16 bits of the float, round to nearest even (torch's .bfloat16()).
+//   q8_0: llama.cpp's q8_0 over 32 consecutive values of one token's head (block_q8_0, quantize_row_q8_0_ref):
+//         amax = max |x|, d = amax / 127, id = d ? 1 / d : 0, q = roundf(x * id) (half away from zero),
+//         d stored as f16. A block with a non-finite value stores d = NaN and q = 0: it reads back as NaN,
+//         as the float32 cache would propagate it.
+// Reading (paged_attention.cpp) turns a stored value back into the float it stands for, exactly: every f16 and
+// bf16 value is a float, and q * d (|q| <= 127: 7 bits, d an f16: 11 bits) needs at most 18 of a float's 24,
+// so the product is exact. The attention kernel then runs float32's reduction order on those floats, so its
+// bits are a function of the stored values alone, the same in every build.
+//
+// Layouts, per (block, kv head), Bs tokens of head dim D:
+//   fp32/f16/bf16: K (D, Bs), keys transposed; V (Bs, D).
+//   q8_0 (int8 tensors): K (D + D/16, Bs): rows 0..D-1 the int8 values, then D/32 rows of Bs f16 scales
+//         (little-endian uint16, scale of dims [32 c, 32 c + 32) of key j at index c * Bs + j); V (Bs, D + D/16):
+//         each token's D int8 values, then its D/32 f16 scales. 34 bytes per 32 values, against 128 in float32.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace steady_kv {
+
+enum Fmt : int { kF32 = 0, kF16 = 1, kBF16 = 2, kQ8 = 3 };
+
+constexpr int64_t kQBlock = 32;  // q8_0 values per scale
+
+// Bytes of one (block, kv head) region of K or V (the two have the same size).
+inline int64_t head_bytes(int fmt, int64_t d, int64_t bs) {
+  return fmt == kF32 ? 4 * d * bs : fmt == kQ8 ? (d + d / 16) * bs : 2 * d * bs;
+}
+
+// binary16 bits -> float, exactly, with integer operations, selects and one exact multiply (no loop, no
+// branch: it vectorizes). Subnormal halves are m * 2^-24, a normal float. NaNs come out quiet.
+__attribute__((always_inline)) inline float f16_to_f32(uint16_t h16) {
+  const uint32_t h = h16, sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+  const uint32_t normal = sign | (((h & 0x7fffu) + (112u << 10)) << 13);
+  const uint32_t special = sign | 0x7f800000u | (m << 13) | (m ? 0x400000u : 0u);
+  const float sub = float(int32_t(m)) * 5.9604644775390625e-8f;  // m * 2^-24
+  uint32_t sub_bits;
+  std::memcpy(&sub_bits, &sub, sizeof sub_bits);
+  const uint32_t bits = e == 0 ? (sub_bits | sign) : e == 31 ? special : normal;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+__attribute__((always_inline)) inline float bf16_to_f32(uint16_t h) {
+  const uint32_t bits = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// float -> binary16, round to nearest even (IEEE's default), overflow to infinity, NaN kept quiet.
+inline uint16_t f32_to_f16(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, sizeof x);
+  const uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+  if (ax >= 0x7f800000u) return uint16_t(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0u));
+  if (ax >= 0x477ff000u) return uint16_t(sign | 0x7c00u);  // >= 65520 rounds to infinity
+  if (ax < 0x38800000u) {  // below 2^-14: a subnormal half (or zero), q * 2^-24
+    float a;
+    std::memcpy(&a, &ax, sizeof a);
+    return uint16_t(sign | uint32_t(std::nearbyint(a * 16777216.0f)));  // exact scaling, then ties to even
+  }
+  uint32_t h = ((ax >> 23) - 112u) << 10 | ((ax >> 13) & 0x3ffu);
+  const uint32_t rest = ax & 0x1fffu;
+  if (rest > 0x1000u || (rest == 0x1000u && (h & 1u))) ++h;  // a carry into the exponent is right
+  return uint16_t(sign | h);
+}
+
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, sizeof x);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return uint16_t((x >> 16) | 0x40u);  // NaN, quiet
+  return uint16_t((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+
+// One q8_0 block: 32 floats -> 32 int8 (q[i * q_stride]) and the f16 scale (returned).
+inline uint16_t quantize_q8_0(const float* x, int8_t* q, int64_t q_stride) {
+  float amax = 0.0f;
+  bool finite = true;
+  for (int64_t i = 0; i < kQBlock; ++i) {
+    finite = finite && std::isfinite(x[i]);
+    amax = std::fabs(x[i]) > amax ? std::fabs(x[i]) : amax;
+  }
+  if (!finite) {
+    for (int64_t i = 0; i < kQBlock; ++i) q[i * q_stride] = 0;
+    return 0x7e00u;  // NaN
+  }
+  const float d = amax / 127.0f;
+  const float id = d != 0.0f ? 1.0f / d : 0.0f;
+  for (int64_t i = 0; i < kQBlock; ++i) q[i * q_stride] = int8_t(std::roundf(x[i] * id));
+  return f32_to_f16(d);
+}
+
+}  // namespace steady_kv
