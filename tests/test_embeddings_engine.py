@@ -203,7 +203,7 @@ def test_preempted_embeddings_give_the_same_bits(tiny_model: str, mode: str):
     loaded = load_model(tiny_model, pooling=mode)
     ps = prompts(7, [300, 280, 310])  # 10 blocks each, of the 12
     alone = [embed(engine(loaded), [p])[0] for p in ps]
-    per_block = bytes_per_block(loaded.args, 32, loaded.dtype)
+    per_block = bytes_per_block(loaded.args, 32, "fp32")  # the default cache: float32 on the CPU
     small = LLMEngine(loaded, EngineConfig(kv_cache_memory=per_block * 12, threads=1, max_num_batched_tokens=64,
                                            prefix_caching=False))
     gen = [Request(f"g{i}", p, SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))

@@ -182,7 +182,7 @@ class Server:
             # On the loop, not in a worker thread: asyncio.run would wait for a stuck worker at exit. The
             # engine's join has its own timeout.
             await self._step("engine", self.state.engine.shutdown, None)
-        if self.state is not None and self.state.tracing is not None:
+        if getattr(self.state, "tracing", None) is not None:  # a state may be partial (a failed start-up)
             tracing = self.state.tracing
             await self._step("tracing", lambda: _flushed(tracing), None)  # bounded by otel.SHUTDOWN_TIMEOUT_S
         fields: dict[str, Any] = {"exit_code": self.exit_code}
