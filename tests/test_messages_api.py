@@ -301,12 +301,15 @@ def test_an_error_mid_stream_ends_with_an_error_event(srv, client) -> None:
     assert evs[0]["type"] == "message_start" and evs[-1]["type"] == "error"
     assert evs[-1]["error"]["type"] == "invalid_request_error" and evs[-1]["error"]["message"]
     assert not any(e["type"] in ("message_delta", "message_stop") for e in evs)
+    # Greedy, as above: the fault fires after the second generated token, and a sampled answer may end before it
+    # (the default temperature 1 did once: the stream ended with end_turn and nothing was raised).
     with pytest.raises(anthropic.APIStatusError) as e:  # the SDK raises the error event
-        with client.messages.stream(model="", max_tokens=50, messages=fail) as s:
+        with client.messages.stream(model="", max_tokens=50, messages=fail, extra_body={"temperature": 0}) as s:
             for _ in s:
                 pass
     assert e.value.body["error"]["type"] == "invalid_request_error"
-    r = httpx.post(srv.http_url + "/v1/messages", json={"max_tokens": 50, "messages": fail}, timeout=60)
+    r = httpx.post(srv.http_url + "/v1/messages", json={"max_tokens": 50, "temperature": 0, "messages": fail},
+                   timeout=60)
     error_of(r, 400, "invalid_request_error")
 
 
