@@ -46,11 +46,12 @@ TOK = ByteTokenizer()
 class Harness:
     """One request through the real scheduler, with chosen tokens in place of a model and a sampler."""
 
-    def __init__(self, params: SamplingParams, prompt: list[int] | None = None, max_model_len: int = 64) -> None:
+    def __init__(self, params: SamplingParams, prompt: list[int] | None = None, max_model_len: int = 64,
+                 end_ids: frozenset[int] = frozenset({EOS})) -> None:
         self.scheduler = Scheduler(BlockManager(64, 4), max_num_seqs=4, max_num_batched_tokens=64)
         self.processor = OutputProcessor(max_model_len)
         self.seq = Sequence(0, Request("r", prompt or [104, 105, 33], params))
-        self.seq.state = SeqState(end_ids=frozenset({EOS}), generator=torch.Generator(), matcher=None,
+        self.seq.state = SeqState(end_ids=end_ids, generator=torch.Generator(), matcher=None,
                                   detok=IncrementalDetokenizer(TOK, params.stop))
         self.scheduler.add(self.seq)
         self.outputs: list[RequestOutput] = []
@@ -145,6 +146,15 @@ def test_an_end_token_stops_without_text_and_cuts_a_verification_there():
     out = h.step([105, EOS, 106])
     assert out.finish_reason == "stop" and out.new_token_ids == [105, EOS] and h.text == "hi"
     assert "</s>" not in out.text_delta
+
+
+def test_a_stop_token_ends_without_its_text():
+    """stop_token_ids are ordinary tokens with text ("!" here): the end-token rule, not the tokenizer's
+    skipping of special tokens, keeps it out."""
+    h = Harness(gen(stop_token_ids=[33]), end_ids=frozenset({EOS, 33}))
+    h.step([104])
+    out = h.step([105, 33, 106])
+    assert out.finish_reason == "stop" and out.new_token_ids == [105, 33] and h.text == "hi", h.text
 
 
 # ---- logprobs ---------------------------------------------------------------------------------------------
