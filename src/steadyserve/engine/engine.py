@@ -55,7 +55,7 @@ class LLMEngine:
         self.thread_policy: ThreadPolicy | None = ThreadPolicy(self.thread_budget) if adaptive else None
         # The waits are read with or without the policy: steadyserve_engine_cpu_wait_seconds_total shows them.
         quota_dir = read_cpu_quota().directory
-        self.cpu_signals: CpuSignals | None = CpuSignals(quota_dir / "cpu.stat" if quota_dir else None)
+        cpu_signals = CpuSignals(quota_dir / "cpu.stat" if quota_dir else None)  # the meter reads them (cpu_signals)
         # The thread that built the engine (and, in the server, loaded the model): stepping it from
         # another one costs a second OpenMP worker pool (see model_thread.py). AsyncEngine checks.
         self.owner_thread_id = threading.get_ident()
@@ -83,7 +83,7 @@ class LLMEngine:
         self.runner = ModelRunner(loaded.model, self.kv)
         self.sampler = BatchSampler(self.max_model_len)
         self.output_processor = OutputProcessor(self.max_model_len)
-        self.meter = StepMeter(self.scheduler, self.block_manager, self.speculator, self.cpu_signals)
+        self.meter = StepMeter(self.scheduler, self.block_manager, self.speculator, cpu_signals)
         self.eos_token_ids = _eos_ids(loaded)
         self._seq_ids = itertools.count()
 
@@ -163,6 +163,15 @@ class LLMEngine:
         """A token's own text, for the n-gram lookup's keys (speculation.TokenKeys); an id without text (past
         the tokenizer's vocabulary, in the model's padding) is its own."""
         return token_text(self.tokenizer, token_id) or f"\0{token_id}"
+
+    @property
+    def cpu_signals(self) -> CpuSignals | None:
+        """The CPU waits each step's stats carry (StepMeter): the run queue's and the cgroup quota's."""
+        return self.meter.cpu_signals
+
+    @cpu_signals.setter
+    def cpu_signals(self, signals: CpuSignals | None) -> None:
+        self.meter.cpu_signals = signals
 
     @property
     def fault_hook(self) -> Callable[[Sequence], None] | None:
