@@ -18,7 +18,7 @@ _TOKEN_TEXT: dict[int, dict[int, str]] = {}  # id(tokenizer) -> token id -> text
 
 def token_text(tokenizer: Any, token_id: int) -> str:
     """The text a single token stands for, as OpenAI's logprobs show it and speculation's n-gram keys read it
-    (engine.py): the one decode of a lone token, with one set of flags. Memoized, the one memo of every
+    (engine.py `_token_text`): the one decode of a lone token, with one set of flags. Memoized, the one memo of every
     transport and the engine: logprobs with 20 alternatives, an echoed prompt or a high-rate gRPC Score would
     otherwise decode tens of thousands of single tokens on the event loop."""
     cache = _TOKEN_TEXT.setdefault(id(tokenizer), {})

@@ -6,8 +6,8 @@
     outputs = output_processor.process(...)   text, stop strings, logprobs: RequestOutputs (output_processor.py)
     scheduler.update(batch, outputs)          kept tokens counted, drafts settled, finished sequences out
 
-Admission (check, add_request) and the thread budget live here too. `LLMEngine` is owned by exactly one thread (see async_engine.py); nothing in it
-is locked because nothing else touches it.
+Admission (check, add_request) and the thread budget live here too. `LLMEngine` is owned by exactly one
+thread (see async_engine.py); nothing in it is locked because nothing else touches it.
 """
 
 from __future__ import annotations
