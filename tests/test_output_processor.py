@@ -17,6 +17,7 @@ from steadyserve.engine.model_runner import SeqResult
 from steadyserve.engine.output_processor import OutputProcessor
 from steadyserve.engine.scheduler import Scheduler
 from steadyserve.engine.sequence import Request, RequestOutput, SamplingParams, Sequence, SeqState, TokenLogprob
+from steadyserve.engine.speculation import Speculator
 
 EOS = 300
 VOCAB = 301
@@ -47,8 +48,10 @@ class Harness:
     """One request through the real scheduler, with chosen tokens in place of a model and a sampler."""
 
     def __init__(self, params: SamplingParams, prompt: list[int] | None = None, max_model_len: int = 64,
-                 end_ids: frozenset[int] = frozenset({EOS})) -> None:
-        self.scheduler = Scheduler(BlockManager(64, 4), max_num_seqs=4, max_num_batched_tokens=64)
+                 end_ids: frozenset[int] = frozenset({EOS}), block_size: int = 4,
+                 speculator: Speculator | None = None) -> None:
+        self.scheduler = Scheduler(BlockManager(64, block_size), max_num_seqs=4, max_num_batched_tokens=64,
+                                   speculator=speculator)
         self.processor = OutputProcessor(max_model_len)
         self.seq = Sequence(0, Request("r", prompt or [104, 105, 33], params))
         self.seq.state = SeqState(end_ids=end_ids, generator=torch.Generator(), matcher=None,
@@ -57,11 +60,14 @@ class Harness:
         self.outputs: list[RequestOutput] = []
 
     def step(self, tokens: list[int], rows: list[torch.Tensor] | None = None, error: str | None = None,
-             prompt_logprobs: list[TokenLogprob] | None = None) -> RequestOutput | None:
-        """One step whose row(s) picked `tokens` (several: a verification whose draft was exactly them)."""
-        self.seq.draft_token_ids = list(tokens[:-1])  # a verification: these were drafted, and all accepted
+             prompt_logprobs: list[TokenLogprob] | None = None, draft: list[int] | None = None
+             ) -> RequestOutput | None:
+        """One step whose row(s) picked `tokens` (several: a verification, by default of a draft that was
+        exactly them)."""
+        self.seq.draft_token_ids = list(tokens[:-1] if draft is None else draft)
         batch = self.scheduler.schedule()
-        assert batch.scheduled[0].num_new_tokens == (len(tokens) if self.seq.num_computed_tokens else 3)
+        computing = 1 + len(self.seq.draft_token_ids) if self.seq.num_computed_tokens else 3
+        assert batch.scheduled[0].num_new_tokens == computing
         rows = rows or [flat_row() for _ in tokens]
         result = SeqResult(sample_row=rows[0] if rows else flat_row(), prompt_logprobs=prompt_logprobs or [],
                            first_prompt_pos=1 if prompt_logprobs else 0)
@@ -208,3 +214,23 @@ def test_the_first_output_carries_the_queue_wait_and_the_last_the_timings():
     assert first.queue_wait is not None and first.queue_wait >= 0 and first.timings is None
     last = h.step([105])
     assert last.queue_wait is None and last.timings is not None and last.timings.first_token is not None
+
+
+# ---- what the scheduler makes of it (Scheduler.update) ----------------------------------------------------
+
+def test_a_verification_keeps_what_was_accepted_and_releases_the_rest():
+    spec = Speculator("ngram")
+    h = Harness(gen(), block_size=2, speculator=spec)
+    h.seq.drafter = spec.new_drafter()
+    spec.enabled = False  # the drafts are this test's, not the n-gram index's; outcomes are still recorded
+    bm = h.scheduler.block_manager
+    h.step([104])  # prompt (3) computed; tokens: 3 + 1
+    out = h.step([8], draft=[5, 6, 7])  # the chunk computes positions 3..6; the first draft token is rejected
+    assert out.new_token_ids == [8]
+    assert h.seq.num_computed_tokens == 4 and h.seq.num_tokens == 5  # the last token only; 8 is next
+    assert len(h.seq.block_table) == 3 and bm.num_free_blocks == bm.num_blocks - 3  # the 4th block released
+    assert (spec.total_drafted, spec.total_accepted) == (3, 0)
+    out = h.step([5, 6, 9], draft=[5, 6, 7])  # two accepted, the third rejected
+    assert out.new_token_ids == [5, 6, 9] and h.seq.num_computed_tokens == 7 and h.seq.num_tokens == 8
+    assert len(h.seq.block_table) == 4 and (spec.total_drafted, spec.total_accepted) == (6, 2)
+    assert h.seq.draft_token_ids == []  # drafts live for one step
