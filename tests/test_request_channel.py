@@ -3,7 +3,7 @@
 - A stream that ends early aborts its engine request exactly once, on every transport: a client that hangs up on
   SSE (chat/completions, Responses, Messages) or WebSocket, a gRPC call cancelled or past its deadline. Counted
   once under its reason, finished once as `abort`, and the engine's own log of the aborts it received
-  (TEST-ONLY, testing/abort_log.py) holds one line for the request.
+  (TEST-ONLY, testing/prompt_log.py) holds one line for the request.
 - A request that fails mid-stream ends the same way in the three SSE APIs, which share one driver: the tokens
   generated before the failure, then the API's error event, and nothing after; the WebSocket and gRPC say so too.
 - RequestChannel alone: repeated cuts (a watcher, a stall, leaving the block) send one abort per engine request,
@@ -27,7 +27,7 @@ from steadyserve.api.protos.steadyserve.v1 import inference_pb2 as pb
 from steadyserve.api.protos.steadyserve.v1 import inference_pb2_grpc as pb_grpc
 from steadyserve.engine.channel import END_MESSAGES, RequestChannel
 from steadyserve.engine.sequence import RequestOutput
-from steadyserve.testing.abort_log import logged_aborts
+from steadyserve.testing.prompt_log import logged_aborts
 from steadyserve.testing.faults import FAIL_REQUEST_MARKER
 from steadyserve.testing.server import ServerProcess
 

@@ -14,6 +14,7 @@ from typing import Any, Callable, TypeVar
 from ..config import Config
 from ..cpu_budget import CpuBudget
 from ..engine.async_engine import AsyncEngine
+from ..engine.channel import RequestChannel
 from ..engine.selftest import SelfTestResult
 from ..engine.sequence import Request, RequestOutput, SamplingParams
 from ..limits import Refused
@@ -75,10 +76,10 @@ class ServerState:
             raise Refused("dead", f"the engine is not running{why}")
 
     def submit_all(self, items: list[tuple[str, list[int], SamplingParams]], transport: str,
-                   embed: bool = False, receipt: bool = False) -> list:
-        """Admit all of (request id, prompt ids, params), one client call, or none (Refused);
-        returns their RequestChannel (engine/channel.py; choice i is items[i]). `embed`: embedding requests (Request.embed); `receipt`: their final
-        outputs carry what a receipt needs."""
+                   embed: bool = False, receipt: bool = False) -> RequestChannel:
+        """Admit all of (request id, prompt ids, params), one client call, or none (Refused); returns their
+        RequestChannel (choice i is items[i]). `embed`: embedding requests (Request.embed); `receipt`: their
+        final outputs carry what a receipt needs."""
         self.refuse_if_closed()  # again: the server may have begun draining while the request was tokenized
         requests = [Request(rid, ids, params, transport, embed=embed, receipt=receipt) for rid, ids, params in items]
         channel = self.engine.submit_all(requests)
@@ -86,7 +87,7 @@ class ServerState:
             self._observe(request, channel, i)
         return channel
 
-    def _observe(self, request: Request, channel: Any, index: int) -> None:
+    def _observe(self, request: Request, channel: RequestChannel, index: int) -> None:
         """Count the admission; log the request and record it for the console when it finishes."""
         request_id, transport = request.request_id, request.transport
         metrics = self.metrics

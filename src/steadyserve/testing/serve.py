@@ -8,7 +8,7 @@ the self-test, so the server claims invariance it lacks (testing/drift.py). --te
 limit is read from DIR/proc/self/cgroup, DIR/sys/fs/cgroup/..., DIR/proc/meminfo (a fixture tree) instead of
 the machine's (steadyserve.memory.set_test_root). --test-log-prompts: each request's prompt token ids are
 logged (testing/prompt_log.py). --test-log-aborts: each abort the engine receives is logged
-(testing/abort_log.py). The production server reads no switch for any of them; only
+(testing/prompt_log.py). The production server reads no switch for any of them; only
 this module, which tests start, installs them.
 """
 
@@ -20,10 +20,9 @@ import sys
 from ..api.startup import EngineHooks
 from ..cli import build_parser, cmd_serve
 from ..memory import set_test_root
-from .abort_log import install_abort_log
 from .drift import install_batch_drift
 from .faults import install_test_faults
-from .prompt_log import install_prompt_log
+from .prompt_log import install_abort_log, install_prompt_log
 
 log = logging.getLogger("steadyserve.testing")
 

@@ -163,13 +163,13 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         call = _Call(context, self.fingerprint)
         req = await self._validate(call, request, generate_spec)
-        events = await self._admit(call, req, request)
+        channel = await self._admit(call, req, request)
         want_lp = req.params[0].logprobs is not None
 
         async def write(msg: pb.GenerateResponse) -> None:
             """Send one stream message; the stream is cut if the client takes nothing for --stall-timeout."""
             try:
-                await events.send(context.write(msg), msg.ByteSize(), self.state.config.server.stall_timeout)
+                await channel.send(context.write(msg), msg.ByteSize(), self.state.config.server.stall_timeout)
             except StreamStalled:
                 raise
             except Exception:
@@ -178,8 +178,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 raise
 
         try:
-            async with self._watch(context, events):
-                async for ev in events:
+            async with self._watch(context, channel):
+                async for ev in channel:
                     if ev.error is not None and ev.error[0] == "client_disconnect":
                         return
                     token_ids, text = ev.token_ids, ev.text
@@ -198,19 +198,19 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                                            cached_prompt_tokens=last.num_cached_tokens),
                             request_id=req.request_id, fingerprint=self.fingerprint, model=self.state.model_name)
                         if req.tool_format is not None:
-                            self._tool_final(final, req, events.accs[0].text, last.finish_reason)
-                        final.receipt = self._receipt(req, events)
+                            self._tool_final(final, req, channel.accs[0].text, last.finish_reason)
+                        final.receipt = self._receipt(req, channel)
                         await write(pb.GenerateResponse(final=final))
         except _ClientGone:
-            return  # nobody to tell; leaving `events` counts why the stream ended
+            return  # nobody to tell; leaving the channel counts why the stream ended
         except StreamStalled:
             await self._end_with_problem(call, ("stall", END_MESSAGES["stall"]))
 
-    def _receipt(self, req: ValidatedRequest, events: RequestChannel) -> str:
+    def _receipt(self, req: ValidatedRequest, channel: RequestChannel) -> str:
         """The one choice's receipt as JSON text, or "" when none was asked for."""
         if not req.receipt:
             return ""
-        return json.dumps(receipt_for(self.state, req, 0, events.accs[0]), separators=(",", ":"))
+        return json.dumps(receipt_for(self.state, req, 0, channel.accs[0]), separators=(",", ":"))
 
     @staticmethod
     def _tool_final(final: pb.GenerateFinal, req: ValidatedRequest, text: str, reason: str | None) -> None:

@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ...limits import Refused, check_token_ids
 from ...platform_info import platform_info, row_tiles_of
-from ..events import sum_usage
+from ..events import RequestChannel, sum_usage
 from ..protocol import encode_prompt, render_chat
 from ..receipts import HEADER as RECEIPT_HEADER, header_asks, receipts_of
 from ..requests import admit, check_model
@@ -76,7 +76,7 @@ def create_app(state: ServerState) -> FastAPI:
                              cfg.stall_timeout)
         return await collect(request, channel, fmts, want_lp, req.num_samples, req.n)
 
-    async def collect(request: Request, channel: Any, fmts: list[Formatter], want_lp: bool, n: int,
+    async def collect(request: Request, channel: RequestChannel, fmts: list[Formatter], want_lp: bool, n: int,
                       keep: int) -> Response:
         """Every choice's outputs, then one body; the first choice that fails decides the error instead."""
         events = await collect_events(request.receive, channel)
