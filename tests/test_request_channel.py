@@ -148,38 +148,49 @@ def test_leaving_early_aborts_the_engine_request_once(srv, leave, reason) -> Non
 FAIL_CHAT = [{"role": "user", "content": f"Fail {FAIL_REQUEST_MARKER} now"}]
 
 
-def _sse(srv, path: str, body: dict) -> tuple[bytes, list[str]]:
+def _sse(srv, path: str, body: dict) -> list[str]:
     with httpx.stream("POST", srv.http_url + path, json={**body, "stream": True, "temperature": 0},
                       timeout=120) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-        raw = r.read()
-    return raw, sse_events(raw)
+        return sse_events(r.read())
 
 
-def test_a_failure_mid_stream_ends_every_sse_api_with_its_error_event(srv) -> None:
-    """Greedy: the fault fires after the second generated token, so each stream has text before its error."""
-    raw, evs = _sse(srv, "/v1/chat/completions", {"messages": FAIL_CHAT, "max_tokens": 50})
+def _chat_failed(evs: list[str]) -> None:
     assert evs[-1] == "[DONE]", evs
     chunks = [json.loads(e) for e in evs[:-1]]
+    assert "error" in chunks[-1], chunks[-1]
     error = chunks[-1]["error"]
     assert (error["code"], error["type"]) == ("request_error", "invalid_request_error")
     assert "test fault" in error["message"]
     assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])  # no finish, only the error
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks[:-1])
 
-    raw, evs = _sse(srv, "/v1/responses", {"input": f"Fail {FAIL_REQUEST_MARKER} now", "max_output_tokens": 50})
+
+def _responses_failed(evs: list[str]) -> None:
     out = [json.loads(e) for e in evs]
     assert out[-1]["type"] == "error" and out[-1]["code"] == "request_error", out[-1]
     assert "test fault" in out[-1]["message"]
     assert not any(e["type"] in ("response.completed", "response.incomplete") for e in out)
     assert "".join(e["delta"] for e in out if e["type"] == "response.output_text.delta")
 
-    raw, evs = _sse(srv, "/v1/messages", {"messages": FAIL_CHAT, "max_tokens": 50})
+
+def _messages_failed(evs: list[str]) -> None:
     out = [json.loads(e) for e in evs]
     assert out[-1]["type"] == "error" and out[-1]["error"]["type"] == "invalid_request_error", out[-1]
     assert "test fault" in out[-1]["error"]["message"]
     assert not any(e["type"] in ("message_delta", "message_stop") for e in out)
     assert "".join(e["delta"].get("text", "") for e in out if e["type"] == "content_block_delta")
+
+
+@pytest.mark.parametrize("path, body, check", [
+    ("/v1/chat/completions", {"messages": FAIL_CHAT, "max_tokens": 50}, _chat_failed),
+    ("/v1/responses", {"input": f"Fail {FAIL_REQUEST_MARKER} now", "max_output_tokens": 50}, _responses_failed),
+    ("/v1/messages", {"messages": FAIL_CHAT, "max_tokens": 50}, _messages_failed),
+], ids=["chat", "responses", "messages"])
+def test_a_failure_mid_stream_ends_each_sse_api_with_its_error_event(srv, path, body, check) -> None:
+    """Greedy: the fault fires after the second generated token, so each stream has text before its error,
+    and the error event is the stream's last."""
+    check(_sse(srv, path, body))
 
 
 def test_a_failure_mid_stream_on_the_websocket_and_grpc(srv) -> None:
