@@ -28,7 +28,8 @@ class ServerProcess:
                  test_memory_root: str = "", cgroup: str = "", test_log_prompts: bool = False,
                  test_log_aborts: bool = False) -> None:
         """`test_faults` / `test_drift` / `test_memory_root` / `test_log_prompts` / `test_log_aborts`: start through
-        steadyserve.testing.serve with those TEST-ONLY hooks (the last reads the memory limit from a fixture tree; see steadyserve/memory.py).
+        steadyserve.testing.serve with those TEST-ONLY hooks (test_memory_root reads the memory limit from a
+        fixture tree; see steadyserve/memory.py).
         `threads` 0 passes `--threads 0`: the server picks its CPU budget. `cgroup`: a cgroup directory the
         server's process joins (its cgroup.procs) before it execs the server, e.g. testing/cgroups.py's."""
         self._dir = tempfile.mkdtemp(prefix="steadyserve-test-")

@@ -1,7 +1,8 @@
 """The /v1/messages routes (Anthropic's Messages API): create (whole or streamed) and count_tokens.
 
 A create is parsed and validated on the tokenizer thread (messages.py -> requests.build, the chat path),
-admitted like any request, and encoded from its channel (engine/channel.py, through sse.py's SSEStream when streamed): a whole message object, or
+admitted like any request, and encoded from its channel (engine/channel.py; streamed through sse.py's
+SSEStream with MessagesEncoder): a whole message object, or
 Anthropic's server-sent events ending with message_stop, or one `error` event when the stream ends early
 (the request failed, the server drained it away). Refusals get Anthropic's error shape
 (messages_errors.py; app.py routes this API's refusals there).

@@ -1,7 +1,8 @@
 """The /v1/responses routes: create (whole or streamed), retrieve and delete stored responses.
 
 A create is parsed and validated on the tokenizer thread (responses.py -> requests.build, the chat path),
-admitted like any request, and encoded from its channel (engine/channel.py, through sse.py's SSEStream when streamed): a whole response object, or
+admitted like any request, and encoded from its channel (engine/channel.py; streamed through sse.py's
+SSEStream with ResponsesEncoder): a whole response object, or
 server-sent events whose stream ends with response.completed / response.incomplete or one `error` event.
 """
 

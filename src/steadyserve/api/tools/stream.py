@@ -48,7 +48,8 @@ class ToolTurn:
 def tool_turn(fmt: ToolFormat, text: str, request_id: str, choice: int, reason: str | None) -> ToolTurn:
     """The one reading of a finished turn with tools: content, calls and finish reason."""
     parsed = fmt.parse(text)
-    return ToolTurn(parsed.content, tool_calls_json(parsed, request_id, choice), tool_finish(reason, bool(parsed.calls)))
+    return ToolTurn(parsed.content, tool_calls_json(parsed, request_id, choice),
+                    tool_finish(reason, bool(parsed.calls)))
 
 
 @dataclass
