@@ -256,8 +256,8 @@ def test_abort_frees_and_others_continue(engine):
 
 # ---- AsyncEngine ---------------------------------------------------------------------------------
 
-async def collect(stream) -> list:
-    return [o async for o in stream]
+async def collect(channel) -> list:
+    return [o async for ev in channel for o in ev.outputs]
 
 
 def test_async_engine_streams_match_offline(engine):

@@ -15,13 +15,13 @@ import struct
 import uuid
 from dataclasses import dataclass
 
+from ..engine.channel import RequestChannel
 from ..engine.pooler import finish_vector
 from ..engine.sequence import Accumulated, SamplingParams
 from ..limits import InvalidRequest, Refused, check_request_id, check_token_ids
 from .protocol import encode_prompt
 from .requests import check_context, check_model
 from .state import ServerState
-from .streams import StreamHandle
 
 
 @dataclass
@@ -89,21 +89,21 @@ def build_embed(state: ServerState, spec: EmbedSpec) -> ValidatedEmbed:
     return ValidatedEmbed(state.new_request_id(spec.request_id or None), spec.transport, prompts, spec.dimensions)
 
 
-def admit_embed(state: ServerState, req: ValidatedEmbed) -> list[StreamHandle]:
-    """Submit every input at once, or none (Refused: 429 / RESOURCE_EXHAUSTED at capacity); their stream
-    handles, in input order."""
+def admit_embed(state: ServerState, req: ValidatedEmbed) -> RequestChannel:
+    """Submit every input at once, or none (Refused: 429 / RESOURCE_EXHAUSTED at capacity); their channel
+    (choice i is input i), held by the server's open channels."""
     ids = req.engine_ids
     try:
-        streams = state.submit_all([(rid, p, SamplingParams(max_tokens=0)) for rid, p in zip(ids, req.prompts)],
+        channel = state.submit_all([(rid, p, SamplingParams(max_tokens=0)) for rid, p in zip(ids, req.prompts)],
                                    req.transport, embed=True)
     except Refused as e:  # an id already in flight (a client reusing ids): suffixed engine ids, as requests.admit
         if e.reason != "invalid" or e.param != "request_id":
             raise
         tag = uuid.uuid4().hex[:8]
         ids = [f"{rid}.{tag}" for rid in ids]
-        streams = state.submit_all([(rid, p, SamplingParams(max_tokens=0)) for rid, p in zip(ids, req.prompts)],
+        channel = state.submit_all([(rid, p, SamplingParams(max_tokens=0)) for rid, p in zip(ids, req.prompts)],
                                    req.transport, embed=True)
-    return [state.streams.open_stream(rid, st, req.transport) for rid, st in zip(ids, streams)]
+    return state.streams.add(channel)
 
 
 def vectors(state: ServerState, req: ValidatedEmbed, accs: list[Accumulated]) -> list[list[float]] | None:

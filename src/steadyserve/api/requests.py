@@ -18,11 +18,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from ..engine.channel import RequestChannel
 from ..engine.sequence import SamplingParams
 from ..limits import DEFAULT_MAX_TOKENS, InvalidRequest, Refused, check_request_id, check_token_ids
 from .protocol import encode_prompt, render_chat
 from .state import ServerState
-from .streams import StreamHandle
 from .tools import ToolFormat, ToolRequest, format_for
 from .tracing import current as current_trace
 
@@ -225,23 +225,24 @@ def derived_seed(seed: int | None, j: int) -> int | None:
     return s - 2**64 if s > 2**64 - 1 else s
 
 
-def admit(state: ServerState, req: ValidatedRequest) -> list[StreamHandle]:
-    """Submit every choice at once, or none (Refused); returns their open stream handles, in choice order.
+def admit(state: ServerState, req: ValidatedRequest) -> RequestChannel:
+    """Submit every choice at once, or none (Refused); returns their channel (choice i is engine request i),
+    held by the server's open channels until the transport closes it.
 
     A request id already in flight (a client or proxy reusing ids) gets suffixed engine ids, while the client
     still sees its own."""
     ids = req.engine_ids
     items = list(zip(ids, req.prompts, req.params))
     try:
-        streams = state.submit_all(items, req.transport, receipt=req.receipt)
+        channel = state.submit_all(items, req.transport, receipt=req.receipt)
     except Refused as e:
         if e.reason != "invalid" or e.param != "request_id":
             raise
         tag = uuid.uuid4().hex[:8]
         ids = [f"{rid}.{tag}" for rid in ids]
-        streams = state.submit_all([(rid, p, sp) for rid, (_, p, sp) in zip(ids, items)], req.transport,
+        channel = state.submit_all([(rid, p, sp) for rid, (_, p, sp) in zip(ids, items)], req.transport,
                                    receipt=req.receipt)
     trace = current_trace()
     if trace is not None:  # tracing on: the span notes what was asked and the engine's times when each ends
-        trace.admitted(req, streams)
-    return [state.streams.open_stream(rid, st, req.transport) for rid, st in zip(ids, streams)]
+        trace.admitted(req, channel)
+    return state.streams.add(channel)

@@ -27,7 +27,7 @@ from ..metrics import Metrics
 from ..models.loader import Fingerprint, LoadedModel, load_model
 from ..numerics import activate as activate_numerics
 from .state import ServerState
-from .streams import StreamRegistry
+from .streams import OpenChannels
 
 log = logging.getLogger("steadyserve.server")
 
@@ -146,7 +146,7 @@ def build_state(config: Config, hooks: EngineHooks | None = None) -> ServerState
     metrics.set_cpu_budget(cpu.threads, cpu.quota)
     state = ServerState(config=config, loaded=loaded, engine=async_engine, fingerprint=fp,
                         selftest=selftest if ec.batch_invariant else None, metrics=metrics,
-                        streams=StreamRegistry(metrics), memory=plan, cpu=cpu)
+                        streams=OpenChannels(metrics), memory=plan, cpu=cpu)
     metrics.backlog_sources[0] = state.streams.backlog_bytes
     return state
 

@@ -14,11 +14,12 @@ from typing import Any, Callable, TypeVar
 from ..config import Config
 from ..cpu_budget import CpuBudget
 from ..engine.async_engine import AsyncEngine
+from ..engine.channel import RequestChannel
 from ..engine.selftest import SelfTestResult
 from ..engine.sequence import Request, RequestOutput, SamplingParams
 from ..limits import Refused
 from ..models.loader import Fingerprint, LoadedModel
-from .streams import StreamRegistry
+from .streams import OpenChannels
 
 reqlog = logging.getLogger("steadyserve.request")
 T = TypeVar("T")
@@ -42,7 +43,7 @@ class ServerState:
     memory: Any = None  # steadyserve.memory.MemoryPlan: the limit, its source and the budget checked against it
     cpu: CpuBudget | None = None  # the CPU budget read at start-up: the engine's thread count and what decided it
     tracing: Any = None  # steadyserve.api.otel.Tracing while traces are exported (--otlp-traces-endpoint), else None
-    streams: StreamRegistry = field(default_factory=StreamRegistry)
+    streams: OpenChannels = field(default_factory=OpenChannels)  # the channels transports hold (drain cuts them)
     # The last finished requests, newest last, for the web console's table (api/console/routes.py).
     recent: deque = field(default_factory=lambda: deque(maxlen=200))
     # Tokenizing and chat-template rendering take time proportional to the input (seconds for a megabyte):
@@ -75,18 +76,18 @@ class ServerState:
             raise Refused("dead", f"the engine is not running{why}")
 
     def submit_all(self, items: list[tuple[str, list[int], SamplingParams]], transport: str,
-                   embed: bool = False, receipt: bool = False) -> list:
-        """Admit all of (request id, prompt ids, params), one client call, or none (Refused);
-        returns their RequestStreams in order. `embed`: embedding requests (Request.embed); `receipt`: their final
-        outputs carry what a receipt needs."""
+                   embed: bool = False, receipt: bool = False) -> RequestChannel:
+        """Admit all of (request id, prompt ids, params), one client call, or none (Refused); returns their
+        RequestChannel (choice i is items[i]). `embed`: embedding requests (Request.embed); `receipt`: their
+        final outputs carry what a receipt needs."""
         self.refuse_if_closed()  # again: the server may have begun draining while the request was tokenized
         requests = [Request(rid, ids, params, transport, embed=embed, receipt=receipt) for rid, ids, params in items]
-        streams = self.engine.submit_all(requests)
-        for request, stream in zip(requests, streams):
-            self._observe(request, stream)
-        return streams
+        channel = self.engine.submit_all(requests)
+        for i, request in enumerate(requests):
+            self._observe(request, channel, i)
+        return channel
 
-    def _observe(self, request: Request, stream: Any) -> None:
+    def _observe(self, request: Request, channel: RequestChannel, index: int) -> None:
         """Count the admission; log the request and record it for the console when it finishes."""
         request_id, transport = request.request_id, request.transport
         metrics = self.metrics
@@ -112,4 +113,4 @@ class ServerState:
                 reqlog.info("request done", extra={"fields": fields})
                 self.recent.append({**fields, "finished_at": time.time()})
 
-        stream.on_output = on_output
+        channel.observe(index, on_output)

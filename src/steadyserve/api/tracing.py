@@ -6,7 +6,7 @@ reads the caller's W3C `traceparent`. In between the record is the context's cur
 HTTP request and each RPC runs in its own task), and the request path adds to it in three places every
 transport shares: `requests.admit` (what the request asked for, and a watch on its engine requests' final
 outputs, whose RequestTimings carry the engine's own times: scheduled, prefill done, first token, preemptions,
-finish), a refusal (`note_refusal`) and the end code of RequestEvents (`note_end`).
+finish), a refusal (`note_refusal`) and the end code of its RequestChannel (`note_end`).
 
 Nothing here calls the OpenTelemetry SDK, and the engine thread never sees a record: api/otel.py builds the
 spans, with explicit start and end times, when both the answer and every engine request have ended. With
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from ..engine.sequence import RequestOutput, RequestTimings
 
 if TYPE_CHECKING:  # type names only
-    from ..engine.async_engine import RequestStream
+    from ..engine.channel import RequestChannel
     from ..limits import Refused
 
 _current: ContextVar["RequestTrace | None"] = ContextVar("steadyserve_request_trace", default=None)
@@ -45,7 +45,7 @@ def note_refusal(e: "Refused") -> None:
 
 
 def note_end(error: tuple[str, str] | None) -> None:
-    """How RequestEvents ended the request: None, or its (code, message) (stall, deadline, request_error, ...)."""
+    """How the request's RequestChannel ended it: None, or its (code, message) (stall, deadline, request_error, ...)."""
     t = _current.get()
     if t is not None and error is not None and t.end_error is None:
         t.end_error = error
@@ -91,10 +91,10 @@ class RequestTrace:
         """A time on the monotonic clock as the span's wall-clock nanoseconds."""
         return self.start_ns + int((mono - self.start_mono) * 1e9)
 
-    def admitted(self, req: Any, streams: list["RequestStream"]) -> None:
+    def admitted(self, req: Any, channel: "RequestChannel") -> None:
         """The request (a requests.ValidatedRequest, which imports this module) passed validation and its engine
-        requests were admitted: note what it asked for, and watch each engine request's final output (chained
-        after the state's own observer)."""
+        requests were admitted: note what it asked for, and watch each engine request's final output (after
+        the state's own observer)."""
         self.validated = time.monotonic()
         self.operation = OPERATIONS.get(req.kind, req.kind)
         self.request_id = req.request_id
@@ -118,15 +118,14 @@ class RequestTrace:
         if len(req.prompts) > req.num_samples:
             a["steadyserve.prompts"] = len(req.prompts) // req.num_samples
         self.request_attributes = a
-        self.choices = [None] * len(streams)
-        self._open += len(streams)
-        for i, stream in enumerate(streams):
-            stream.on_output = self._watch(i, stream.on_output)
+        n = len(channel.request_ids)
+        self.choices = [None] * n
+        self._open += n
+        for i in range(n):
+            channel.observe(i, self._watch(i))
 
-    def _watch(self, i: int, before: Callable[[RequestOutput], None] | None) -> Callable[[RequestOutput], None]:
+    def _watch(self, i: int) -> Callable[[RequestOutput], None]:
         def on_output(out: RequestOutput) -> None:
-            if before is not None:
-                before(out)
             if out.finished and self.choices[i] is None:
                 self.choices[i] = ChoiceEnd(out.finish_reason, out.error, out.num_prompt_tokens,
                                             out.num_generated_tokens, out.num_cached_tokens, out.timings)

@@ -1,7 +1,7 @@
 """The engine thread and the asyncio-facing API the front ends use.
 
 One thread owns the LLMEngine and the model (a ModelThread, which also loaded it). Front ends (HTTP, gRPC, on the
-event loop) only `submit()` requests and read outputs from per-request queues;
+event loop) only `submit()` requests and read their outputs from the RequestChannel it returns (channel.py);
 they never run model code and never wait on the engine. Admission is decided
 here, at once, from counters: running + waiting is bounded, so excess load is
 refused (429 / RESOURCE_EXHAUSTED) instead of queued without bound.
@@ -16,10 +16,10 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import AsyncIterator, Callable
+from typing import Callable
 
 from ..limits import Refused
+from .channel import RequestChannel
 from .engine import LLMEngine, StepStats
 from .model_thread import ModelThread
 from .sequence import Request, RequestOutput
@@ -31,51 +31,6 @@ SECOND_MODEL_THREAD = ("the engine loop runs on another thread than the one that
                        "(build the engine on the ModelThread that runs the loop)")
 
 
-@dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[RequestOutput]
-    request: "RequestStream"  # its on_output runs as each output is delivered, read or not
-
-
-class RequestStream:
-    """Async iterator over one request's outputs. Leaving it early aborts the request."""
-
-    def __init__(self, engine: "AsyncEngine", request_id: str, q: asyncio.Queue[RequestOutput]) -> None:
-        self.engine = engine
-        self.request_id = request_id
-        self._queue = q
-        self.finished = False
-        # Called on the event loop as each output arrives from the engine, whether or not anyone reads the
-        # stream: bookkeeping (metrics, the request log line) must not depend on a reader.
-        self.on_output: Callable[[RequestOutput], None] | None = None
-
-    def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        return self._iter()
-
-    async def _iter(self) -> AsyncIterator[RequestOutput]:
-        async for batch in self.batches():
-            for out in batch:
-                yield out
-
-    async def batches(self) -> AsyncIterator[list[RequestOutput]]:
-        """Yield everything available at once: a slow consumer gets fewer, bigger batches."""
-        try:
-            while not self.finished:
-                batch = [await self._queue.get()]
-                while not batch[-1].finished and not self._queue.empty():
-                    batch.append(self._queue.get_nowait())
-                self.finished = batch[-1].finished
-                yield batch
-        finally:
-            if not self.finished:  # cancelled, disconnected, or the consumer stopped reading
-                self.engine.abort(self.request_id)
-
-    def abort(self) -> None:
-        if not self.finished:
-            self.engine.abort(self.request_id)
-
-
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, max_queue: int, model_thread: ModelThread | None = None) -> None:
         """`model_thread`: the thread that loaded the model (see model_thread.py); a new one if None."""
@@ -84,7 +39,8 @@ class AsyncEngine:
         self.max_num_seqs = engine.cfg.max_num_seqs
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._streams: dict[str, _Stream] = {}  # request_id -> stream; written on loops, read on the engine thread
+        # request_id -> (its channel, its choice there); written on loops, read on the engine thread
+        self._streams: dict[str, tuple[RequestChannel, int]] = {}
         self._num_in_flight = 0  # admitted and not yet finished; guarded by _count_lock
         self._count_lock = threading.Lock()  # a counter lock, never held around model code
         self._model_thread = model_thread
@@ -124,11 +80,11 @@ class AsyncEngine:
         return self.max_num_seqs + self.max_queue
 
     # ---- front-end API ---------------------------------------------------
-    def submit(self, request: Request) -> RequestStream:
+    def submit(self, request: Request) -> RequestChannel:
         """Admit a request or raise Refused at once. Call from an event loop."""
-        return self.submit_all([request])[0]
+        return self.submit_all([request])
 
-    def submit_all(self, requests: list[Request]) -> list[RequestStream]:
+    def submit_all(self, requests: list[Request]) -> RequestChannel:
         """Admit all of `requests` (one client call: batched prompts) or none: Refused at once."""
         if self.dead is not None:
             raise Refused("dead", f"the engine is not running: {self.dead}")
@@ -145,18 +101,16 @@ class AsyncEngine:
                 raise Refused("invalid", f"request id {taken or ids[0]!r} is already in flight",
                               "request_id")
             self._num_in_flight += len(requests)
-        streams = []
-        for request in requests:
-            q: asyncio.Queue[RequestOutput] = asyncio.Queue()
-            stream = RequestStream(self, request.request_id, q)
-            self._streams[request.request_id] = _Stream(asyncio.get_running_loop(), q, stream)
+        channel = RequestChannel([r.request_id for r in requests], self.abort, asyncio.get_running_loop())
+        for i, request in enumerate(requests):
+            self._streams[request.request_id] = (channel, i)
             self._inbox.put(("add", request))
-            streams.append(stream)
         self._wake.set()
-        return streams
+        return channel
 
     def abort(self, request_id: str) -> None:
-        """Abort a request; its slot is freed at the start of the next step."""
+        """Abort a request; its slot is freed at the start of the next step. Front ends abort through their
+        channel (RequestChannel.cut), which calls this once per engine request."""
         self._inbox.put(("abort", request_id))
         self._wake.set()
 
@@ -223,9 +177,9 @@ class AsyncEngine:
                 fn(sched.num_running, sched.num_waiting, self.engine.block_manager.usage)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestChannel, int, RequestOutput]]] = {}
         for out in outputs:
-            stream = self._streams.get(out.request_id)
+            entry = self._streams.get(out.request_id)
             if out.finished:
                 self._streams.pop(out.request_id, None)
                 with self._count_lock:
@@ -233,11 +187,12 @@ class AsyncEngine:
                 self._finish_times.append(time.monotonic())
                 for fn in self.finish_observers:
                     fn(out)
-            if stream is not None:
-                by_loop.setdefault(stream.loop, []).append((stream, out))
+            if entry is not None:
+                channel, index = entry
+                by_loop.setdefault(channel.loop, []).append((channel, index, out))
         for loop, items in by_loop.items():
             try:
-                loop.call_soon_threadsafe(_put_all, items)
+                loop.call_soon_threadsafe(_deliver_all, items)
             except RuntimeError:  # that loop is closed; its consumers are gone
                 pass
 
@@ -247,13 +202,7 @@ class AsyncEngine:
         self._deliver(outs)
 
 
-def _put_all(items: list[tuple[_Stream, RequestOutput]]) -> None:
-    """On the stream's loop: bookkeeping first (it runs even if nobody ever reads), then the reader's queue."""
-    for stream, out in items:
-        observer = stream.request.on_output
-        if observer is not None:
-            try:
-                observer(out)
-            except Exception:  # a bookkeeping bug must not lose the output
-                log.exception("output observer failed")
-        stream.queue.put_nowait(out)
+def _deliver_all(items: list[tuple[RequestChannel, int, RequestOutput]]) -> None:
+    """On the channels' loop: each output to its channel's choice."""
+    for channel, index, out in items:
+        channel.deliver(index, out)

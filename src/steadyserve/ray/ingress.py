@@ -26,6 +26,7 @@ from ray.serve.exceptions import BackPressureError
 from starlette.websockets import WebSocketDisconnect
 
 from ..api.grpc import ERROR_CODE_KEY, PUSHBACK_KEY, RETRY_AFTER_KEY
+from ..api.http.errors import error_body
 from ..api.protos.steadyserve.v1.inference_pb2 import GenerateResponse
 
 log = logging.getLogger("steadyserve.ray")
@@ -38,7 +39,8 @@ app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
 
 
 def _error_json(message: str, type_: str, code: str) -> bytes:
-    return json.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}}).encode()
+    """The server's own error body (api/http/errors.py), as bytes."""
+    return json.dumps(error_body(message, type_, None, code)).encode()
 
 
 def _overloaded(e: Exception) -> Response:
@@ -204,7 +206,7 @@ class Ingress:
     @staticmethod
     async def _ws_fail(ws: WebSocket, close: int, message: str, type_: str, code: str) -> None:
         try:
-            await ws.send_text(json.dumps({"type": "error", **json.loads(_error_json(message, type_, code))}))
+            await ws.send_text(json.dumps({"type": "error", **error_body(message, type_, None, code)}))
             await ws.close(close)
         except (WebSocketDisconnect, RuntimeError, OSError):
             pass

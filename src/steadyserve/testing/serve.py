@@ -1,13 +1,14 @@
 """TEST-ONLY entry point: `steadyserve serve` with the test suite's start-up hooks.
 
     python -m steadyserve.testing.serve [--test-faults] [--test-drift] [--test-memory-root DIR] [--test-log-prompts]
-        SERVE-FLAGS...
+        [--test-log-aborts] SERVE-FLAGS...
 
 --test-faults: engine faults on marker prompts (testing/faults.py). --test-drift: batch drift installed after
 the self-test, so the server claims invariance it lacks (testing/drift.py). --test-memory-root DIR: the memory
 limit is read from DIR/proc/self/cgroup, DIR/sys/fs/cgroup/..., DIR/proc/meminfo (a fixture tree) instead of
 the machine's (steadyserve.memory.set_test_root). --test-log-prompts: each request's prompt token ids are
-logged (testing/prompt_log.py). The production server reads no switch for any of them; only
+logged (testing/prompt_log.py). --test-log-aborts: each abort the engine receives is logged
+(testing/prompt_log.py). The production server reads no switch for any of them; only
 this module, which tests start, installs them.
 """
 
@@ -21,7 +22,7 @@ from ..cli import build_parser, cmd_serve
 from ..memory import set_test_root
 from .drift import install_batch_drift
 from .faults import install_test_faults
-from .prompt_log import install_prompt_log
+from .prompt_log import install_abort_log, install_prompt_log
 
 log = logging.getLogger("steadyserve.testing")
 
@@ -34,6 +35,9 @@ def main(argv: list[str]) -> int:
     if "--test-log-prompts" in argv:
         argv = [a for a in argv if a != "--test-log-prompts"]
         hooks.after_engine.append(install_prompt_log)
+    if "--test-log-aborts" in argv:
+        argv = [a for a in argv if a != "--test-log-aborts"]
+        hooks.after_engine.append(install_abort_log)
     if "--test-drift" in argv:
         argv = [a for a in argv if a != "--test-drift"]
 

@@ -25,16 +25,18 @@ from .cgroups import JOIN_AND_EXEC
 class ServerProcess:
     def __init__(self, model: str, *args: str, env: dict[str, str] | None = None, startup_timeout: float = 180.0,
                  threads: int = 2, test_faults: bool = False, test_drift: bool = False,
-                 test_memory_root: str = "", cgroup: str = "", test_log_prompts: bool = False) -> None:
-        """`test_faults` / `test_drift` / `test_memory_root` / `test_log_prompts`: start through steadyserve.testing.serve with those
-        TEST-ONLY hooks (the last reads the memory limit from a fixture tree; see steadyserve/memory.py).
+                 test_memory_root: str = "", cgroup: str = "", test_log_prompts: bool = False,
+                 test_log_aborts: bool = False) -> None:
+        """`test_faults` / `test_drift` / `test_memory_root` / `test_log_prompts` / `test_log_aborts`: start through
+        steadyserve.testing.serve with those TEST-ONLY hooks (test_memory_root reads the memory limit from a
+        fixture tree; see steadyserve/memory.py).
         `threads` 0 passes `--threads 0`: the server picks its CPU budget. `cgroup`: a cgroup directory the
         server's process joins (its cgroup.procs) before it execs the server, e.g. testing/cgroups.py's."""
         self._dir = tempfile.mkdtemp(prefix="steadyserve-test-")
         self.ready_file = Path(self._dir) / "ready.json"
         self.log_path = Path(self._dir) / "server.log"
         hooks = ["--test-faults"] * test_faults + ["--test-drift"] * test_drift
-        hooks += ["--test-log-prompts"] * test_log_prompts
+        hooks += ["--test-log-prompts"] * test_log_prompts + ["--test-log-aborts"] * test_log_aborts
         hooks += ["--test-memory-root", test_memory_root] if test_memory_root else []
         entry = ["steadyserve.testing.serve", *hooks] if hooks else ["steadyserve.cli", "serve"]
         argv = [sys.executable, "-m", *entry, "--model", model, "--http-port", "0",

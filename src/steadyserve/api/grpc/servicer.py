@@ -1,10 +1,10 @@
 """steadyserve.v1.Inference: Score, Generate, GetModelInfo, Tokenize and Embed on the shared engine.
 
 Handlers turn a message into a RequestSpec (inputs.py), validate it with the
-HTTP API's builder (requests.build), admit it, and encode its events
-(api/events.py) as messages; model code runs on the engine thread. Each
-RPC that reaches the engine is one engine request whose stream is registered
-with the shared StreamRegistry, so drain and engine death end gRPC streams
+HTTP API's builder (requests.build), admit it, and encode the events of its
+channel (engine/channel.py) as messages; model code runs on the engine thread.
+Each RPC that reaches the engine has one channel, held by the server's open
+channels (api/streams.py), so drain and engine death end gRPC streams
 exactly as they end HTTP ones. A request is aborted in the engine (its slot
 freed at the next step) when its deadline passes, when the client cancels,
 or when the client reads nothing for --stall-timeout.
@@ -22,13 +22,13 @@ from ...engine.sequence import TokenLogprob
 from ...limits import MAX_LOGPROBS, RETRY_REASONS, Refused
 from ...platform_info import platform_info, row_tiles_of
 from ..embeddings import admit_embed, build_embed, vectors
-from ..events import RequestEvents, StreamStalled, end_status
+from ..events import RequestChannel, StreamStalled, end_status
 from ..protocol import token_text
 from ..receipts import HEADER as RECEIPT_HEADER, header_asks, receipt_for
 from ..requests import RequestSpec, ValidatedRequest, admit, build, prompt_ids
 from ..state import ServerState
-from ..streams import END_MESSAGES, StreamHandle
-from ..tools import tool_calls_json
+from ..streams import END_MESSAGES
+from ..tools import tool_turn
 from ..tracing import note_refusal
 from ..protos.steadyserve.v1 import inference_pb2 as pb
 from ..protos.steadyserve.v1 import inference_pb2_grpc as pb_grpc
@@ -93,7 +93,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         call.set(REQUEST_ID_KEY, req.request_id)
         return req
 
-    async def _admit(self, call: _Call, req: ValidatedRequest, msg: Any) -> list[StreamHandle]:
+    async def _admit(self, call: _Call, req: ValidatedRequest, msg: Any) -> RequestChannel:
         """Admit into the engine or abort the RPC at once with the refusal's status (naming msg's field)."""
         try:
             return admit(self.state, req)
@@ -120,11 +120,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         await call.abort(Code.INVALID_ARGUMENT, e.message_for(field), {ERROR_FIELD_KEY: field,
                                                                        ERROR_CODE_KEY: e.reason})
 
-    def _events(self, context: grpc.aio.ServicerContext, handles: list[StreamHandle]) -> RequestEvents:
-        """The request's events; the deadline, and leaving early (cancel, gone client), abort it in the engine."""
+    def _watch(self, context: grpc.aio.ServicerContext, channel: RequestChannel) -> RequestChannel:
+        """The request's channel, cut at the deadline and when the handler leaves early (cancel, gone client)."""
         remaining = context.time_remaining()
         deadline = None if remaining is None or remaining > 1e8 else remaining  # gRPC's "infinite" is huge
-        return RequestEvents(handles, deadline_s=deadline, unfinished_reason=lambda: self._cut_reason(context))
+        return channel.watch(deadline_s=deadline, unfinished_reason=lambda: self._cut_reason(context))
 
     def _cut_reason(self, context: grpc.aio.ServicerContext) -> str:
         if deadline_passed(context):
@@ -146,10 +146,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def Score(self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
         call = _Call(context, self.fingerprint)
         req = await self._validate(call, request, score_spec)
-        handles = await self._admit(call, req, request)
-        async with self._events(context, handles) as events:
-            async for _ in events:
-                pass
+        events = await self._watch(context, await self._admit(call, req, request)).drain()
         problem = events.error
         prompt_lps = events.accs[0].prompt_logprobs
         if problem is None and prompt_lps is None:
@@ -166,26 +163,23 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         call = _Call(context, self.fingerprint)
         req = await self._validate(call, request, generate_spec)
-        handles = await self._admit(call, req, request)
+        channel = await self._admit(call, req, request)
         want_lp = req.params[0].logprobs is not None
-        events = self._events(context, handles)
 
         async def write(msg: pb.GenerateResponse) -> None:
             """Send one stream message; the stream is cut if the client takes nothing for --stall-timeout."""
-            handles[0].backlog_bytes = msg.ByteSize()
             try:
-                await events.send(context.write(msg), self.state.config.server.stall_timeout)
+                await channel.send(context.write(msg), msg.ByteSize(), self.state.config.server.stall_timeout)
             except StreamStalled:
                 raise
             except Exception:
                 if context.cancelled():  # gRPC fails writes to a call the client cancelled (ExecuteBatchError)
                     raise _ClientGone() from None
                 raise
-            handles[0].backlog_bytes = 0
 
         try:
-            async with events:
-                async for ev in events:
+            async with self._watch(context, channel):
+                async for ev in channel:
                     if ev.error is not None and ev.error[0] == "client_disconnect":
                         return
                     token_ids, text = ev.token_ids, ev.text
@@ -204,30 +198,29 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                                            cached_prompt_tokens=last.num_cached_tokens),
                             request_id=req.request_id, fingerprint=self.fingerprint, model=self.state.model_name)
                         if req.tool_format is not None:
-                            self._tool_final(final, req, events.accs[0].text, last.finish_reason)
-                        final.receipt = self._receipt(req, events)
+                            self._tool_final(final, req, channel.accs[0].text, last.finish_reason)
+                        final.receipt = self._receipt(req, channel)
                         await write(pb.GenerateResponse(final=final))
         except _ClientGone:
-            return  # nobody to tell; leaving `events` counts why the stream ended
+            return  # nobody to tell; leaving the channel counts why the stream ended
         except StreamStalled:
             await self._end_with_problem(call, ("stall", END_MESSAGES["stall"]))
 
-    def _receipt(self, req: ValidatedRequest, events: RequestEvents) -> str:
+    def _receipt(self, req: ValidatedRequest, channel: RequestChannel) -> str:
         """The one choice's receipt as JSON text, or "" when none was asked for."""
         if not req.receipt:
             return ""
-        return json.dumps(receipt_for(self.state, req, 0, events.accs[0]), separators=(",", ":"))
+        return json.dumps(receipt_for(self.state, req, 0, channel.accs[0]), separators=(",", ":"))
 
     @staticmethod
     def _tool_final(final: pb.GenerateFinal, req: ValidatedRequest, text: str, reason: str | None) -> None:
-        """The output parsed as the HTTP API parses it: content, tool_calls and the tool_calls finish reason."""
-        parsed = req.tool_format.parse(text)  # type: ignore[union-attr]
-        for call in tool_calls_json(parsed, req.request_id, 0):
+        """The output read as every transport reads it (tools.tool_turn): content, tool_calls, finish reason."""
+        turn = tool_turn(req.tool_format, text, req.request_id, 0, reason)  # type: ignore[arg-type]
+        for call in turn.tool_calls:
             final.tool_calls.add(id=call["id"], name=call["function"]["name"], arguments=call["function"]["arguments"])
-        if parsed.content is not None:
-            final.content = parsed.content
-        if parsed.calls and reason == "stop":
-            final.finish_reason = pb.FINISH_REASON_TOOL_CALLS
+        if turn.content is not None:
+            final.content = turn.content
+        final.finish_reason = FINISH.get(turn.finish_reason or "", pb.FINISH_REASON_UNSPECIFIED)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
         call = _Call(context, self.fingerprint)
@@ -257,12 +250,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         try:
             req = await self.state.run_tokenizer(build_embed, self.state, embed_spec(request))
             call.set(REQUEST_ID_KEY, req.request_id)
-            handles = admit_embed(self.state, req)
+            channel = admit_embed(self.state, req)
         except Refused as e:
             await self._refuse(call, e, request)
-        async with self._events(context, handles) as events:
-            async for _ in events:
-                pass
+        events = await self._watch(context, channel).drain()
         vecs = vectors(self.state, req, events.accs) if events.error is None else None
         if vecs is None:
             await self._end_with_problem(call, events.error or ("engine_error", "the engine finished an embedding "

@@ -1,7 +1,7 @@
 """The HTTP application: OpenAI-compatible routes, health, metrics, WebSocket streaming.
 
 Handlers only parse (inputs.py -> requests.build, shared with gRPC), admit and
-encode the request's events (api/events.py). Model code runs on the engine
+encode the events of the request's channel (engine/channel.py). Model code runs on the engine
 thread; the event loop only moves bytes.
 """
 
@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ...limits import Refused, check_token_ids
 from ...platform_info import platform_info, row_tiles_of
-from ..events import sum_usage
+from ..events import RequestChannel, sum_usage
 from ..protocol import encode_prompt, render_chat
 from ..receipts import HEADER as RECEIPT_HEADER, header_asks, receipts_of
 from ..requests import admit, check_model
@@ -32,7 +32,7 @@ from .openai_format import Formatter, formatters, full_body, mean_logprob
 from .responses import ResponsesRequest
 from .responses_routes import add_responses_routes
 from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from .sse import SSEResponse, collect_events
+from .sse import OpenAIChunks, SSEStream, collect_events
 from .ws import websocket_stream
 
 
@@ -67,19 +67,19 @@ def create_app(state: ServerState) -> FastAPI:
         body = await read_json(request, cfg.max_request_bytes)
         req = await state.run_tokenizer(build_from_body, state, body, kind, "http", client_request_id(request.scope),
                                         header_asks(request.headers.get(RECEIPT_HEADER)))
-        handles = admit(state, req)
+        channel = admit(state, req)
         fmts = formatters(req, state.model_name, str(state.fingerprint), state.loaded.tokenizer,
                           receipts_of(state, req))
         want_lp = req.output.logprobs  # asked for by the client (best_of asks the engine anyway, to rank)
         if req.stream:
-            return SSEResponse(handles, fmts, want_lp, req.output.include_usage, cfg.stall_timeout,
-                               n=req.num_samples)
-        return await collect(request, handles, fmts, want_lp, req.num_samples, req.n)
+            return SSEStream(channel, OpenAIChunks(fmts, want_lp, req.output.include_usage, req.num_samples),
+                             cfg.stall_timeout)
+        return await collect(request, channel, fmts, want_lp, req.num_samples, req.n)
 
-    async def collect(request: Request, handles: list, fmts: list[Formatter], want_lp: bool, n: int,
+    async def collect(request: Request, channel: RequestChannel, fmts: list[Formatter], want_lp: bool, n: int,
                       keep: int) -> Response:
         """Every choice's outputs, then one body; the first choice that fails decides the error instead."""
-        events = await collect_events(request.receive, handles)
+        events = await collect_events(request.receive, channel)
         if isinstance(events, Response):
             return events
         accs = events.accs

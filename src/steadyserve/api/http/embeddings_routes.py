@@ -86,8 +86,8 @@ def add_embeddings_routes(app: FastAPI, state: ServerState) -> None:
         same vector for the same input whatever else the server computes. 429 with `Retry-After` at capacity."""
         body = await read_json(request, cfg.max_request_bytes)
         req, encoding = await state.run_tokenizer(build, body, client_request_id(request.scope))
-        handles = admit_embed(state, req)
-        events = await collect_events(request.receive, handles)
+        channel = admit_embed(state, req)
+        events = await collect_events(request.receive, channel)
         if isinstance(events, Response):
             return events
         vecs = vectors(state, req, events.accs)

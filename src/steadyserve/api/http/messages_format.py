@@ -1,7 +1,7 @@
 """The Messages API's output: the message object, and the server-sent events of a streamed one.
 
 Both read the choice's output through the tool format's parser and ToolCallStream (api/tools), as chat
-completions and the Responses API do, and end a turn with the chat finish logic (openai_format.tool_finish),
+completions and the Responses API do, and end a turn with the chat finish logic (tools.tool_finish),
 so a streamed message's text deltas concatenate to its text block and each tool_use block's input_json_delta
 fragments to its input. A stream's events, in the order Anthropic documents them:
 
@@ -20,8 +20,7 @@ from typing import Any, Callable
 from pydantic_core import from_json
 
 from ..events import Accumulated
-from ..tools import ParsedOutput, ToolCallStream, ToolFormat, call_id
-from .openai_format import tool_finish
+from ..tools import ParsedOutput, ToolCallStream, ToolFormat, call_id, tool_finish
 
 # The chat finish reason (after tool_finish) -> Anthropic's stop_reason; "stop" is end_turn or stop_sequence.
 STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens", "stop": "end_turn"}

@@ -1,7 +1,8 @@
 """The /v1/messages routes (Anthropic's Messages API): create (whole or streamed) and count_tokens.
 
 A create is parsed and validated on the tokenizer thread (messages.py -> requests.build, the chat path),
-admitted like any request, and encoded from the same events (api/events.py): a whole message object, or
+admitted like any request, and encoded from its channel (engine/channel.py; streamed through sse.py's
+SSEStream with MessagesEncoder): a whole message object, or
 Anthropic's server-sent events ending with message_stop, or one `error` event when the stream ends early
 (the request failed, the server drained it away). Refusals get Anthropic's error shape
 (messages_errors.py; app.py routes this API's refusals there).
@@ -14,19 +15,17 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from starlette.types import Receive, Scope, Send
 
 from ...limits import InvalidRequest, Refused
-from ..events import Accumulated, RequestEvents, StreamStalled
+from ..events import Accumulated, Event, RequestChannel
 from ..protocol import render_chat
 from ..requests import ValidatedRequest, admit, build, check_model
 from ..state import ServerState
-from ..streams import StreamHandle
 from .inputs import client_request_id, find_surrogate, read_json, validated
 from .messages import MessagesRequest, messages_spec
 from .messages_errors import MESSAGES_PATH, anthropic_end_error
 from .messages_format import EventWriter, MessageBuilder, sse
-from .sse import guarded_send, http_disconnect
+from .sse import SSEStream, http_disconnect, joined
 
 def parse(body: Any, request_id: str) -> tuple[MessagesRequest, Any]:
     """The body through its model, and its chat RequestSpec. Raises Refused."""
@@ -82,16 +81,14 @@ def add_messages_routes(app: FastAPI, state: ServerState) -> None:
         req, parsed = await state.run_tokenizer(prepare, state, body, client_request_id(request.scope))
         builder = MessageBuilder("msg_" + uuid.uuid4().hex, req.request_id, state.model_name, req.tool_format,
                                  stop_finder(state, req.params[0].stop))
-        handles = admit(state, req)
+        channel = admit(state, req)
         if parsed.stream:
-            return MessagesSSE(handles, builder, len(req.prompts[0]), cfg.stall_timeout)
-        async with RequestEvents(handles, disconnected=http_disconnect(request.receive)) as events:
-            async for _ in events:
-                pass
-        if events.error is not None:  # the request failed: its end code's status, in Anthropic's shape
-            status, err = anthropic_end_error(*events.error)
+            return SSEStream(channel, MessagesEncoder(builder, len(req.prompts[0])), cfg.stall_timeout)
+        await channel.watch(disconnected=http_disconnect(request.receive)).drain()
+        if channel.error is not None:  # the request failed: its end code's status, in Anthropic's shape
+            status, err = anthropic_end_error(*channel.error)
             return JSONResponse(err, status_code=status)
-        return JSONResponse(builder.final(events.accs[0]))
+        return JSONResponse(builder.final(channel.accs[0]))
 
     @app.post(MESSAGES_PATH + "/count_tokens")
     async def count_tokens(request: Request) -> Response:
@@ -114,52 +111,25 @@ def count(state: ServerState, body: Any) -> int:
     return len(render_chat(state.loaded.tokenizer, spec.messages or [], tools, spec.continue_final))
 
 
-class MessagesSSE(Response):
-    """A streamed message: one choice's events as Anthropic names them (messages_format.py)."""
+class MessagesEncoder:
+    """A streamed message's events as Anthropic names them (messages_format.py), for SSEStream."""
 
-    media_type = "text/event-stream"
-
-    def __init__(self, handles: list[StreamHandle], builder: MessageBuilder, input_tokens: int,
-                 stall_timeout: float) -> None:
-        self.status_code = 200
-        self.background = None
-        self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-                            (b"x-accel-buffering", b"no")]
-        self.handles = handles
+    def __init__(self, builder: MessageBuilder, input_tokens: int) -> None:
         self.writer = EventWriter(builder)
         self.input_tokens = input_tokens  # the rendered prompt's length, known before the first step
-        self.stall_timeout = stall_timeout
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        transport = scope.get("state", {}).get("transport")
-        events = RequestEvents(self.handles, disconnected=http_disconnect(receive))
+    def _sse(self, evs: list[dict[str, Any]]) -> list[bytes]:
+        return joined([sse(e) for e in evs])
 
-        async def emit(evs: list[dict[str, Any]]) -> None:
-            data = b"".join(sse(e) for e in evs)
-            if data:
-                await guarded_send(events, send({"type": "http.response.body", "body": data, "more_body": True}),
-                                   len(data), transport, self.stall_timeout)
+    def start(self) -> list[bytes]:
+        return self._sse(self.writer.start(self.input_tokens))
 
-        w = self.writer
-        try:
-            async with events:
-                await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-                await emit(w.start(self.input_tokens))
-                async for ev in events:
-                    if events.client_gone:
-                        break
-                    if ev.error is not None:  # what was generated first goes out, then why the stream ended
-                        await emit(w.feed("".join(o.text_delta for o in ev.outputs[:-1]), False))
-                        _, body = anthropic_end_error(*ev.error)
-                        await emit([body])
-                        break
-                    await emit(w.feed(ev.text, ev.finished))
-                if events.completed and not events.client_gone:
-                    await emit(w.finish(events.accs[0]))
-                if not events.client_gone:
-                    await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except StreamStalled:
-            if transport is not None:
-                transport.abort()
-        except OSError:
-            events.cut("client_disconnect")
+    def event(self, ev: Event, channel: RequestChannel) -> list[bytes]:
+        return self._sse(self.writer.feed(ev.text, ev.finished))
+
+    def error(self, ev: Event) -> list[bytes]:
+        _, body = anthropic_end_error(*ev.error)  # type: ignore[misc]  # error events carry one
+        return self._sse(self.writer.feed("".join(o.text_delta for o in ev.outputs[:-1]), False)) + self._sse([body])
+
+    def finish(self, channel: RequestChannel) -> list[bytes]:
+        return self._sse(self.writer.finish(channel.accs[0]))

@@ -11,7 +11,7 @@ from ...engine.sequence import RequestOutput, TokenLogprob
 from ..events import Accumulated, sum_usage
 from ..protocol import token_text
 from ..requests import ValidatedRequest
-from ..tools import ToolCallStream, ToolFormat, tool_calls_json
+from ..tools import ToolCallStream, ToolFormat, tool_finish, tool_turn
 
 
 def _bytes_to_unicode_inverse() -> dict[str, int]:
@@ -162,12 +162,11 @@ class Formatter:
         body = self._envelope(chunk=False)
         lp = self._logprobs(acc.logprobs, acc.token_ids, want_logprobs, acc.prompt_logprobs)
         if self.kind == "chat" and self.tool_format is not None:
-            parsed = self.tool_format.parse(acc.text)
-            message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
-            if parsed.calls:
-                message["tool_calls"] = tool_calls_json(parsed, self.request_id, self.index)
-            choice = {"index": self.index, "message": message, "logprobs": lp,
-                      "finish_reason": tool_finish(acc.finish_reason, bool(parsed.calls))}
+            turn = tool_turn(self.tool_format, acc.text, self.request_id, self.index, acc.finish_reason)
+            message: dict[str, Any] = {"role": "assistant", "content": turn.content}
+            if turn.tool_calls:
+                message["tool_calls"] = turn.tool_calls
+            choice = {"index": self.index, "message": message, "logprobs": lp, "finish_reason": turn.finish_reason}
         elif self.kind == "chat":
             choice = {"index": self.index, "message": {"role": "assistant", "content": acc.text}, "logprobs": lp,
                       "finish_reason": acc.finish_reason}
@@ -243,11 +242,6 @@ class Formatter:
         body["choices"] = []
         body["usage"] = acc.usage()
         return body
-
-
-def tool_finish(reason: str | None, called: bool) -> str | None:
-    """OpenAI's finish reason with tools: a turn that ended with calls finished for `tool_calls`."""
-    return "tool_calls" if called and reason == "stop" else reason
 
 
 def mean_logprob(acc: Accumulated) -> float:

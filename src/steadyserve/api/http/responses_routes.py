@@ -1,7 +1,8 @@
 """The /v1/responses routes: create (whole or streamed), retrieve and delete stored responses.
 
 A create is parsed and validated on the tokenizer thread (responses.py -> requests.build, the chat path),
-admitted like any request, and encoded from the same events (api/events.py): a whole response object, or
+admitted like any request, and encoded from its channel (engine/channel.py; streamed through sse.py's
+SSEStream with ResponsesEncoder): a whole response object, or
 server-sent events whose stream ends with response.completed / response.incomplete or one `error` event.
 """
 
@@ -12,19 +13,17 @@ from typing import Any, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from starlette.types import Receive, Scope, Send
 
 from ...limits import InvalidRequest, Refused
-from ..events import Accumulated, RequestEvents, StreamStalled, end_status
+from ..events import Accumulated, Event, RequestChannel, end_status
 from ..receipts import HEADER as RECEIPT_HEADER, header_asks, receipts_of
 from ..requests import ValidatedRequest, admit, build
 from ..responses_store import ResponseStore
 from ..state import ServerState
-from ..streams import StreamHandle
 from .inputs import client_request_id, find_surrogate, read_json, validated
 from .responses import ResponsesRequest, responses_spec
 from .responses_format import EventWriter, ResponseBuilder, conversation_output, sse
-from .sse import collect_events, guarded_send, http_disconnect
+from .sse import SSEStream, collect_events, joined
 
 
 def prepare(state: ServerState, store: ResponseStore, body: Any, request_id: str, receipt_header: bool = False
@@ -62,14 +61,14 @@ def add_responses_routes(app: FastAPI, state: ServerState, store: ResponseStore)
         req, parsed, conversation = await state.run_tokenizer(prepare, state, store, body,
                                                               client_request_id(request.scope),
                                                               header_asks(request.headers.get(RECEIPT_HEADER)))
-        handles = admit(state, req)
+        channel = admit(state, req)
         builder = ResponseBuilder("resp_" + uuid.uuid4().hex, req.request_id, state.model_name,
                                   str(state.fingerprint), parsed, req.tool_format)
         keep = store if parsed.store else None
         receipt = receipts_of(state, req)
         if parsed.stream:
-            return ResponsesSSE(handles, builder, keep, conversation, cfg.stall_timeout, receipt)
-        events = await collect_events(request.receive, handles)
+            return SSEStream(channel, ResponsesEncoder(builder, keep, conversation, receipt), cfg.stall_timeout)
+        events = await collect_events(request.receive, channel)
         if isinstance(events, Response):
             return events
         out = builder.final(events.accs[0])
@@ -91,61 +90,36 @@ def add_responses_routes(app: FastAPI, state: ServerState, store: ResponseStore)
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
 
-class ResponsesSSE(Response):
-    """A streamed response: one choice's events as the Responses API names them (responses_format.py)."""
+class ResponsesEncoder:
+    """A streamed response's events as the Responses API names them (responses_format.py), for SSEStream; the
+    finished response is kept in the store (with store: true)."""
 
-    media_type = "text/event-stream"
-
-    def __init__(self, handles: list[StreamHandle], builder: ResponseBuilder, store: ResponseStore | None,
-                 conversation: list[dict[str, Any]], stall_timeout: float,
+    def __init__(self, builder: ResponseBuilder, store: ResponseStore | None, conversation: list[dict[str, Any]],
                  receipt: Callable[[int, Accumulated], dict[str, Any]] | None = None) -> None:
-        self.status_code = 200
-        self.background = None
-        self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-                            (b"x-accel-buffering", b"no")]
-        self.handles = handles
         self.writer = EventWriter(builder)
         self.store = store  # where the finished response is kept; None with store: false
         self.conversation = conversation
-        self.stall_timeout = stall_timeout
         self.receipt = receipt  # api/receipts.py: set when the request asked for one
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        transport = scope.get("state", {}).get("transport")
-        events = RequestEvents(self.handles, disconnected=http_disconnect(receive))
+    def _sse(self, evs: list[dict[str, Any]]) -> list[bytes]:
+        return joined([sse(e) for e in evs])
 
-        async def emit(evs: list[dict[str, Any]]) -> None:
-            data = b"".join(sse(e) for e in evs)
-            if data:
-                await guarded_send(events, send({"type": "http.response.body", "body": data, "more_body": True}),
-                                   len(data), transport, self.stall_timeout)
+    def start(self) -> list[bytes]:
+        return self._sse(self.writer.start())
 
+    def event(self, ev: Event, channel: RequestChannel) -> list[bytes]:
+        return self._sse(self.writer.feed(ev.text, ev.finished))
+
+    def error(self, ev: Event) -> list[bytes]:
+        code, message = ev.error  # type: ignore[misc]  # error events carry one
         w = self.writer
-        try:
-            async with events:
-                await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-                await emit(w.start())
-                async for ev in events:
-                    if events.client_gone:
-                        break
-                    if ev.error is not None:
-                        await emit(w.feed("".join(o.text_delta for o in ev.outputs[:-1]), False))
-                        code, message = ev.error
-                        await emit([w.event("error", code=code, message=message, param=None,
-                                            error_type=end_status(code).error_type)])
-                        break
-                    await emit(w.feed(ev.text, ev.finished))
-                if events.completed and not events.client_gone:
-                    closing, body = w.finish(events.accs[0])
-                    if self.receipt is not None:  # in response.completed's response object (the same dict)
-                        body["receipt"] = self.receipt(0, events.accs[0])
-                    await emit(closing)
-                    if self.store is not None:
-                        self.store.put(body, self.conversation + conversation_output(body))
-                if not events.client_gone:
-                    await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except StreamStalled:
-            if transport is not None:
-                transport.abort()
-        except OSError:
-            events.cut("client_disconnect")
+        return self._sse(w.feed("".join(o.text_delta for o in ev.outputs[:-1]), False)) + self._sse(
+            [w.event("error", code=code, message=message, param=None, error_type=end_status(code).error_type)])
+
+    def finish(self, channel: RequestChannel) -> list[bytes]:
+        closing, body = self.writer.finish(channel.accs[0])
+        if self.receipt is not None:  # in response.completed's response object (the same dict)
+            body["receipt"] = self.receipt(0, channel.accs[0])
+        if self.store is not None:
+            self.store.put(body, self.conversation + conversation_output(body))
+        return self._sse(closing)

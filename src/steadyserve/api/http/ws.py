@@ -18,16 +18,14 @@ from fastapi import WebSocket
 from starlette.websockets import WebSocketDisconnect
 
 from ...limits import RETRY_REASONS, InvalidRequest, Refused
-from ..events import RequestEvents, StreamStalled, end_status
+from ..events import StreamStalled, end_status
 from ..receipts import HEADER as RECEIPT_HEADER, header_asks, receipt_for
 from ..requests import ValidatedRequest, admit
 from ..state import ServerState
-from ..tools import tool_calls_json
+from ..tools import tool_turn
 from ..tracing import note_refusal
 from .errors import error_body, refusal_status
 from .inputs import build_from_body, client_request_id
-from .openai_format import tool_finish
-from .sse import guarded_send
 
 CLOSE_OK, CLOSE_BAD_REQUEST, CLOSE_SERVER_ERROR, CLOSE_TRY_LATER = 1000, 1008, 1011, 1013
 
@@ -87,7 +85,7 @@ async def websocket_stream(ws: WebSocket, state: ServerState) -> None:
         req = _single_choice(await state.run_tokenizer(build_from_body, state, body, kind, "ws",
                                                        client_request_id(ws.scope),
                                                        header_asks(ws.headers.get(RECEIPT_HEADER))))
-        handles = admit(state, req)
+        channel = admit(state, req)
     except Refused as e:
         if state.metrics is not None:
             state.metrics.rejected.labels(e.metric_reason).inc()
@@ -100,21 +98,21 @@ async def websocket_stream(ws: WebSocket, state: ServerState) -> None:
     async def watch() -> None:
         """A second request, a binary frame or a disconnect: each ends the stream cleanly."""
         gone = (await ws.receive())["type"] == "websocket.disconnect"
-        events.cut("client_disconnect")
+        channel.cut("client_disconnect")
         if not gone:
             await _fail(ws, CLOSE_BAD_REQUEST, "one request per WebSocket connection", "invalid_request_error",
                         None, "second_request")
 
-    events = RequestEvents(handles, disconnected=watch())
+    buffered = transport.get_write_buffer_size if transport is not None else None
 
     async def emit(obj: dict) -> None:
         text = json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
-        await guarded_send(events, ws.send_text(text), len(text), transport, cfg.stall_timeout)
+        await channel.send(ws.send_text(text), len(text), cfg.stall_timeout, buffered)
 
     try:
-        async with events:
-            async for ev in events:
-                if events.client_gone:
+        async with channel.watch(disconnected=watch()):
+            async for ev in channel:
+                if channel.client_gone:
                     break
                 # Tokens first, even in a batch that ends in a failure: the client sees what was produced.
                 toks, text = ev.token_ids, ev.text
@@ -130,15 +128,15 @@ async def websocket_stream(ws: WebSocket, state: ServerState) -> None:
                     await _fail(ws, end.ws_close, msg, end.error_type, None, code)
                     break
                 if ev.finished:
-                    acc = events.accs[0]
+                    acc = channel.accs[0]
                     final: dict[str, Any] = {"type": "final", "finish_reason": ev.last.finish_reason,
                                              "usage": acc.usage(), "system_fingerprint": fp,
                                              "request_id": req.request_id}
                     if req.tool_format is not None:  # the raw text streamed; the final parses it, as gRPC's
-                        parsed = req.tool_format.parse(acc.text)
-                        final["content"] = parsed.content
-                        final["tool_calls"] = tool_calls_json(parsed, req.request_id, 0)
-                        final["finish_reason"] = tool_finish(ev.last.finish_reason, bool(parsed.calls))
+                        turn = tool_turn(req.tool_format, acc.text, req.request_id, 0, ev.last.finish_reason)
+                        final["content"] = turn.content
+                        final["tool_calls"] = turn.tool_calls
+                        final["finish_reason"] = turn.finish_reason
                     if acc.prompt_logprobs is not None:
                         final["prompt_logprobs"] = [None if lp is None else _lp_json([lp])[0]
                                                     for lp in acc.prompt_logprobs]
@@ -150,4 +148,4 @@ async def websocket_stream(ws: WebSocket, state: ServerState) -> None:
         if transport is not None:
             transport.abort()
     except (WebSocketDisconnect, OSError, RuntimeError):
-        events.cut("client_disconnect")
+        channel.cut("client_disconnect")

@@ -5,7 +5,8 @@
 from .formats import ParsedOutput, ToolFormat
 from .select import format_for
 from .spec import Tool, ToolChoice, ToolRequest, parse_tool, parse_tool_choice, tool_from_fields, tool_request
-from .stream import ToolCallStream, call_id, tool_calls_json
+from .stream import ToolCallStream, ToolTurn, call_id, tool_calls_json, tool_finish, tool_turn
 
-__all__ = ["ParsedOutput", "Tool", "ToolCallStream", "ToolChoice", "ToolFormat", "ToolRequest", "call_id",
-           "format_for", "parse_tool", "parse_tool_choice", "tool_calls_json", "tool_from_fields", "tool_request"]
+__all__ = ["ParsedOutput", "Tool", "ToolCallStream", "ToolChoice", "ToolFormat", "ToolRequest", "ToolTurn", "call_id",
+           "format_for", "parse_tool", "parse_tool_choice", "tool_calls_json", "tool_finish", "tool_from_fields",
+           "tool_request", "tool_turn"]

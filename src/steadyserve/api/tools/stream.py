@@ -30,6 +30,28 @@ def tool_calls_json(parsed: ParsedOutput, request_id: str, choice: int) -> list[
             for i, (n, a) in enumerate(parsed.calls)]
 
 
+def tool_finish(reason: str | None, called: bool) -> str | None:
+    """The finish reason of a turn with tools (OpenAI's, which every transport reports): a turn that stopped
+    after making calls finished for `tool_calls`."""
+    return "tool_calls" if called and reason == "stop" else reason
+
+
+@dataclass(frozen=True)
+class ToolTurn:
+    """A finished choice's output with tools on, read back: what every transport's final answer carries."""
+
+    content: str | None  # the text outside the calls, stripped; None when there is none
+    tool_calls: list[dict[str, Any]]  # OpenAI's `tool_calls` (tool_calls_json)
+    finish_reason: str | None  # tool_finish of the engine's finish reason
+
+
+def tool_turn(fmt: ToolFormat, text: str, request_id: str, choice: int, reason: str | None) -> ToolTurn:
+    """The one reading of a finished turn with tools: content, calls and finish reason."""
+    parsed = fmt.parse(text)
+    return ToolTurn(parsed.content, tool_calls_json(parsed, request_id, choice),
+                    tool_finish(reason, bool(parsed.calls)))
+
+
 @dataclass
 class ToolCallStream:
     """The deltas of one choice, fed its text as it grows."""
