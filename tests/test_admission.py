@@ -117,7 +117,8 @@ def test_submit_all_only_counts_capacity(state) -> None:
     message ModelLimits.check gives offline callers."""
     limits: ModelLimits = state.limits
     ids = [1] * (limits.context - 2)
-    too_long = Request("too-long", ids, SamplingParams(max_tokens=4, temperature=0, logprobs=0))
+    params = SamplingParams(max_tokens=4, temperature=0, logprobs=0, ignore_eos=True)
+    too_long = Request("too-long", ids, params)
     with pytest.raises(Refused) as offline:
         limits.check(too_long)
     assert offline.value.reason == "too_long"
@@ -127,10 +128,12 @@ def test_submit_all_only_counts_capacity(state) -> None:
         return await asyncio.wait_for(_collect(stream), 120)
 
     outs = asyncio.run(go())
-    assert outs[-1].finished and outs[-1].finish_reason == "length"
+    end = outs[-1]
+    assert end.finished and end.finish_reason == "length", end
+    assert end.num_prompt_tokens + end.num_generated_tokens == limits.context  # stopped by the context
 
     with pytest.raises(Refused) as built:
-        build(state, spec(ids, max_tokens=4))
+        build(state, spec(ids, max_tokens=4, params=params))
     assert (built.value.reason, built.value.param, str(built.value)) == \
         (offline.value.reason, offline.value.param, str(offline.value))
 
