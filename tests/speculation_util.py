@@ -6,9 +6,10 @@ from __future__ import annotations
 import os
 
 from steadyserve.config import EngineConfig
-from steadyserve.engine.engine import LLMEngine, _Emitted
+from steadyserve.engine.engine import LLMEngine
 from steadyserve.engine.offline import Completed, run_requests
-from steadyserve.engine.sequence import Request, SamplingParams, Sequence
+from steadyserve.engine.scheduler import SchedulerOutput
+from steadyserve.engine.sequence import Request, RequestOutput, SamplingParams
 
 THREADS = int(os.environ.get("STEADYSERVE_TEST_THREADS", "1"))
 PROMPTS = [[5, 17, 42, 99, 3] * 4, list(range(10, 50)) * 2, [7] * 12, [250, 11, 64, 64, 1], [100, 200, 300],
@@ -74,18 +75,18 @@ def greedy_and_seeded() -> list[Request]:
 
 
 def record_verifications(engine: LLMEngine) -> list[tuple[str, int, int, int, str | None]]:
-    """Wrap engine._verify: each verification's (request id, tokens generated before it, draft tokens,
-    tokens emitted, stop reason)."""
+    """Wrap engine.scheduler.update, which settles each verification: each one's (request id, tokens generated
+    before it, draft tokens, tokens emitted, finish reason if it finished the request)."""
     seen: list[tuple[str, int, int, int, str | None]] = []
-    real = engine._verify
+    real = engine.scheduler.update
 
-    def verify(seq: Sequence, draft: list[int], result, emitted: _Emitted) -> str | None:
-        before, reason = seq.num_generated_tokens, "error"
-        try:
-            reason = real(seq, draft, result, emitted)
-        finally:
-            seen.append((seq.request_id, before, len(draft), len(emitted.tokens), reason))
-        return reason
+    def update(batch: SchedulerOutput, outputs: list[RequestOutput | None]) -> None:
+        for item, out in zip(batch.scheduled, outputs):
+            if item.seq.draft_token_ids:
+                seen.append((item.seq.request_id, item.seq.num_generated_tokens, len(item.seq.draft_token_ids),
+                             len(out.new_token_ids) if out is not None else 0,
+                             out.finish_reason if out is not None else None))
+        real(batch, outputs)
 
-    engine._verify = verify  # type: ignore[method-assign]
+    engine.scheduler.update = update  # type: ignore[method-assign]
     return seen

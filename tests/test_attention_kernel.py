@@ -185,6 +185,60 @@ def test_python_fallback_is_invariant_too_and_agrees_with_native() -> None:
             assert torch.equal(alone[0], batched[i]), (fn.__name__, i)
 
 
+def caches_in(fmt: str, nb: int, hkv: int, d: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random (K, V) cache pair stored in `fmt` (kv_format.h's layouts): fp32, f16, bf16, or q8_0 as random int8
+    values with random f16 scales, laid out as kv_cache.py allocates them."""
+    k, v = torch.randn(nb, hkv, d, BS, generator=g), torch.randn(nb, hkv, BS, d, generator=g)
+    if fmt != "q8_0":
+        dtype = {"fp32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[fmt]
+        return k.to(dtype), v.to(dtype)
+    kq = torch.randint(-127, 128, (nb, hkv, d, BS), generator=g, dtype=torch.int8)
+    vq = torch.randint(-127, 128, (nb, hkv, BS, d), generator=g, dtype=torch.int8)
+    ks = torch.rand(nb, hkv, d // 32, BS, generator=g).half().view(torch.int8).reshape(nb, hkv, d // 16, BS)
+    vs = torch.rand(nb, hkv, BS, d // 32, generator=g).half().view(torch.int8)  # (nb, hkv, BS, d / 16)
+    return torch.cat([kq, ks], 2).contiguous(), torch.cat([vq, vs], 3).contiguous()
+
+
+# (query heads, kv heads, head dim, window, softcap): SmolLM2's heads; Gemma 3's (4 per kv head, 256 dims) on a
+# sliding-window layer; Gemma 2's soft-capping on a head dim that takes the narrow (16-wide) passes.
+LONG_SHAPES = {"smollm2": (9, 3, 64, 0, 0.0), "gemma3_local": (4, 1, 256, 200, 0.0),
+               "softcap_narrow": (2, 1, 48, 0, 30.0)}
+
+
+@pytest.mark.parametrize(("fmt", "shape"), [(fmt, shape) for shape, (_, _, d, _, _) in LONG_SHAPES.items()
+                                             for fmt in ("fp32", "f16", "bf16", "q8_0") if fmt != "q8_0" or d % 32 == 0])
+def test_long_prefill_tiles_give_each_row_its_bits_alone(fmt: str, shape: str) -> None:
+    """paged_attention.cpp runs a prefill chunk's tokens in tiles that share each K/V block (converted to floats
+    once per tile): a row's bits must not depend on it. A 650-token prompt (a partly filled last block) prefilled
+    in chunks of M rows, for several M (tiles of 2 to 16 tokens, many tiles per call, a chunk starting off the
+    block grid), on 1 and 2 threads (the tile size follows the thread count), equals each row computed alone
+    (a tile of one: the untiled loop), bitwise. q8_0 needs a head dim that is a multiple of 32 (not 48)."""
+    h, hkv, d, window, softcap = LONG_SHAPES[shape]
+    n = 650
+    g = torch.Generator().manual_seed(7)
+    nb = n // BS + 4
+    k, v = caches_in(fmt, nb, hkv, d, g)
+    tables = torch.randperm(nb, generator=g)[:n // BS + 1].view(1, -1)
+    pos, seq_of = torch.arange(n), torch.zeros(n, dtype=torch.int64)
+    q = torch.randn(n, h, d, generator=g)
+
+    def attend(rows: slice) -> torch.Tensor:
+        return attention_native(q[rows], k, v, tables, seq_of[rows], pos[rows], d ** -0.5, window, softcap)
+
+    alone = torch.cat([attend(slice(t, t + 1)) for t in range(n)])
+    assert torch.isfinite(alone).all()
+    saved = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for m in (n, 256, 37, 9):
+                chunks = [attend(slice(c, min(c + m, n))) for c in range(0, n, m)]
+                assert torch.equal(torch.cat(chunks), alone), f"{threads} threads, chunks of {m}"
+            assert torch.equal(attend(slice(100, 300)), alone[100:300])  # a chunk starting mid-block
+    finally:
+        torch.set_num_threads(saved)
+
+
 def test_refuses_shapes_it_does_not_support() -> None:
     k, v = torch.zeros(4, HKV, D, 24), torch.zeros(4, HKV, 24, D)  # block size 24: not a multiple of 16
     q = torch.zeros(1, H, D)
@@ -216,7 +270,14 @@ def digest(attend):
     q = torch.randn(300, 9, 64, generator=g)
     h = hashlib.sha256()
     for k, v in caches():
-        h.update(attend(q, k, v, tables, seq_of, pos).numpy().tobytes())
+        for window in (0, 40):
+            # 300 rows at once, in tiles, and every third row alone (untiled): one build's bits must agree.
+            whole = attend(q, k, v, tables, seq_of, pos, window)
+            for t in range(0, 300, 3):
+                alone = attend(q[t:t + 1], k, v, tables, seq_of[:1], pos[t:t + 1], window)
+                if not torch.equal(alone[0], whole[t]):
+                    raise SystemExit(f"tiled row {t} != the row alone ({k.dtype}, window {window})")
+            h.update(whole.numpy().tobytes())
     return h.hexdigest()
 """
 VECTOR_WIDTH_SCRIPT = VECTOR_WIDTH_CASE + r"""
@@ -225,9 +286,9 @@ from torch.utils.cpp_extension import load
 src, flags, build = sys.argv[1], sys.argv[2].split(), sys.argv[3]
 load(name="steadyserve_kernels", sources=[src], extra_cflags=flags, extra_ldflags=["-fopenmp"],
      build_directory=build, is_python_module=False)
-def attend(q, k, v, tables, seq_of, pos):
+def attend(q, k, v, tables, seq_of, pos, window):
     out = torch.empty_like(q)
-    torch.ops.steadyserve.paged_attention(q, k, v, tables, seq_of, pos, out, 0.125, 0)
+    torch.ops.steadyserve.paged_attention(q, k, v, tables, seq_of, pos, out, 0.125, window)
     return out
 print(digest(attend))
 """
@@ -238,7 +299,8 @@ def test_vector_width_does_not_change_the_bits(tmp_path) -> None:
     each alone (no clones) and compare the outputs' hashes, and the shipped build's. On a CPU with all of
     x86-64-v4's AVX-512 subsets the shipped build runs its AVX-512 clone, so that width is compared there
     (a third build of ~16 s of one core would compute it again); elsewhere AVX-512 is built alone.
-    Every KV storage format is compared (VECTOR_WIDTH_CASE)."""
+    Every KV storage format is compared (VECTOR_WIDTH_CASE), and within each build, rows computed in tiles (300
+    at once) against the same rows alone (the untiled loop)."""
     from steadyserve.kernels.build import CFLAGS, SOURCES
 
     src = SOURCES[0].read_text().replace(
@@ -271,7 +333,8 @@ def test_vector_width_does_not_change_the_bits(tmp_path) -> None:
     # And the shipped build (clones dispatched at run time) gives the same bits.
     case: dict = {}
     exec(VECTOR_WIDTH_CASE, case)
-    got = case["digest"](lambda q, k, v, tables, seq_of, pos: attention_native(q, k, v, tables, seq_of, pos, 0.125, 0))
+    got = case["digest"](lambda q, k, v, tables, seq_of, pos, window:
+                         attention_native(q, k, v, tables, seq_of, pos, 0.125, window))
     shipped = "avx512 (the shipped build's x86-64-v4 clone)" if shipped_runs_avx512 else "shipped"
     assert got == hashes["default"], f"{shipped} differs: {hashes}"
 

@@ -2,13 +2,20 @@
 
 The per-op path (Transformer.forward's Python loop over the same kernels) is the reference: every prompt
 logprob, every sampled token and its logprob, and the KV cache after prefill and decode must be equal, for
-a tiny Llama (tied, GQA), a tiny Qwen2 (q/k/v bias, untied) and the real SmolLM2 GGUF (Q4_1 and Q8_0
-blocks)."""
+a tiny Llama (tied, GQA), a tiny Qwen2 (q/k/v bias, untied), the real SmolLM2 GGUF (Q4_1 and Q8_0
+blocks), and a tiny model of every other architecture, whose LayerSpec exercises each feature the native
+call reads from it (q/k norm per head and over all heads, output norms, no pre-norms, GELU-tanh, per-layer
+windows and RoPE tables, NoPE layers, score soft-cap and scale, the residual multiplier). Each feature,
+dropped from the native call's spec alone, must make the two differ
+(test_a_feature_dropped_from_the_native_call_is_caught).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +25,8 @@ from steadyserve.engine.engine import LLMEngine
 from steadyserve.engine.offline import run_requests
 from steadyserve.engine.sequence import Request, SamplingParams
 from steadyserve.models import load_model
+from steadyserve.models.native_forward import build_native_layers
+from steadyserve.testing import build_tiny_model
 
 
 def _requests(vocab: int) -> list[Request]:
@@ -50,7 +59,7 @@ def _check_bitwise(path: str, loaded=None, kv: str = "auto") -> None:
     """`loaded`: the model already loaded from `path` (the session's SmolLM2); its native layers are put back."""
     loaded = loaded or load_model(path)
     saved = loaded.model.native_layers
-    assert saved is not None, "the native path of a plain Llama-shaped model runs its layers in one call"
+    assert saved is not None, "the native path runs every architecture's layers in one call"
     assert saved.num_layers() == loaded.args.num_layers
     for step_tokens in (32, 512):
         threads = torch.get_num_threads()
@@ -89,3 +98,72 @@ def test_native_layers_match_the_per_op_path_on_the_real_gguf(smollm2) -> None:
 def test_host_numerics_and_python_attention_keep_the_per_op_path(tiny_model: str) -> None:
     assert load_model(tiny_model, numerics="host").model.native_layers is None
     assert load_model(tiny_model, attention="python", numerics="host").model.native_layers is None
+
+
+# Every architecture beyond Llama/Mistral/Qwen2, as test_arch_variants builds them; what each one's spec exercises.
+ARCH_FEATURES = {
+    "gemma3": "q/k norm per head, (1 + w) pre- and output norms, GELU-tanh, windows (16) on 5 of 6 layers, two RoPE "
+              "tables, query_pre_attn_scalar",
+    "gemma2": "output norms, GELU-tanh, alternating windows, score soft-cap 2.0",
+    "qwen3": "q/k norm per head, head_dim 128 (not hidden / heads)",
+    "phi3": "fused q|k|v and gate|up cut at load, window 24 on every layer",
+    "olmo2": "no pre-norms, output norms, q/k norm over all heads at once",
+    "smollm3": "the 4th layer without RoPE",
+    "granite": "residual multiplier 0.5, attention multiplier 0.2 as the score scale",
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_arch(models_dir: Path):
+    """arch -> its tiny model, loaded once (portable numerics, the native layers built)."""
+    cache: dict[str, object] = {}
+
+    def get(arch: str):
+        if arch not in cache:
+            d = models_dir / f"tiny-{arch}"
+            if not d.exists():
+                build_tiny_model(d, arch=arch)
+            cache[arch] = load_model(str(d), max_model_len=512)
+        return cache[arch]
+    return get
+
+
+@pytest.mark.parametrize("arch", sorted(ARCH_FEATURES))
+def test_native_layers_match_the_per_op_path_every_architecture(tiny_arch, arch: str) -> None:
+    _check_bitwise("", tiny_arch(arch))
+
+
+# A feature dropped from the native call only (the per-op path keeps the model's spec): (arch, spec fields).
+DROPPED = {
+    "gemma3-no-qk-norm": ("gemma3", {"qk_norm": "none"}),
+    "olmo2-no-qk-norm": ("olmo2", {"qk_norm": "none"}),  # over all heads (per head, its (H D,) weight is refused)
+    "qwen3-no-qk-norm": ("qwen3", {"qk_norm": "none"}),
+    "gemma3-no-output-norms": ("gemma3", {"post_norms": False}),
+    "olmo2-no-output-norms": ("olmo2", {"post_norms": False}),
+    "gemma3-silu": ("gemma3", {"activation": "silu"}),
+    "gemma3-no-windows": ("gemma3", {"windows": (0,) * 6}),
+    "phi3-no-window": ("phi3", {"windows": (0, 0)}),
+    "gemma3-one-rope-table": ("gemma3", {"rope": ("sliding_attention",) * 6}),
+    "smollm3-rope-everywhere": ("smollm3", {"rope": ("",) * 4}),
+    "gemma2-no-softcap": ("gemma2", {"attn_softcap": 0.0}),
+    "granite-no-residual-scale": ("granite", {"residual_scale": 1.0}),
+    "granite-default-score-scale": ("granite", {"attn_scale": 16 ** -0.5}),
+}
+
+
+@pytest.mark.parametrize("dropped", sorted(DROPPED))
+def test_a_feature_dropped_from_the_native_call_is_caught(tiny_arch, dropped: str) -> None:
+    """The bitwise check has teeth: the native call built from the spec with one feature changed differs from
+    the per-op path (which still runs the model's spec), so each feature is exercised by its tiny model."""
+    arch, change = DROPPED[dropped]
+    loaded = tiny_arch(arch)
+    spec = loaded.model.spec
+    assert all(getattr(spec, k) != v for k, v in change.items()), (dropped, spec)  # the change is a change
+    saved = loaded.model.native_layers
+    broken = build_native_layers(loaded.model, dataclasses.replace(spec, **change))
+    try:
+        fused, k1, _ = _run(loaded, True, broken, 512)
+        per_op, k2, _ = _run(loaded, False, saved, 512)
+    finally:
+        loaded.model.native_layers = saved
+    assert fused != per_op and not torch.equal(k1, k2), dropped

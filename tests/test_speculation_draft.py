@@ -201,17 +201,24 @@ def decoding(seq_id: int, prompt: list[int], generated: list[int], max_tokens: i
 LOOP = [1, 2, 3, 1, 2, 3, 1, 2]
 
 
+def drafting(spec: Speculator, seqs: list[Sequence]) -> list[Sequence]:
+    """`seqs`, each given a fresh drafter (the engine gives one to each generation it admits)."""
+    for s in seqs:
+        s.drafter = spec.new_drafter()
+    return seqs
+
+
 def test_drafts_fill_only_the_spare_cheap_rows_oldest_first():
     spec = Speculator("ngram", cheap_rows=4, row_cost=0.0)  # every spare row pays
     seqs = [decoding(i, LOOP, []) for i in range(3)]
-    spec.draft([(s, spec.new_drafter()) for s in seqs])
+    spec.draft(drafting(spec, seqs))
     # 3 rows taken by the 3 last tokens: 1 spare, for the oldest sequence.
     assert [s.draft_token_ids for s in seqs] == [[3], [], []]
     one = [decoding(9, LOOP, [])]
-    spec.draft([(s, spec.new_drafter()) for s in one])
+    spec.draft(drafting(spec, one))
     assert one[0].draft_token_ids == [3, 1, 2]  # cheap_rows - 1
     busy = [decoding(i, LOOP, []) for i in range(4)]
-    spec.draft([(s, spec.new_drafter()) for s in busy])
+    spec.draft(drafting(spec, busy))
     assert all(s.draft_token_ids == [] for s in busy)  # a batch of 4 runs exactly as without speculation
 
 
@@ -219,10 +226,9 @@ def drafts_at(p: float, num_seqs: int = 1, cheap_rows: int = 8, row_cost: float 
     """Draft tokens each of num_seqs copying sequences gets when its acceptance estimate is p."""
     spec = Speculator("ngram", cheap_rows=cheap_rows, row_cost=row_cost)
     seqs = [decoding(i, LOOP * 3, []) for i in range(num_seqs)]
-    drafters = [spec.new_drafter() for _ in seqs]
-    for d in drafters:
-        d.acceptance.p = p
-    spec.draft(list(zip(seqs, drafters)))
+    for s in drafting(spec, seqs):
+        s.drafter.acceptance.p = p
+    spec.draft(seqs)
     return [len(s.draft_token_ids) for s in seqs]
 
 
@@ -250,14 +256,14 @@ def test_batches_draft_less_and_a_busy_batch_none():
 def test_a_step_that_does_not_draft_keeps_a_guess_that_scores_the_sequence():
     spec = Speculator("ngram", cheap_rows=8)
     seq = decoding(0, LOOP * 3, [])
-    drafter = spec.new_drafter()
+    drafter = seq.drafter = spec.new_drafter()
     drafter.acceptance.p = 0.05  # not worth a row
-    spec.draft([(seq, drafter)])
+    spec.draft([seq])
     assert seq.draft_token_ids == [] and drafter.acceptance.guess_pos == seq.num_tokens
     for _ in range(4):  # the sequence now follows its guesses: p recovers and drafting resumes
         seq.token_ids.append(drafter.acceptance.guess)
         seq.num_computed_tokens = seq.num_tokens - 1
-        spec.draft([(seq, drafter)])
+        spec.draft([seq])
         if seq.draft_token_ids:
             break
     assert seq.draft_token_ids, drafter.acceptance.p
@@ -270,7 +276,7 @@ def test_no_draft_while_prefilling_with_prompt_logprobs_or_past_max_tokens():
     scoring = decoding(1, LOOP, [], prompt_logprobs=0)
     last = decoding(2, LOOP, [3], max_tokens=2)  # one token left: nothing to draft before it
     two_left = decoding(3, LOOP, [3], max_tokens=3)  # two left: one draft token, then the sampled one
-    spec.draft([(s, spec.new_drafter()) for s in (prefilling, scoring, last, two_left)])
+    spec.draft(drafting(spec, [prefilling, scoring, last, two_left]))
     assert [s.draft_token_ids for s in (prefilling, scoring, last, two_left)] == [[], [], [], [1]]
 
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import pytest
 
+from steadyserve.engine.batch_sampler import BatchSampler, Sampled
 from steadyserve.engine.engine import LLMEngine
 from steadyserve.engine.offline import run_requests
+from steadyserve.engine.scheduler import Scheduler
 from steadyserve.engine.sequence import Request, SamplingParams, Sequence
 from steadyserve.models.loader import load_model
 
@@ -15,7 +17,8 @@ from speculation_util import (assert_speculated, counts, differences, greedy_and
                               record_verifications, requests)
 
 
-_REAL_VERIFY = LLMEngine._verify  # before any test patches the class
+_REAL_CHOOSE = BatchSampler._choose  # before any test patches the classes
+_REAL_UPDATE = Scheduler.update
 
 
 @pytest.fixture(scope="module")
@@ -25,20 +28,23 @@ def loaded(tiny_model):
 
 # ---- the prefix cache never keeps a rejected token ------------------------------------------------------
 
-def _hashes_the_draft(self, seq, draft, result, emitted):
-    """TEST-ONLY rollback bug: the block hashes are extended over the draft before it is verified, so a
+def _hashes_the_draft(self, batch, outputs):
+    """TEST-ONLY rollback bug: the block hashes are extended over the draft before it is settled, so a
     block a rejected token would have filled is published under the draft's hash."""
-    full = Sequence(seq.seq_id, seq.request)
-    full.token_ids = seq.token_ids + draft
-    full.block_hashes = seq.block_hashes
-    self.block_manager._prefix_hashes(full, full.num_tokens // self.block_manager.block_size)
-    return _REAL_VERIFY(self, seq, draft, result, emitted)
+    for item in batch.scheduled:
+        seq = item.seq
+        if seq.draft_token_ids:
+            full = Sequence(seq.seq_id, seq.request)
+            full.token_ids = seq.token_ids + seq.draft_token_ids
+            full.block_hashes = seq.block_hashes
+            self.block_manager._prefix_hashes(full, full.num_tokens // self.block_manager.block_size)
+    return _REAL_UPDATE(self, batch, outputs)
 
 
 @pytest.mark.parametrize("mode", ["invariant", "broken"])
 def test_rejected_drafts_never_reach_the_prefix_cache(loaded, monkeypatch, mode):
     if mode == "broken":
-        monkeypatch.setattr(LLMEngine, "_verify", _hashes_the_draft)
+        monkeypatch.setattr(Scheduler, "update", _hashes_the_draft)
     bs = 16
     on = make(loaded, "ngram", block_size=bs)
     reqs = greedy_and_seeded()
@@ -72,59 +78,45 @@ def test_rejected_drafts_never_reach_the_prefix_cache(loaded, monkeypatch, mode)
 
 # ---- a broken verifier is caught ------------------------------------------------------------------------
 
-def _unchecked(self, seq, draft, result, emitted):
+def _unchecked(self, seq, result):
     """TEST-ONLY: takes every draft token without comparing it with the token sampled there."""
-    reason = None
-    try:
-        for j, (row, argmax, has_nan) in enumerate(result.choice_rows()):
-            tok = draft[j] if j < len(draft) else self._sample(seq, row, argmax, has_nan)
-            reason = self._emit(seq, tok, row, emitted)
-            if reason:
-                break
-    finally:
-        self._count(seq, len(emitted.tokens))
-        self.block_manager.truncate(seq)
-        self.speculator.record(seq.state.drafter, len(draft), len(emitted.tokens) - 1)
-    return reason
+    draft = seq.draft_token_ids
+    if not draft:
+        return _REAL_CHOOSE(self, seq, result)
+    out = Sampled()
+    for j, (row, argmax, has_nan) in enumerate(result.choice_rows()):
+        out.tokens.append(draft[j] if j < len(draft) else self._pick(seq, out.tokens, row, argmax, has_nan))
+        out.rows.append(row)
+    return out
 
 
-def _one_too_many(self, seq, draft, result, emitted):
+def _one_too_many(self, seq, result):
     """TEST-ONLY off-by-one: at the first mismatch, keeps the draft token instead of the sampled one."""
-    reason = None
-    accepted = 0
-    try:
-        for j, (row, argmax, has_nan) in enumerate(result.choice_rows()):
-            tok = self._sample(seq, row, argmax, has_nan)
-            if j < len(draft) and tok != draft[j]:
-                reason = self._emit(seq, draft[j], row, emitted)
-                break
-            reason = self._emit(seq, tok, row, emitted)
-            if j == len(draft) or reason:
-                break
-            accepted += 1
-    finally:
-        self._count(seq, len(emitted.tokens))
-        self.block_manager.truncate(seq)
-        self.speculator.record(seq.state.drafter, len(draft), accepted)
-    return reason
+    out = _REAL_CHOOSE(self, seq, result)
+    draft, j = seq.draft_token_ids, len(out.tokens) - 1
+    if out.error is None and 0 <= j < len(draft) and out.tokens[j] != draft[j]:
+        out.tokens[j] = draft[j]
+    return out
 
 
-def _one_draw_per_step(self, seq, draft, result, emitted):
+def _one_draw_per_step(self, seq, result):
     """TEST-ONLY: every position of a verification draws the same uniform (the generator is rewound before
     each), as if a step made one draw: greedy is unaffected, seeded sampling is not."""
+    if not seq.draft_token_ids:
+        return _REAL_CHOOSE(self, seq, result)
     gen = seq.state.generator
     state = gen.get_state()
-    real_sample = self._sample
+    real_pick = self._pick
 
     def rewound(*args):
         gen.set_state(state)
-        return real_sample(*args)
+        return real_pick(*args)
 
-    self._sample = rewound
+    self._pick = rewound
     try:
-        return _REAL_VERIFY(self, seq, draft, result, emitted)
+        return _REAL_CHOOSE(self, seq, result)
     finally:
-        del self._sample
+        del self._pick
 
 
 @pytest.mark.parametrize("broken", [_unchecked, _one_too_many, _one_draw_per_step],
@@ -132,7 +124,7 @@ def _one_draw_per_step(self, seq, draft, result, emitted):
 def test_a_broken_verifier_fails_the_equality_check(loaded, monkeypatch, broken):
     reqs = greedy_and_seeded()
     off = one_by_one(make(loaded, "off"), reqs)
-    monkeypatch.setattr(LLMEngine, "_verify", broken)
+    monkeypatch.setattr(BatchSampler, "_choose", broken)
     on = make(loaded, "ngram")
     got = one_by_one(on, reqs)
     assert counts(on)[0] > 0

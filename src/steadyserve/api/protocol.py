@@ -1,4 +1,5 @@
-"""Transport-neutral tokenizer work: prompts to token ids, chat templates, token texts.
+"""Transport-neutral tokenizer work: prompts to token ids, chat templates (a lone token's text is
+engine/detokenizer.py's token_text, imported here for the transports).
 
 Called by the request builder (requests.py) for every transport, so a prompt
 means the same thing on all of them and a bad one gets the same message.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..engine.detokenizer import token_text  # noqa: F401 - the transports' import; its owner is the detokenizer
 from ..limits import CHAT_ROLES, InvalidRequest
 from .tools import ToolRequest, format_for
 
@@ -73,18 +75,3 @@ def check_message(m: dict[str, Any], param: str) -> None:
     if m["role"] == "tool" and not isinstance(m.get("tool_call_id"), str):
         raise InvalidRequest(f"{param}.tool_call_id", f"{param}.tool_call_id: a tool message names the call it "
                              "answers")
-
-
-_TOKEN_TEXT: dict[int, dict[int, str]] = {}  # id(tokenizer) -> token id -> text; at most the vocabulary
-
-
-def token_text(tokenizer: Any, token_id: int) -> str:
-    """The text a single token stands for, as OpenAI's logprobs show it; memoized, the one memo of every
-    transport: logprobs with 20 alternatives, an echoed prompt or a high-rate gRPC Score would otherwise decode
-    tens of thousands of single tokens on the event loop."""
-    cache = _TOKEN_TEXT.setdefault(id(tokenizer), {})
-    text = cache.get(token_id)
-    if text is None:
-        text = cache[token_id] = tokenizer.decode([token_id], skip_special_tokens=False,
-                                                  clean_up_tokenization_spaces=False)
-    return text

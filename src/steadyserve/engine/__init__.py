@@ -1,5 +1,6 @@
-"""The engine: Sequence -> Scheduler -> BlockManager -> ModelRunner -> Sampler.
+"""The engine. One step (LLMEngine.step): Scheduler.schedule -> ModelRunner.execute -> BatchSampler.sample ->
+OutputProcessor.process -> Scheduler.update.
 
-Pure-Python parts (sequence, block_manager, scheduler, detokenizer, stop) import no
+Pure-Python parts (sequence, block_manager, scheduler, speculation, ngram, detokenizer, stop) import no
 torch, so they can be tested alone.
 """

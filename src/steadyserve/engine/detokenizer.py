@@ -1,5 +1,7 @@
 """Incremental detokenization with stop strings.
 
+`token_text` is the one place a single token becomes text (logprobs, speculation's lookup keys).
+
 Contract: the `text_delta`s a request emits concatenate exactly to its final
 text, never carry a U+FFFD made by a multi-byte character split across tokens,
 and never leak any part of a stop string.
@@ -10,6 +12,21 @@ from __future__ import annotations
 from typing import Any
 
 REPLACEMENT = "\ufffd"
+
+_TOKEN_TEXT: dict[int, dict[int, str]] = {}  # id(tokenizer) -> token id -> text; at most the vocabulary
+
+
+def token_text(tokenizer: Any, token_id: int) -> str:
+    """The text a single token stands for, as OpenAI's logprobs show it and speculation's n-gram keys read it
+    (engine.py `_token_text`): the one decode of a lone token, with one set of flags. Memoized, the one memo of every
+    transport and the engine: logprobs with 20 alternatives, an echoed prompt or a high-rate gRPC Score would
+    otherwise decode tens of thousands of single tokens on the event loop."""
+    cache = _TOKEN_TEXT.setdefault(id(tokenizer), {})
+    text = cache.get(token_id)
+    if text is None:
+        text = cache[token_id] = tokenizer.decode([token_id], skip_special_tokens=False,
+                                                  clean_up_tokenization_spaces=False)
+    return text
 
 
 class IncrementalDetokenizer:

@@ -99,6 +99,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> list[SeqResult]:
         """Run one step. Returns one SeqResult per scheduled sequence, in order."""
+        if out.is_empty:
+            return []
         batch, spans = self._prepare(out)
         hidden = self.model.forward(batch, self.kv.k, self.kv.v)  # (T, hidden)
         # Only rows that score a prompt token or pick the next token need the LM head.

@@ -11,15 +11,21 @@ and it is recomputed later (batch-invariant numerics make the recomputed K/V
 bitwise identical, so preemption cannot change a result). A decoding sequence
 with a speculative draft (speculation.py) computes the draft after its last
 token, from budget and blocks no other sequence needs this step.
+
+`update` settles a step once its outputs are known: the tokens it computed are counted (and the blocks
+they fill published to the prefix cache), a verification keeps only what was accepted, and finished
+sequences leave the batch.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
-from .sequence import Sequence, SequenceStatus
+from .sequence import RequestOutput, Sequence, SequenceStatus
+from .speculation import Speculator
 
 
 @dataclass
@@ -43,10 +49,14 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 speculator: Speculator | None = None) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # Drafts for the running sequences before each step is sized, and keeps score of what they got
+        # accepted (speculation.py); None or disabled: no drafts.
+        self.speculator = speculator
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0  # total, for metrics
@@ -135,6 +145,45 @@ class Scheduler:
                    for other in self.running)
 
     def schedule(self) -> SchedulerOutput:
+        """This step's sequences and how many tokens each computes (drafts first: they are sized here too)."""
+        if self.speculator is not None and self.speculator.enabled:
+            self.speculator.draft(self.running)
+        out = self._schedule()
+        now = time.monotonic()
+        for item in out.scheduled:  # queue wait ends when a request is first scheduled, not computed
+            if item.seq.first_scheduled_time is None:
+                item.seq.first_scheduled_time = now
+        for seq in out.preempted:  # the step's time, kept for the request's trace (RequestTimings)
+            seq.preempted_times.append(now)
+        return out
+
+    def update(self, out: SchedulerOutput, outputs: list[RequestOutput | None]) -> None:
+        """Settle a computed step: `outputs[i]` is what scheduled sequence i emitted (None: nothing yet).
+
+        Its new tokens join the sequence. What counts as computed: the step's tokens, or for a verification
+        only the last token and the accepted draft tokens (the row after the last of them picked the final
+        token); the full blocks they complete are published to the prefix cache, and blocks behind every
+        layer's window released. A verification's blocks past what its tokens need hold rejected draft
+        tokens' K/V only and are released unhashed (BlockManager.truncate), and its outcome is recorded.
+        Finished sequences leave the batch."""
+        bm = self.block_manager
+        for item, output in zip(out.scheduled, outputs):
+            seq = item.seq
+            draft, seq.draft_token_ids = seq.draft_token_ids, []  # drafts live for one step
+            new = output.new_token_ids if output is not None else []
+            seq.token_ids += new
+            computed = len(new) if draft else item.num_new_tokens
+            seq.num_computed_tokens += computed
+            bm.cache_full_blocks(seq, computed)
+            bm.release_out_of_window(seq)
+            if draft:
+                bm.truncate(seq)
+                if self.speculator is not None:
+                    self.speculator.record(seq.drafter, len(draft), _accepted(new, draft))
+            if output is not None and output.finished:
+                self.retire(seq)
+
+    def _schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scheduled_ids: set[int] = set()
@@ -177,3 +226,12 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
         return out
+
+
+def _accepted(tokens: list[int], draft: list[int]) -> int:
+    """Draft tokens a verification accepted: those equal to the tokens sampled at their positions, up to the
+    first that differs (the sampler stops there, so every token before the last matched)."""
+    n = 0
+    while n < min(len(tokens), len(draft)) and tokens[n] == draft[n]:
+        n += 1
+    return n

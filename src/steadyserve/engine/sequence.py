@@ -10,10 +10,19 @@ import enum
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, AbstractSet, Any
 
 from ..limits import (MAX_BIAS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_STOP_STRINGS,
                       MAX_TEMPERATURE, SEED_MAX, SEED_MIN, InvalidRequest, check_range)
+
+from .ngram import SeqDrafter
+
+if TYPE_CHECKING:  # annotations only: this module stays free of torch (the scheduler is tested without it)
+    import torch
+
+    from .detokenizer import IncrementalDetokenizer
+    from .pooler import PoolState
+    from .structured import Matcher
 
 __all__ = ["MAX_LOGPROBS", "InvalidRequest"]  # re-exported: their home is steadyserve.limits
 
@@ -194,6 +203,23 @@ class Accumulated:
                 "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens}}
 
 
+@dataclass
+class SeqState:
+    """One generation's sampling and text state, made at admission (LLMEngine.add_checked) and owned by the
+    engine thread: the sampler (batch_sampler.py) draws with its generator, limits and grammar; the output
+    processor (output_processor.py) turns its tokens into text, stops and logprobs."""
+
+    # The tokens that end this sequence (stop.end_token_ids): the stop rule and min_tokens' mask both use them.
+    end_ids: AbstractSet[int]
+    generator: torch.Generator  # the request's own (sampler.make_generator): seeded, or a drawn seed receipts read back
+    matcher: Matcher | None  # its position in its grammar (structured output); None without one
+    detok: IncrementalDetokenizer  # its text so far, held back where a stop string may still begin
+    # An embedding's fold of its hidden rows (pooler.py); None for a generation.
+    pool: PoolState | None = None
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.. so far, in order
+    first_output: bool = True  # no output sent yet: the next one carries queue_wait
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -202,6 +228,10 @@ class SequenceStatus(enum.Enum):
 
 class Sequence:
     """A request's state inside the engine."""
+
+    # Sampling and text state (SeqState), set by the engine at admission; a Sequence the scheduler alone
+    # handles (its tests) has none.
+    state: SeqState
 
     def __init__(self, seq_id: int, request: Request) -> None:
         self.seq_id = seq_id
@@ -228,7 +258,7 @@ class Sequence:
         self.first_token_time: float | None = None
         self.prefill_done_time: float | None = None  # the step that computed the last prompt token, first time
         self.preempted_times: list[float] = []  # the steps that preempted it (RequestTimings)
-        self.state: Any = None  # sampler/detokenizer state, owned by the engine
+        self.drafter: SeqDrafter | None = None  # speculative drafting state (ngram.py); None without speculation
 
     @property
     def num_tokens(self) -> int:

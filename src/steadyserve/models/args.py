@@ -26,8 +26,9 @@ class ModelArgs:
     mlp_bias: bool = False
     sliding_window: int = 0  # Mistral v0.1: keys older than this are not attended; 0 = none
     hf_config: Any = field(default=None, compare=False, repr=False)  # kept for RoPE init
-    # The block variants below run in extended.py (Gemma 3, Qwen3); their defaults are the Llama block,
-    # which transformer.py runs unchanged.
+    # The variants below default to the Llama block. The layer's are read through one LayerSpec (layer_spec.py) by
+    # every layer path; the load-time and model-level ones (norm_offset, fused_weights, embed_scale, the logits'
+    # softcap and divisor) run in extended.py.
     qk_norm: bool = False  # an RMSNorm over each q and each k head, before RoPE
     norm_offset: float = 0.0  # every norm scales by (norm_offset + w): Gemma's (1 + w)
     sandwich_norm: bool = False  # Gemma: norms on the attention and MLP outputs too, before each residual add
@@ -52,12 +53,10 @@ class ModelArgs:
 
     @property
     def extended(self) -> bool:
-        """Whether the block differs from Llama's, so extended.py must run it."""
-        return (self.qk_norm or self.norm_offset != 0.0 or self.sandwich_norm or self.hidden_act != "silu"
-                or self.embed_scale != 1.0 or self.attn_scale != 0.0 or bool(self.layer_windows)
-                or bool(self.layer_rope) or self.fused_weights or not self.pre_norm or not self.qk_norm_per_head
-                or bool(self.layer_use_rope) or self.residual_scale != 1.0 or self.logits_divisor != 1.0
-                or self.attn_softcap != 0.0 or self.final_softcap != 0.0)
+        """Whether loading or the model's ends differ from Llama's, so extended.py must run it (the layers' variants
+        are the LayerSpec's, which Transformer runs for every architecture)."""
+        return (self.norm_offset != 0.0 or self.fused_weights or self.embed_scale != 1.0 or self.logits_divisor != 1.0
+                or self.final_softcap != 0.0)
 
     def window(self, layer: int) -> int:
         """The sliding window of `layer`, 0 for a global layer."""

@@ -3,7 +3,9 @@
 * `attention_native`: the C++ kernel (kernels/csrc/paged_attention.cpp). Each
   (token, kv head) reads its sequence's blocks in place and reduces keys in a
   fixed order of absolute positions, so prefill, chunked prefill and decode
-  give identical bits, on any thread count and vector width. Used on both the
+  give identical bits, on any thread count and vector width. A prefill chunk's
+  tokens share each block in tiles (one conversion of an f16/bf16/q8_0 block
+  per tile, not per token) without changing any row's order. Used on both the
   invariant and the plain path when it is built.
 * `attention_invariant`: the Python fallback when it is not. One token at a
   time as a batch of fixed-shape GEMMs over fixed KV blocks with an online

@@ -253,6 +253,21 @@ def _convert_own(path: Path, metadata: dict[str, Any], names: tuple[str, ...],
     return hf_config, tensors, tokenizer
 
 
+def _written_by_this_transformers(model_dir: Path) -> bool:
+    """True when the directory's config.json was written by save_pretrained of the installed transformers
+    (its `transformers_version` is this one's): then, as in a directory we converted, it holds every field
+    its class sets beyond the base class's defaults, and tokenizer_config.json names the tokenizer class, so
+    the generic readers below take it without importing the architecture's modules (about 2 s of a start).
+    A directory written by another version may rely on that version's class defaults: AutoConfig reads it."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        written = json.loads((model_dir / "config.json").read_text()).get("transformers_version")
+        return written is not None and written == version("transformers")
+    except (OSError, ValueError, PackageNotFoundError):
+        return False
+
+
 def _read_config(model_dir: Path, converted: bool) -> Any:
     """The model's config. A directory we converted from a GGUF holds every field (save_pretrained of the
     architecture's own class wrote them), so the generic class reads it. The architecture's class is only
@@ -408,7 +423,7 @@ def load_model(path: str, device: str = "cpu", dtype: str = "auto", *, batch_inv
         model_dir = src
     if not (model_dir / "config.json").is_file():
         raise LoadError(f"{model_dir}: no config.json (not a Hugging Face model directory)")
-    converted = src.is_file()
+    converted = src.is_file() or _written_by_this_transformers(model_dir)
     try:
         pool = resolve_pooling(pooling, src, model_dir)
     except PoolingError as e:

@@ -1,11 +1,12 @@
-"""All decoder layers of a forward pass in one native call, where the layers are the plain Llama shape.
+"""All decoder layers of a forward pass in one native call, for every architecture whose LayerSpec it runs.
 
 `Transformer.forward` on the native path runs each layer as about twenty op calls from Python. At one
 stream a decode step is a few milliseconds and those calls were a fifth of it, so the loop over layers
 moves into C++ (kernels/csrc/forward.cpp, `steadyserve.NativeLayers`): the same kernels in the same
 order on the same tensors, hence the same bits, which tests/test_native_forward.py checks against the
-per-op path for prefill and decode. The per-op path stays the reference and serves whatever this does
-not: the host numerics path, Python attention, and architectures whose layers differ from Llama's.
+per-op path for prefill and decode, per architecture. Both read the model's LayerSpec (layer_spec.py);
+which specs this call runs is layer_spec.native_supports' decision alone. The per-op path stays the
+reference and serves the rest: the host numerics path and Python attention.
 """
 
 from __future__ import annotations
@@ -15,27 +16,36 @@ from typing import Any
 import torch
 
 from ..kernels.quant import QMatrix
+from .layer_spec import LayerSpec, native_supports
 
-# Architectures whose layer is exactly norm → q|k|v (+bias) → RoPE → attention → o → norm → gate|up → SiLU·mul
-# → down, which is all NativeLayers computes. A new architecture joins only with a bitwise test.
-PLAIN_LAYER_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
+_QK_NORM_HEADS = {"none": 0, "per_head": 1, "all_heads": 2}  # NativeLayers' qk_norm_heads argument
 
 
-def build_native_layers(model: Any) -> Any | None:
+def build_native_layers(model: Any, spec: LayerSpec | None = None) -> Any | None:
     """A steadyserve.NativeLayers holding a Transformer's layers, or None where the per-op path must run.
 
-    (`model` is the Transformer being built; typed Any because transformer.py imports this module.)"""
-    a = model.args
-    if not (model.native and model.native_rope and a.architecture in PLAIN_LAYER_ARCHITECTURES):
+    `spec`: what the layers compute, model.spec unless a test drops a feature to show its bitwise check fails;
+    a norm the spec does not place is not passed. (`model` is the Transformer being built; typed Any because
+    transformer.py imports this module.)"""
+    spec = spec or model.spec
+    if not (model.native and model.native_rope and native_supports(spec)):
         return None
-    layers = torch.classes.steadyserve.NativeLayers(a.num_heads, a.num_kv_heads, a.head_dim, float(a.rms_norm_eps),
-                                                    float(model.scale), int(a.sliding_window or 0))
+    layers = torch.classes.steadyserve.NativeLayers(
+        spec.num_heads, spec.num_kv_heads, spec.head_dim, float(spec.eps), float(spec.attn_scale),
+        float(spec.attn_softcap), spec.pre_norm, _QK_NORM_HEADS[spec.qk_norm], spec.activation == "gelu_tanh",
+        float(spec.residual_scale))
+    kinds = list(model.rope)  # the order Transformer.forward passes the tables in
     empty = torch.empty(0)
-    for lw in model.layers:
+    for i, lw in enumerate(model.layers):
         mats = (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down)
         assert all(isinstance(m, QMatrix) for m in mats)
         parts = [p for m in mats for p in m.parts]  # type: ignore[union-attr]
-        layers.add_layer(lw.input_norm, lw.post_norm, [p.data for p in parts], [p.fmt for p in parts],
-                         [len(m.parts) for m in mats],  # type: ignore[union-attr]
-                         [b if b is not None else empty for b in (lw.bqkv, lw.bo, lw.b_gate_up, lw.b_down)])
+        pre, qk, post = spec.pre_norm, spec.qk_norm != "none", spec.post_norms
+        norms = (lw.input_norm if pre else None, lw.post_norm if pre else None, lw.q_norm if qk else None,
+                 lw.k_norm if qk else None, lw.attn_out_norm if post else None, lw.mlp_out_norm if post else None)
+        rope = spec.rope[i]
+        layers.add_layer([n if n is not None else empty for n in norms], [p.data for p in parts],
+                         [p.fmt for p in parts], [len(m.parts) for m in mats],  # type: ignore[union-attr]
+                         [b if b is not None else empty for b in (lw.bqkv, lw.bo, lw.b_gate_up, lw.b_down)],
+                         int(spec.windows[i]), kinds.index(rope) if rope is not None else -1)
     return layers

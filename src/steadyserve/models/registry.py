@@ -37,7 +37,8 @@ ARCHITECTURES: dict[str, ArgsFromConfig] = {
 
 
 def model_class(args: ModelArgs) -> type[Transformer]:
-    """The class that runs `args`' block: the Llama one unchanged, or extended.py's variants."""
+    """The class that runs `args`: Transformer, or extended.py's where loading or the model's ends differ from
+    Llama's (the layers are Transformer's for both, from the LayerSpec)."""
     return ExtendedTransformer if args.extended else Transformer
 
 

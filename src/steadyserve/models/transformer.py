@@ -1,8 +1,11 @@
-"""The decoder-only transformer forward pass (Llama family), on a paged KV cache.
+"""The decoder-only transformer forward pass, on a paged KV cache.
 
-One class serves every registered architecture; their differences are flags in
-ModelArgs (q/k/v bias, tied embeddings, sliding window). Weights keep the
-Hugging Face names on load and are fused here (q|k|v, gate|up) so that each
+One class runs every registered architecture's layers: what a layer computes is its LayerSpec
+(layer_spec.py: where the norms sit, q/k norm, activation, score scale and soft-cap, residual
+multiplier, per-layer windows and RoPE tables), read here by the per-op path and by the native
+one-call layers alike (native_forward.py). extended.py adds only what happens at load (Phi-3's fused
+matrices, Gemma's (1 + w) norms) and around the layers (embedding scale, logit soft-cap and divisor).
+Weights keep the Hugging Face names on load and are fused here (q|k|v, gate|up) so that each
 layer makes two projection calls per tile instead of five.
 
 Two numerics paths (numerics.py) share the structure:
@@ -25,6 +28,7 @@ from ..kernels.build import NATIVE_KERNEL_ID
 from ..kernels.quant import QMatrix, QWeight
 from .args import ModelArgs, rope_tables
 from .attention import AttentionFn, write_kv
+from .layer_spec import LayerSpec, layer_spec
 from .layers import RowProbe, RowTiler, apply_rope, rms_norm
 from .native_forward import build_native_layers
 
@@ -54,16 +58,22 @@ Matrix = torch.Tensor | QMatrix  # a float tensor (host path) or the stored weig
 
 @dataclass
 class LayerWeights:
-    input_norm: torch.Tensor  # (hidden,)
+    """One layer's weights; a norm is None where the LayerSpec has none."""
+
+    input_norm: torch.Tensor | None  # (hidden,), before attention (spec.pre_norm)
     wqkv: Matrix  # ((H + 2*Hkv) * D, hidden)
     bqkv: torch.Tensor | None  # ((H + 2*Hkv) * D,)
     wo: Matrix  # (hidden, H * D)
     bo: torch.Tensor | None
-    post_norm: torch.Tensor  # (hidden,)
+    post_norm: torch.Tensor | None  # (hidden,), before the MLP (spec.pre_norm)
     w_gate_up: Matrix  # (2 * inter, hidden)
     b_gate_up: torch.Tensor | None
     w_down: Matrix  # (hidden, inter)
     b_down: torch.Tensor | None
+    q_norm: torch.Tensor | None = None  # (D,) per head, or (H * D,) over all heads (spec.qk_norm)
+    k_norm: torch.Tensor | None = None  # (D,) or (Hkv * D,)
+    attn_out_norm: torch.Tensor | None = None  # (hidden,), on the attention output before its residual add
+    mlp_out_norm: torch.Tensor | None = None  # (hidden,), on the MLP output before its residual add (spec.post_norms)
 
 
 class Transformer:
@@ -76,6 +86,7 @@ class Transformer:
                  dtype: torch.dtype, tiler: RowTiler, max_len: int, attention: AttentionFn, kernel_id: str,
                  native: bool = False) -> None:
         self.args = args
+        self.spec: LayerSpec = layer_spec(args)  # what every layer computes, on both layer paths
         self.native = native  # the portable path: native kernels on the stored weights (module docstring)
         self.device = device
         self.dtype = dtype
@@ -113,6 +124,10 @@ class Transformer:
         def maybe(name: str) -> torch.Tensor | None:
             return vec(name) if name in weights else None
 
+        def norm(name: str, present: bool) -> torch.Tensor | None:
+            """A norm the spec places (a KeyError if the weights lack it), or None where it places none."""
+            return vec(name) if present else None
+
         def cat(names: list[str]) -> torch.Tensor | None:
             """Fuse the named weights (all or none present) into one owned tensor."""
             present = [n for n in names if n in weights]
@@ -128,27 +143,41 @@ class Transformer:
         # Host path: views of (HEAD_COLUMNS, hidden) each, the last shorter (see HEAD_COLUMNS).
         self.lm_head_parts = [] if native else self.lm_head.split(HEAD_COLUMNS)  # type: ignore[union-attr]
         self.final_norm = vec("model.norm.weight")
+        spec = self.spec
+        qk, pre, post = spec.qk_norm != "none", spec.pre_norm, spec.post_norms
         self.layers: list[LayerWeights] = []
         for i in range(args.num_layers):
             p = f"model.layers.{i}."
             a, m = p + "self_attn.", p + "mlp."
             self.layers.append(LayerWeights(
-                input_norm=vec(p + "input_layernorm.weight"),
+                input_norm=norm(p + "input_layernorm.weight", pre),
                 wqkv=mat([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]),
                 bqkv=cat([a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]),
                 wo=mat([a + "o_proj.weight"]), bo=maybe(a + "o_proj.bias"),
-                post_norm=vec(p + "post_attention_layernorm.weight"),
+                # With output norms (Gemma, OLMo 2) post_attention_layernorm norms the attention output, and
+                # Gemma's MLP input norm is pre_feedforward_layernorm.
+                post_norm=norm(p + ("pre_feedforward_layernorm.weight" if post else "post_attention_layernorm.weight"),
+                               pre),
                 w_gate_up=mat([m + "gate_proj.weight", m + "up_proj.weight"]),
                 b_gate_up=cat([m + "gate_proj.bias", m + "up_proj.bias"]),
                 w_down=mat([m + "down_proj.weight"]), b_down=maybe(m + "down_proj.bias"),
+                q_norm=norm(a + "q_norm.weight", qk), k_norm=norm(a + "k_norm.weight", qk),
+                attn_out_norm=norm(p + "post_attention_layernorm.weight", post),
+                mlp_out_norm=norm(p + "post_feedforward_layernorm.weight", post),
             ))
         for i, lw in enumerate(self.layers):
             _check_attention_shapes(args, lw, i)
-        cos, sin = rope_tables(args, max_len)
+        cos, sin = rope_tables(args, max_len)  # layer 0's kind: the row probes' table
         self.cos = cos.to(device=device, dtype=dtype)  # (max_len, D)
         self.sin = sin.to(device=device, dtype=dtype)
-        self.scale = args.head_dim ** -0.5
-        # Every layer in one native call where the layers are Llama's shape (native_forward.py): the same bits.
+        # Every RoPE table a layer reads, by kind (spec.rope; Gemma 3: local and global), in spec.rope_kinds' order.
+        first = (args.layer_rope or ("",))[0]
+        self.rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for kind in spec.rope_kinds:
+            tables = (cos, sin) if kind == first else rope_tables(args, max_len, kind or None)
+            self.rope[kind] = (tables[0].to(device=device, dtype=dtype), tables[1].to(device=device, dtype=dtype))
+        self.scale = spec.attn_scale
+        # Every layer in one native call where native_forward.py can (layer_spec.native_supports): the same bits.
         self.native_layers = build_native_layers(self)
 
     def use_int8_activations(self) -> None:
@@ -162,27 +191,53 @@ class Transformer:
         self.lm_head = self.lm_head.packed()  # type: ignore[union-attr]
         self.native_layers = build_native_layers(self)
 
-    def _qkv(self, lw: LayerWeights, x: torch.Tensor, cos: torch.Tensor,
-             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Row-wise: norm, fused q|k|v projection, RoPE. x: (T, hidden) -> (T, H, D), (T, Hkv, D), (T, Hkv, D)."""
-        a = self.args
-        h, hkv, d = a.num_heads, a.num_kv_heads, a.head_dim
-        qkv = self._linear(self._norm(x, lw.input_norm), lw.wqkv, lw.bqkv)  # (T, (H + 2*Hkv) * D)
+    def _qkv(self, lw: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             rope: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Row-wise: (norm), fused q|k|v projection, (q/k norm), (RoPE), as self.spec says.
+        x: (T, hidden) -> (T, H, D), (T, Hkv, D), (T, Hkv, D). NativeLayers.forward computes the same."""
+        s = self.spec
+        h, hkv, d = s.num_heads, s.num_kv_heads, s.head_dim
+        x_in = self._norm(x, lw.input_norm) if lw.input_norm is not None else x  # OLMo 2: no pre-norm
+        qkv = self._linear(x_in, lw.wqkv, lw.bqkv)  # (T, (H + 2*Hkv) * D)
+        t = qkv.shape[0]
+        if lw.q_norm is not None and lw.k_norm is not None:  # per head: each head its own row of the norm kernel
+            qh, kh = (h, hkv) if s.qk_norm == "per_head" else (1, 1)
+            qkv[:, :h * d] = self._norm(qkv[:, :h * d].reshape(t * qh, -1), lw.q_norm).view(t, h * d)
+            qkv[:, h * d:(h + hkv) * d] = self._norm(qkv[:, h * d:(h + hkv) * d].reshape(t * kh, -1),
+                                                     lw.k_norm).view(t, hkv * d)
         v = qkv[:, (h + hkv) * d:].view(-1, hkv, d)
+        if not rope:  # SmolLM3's NoPE layers
+            return qkv[:, :h * d].view(-1, h, d), qkv[:, h * d:(h + hkv) * d].view(-1, hkv, d), v
         if self.native_rope:  # q and k heads in place, one pass; the same bits as apply_rope
             torch.ops.steadyserve.rope_(qkv, cos, sin, h + hkv)
             return qkv[:, :h * d].view(-1, h, d), qkv[:, h * d:(h + hkv) * d].view(-1, hkv, d), v
         qk = apply_rope(qkv[:, :(h + hkv) * d].view(-1, h + hkv, d), cos, sin)  # q and k heads in one call
         return qk[:, :h], qk[:, h:], v
 
-    def _out_mlp(self, lw: LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """Row-wise: output projection + residual, norm, gated MLP + residual. (T, hidden), (T, H, D) -> (T, hidden)."""
-        x = x + self._linear(attn.reshape(attn.shape[0], -1), lw.wo, lw.bo)
-        gate_up = self._linear(self._norm(x, lw.post_norm), lw.w_gate_up, lw.b_gate_up)  # (T, 2 * inter)
+    def _gated_act(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """(T, 2 * inter) -> act(gate) * up, (T, inter): the native kernel, or PyTorch's op on the host path."""
+        gelu = self.spec.activation == "gelu_tanh"
         if self.native:
-            return x + self._linear(torch.ops.steadyserve.qsilu_mul(gate_up, -1), lw.w_down, lw.b_down)
+            op = torch.ops.steadyserve.qgelu_tanh_mul if gelu else torch.ops.steadyserve.qsilu_mul
+            return op(gate_up, -1)
         gate, up = gate_up.chunk(2, dim=-1)
-        return x + self._linear(F.silu(gate) * up, lw.w_down, lw.b_down)
+        return (F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)) * up
+
+    def _residual(self, out: torch.Tensor, norm: torch.Tensor | None) -> torch.Tensor:
+        """A block's output as its residual add takes it: normed (Gemma, OLMo 2), then scaled (Granite)."""
+        if norm is not None:
+            out = self._norm(out, norm)
+        rs = self.spec.residual_scale
+        return out * rs if rs != 1.0 else out  # one exact multiply per element
+
+    def _out_mlp(self, lw: LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Row-wise: output projection (+ norm, scale) + residual, (norm), gated MLP (+ norm, scale) + residual.
+        (T, hidden), (T, H, D) -> (T, hidden). NativeLayers.forward computes the same."""
+        x = x + self._residual(self._linear(attn.reshape(attn.shape[0], -1), lw.wo, lw.bo), lw.attn_out_norm)
+        pre = self._norm(x, lw.post_norm) if lw.post_norm is not None else x
+        gate_up = self._linear(pre, lw.w_gate_up, lw.b_gate_up)  # (T, 2 * inter)
+        m = self._linear(self._gated_act(gate_up), lw.w_down, lw.b_down)  # (T, hidden)
+        return x + self._residual(m, lw.mlp_out_norm)
 
     def _linear(self, x: torch.Tensor, w: Matrix, b: torch.Tensor | None) -> torch.Tensor:
         """x · wᵀ + b: the native matmul family on the stored weights, or F.linear."""
@@ -222,16 +277,22 @@ class Transformer:
         Returns the final-normed hidden states, (T, hidden).
         """
         x = self._embed(batch.input_ids)  # (T, hidden)
-        cos, sin = self.cos[batch.positions], self.sin[batch.positions]  # (T, D)
-        if self.native_layers is not None:
-            x = self.native_layers.forward(x, cos, sin, k_cache, v_cache, batch.slot_blocks, batch.slot_offsets,
-                                           batch.block_tables, batch.seq_of, batch.positions)
+        trig = {kind: (cos[batch.positions], sin[batch.positions]) for kind, (cos, sin) in self.rope.items()}  # (T, D)
+        if self.native_layers is not None:  # tables in spec.rope_kinds' order, as build_native_layers indexes them
+            x = self.native_layers.forward(x, [c for c, _ in trig.values()], [s for _, s in trig.values()], k_cache,
+                                           v_cache, batch.slot_blocks, batch.slot_offsets, batch.block_tables,
+                                           batch.seq_of, batch.positions)
             return self._final_norm(x)
+        spec = self.spec
+        softcap = (spec.attn_softcap,) if spec.attn_softcap else ()
+        unrotated = next(iter(trig.values()), (x[:, :0], x[:, :0]))  # rows the tiler slices; a NoPE layer ignores them
         for i, lw in enumerate(self.layers):
-            q, k, v = self.tiler(partial(self._qkv, lw), x, cos, sin)  # (T, H, D), (T, Hkv, D), (T, Hkv, D)
+            kind = spec.rope[i]
+            cos, sin = trig[kind] if kind is not None else unrotated
+            q, k, v = self.tiler(partial(self._qkv, lw, rope=kind is not None), x, cos, sin)  # (T,H,D), (T,Hkv,D) x2
             write_kv(k_cache[i], v_cache[i], k, v, batch.slot_blocks, batch.slot_offsets)
             attn = self.attention(q, k_cache[i], v_cache[i], batch.block_tables, batch.seq_of, batch.positions,
-                                  self.scale, self.args.sliding_window)  # (T, H, D)
+                                  self.scale, spec.windows[i], *softcap)  # (T, H, D)
             x = self.tiler(partial(self._out_mlp, lw), x, attn)  # (T, hidden)
         return self.tiler(self._final_norm, x)
 

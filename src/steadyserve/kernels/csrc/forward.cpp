@@ -1,17 +1,25 @@
 // The decoder layers of one forward pass in one native call (steadyserve.NativeLayers).
 //
+// What a layer computes is models/layer_spec.py's LayerSpec, read here as the constructor's and
+// add_layer's arguments: norms before and/or after attention and MLP, a q/k RMSNorm per head or over
+// all heads, SiLU or GELU-tanh, the score scale and soft-cap, a residual multiplier, and per layer its
+// sliding window and RoPE table (or none). Each is a kernel the per-op path (Transformer._qkv,
+// _out_mlp) calls through its torch op, or one exact elementwise operation.
+//
 // models/transformer.py runs a layer as about twenty op calls from Python: norm, the fused q|k|v
 // projection, RoPE, the KV write, attention, the output projection and residual, norm, gate|up,
 // silu·mul, down and residual. At one stream a decode step is a few milliseconds, and the Python
 // between those calls was a fifth of it. This class holds each layer's weights once and runs the
 // same kernels (ops.h), in the same order, on the same tensors, so every value is bitwise the one
 // the per-op path computes: there is no new reduction here, only the loop over layers moved to C++.
-// The per-op path stays the reference and the fallback (architectures with other layer shapes,
-// the host numerics path); tests/test_native_forward.py checks the two bitwise, prefill and decode.
+// The per-op path stays the reference and the fallback (the host numerics path, Python attention, a
+// spec this class cannot run: layer_spec.native_supports); tests/test_native_forward.py checks the two
+// bitwise, prefill and decode, on every architecture.
 //
-// Shapes: x (T, hidden); cos, sin (T, D) by absolute position; k_cache (L, NB, Hkv, D, Bs) and
-// v_cache (L, NB, Hkv, Bs, D) (in float32; other storage formats as kv_format.h lays them out); slot_blocks, slot_offsets, seq_of, positions (T,); block_tables
-// (S, NBmax). Elementwise adds are exact whatever their order, so in place or not is only memory.
+// Shapes: x (T, hidden); cos, sin: lists of (T, D) tables by absolute position, one per RoPE kind;
+// k_cache (L, NB, Hkv, D, Bs) and v_cache (L, NB, Hkv, Bs, D) (in float32; other storage formats as
+// kv_format.h lays them out); slot_blocks, slot_offsets, seq_of, positions (T,); block_tables (S, NBmax).
+// Elementwise adds are exact whatever their order, so in place or not is only memory.
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -38,12 +46,17 @@ struct Matrix {
   at::Tensor bias;                // (n,) float32, or undefined
 };
 
+// Norms are undefined where the spec has none (OLMo 2's pre-norms, Llama's q/k and output norms).
 struct Layer {
-  at::Tensor input_norm, post_norm;  // (hidden,) float32
-  Matrix wqkv;                       // ((H + 2 Hkv) D, hidden)
-  Matrix wo;                         // (hidden, H D)
-  Matrix w_gate_up;                  // (2 I, hidden)
-  Matrix w_down;                     // (hidden, I)
+  at::Tensor input_norm, post_norm;        // (hidden,) float32: before attention, before the MLP
+  at::Tensor q_norm, k_norm;               // (D,) per head, or (H D,) / (Hkv D,) over all heads
+  at::Tensor attn_out_norm, mlp_out_norm;  // (hidden,): on each block's output, before its residual add
+  Matrix wqkv;                             // ((H + 2 Hkv) D, hidden)
+  Matrix wo;                               // (hidden, H D)
+  Matrix w_gate_up;                        // (2 I, hidden)
+  Matrix w_down;                           // (hidden, I)
+  int64_t window = 0;                      // sliding window in tokens, 0 for none (paged_attention's mask)
+  int64_t rope = 0;                        // index of its cos/sin table in forward's lists; -1: no RoPE
 };
 
 // x · Wᵀ (+ b), as QMatrix.__call__ and Transformer._linear compute it: parts left to right into
@@ -59,20 +72,43 @@ at::Tensor linear(const Matrix& w, const at::Tensor& x) {
   return y;
 }
 
+at::Tensor defined_or_none(const at::Tensor& t) { return t.numel() > 0 ? t.contiguous() : at::Tensor(); }
+
 class NativeLayers : public torch::CustomClassHolder {
  public:
-  NativeLayers(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale, int64_t window)
-      : h_(num_heads), hkv_(num_kv_heads), d_(head_dim), eps_(eps), scale_(scale), window_(window) {}
+  // The model-wide part of the LayerSpec. qk_norm_heads: 0 for no q/k norm, 1 for one norm row per head
+  // (Qwen3, Gemma 3), 2 for one row over all heads (OLMo 2). gelu: GELU-tanh instead of SiLU.
+  NativeLayers(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale, double softcap,
+               bool pre_norm, int64_t qk_norm_heads, bool gelu, double residual_scale)
+      : h_(num_heads), hkv_(num_kv_heads), d_(head_dim), eps_(eps), scale_(scale), softcap_(softcap),
+        pre_norm_(pre_norm), qk_norm_heads_(qk_norm_heads), gelu_(gelu), residual_scale_(residual_scale) {
+    TORCH_CHECK(qk_norm_heads >= 0 && qk_norm_heads <= 2, "NativeLayers: qk_norm_heads is 0, 1 or 2");
+  }
 
-  // One layer's weights, in forward order: parts and formats of wqkv, wo, w_gate_up, w_down, with
-  // parts_per_matrix giving how many parts each has; biases: four (n,) tensors, empty when absent.
-  void add_layer(at::Tensor input_norm, at::Tensor post_norm, std::vector<at::Tensor> parts, std::vector<int64_t> fmts,
-                 std::vector<int64_t> parts_per_matrix, std::vector<at::Tensor> biases) {
-    TORCH_CHECK(parts.size() == fmts.size() && parts_per_matrix.size() == 4 && biases.size() == 4,
-                "NativeLayers.add_layer: 4 matrices, one format per part, 4 biases");
+  // One layer's weights, in forward order. norms: input, post (pre-MLP), q, k, attention-output and
+  // MLP-output norms, each empty when the spec has none; parts and formats of wqkv, wo, w_gate_up, w_down,
+  // with parts_per_matrix giving how many parts each has; biases: four (n,) tensors, empty when absent;
+  // window and rope: the layer's sliding window (0: none) and cos/sin table index (-1: no RoPE).
+  void add_layer(std::vector<at::Tensor> norms, std::vector<at::Tensor> parts, std::vector<int64_t> fmts,
+                 std::vector<int64_t> parts_per_matrix, std::vector<at::Tensor> biases, int64_t window,
+                 int64_t rope) {
+    TORCH_CHECK(norms.size() == 6 && parts.size() == fmts.size() && parts_per_matrix.size() == 4 && biases.size() == 4,
+                "NativeLayers.add_layer: 6 norms, 4 matrices, one format per part, 4 biases");
     Layer layer;
-    layer.input_norm = input_norm.contiguous();
-    layer.post_norm = post_norm.contiguous();
+    layer.input_norm = defined_or_none(norms[0]);
+    layer.post_norm = defined_or_none(norms[1]);
+    layer.q_norm = defined_or_none(norms[2]);
+    layer.k_norm = defined_or_none(norms[3]);
+    layer.attn_out_norm = defined_or_none(norms[4]);
+    layer.mlp_out_norm = defined_or_none(norms[5]);
+    TORCH_CHECK(layer.input_norm.defined() == pre_norm_ && layer.post_norm.defined() == pre_norm_,
+                "NativeLayers.add_layer: the pre-norms must be given exactly when pre_norm is set");
+    TORCH_CHECK(layer.q_norm.defined() == (qk_norm_heads_ != 0) && layer.k_norm.defined() == (qk_norm_heads_ != 0),
+                "NativeLayers.add_layer: the q/k norms must be given exactly when qk_norm_heads is not 0");
+    TORCH_CHECK(layer.attn_out_norm.defined() == layer.mlp_out_norm.defined(),
+                "NativeLayers.add_layer: both output norms or neither");
+    layer.window = window;
+    layer.rope = rope;
     Matrix* mats[4] = {&layer.wqkv, &layer.wo, &layer.w_gate_up, &layer.w_down};
     size_t next = 0;
     for (int m = 0; m < 4; ++m) {
@@ -95,11 +131,12 @@ class NativeLayers : public torch::CustomClassHolder {
   int64_t num_layers() const { return int64_t(layers_.size()); }
 
   // Runs every layer over the step's rows; fills the KV cache; returns the hidden states (T, hidden)
-  // before the final norm, as Transformer.forward's loop leaves them.
-  at::Tensor forward(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor k_cache, at::Tensor v_cache,
-                     at::Tensor slot_blocks, at::Tensor slot_offsets, at::Tensor block_tables, at::Tensor seq_of,
-                     at::Tensor positions) {
+  // before the final norm, as Transformer.forward's loop leaves them. cos[i], sin[i]: table i's rows.
+  at::Tensor forward(at::Tensor x, std::vector<at::Tensor> cos, std::vector<at::Tensor> sin, at::Tensor k_cache,
+                     at::Tensor v_cache, at::Tensor slot_blocks, at::Tensor slot_offsets, at::Tensor block_tables,
+                     at::Tensor seq_of, at::Tensor positions) {
     TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "NativeLayers.forward: x must be (T, hidden) float32");
+    TORCH_CHECK(cos.size() == sin.size(), "NativeLayers.forward: one sin table per cos table");
     TORCH_CHECK(k_cache.dim() == 5 && v_cache.dim() == 5 && k_cache.size(0) == num_layers() &&
                     k_cache.is_contiguous() && v_cache.is_contiguous(),
                 "NativeLayers.forward: caches must be contiguous (L, NB, Hkv, D, Bs) and (L, NB, Hkv, Bs, D)");
@@ -112,28 +149,54 @@ class NativeLayers : public torch::CustomClassHolder {
     const int64_t* offsets = slot_offsets.data_ptr<int64_t>();
     for (int64_t i = 0; i < num_layers(); ++i) {
       const Layer& L = layers_[size_t(i)];
+      TORCH_CHECK(L.rope < int64_t(cos.size()), "NativeLayers.forward: layer ", i, " reads RoPE table ", L.rope);
       at::Tensor kc = k_cache.select(0, i), vc = v_cache.select(0, i);
-      at::Tensor qkv = linear(L.wqkv, steady_ops::qrms_norm(x, L.input_norm, eps_, -1));  // (T, (H + 2 Hkv) D)
-      steady_ops::rope_inplace(qkv, cos, sin, h_ + hkv_);  // q and k heads
+      // (T, (H + 2 Hkv) D): q|k|v of the normed input (OLMo 2: of the residual itself)
+      at::Tensor qkv = linear(L.wqkv, pre_norm_ ? steady_ops::qrms_norm(x, L.input_norm, eps_, -1) : x);
+      if (qk_norm_heads_ != 0) {  // each q and k head (or all of them at once) one row of the norm kernel
+        const bool per_head = qk_norm_heads_ == 1;
+        qk_norm(qkv, 0, h_, per_head, L.q_norm);
+        qk_norm(qkv, qd, hkv_, per_head, L.k_norm);
+      }
+      if (L.rope >= 0) steady_ops::rope_inplace(qkv, cos[size_t(L.rope)], sin[size_t(L.rope)], h_ + hkv_);
       const float* row = qkv.data_ptr<float>();  // k at column qd, v at qd + kvd of each row
       steady_ops::kv_write_rows(kc, vc, row + qd, row + qd + kvd, qkv.stride(0), T, hkv_, d_, blocks, offsets);
       at::Tensor q = qkv.narrow(1, 0, qd).contiguous().view({T, h_, d_});  // (T, H, D)
       at::Tensor attn = at::empty_like(q);
-      steady_ops::paged_attention(q, kc, vc, block_tables, seq_of, positions, attn, scale_, window_, 0.0);
-      x = x + linear(L.wo, attn.view({T, qd}));
+      steady_ops::paged_attention(q, kc, vc, block_tables, seq_of, positions, attn, scale_, L.window, softcap_);
+      x = x + residual(linear(L.wo, attn.view({T, qd})), L.attn_out_norm);
       for (int64_t r0 = 0; r0 < T; r0 += kMlpRows) {  // x is ours now: each slice of rows is updated in place
         at::Tensor rows = x.narrow(0, r0, std::min(kMlpRows, T - r0));
-        at::Tensor gate_up = linear(L.w_gate_up, steady_ops::qrms_norm(rows, L.post_norm, eps_, -1));  // (n, 2 I)
-        rows.add_(linear(L.w_down, steady_ops::qsilu_mul(gate_up, -1)));
+        at::Tensor gate_up = linear(L.w_gate_up, pre_norm_ ? steady_ops::qrms_norm(rows, L.post_norm, eps_, -1) : rows);
+        at::Tensor act = gelu_ ? steady_ops::qgelu_tanh_mul(gate_up, -1) : steady_ops::qsilu_mul(gate_up, -1);
+        rows.add_(residual(linear(L.w_down, act), L.mlp_out_norm));  // (n, hidden)
       }
     }
     return x;
   }
 
  private:
+  // Columns [col, col + heads D) of qkv normed in place, as Transformer._qkv does it: the slice reshaped to
+  // one row per head (or one row for all heads), normed, and copied back.
+  void qk_norm(at::Tensor& qkv, int64_t col, int64_t heads, bool per_head, const at::Tensor& weight) const {
+    const int64_t T = qkv.size(0);
+    at::Tensor part = qkv.narrow(1, col, heads * d_);
+    at::Tensor normed = steady_ops::qrms_norm(part.reshape({T * (per_head ? heads : 1), -1}), weight, eps_, -1);
+    part.copy_(normed.view({T, heads * d_}));
+  }
+
+  // A block's output as its residual add takes it: normed (Gemma, OLMo 2), then scaled (Granite).
+  at::Tensor residual(at::Tensor out, const at::Tensor& norm) const {
+    if (norm.defined()) out = steady_ops::qrms_norm(out, norm, eps_, -1);
+    return residual_scale_ != 1.0 ? out * residual_scale_ : out;  // one exact multiply per element
+  }
+
   int64_t h_, hkv_, d_;
-  double eps_, scale_;
-  int64_t window_;  // sliding window in tokens, 0 for none (paged_attention's mask)
+  double eps_, scale_, softcap_;  // softcap 0: none
+  bool pre_norm_;
+  int64_t qk_norm_heads_;
+  bool gelu_;
+  double residual_scale_;
   std::vector<Layer> layers_;
 };
 
@@ -141,7 +204,7 @@ class NativeLayers : public torch::CustomClassHolder {
 
 TORCH_LIBRARY_FRAGMENT(steadyserve, m) {
   m.class_<NativeLayers>("NativeLayers")
-      .def(torch::init<int64_t, int64_t, int64_t, double, double, int64_t>())
+      .def(torch::init<int64_t, int64_t, int64_t, double, double, double, bool, int64_t, bool, double>())
       .def("add_layer", &NativeLayers::add_layer)
       .def("num_layers", &NativeLayers::num_layers)
       .def("forward", &NativeLayers::forward);

@@ -24,8 +24,18 @@
 // -ffp-contract=off keeps the compiler from fusing anything else, and there is no
 // -ffast-math, so it may not reorder any of it.
 //
-// Work is split over (token, kv-head) pairs; each pair is owned by one thread and
-// all query heads of its group share the K/V loads.
+// Work is split over (tile, kv-head) pairs; each pair is owned by one thread and
+// all query heads of its group share the K/V loads. A tile is a run of up to kTile
+// consecutive tokens of one sequence (a prefill chunk's rows): it walks the K and V
+// blocks its tokens attend to once, block by block, turning a stored block into
+// floats once (f16, bf16, q8_0) and letting every token of the tile use it while it
+// sits in cache. Tiling changes which loop visits a (token, key) pair first, never
+// the operations of a row: each token still runs steps 1-5 above on the same floats,
+// its scores per key in a d-ascending fma chain, its 16 sum lanes and its V
+// accumulators over keys ascending (an accumulator parked in memory between blocks
+// is stored and reloaded exactly). So a row has the same bits in a tile of any size,
+// alone (decode: a tile of one takes the untiled loop, attend_one) or in any batch;
+// the tile size is a speed knob, not part of the numerics.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -44,6 +54,7 @@
 namespace {
 
 constexpr int kLanes = 16;  // accumulator lanes; part of the numerics, not a tuning knob
+constexpr int64_t kTile = 16;  // most tokens per tile: a speed knob only (see the top of this file)
 
 #define STEADY_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 
@@ -215,6 +226,56 @@ STEADY_INLINE const float* v_row(const uint8_t* vh, int64_t row, int64_t d0, int
   return buf;
 }
 
+// Steps 2-4 for G score rows of `stride` floats, n_chunks 16-key chunks each: exponentials in place,
+// total[r] = row r's sum. Shared by the untiled and the tiled loop, so both run the same operations.
+template <int G>
+STEADY_INLINE void softmax_rows(float* scores, int64_t stride, int64_t n_chunks, float* total) {
+  for (int r = 0; r < G; ++r) {
+    float* sr = scores + r * stride;
+    // 2. Max (exact in any order).
+    float mlane[kLanes];
+    for (int l = 0; l < kLanes; ++l) mlane[l] = -std::numeric_limits<float>::infinity();
+    for (int64_t c = 0; c < n_chunks; ++c)
+      for (int l = 0; l < kLanes; ++l) mlane[l] = sr[c * kLanes + l] > mlane[l] ? sr[c * kLanes + l] : mlane[l];
+    float m = mlane[0];
+    for (int l = 1; l < kLanes; ++l) m = mlane[l] > m ? mlane[l] : m;
+    // 3-4. Exponentials in place (masked keys give exact zeros), summed in 16 lanes.
+    float lane[kLanes] = {};
+    for (int64_t c = 0; c < n_chunks; ++c) {
+      exp_det16(sr + c * kLanes, m);
+      for (int l = 0; l < kLanes; ++l) lane[l] += sr[c * kLanes + l];
+    }
+    float l8[8], l4[4], l2[2];
+    for (int i = 0; i < 8; ++i) l8[i] = lane[2 * i] + lane[2 * i + 1];
+    for (int i = 0; i < 4; ++i) l4[i] = l8[2 * i] + l8[2 * i + 1];
+    for (int i = 0; i < 2; ++i) l2[i] = l4[2 * i] + l4[2 * i + 1];
+    total[r] = l2[0] + l2[1];
+  }
+}
+
+// A whole K block region `kh` (D, Bs) of format F as floats (D, Bs) in `out`, each value exactly as k_row
+// reads it. Not called for float32, whose blocks are read in place.
+template <int F>
+STEADY_INLINE void k_block_floats(const uint8_t* kh, int64_t D, int64_t Bs, float* out) {
+  float scales[kLanes];
+  for (int64_t off = 0; off < Bs; off += kLanes)
+    for (int64_t dd = 0; dd < D; ++dd) {
+      if (F == steady_kv::kQ8 && dd % steady_kv::kQBlock == 0) {
+        const uint16_t* sc = reinterpret_cast<const uint16_t*>(kh + D * Bs) + (dd / steady_kv::kQBlock) * Bs + off;
+        halves16(sc, scales);
+      }
+      k_row<F, kLanes>(kh, dd, off, Bs, scales, out + dd * Bs + off);
+    }
+}
+
+// A whole V block region `vh` (Bs, D) of format F as floats (Bs, D) in `out`, each value exactly as v_row
+// reads it.
+template <int F>
+STEADY_INLINE void v_block_floats(const uint8_t* vh, int64_t D, int64_t Bs, float* out) {
+  for (int64_t row = 0; row < Bs; ++row)
+    for (int64_t d0 = 0; d0 < D; d0 += kLanes) v_row<F, kLanes>(vh, row, d0, D, out + row * D + d0);
+}
+
 template <int F, int G, bool W>
 STEADY_CLONES
 void attend_one(const Problem& P, int64_t t, int64_t g, float* scores, int64_t stride) {
@@ -237,29 +298,8 @@ void attend_one(const Problem& P, int64_t t, int64_t g, float* scores, int64_t s
       c += kLanes, off += kLanes;
     }
   }
-  const int64_t n_chunks = (p - c0) / kLanes + 1;
   float total[G];
-  for (int r = 0; r < G; ++r) {
-    float* sr = scores + r * stride;
-    // 2. Max (exact in any order).
-    float mlane[kLanes];
-    for (int l = 0; l < kLanes; ++l) mlane[l] = -std::numeric_limits<float>::infinity();
-    for (int64_t c = 0; c < n_chunks; ++c)
-      for (int l = 0; l < kLanes; ++l) mlane[l] = sr[c * kLanes + l] > mlane[l] ? sr[c * kLanes + l] : mlane[l];
-    float m = mlane[0];
-    for (int l = 1; l < kLanes; ++l) m = mlane[l] > m ? mlane[l] : m;
-    // 3-4. Exponentials in place (masked keys give exact zeros), summed in 16 lanes.
-    float lane[kLanes] = {};
-    for (int64_t c = 0; c < n_chunks; ++c) {
-      exp_det16(sr + c * kLanes, m);
-      for (int l = 0; l < kLanes; ++l) lane[l] += sr[c * kLanes + l];
-    }
-    float l8[8], l4[4], l2[2];
-    for (int i = 0; i < 8; ++i) l8[i] = lane[2 * i] + lane[2 * i + 1];
-    for (int i = 0; i < 4; ++i) l4[i] = l8[2 * i] + l8[2 * i + 1];
-    for (int i = 0; i < 2; ++i) l2[i] = l4[2 * i] + l4[2 * i + 1];
-    total[r] = l2[0] + l2[1];
-  }
+  softmax_rows<G>(scores, stride, (p - c0) / kLanes + 1, total);
   // 5. Weighted values over the attended keys, ascending, block by block; one lane per
   //    output dimension, NV dimensions per pass.
   constexpr int NV = W ? 4 * kLanes : kLanes;
@@ -284,43 +324,136 @@ void attend_one(const Problem& P, int64_t t, int64_t g, float* scores, int64_t s
   }
 }
 
+
+// Tokens [t0, t1) of one sequence (a tile, t1 - t0 <= kTile) and kv head g: steps 1-5 for each token, as
+// attend_one computes them, but with the blocks outermost, so each K and V block is read (and, for a
+// stored format, turned into floats) once per tile instead of once per token. `scores`: (t1 - t0) * G rows
+// of `stride` floats (token i's row r at (i * G + r) * stride, index c - c0 of token i for key c, as
+// attend_one); `acc`: (t1 - t0) * G * D floats; kf, vf: D * Bs floats each (one converted block).
+template <int F, int G, bool W>
+STEADY_CLONES
+void attend_tile(const Problem& P, int64_t t0, int64_t t1, int64_t g, float* scores, int64_t stride, float* acc,
+                 float* kf, float* vf) {
+  const int64_t D = P.d, Bs = P.bs, M = t1 - t0;
+  const int64_t* table = P.tables + P.seq_of[t0] * P.nb_max;
+  int64_t first[kTile], c0[kTile], pos[kTile];
+  int64_t lo = std::numeric_limits<int64_t>::max(), hi = 0;
+  for (int64_t i = 0; i < M; ++i) {
+    const int64_t p = P.pos[t0 + i];
+    pos[i] = p;
+    first[i] = P.window > 0 && p - P.window + 1 > 0 ? p - P.window + 1 : 0;
+    c0[i] = first[i] - first[i] % kLanes;
+    lo = std::min(lo, c0[i]);
+    hi = std::max(hi, p);
+  }
+  // 1. Scores, block by block (a pass never straddles a block: Bs % 16 == 0, c0 % 16 == 0).
+  for (int64_t b = lo / Bs; b <= hi / Bs; ++b) {
+    const uint8_t* kh = P.k + (table[b] * P.hkv + g) * P.head_bytes;  // (D, Bs) of this block and kv head
+    if constexpr (F != steady_kv::kF32) {
+      k_block_floats<F>(kh, D, Bs, kf);
+      kh = reinterpret_cast<const uint8_t*>(kf);
+    }
+    for (int64_t i = 0; i < M; ++i) {
+      const int64_t p = pos[i];
+      int64_t c = std::max(c0[i], b * Bs);
+      const float* qg = P.q + ((t0 + i) * P.h + g * G) * D;  // (G, D)
+      float* sr = scores + i * G * stride;
+      for (int64_t off = c - b * Bs; c <= p && off < Bs;) {
+        if (W && off + 2 * kLanes <= Bs && c + kLanes <= p) {
+          score_keys<steady_kv::kF32, G, 2 * kLanes>(qg, kh, off, D, Bs, c, first[i], p, P.scale, P.softcap,
+                                                     sr + (c - c0[i]), stride);
+          c += 2 * kLanes, off += 2 * kLanes;
+        } else {
+          score_keys<steady_kv::kF32, G, kLanes>(qg, kh, off, D, Bs, c, first[i], p, P.scale, P.softcap,
+                                                 sr + (c - c0[i]), stride);
+          c += kLanes, off += kLanes;
+        }
+      }
+    }
+  }
+  // 2-4. Each token's softmax, as attend_one.
+  float total[kTile][G];
+  for (int64_t i = 0; i < M; ++i) softmax_rows<G>(scores + i * G * stride, stride, (pos[i] - c0[i]) / kLanes + 1, total[i]);
+  // 5. Weighted values: per token and output element, fma over its attended keys ascending, block by block.
+  constexpr int NV = W ? 4 * kLanes : kLanes;
+  std::fill(acc, acc + M * G * D, 0.0f);
+  for (int64_t b = lo / Bs; b <= hi / Bs; ++b) {  // c0[i] and first[i] lie in one block
+    const uint8_t* vh = P.v + (table[b] * P.hkv + g) * P.head_bytes;  // (Bs, D) of this block and kv head
+    if constexpr (F != steady_kv::kF32) {
+      v_block_floats<F>(vh, D, Bs, vf);
+      vh = reinterpret_cast<const uint8_t*>(vf);
+    }
+    for (int64_t i = 0; i < M; ++i) {
+      const int64_t k0 = std::max(b * Bs, first[i]), k1 = std::min(b * Bs + Bs - 1, pos[i]);
+      if (k0 > k1) continue;
+      const float* si = scores + i * G * stride - c0[i];  // si[r * stride + key]: token i's row r, key `key`
+      for (int64_t d0 = 0; d0 < D; d0 += NV) {
+        float a[G][NV];
+        for (int r = 0; r < G; ++r) std::memcpy(a[r], acc + (i * G + r) * D + d0, sizeof a[r]);
+        for (int64_t key = k0; key <= k1; ++key) {
+          const float* vr = v_row<steady_kv::kF32, NV>(vh, key - b * Bs, d0, D, nullptr);
+          for (int r = 0; r < G; ++r) {
+            const float e = si[r * stride + key];
+            for (int l = 0; l < NV; ++l) a[r][l] = std::fmaf(e, vr[l], a[r][l]);
+          }
+        }
+        for (int r = 0; r < G; ++r) std::memcpy(acc + (i * G + r) * D + d0, a[r], sizeof a[r]);
+      }
+    }
+  }
+  for (int64_t i = 0; i < M; ++i)
+    for (int r = 0; r < G; ++r) {
+      float* o = P.out + ((t0 + i) * P.h + g * G + r) * D;
+      const float* a = acc + (i * G + r) * D;
+      for (int64_t dd = 0; dd < D; ++dd) o[dd] = a[dd] / total[i][r];  // a division, as attend_one
+    }
+}
+
 using AttendFn = void (*)(const Problem&, int64_t, int64_t, float*, int64_t);
+using TileFn = void (*)(const Problem&, int64_t, int64_t, int64_t, float*, int64_t, float*, float*, float*);
+
+struct Kernels {
+  AttendFn one;  // one token (attend_one)
+  TileFn tile;   // a tile of 2 to kTile tokens of one sequence (attend_tile)
+};
 
 // STEADY_TEST_GROUP (tests/test_attention_kernel.py's single-width builds only): instantiate that one group
-// size, so each build compiles 8 kernels instead of 64 (minutes of one core on the test machine).
+// size, so each build compiles 16 kernels instead of 128 (minutes of one core on the test machine).
 template <int F, bool W>
-AttendFn attend_for(int64_t group) {
+Kernels attend_for(int64_t group) {
+#define STEADY_KERNELS(G) Kernels{attend_one<F, G, W>, attend_tile<F, G, W>}
 #ifdef STEADY_TEST_GROUP
-  return group == STEADY_TEST_GROUP ? attend_one<F, STEADY_TEST_GROUP, W> : nullptr;
+  return group == STEADY_TEST_GROUP ? STEADY_KERNELS(STEADY_TEST_GROUP) : Kernels{nullptr, nullptr};
 #else
   switch (group) {
-    case 1: return attend_one<F, 1, W>;
-    case 2: return attend_one<F, 2, W>;
-    case 3: return attend_one<F, 3, W>;
-    case 4: return attend_one<F, 4, W>;
-    case 5: return attend_one<F, 5, W>;
-    case 6: return attend_one<F, 6, W>;
-    case 7: return attend_one<F, 7, W>;
-    case 8: return attend_one<F, 8, W>;
-    default: return nullptr;
+    case 1: return STEADY_KERNELS(1);
+    case 2: return STEADY_KERNELS(2);
+    case 3: return STEADY_KERNELS(3);
+    case 4: return STEADY_KERNELS(4);
+    case 5: return STEADY_KERNELS(5);
+    case 6: return STEADY_KERNELS(6);
+    case 7: return STEADY_KERNELS(7);
+    case 8: return STEADY_KERNELS(8);
+    default: return Kernels{nullptr, nullptr};
   }
 #endif
+#undef STEADY_KERNELS
 }
 
 template <int F>
-AttendFn attend_for_fmt(int64_t group, bool wide) {
+Kernels attend_for_fmt(int64_t group, bool wide) {
   return wide ? attend_for<F, true>(group) : attend_for<F, false>(group);
 }
 
 // Wide passes need 32-key blocks and 64-dimension heads; other shapes take 16 at a time.
-AttendFn attend_for_shape(int fmt, int64_t group, int64_t bs, int64_t d) {
+Kernels attend_for_shape(int fmt, int64_t group, int64_t bs, int64_t d) {
   const bool wide = bs % (2 * kLanes) == 0 && d % (4 * kLanes) == 0;
   switch (fmt) {
     case steady_kv::kF32: return attend_for_fmt<steady_kv::kF32>(group, wide);
     case steady_kv::kF16: return attend_for_fmt<steady_kv::kF16>(group, wide);
     case steady_kv::kBF16: return attend_for_fmt<steady_kv::kBF16>(group, wide);
     case steady_kv::kQ8: return attend_for_fmt<steady_kv::kQ8>(group, wide);
-    default: return nullptr;
+    default: return Kernels{nullptr, nullptr};
   }
 }
 
@@ -360,7 +493,7 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   TORCH_CHECK(k_cache.size(2) == stored_d && v_cache.size(2) == P.bs && v_cache.size(3) == stored_d &&
                   v_cache.size(0) == k_cache.size(0) && v_cache.size(1) == P.hkv,
               "paged_attention: cache shapes do not match q");
-  TORCH_CHECK(P.h % P.hkv == 0 && attend_for_shape(fmt, P.h / P.hkv, 16, 16) != nullptr,
+  TORCH_CHECK(P.h % P.hkv == 0 && attend_for_shape(fmt, P.h / P.hkv, 16, 16).one != nullptr,
               "paged_attention: 1 to 8 query heads per kv head");
   TORCH_CHECK(P.bs % kLanes == 0 && P.d % kLanes == 0, "paged_attention: block size and head dim must be multiples of 16");
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.sizes() == q.sizes(),
@@ -377,21 +510,40 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   P.window = window;
   P.softcap = static_cast<float>(softcap);
   const int64_t group = P.h / P.hkv;
-  const AttendFn attend = attend_for_shape(fmt, group, P.bs, P.d);
-  // Units (token, kv head) are dealt round-robin, not in contiguous ranges: in a causal
+  const Kernels kern = attend_for_shape(fmt, group, P.bs, P.d);
+  // Tiles: runs of consecutive tokens of one sequence, at most `tile` long. Tiles are at most kTile tokens, and
+  // shorter where a call has few tokens, so there are units for every thread (a speed choice: bits do not
+  // depend on it).
+  const int64_t threads = at::get_num_threads();
+  const int64_t tile = std::max<int64_t>(1, std::min<int64_t>(kTile, T * P.hkv / (4 * threads)));
+  std::vector<int64_t> starts;  // tile i is tokens [starts[i], starts[i + 1])
+  for (int64_t t = 0; t < T; ++t)
+    if (starts.empty() || t - starts.back() == tile || P.seq_of[t] != P.seq_of[t - 1]) starts.push_back(t);
+  starts.push_back(T);
+  const int64_t n_tiles = static_cast<int64_t>(starts.size()) - 1;
+  // Units (tile, kv head) are dealt round-robin, not in contiguous ranges: in a causal
   // prefill later tokens attend to more keys, and with contiguous halves the thread
   // holding the first half idled for two thirds of the call (AMD EPYC, 2 threads,
   // 512 tokens: 4.4 -> 2.8 ms per layer). Which thread runs a unit never changes its bits.
-  const int64_t n_units = T * P.hkv;
-  const int64_t n_workers = std::min<int64_t>(at::get_num_threads(), n_units);
+  const int64_t n_units = n_tiles * P.hkv;
+  const int64_t n_workers = std::min<int64_t>(threads, n_units);
   at::parallel_for(0, n_workers, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch;
+    std::vector<float> scratch, acc, kf, vf;
     for (int64_t worker = begin; worker < end; ++worker) {
       for (int64_t i = worker; i < n_units; i += n_workers) {
-        const int64_t t = i / P.hkv, g = i % P.hkv;
-        const int64_t stride = P.pos[t] + 2 * kLanes;  // room for the chunk-aligned span [c0, p]
-        scratch.resize(static_cast<size_t>(group * stride));
-        attend(P, t, g, scratch.data(), stride);
+        const int64_t t0 = starts[i / P.hkv], t1 = starts[i / P.hkv + 1], g = i % P.hkv;
+        int64_t max_pos = 0;
+        for (int64_t t = t0; t < t1; ++t) max_pos = std::max(max_pos, P.pos[t]);
+        const int64_t stride = max_pos + 2 * kLanes;  // room for each token's chunk-aligned span [c0, p]
+        scratch.resize(static_cast<size_t>((t1 - t0) * group * stride));
+        if (t1 - t0 == 1) {
+          kern.one(P, t0, g, scratch.data(), stride);
+          continue;
+        }
+        acc.resize(static_cast<size_t>((t1 - t0) * group * P.d));
+        kf.resize(static_cast<size_t>(P.d * P.bs));
+        vf.resize(static_cast<size_t>(P.d * P.bs));
+        kern.tile(P, t0, t1, g, scratch.data(), stride, acc.data(), kf.data(), vf.data());
       }
     }
   });

@@ -217,4 +217,5 @@ at::Tensor qrms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, 
   return ::qrms_norm(x, weight, eps, isa);
 }
 at::Tensor qsilu_mul(const at::Tensor& gate_up, int64_t isa) { return ::qsilu_mul(gate_up, isa); }
+at::Tensor qgelu_tanh_mul(const at::Tensor& gate_up, int64_t isa) { return ::qgelu_tanh_mul(gate_up, isa); }
 }  // namespace steady_ops
