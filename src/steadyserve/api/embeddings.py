@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from ..engine.channel import RequestChannel
 from ..engine.pooler import finish_vector
 from ..engine.sequence import Accumulated, SamplingParams
-from ..limits import InvalidRequest, Refused, check_request_id, check_token_ids
+from ..limits import InvalidRequest, Refused, check_request_id
 from .protocol import encode_prompt
 from .requests import check_context, check_model
 from .state import ServerState
@@ -35,7 +35,7 @@ class EmbedSpec:
     dimensions: int | None = None  # keep the first this many components (then re-normalise); None = all
 
 
-@dataclass
+@dataclass(frozen=True)
 class ValidatedEmbed:
     """An embedding request that passed every check short of admission."""
 
@@ -62,7 +62,8 @@ def model_width(state: ServerState) -> int:
 
 
 def build_embed(state: ServerState, spec: EmbedSpec) -> ValidatedEmbed:
-    """Every check an embedding request passes before admission, for every transport. Raises Refused.
+    """Every check an embedding request passes, for every transport, the engine's limits included (the only
+    one: AsyncEngine.submit_all then counts capacity). Raises Refused.
     Field names are the HTTP API's (`input`, `input[3]`, `dimensions`); gRPC renames them."""
     state.refuse_if_closed()
     check_model(state, spec.model)
@@ -77,15 +78,17 @@ def build_embed(state: ServerState, spec: EmbedSpec) -> ValidatedEmbed:
     if len(spec.inputs) > capacity:
         raise InvalidRequest("input", f"input: at most {capacity} inputs per request (--max-num-seqs + "
                              "--max-queue), all admitted at once")
-    tok, context = state.loaded.tokenizer, state.loaded.max_model_len
+    tok, limits = state.loaded.tokenizer, state.limits
     prompts = []
     for i, item in enumerate(spec.inputs):
         param = "input" if len(spec.inputs) == 1 else f"input[{i}]"
         ids = encode_prompt(tok, item, param)
         if not isinstance(item, str):
-            check_token_ids(ids, state.loaded.args.vocab_size, param)
-        check_context(len(ids), param, context, scoring=True)  # an embedding may fill the whole context
+            limits.check_prompt_ids(ids, param)
+        check_context(len(ids), param, limits.context, scoring=True)  # an embedding may fill the whole context
         prompts.append(ids)
+    for ids in prompts:  # the engine's own limits, once here (submit_all only counts capacity)
+        limits.check_fit(len(ids), 0)
     return ValidatedEmbed(state.new_request_id(spec.request_id or None), spec.transport, prompts, spec.dimensions)
 
 

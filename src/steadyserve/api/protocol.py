@@ -18,7 +18,7 @@ def encode_prompt(tokenizer: Any, prompt: str | list[int], param: str = "prompt"
                   add_special_tokens: bool = True, allow_empty: bool = False) -> list[int]:
     """The one text -> token ids path (generation, Score, gRPC Tokenize and HTTP /tokenize). A string is
     tokenized (with the model's BOS policy, unless add_special_tokens=False); a list is taken as token ids
-    (range-checked by the caller, requests.check_token_ids, as is the length). Only /tokenize allows an empty
+    (range-checked by the caller, ModelLimits.check_prompt_ids, as is the length). Only /tokenize allows an empty
     string: it answers what the text encodes to, and generation needs at least one token."""
     if isinstance(prompt, str):
         if not prompt and not allow_empty:

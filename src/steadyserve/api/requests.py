@@ -2,10 +2,12 @@
 
 A transport parses its input (HTTP and WebSocket: a pydantic body; gRPC: a
 proto message) into a `RequestSpec`, the request as sent, and calls `build`:
-every check that does not need the engine's admission runs here, in the same
-order and with the same messages for every transport, and the result is a
-`ValidatedRequest`: one engine request per choice. `admit` then submits it
-(LLMEngine.check runs there, once per engine request) and opens its streams.
+every check runs here, once, in the same order and with the same messages for
+every transport: the request's own fields, and the engine's limits
+(ServerState.limits, engine/admission.py: vocabulary, context, KV capacity,
+grammars). The result is a `ValidatedRequest`: one engine request per choice,
+immutable. `admit` then submits it (the engine only counts capacity there) and
+opens its streams.
 
 Refusals are `Refused` (steadyserve.limits) with the field named as the HTTP
 API names it; gRPC renames the field (`params.temperature`), nothing else.
@@ -20,7 +22,7 @@ from typing import Any
 
 from ..engine.channel import RequestChannel
 from ..engine.sequence import SamplingParams
-from ..limits import DEFAULT_MAX_TOKENS, InvalidRequest, Refused, check_request_id, check_token_ids
+from ..limits import DEFAULT_MAX_TOKENS, InvalidRequest, Refused, check_request_id
 from .protocol import encode_prompt, render_chat
 from .state import ServerState
 from .tools import ToolFormat, ToolRequest, format_for
@@ -60,10 +62,11 @@ class RequestSpec:
     receipt: bool = False  # a receipt per choice (api/receipts.py): the body's field, gRPC's, or the header
 
 
-@dataclass
+@dataclass(frozen=True)
 class ValidatedRequest:
-    """A request that passed every check short of admission: one engine request per choice, in the order of the
-    choices' indices (prompt i's choice j is index i * num_samples + j, as OpenAI numbers them)."""
+    """A request that passed every check, the engine's limits included: one engine request per choice, in the
+    order of the choices' indices (prompt i's choice j is index i * num_samples + j, as OpenAI numbers them).
+    Immutable: admission submits exactly what was checked."""
 
     request_id: str  # the id responses carry: the client's, or a new one
     kind: str  # completion | chat | score
@@ -105,7 +108,8 @@ def check_context(num_tokens: int, param: str, context: int, scoring: bool, verb
 
 def prompt_ids(state: ServerState, spec: RequestSpec) -> tuple[list[list[int]], list[str | None]]:
     """Each prompt's token ids (chat: the rendered conversation) and its text for echo, context-checked."""
-    tok, context = state.loaded.tokenizer, state.loaded.max_model_len
+    tok, limits = state.loaded.tokenizer, state.limits
+    context = limits.context
     scoring = spec.kind == "score" or spec.requested_max_tokens == 0
     if spec.messages is not None:
         ids = render_chat(tok, spec.messages, spec.tools, spec.continue_final)
@@ -118,7 +122,7 @@ def prompt_ids(state: ServerState, spec: RequestSpec) -> tuple[list[list[int]], 
         param = "prompt" if len(spec.prompts) == 1 else f"prompt[{i}]"
         ids = encode_prompt(tok, item, param)
         if not isinstance(item, str):
-            check_token_ids(ids, state.loaded.args.vocab_size, param)
+            limits.check_prompt_ids(ids, param)
         check_context(len(ids), param, context, scoring)
         prompts.append(ids)
     return prompts, [item if isinstance(item, str) else None for item in spec.prompts]
@@ -140,7 +144,9 @@ def resolve_max_tokens(state: ServerState, spec: RequestSpec) -> int:
 
 
 def build(state: ServerState, spec: RequestSpec) -> ValidatedRequest:
-    """Every check a request passes before admission, for every transport. Raises Refused.
+    """Every check a request passes, for every transport, the engine's limits (state.limits) included: the only
+    one (AsyncEngine.submit_all then counts capacity). Raises Refused. `spec` is left as it came: each value
+    derived from its parameters is a new SamplingParams.
 
     Runs on the tokenizer thread (ServerState.run_tokenizer) for long inputs: it tokenizes and compiles grammars.
     """
@@ -148,8 +154,8 @@ def build(state: ServerState, spec: RequestSpec) -> ValidatedRequest:
     check_model(state, spec.model)
     if spec.request_id:
         check_request_id(spec.request_id)
-    params = spec.params
-    params.max_tokens = resolve_max_tokens(state, spec)
+    limits = state.limits
+    params = dataclasses.replace(spec.params, max_tokens=resolve_max_tokens(state, spec))
     try:
         params.validate()
     except InvalidRequest as e:  # name max_tokens as the client sent it
@@ -161,26 +167,34 @@ def build(state: ServerState, spec: RequestSpec) -> ValidatedRequest:
         raise InvalidRequest("prompt", f"prompt: at most {capacity} prompts per request "
                              "(--max-num-seqs + --max-queue), all admitted at once")
     prompts, texts = prompt_ids(state, spec)
-    if params.grammar is not None:  # compiled here, off the event loop; admission then finds it known
-        state.engine.engine.grammars.check(params.grammar)
+    limits.check_grammar(params.grammar)  # compiled here, off the event loop
     tools = spec.tools if spec.tools is not None and spec.tools.active else None
-    tool_format = tool_grammar(state, tools, params) if tools is not None else None
+    tool_format = None
+    if tools is not None:
+        tool_format, grammar = tool_grammar(state, tools, params)
+        params = dataclasses.replace(params, grammar=grammar)
     k = spec.num_samples
     if len(prompts) * k > capacity:
         name = "best_of" if k > spec.n else "n"
         raise InvalidRequest(name, f"{name}: {len(prompts)} prompt(s) x {k} choices is more than the "
                              f"{capacity} requests this server admits at once")
     if k > spec.n and params.logprobs is None:
-        params.logprobs = 0  # ranking needs each sampled token's logprob; the response leaves them out
-    context = state.loaded.max_model_len
+        params = dataclasses.replace(params, logprobs=0)  # ranking needs each token's logprob; not returned
+    context = limits.context
     choices, choice_params, choice_texts = [], [], []
     for ids, text in zip(prompts, texts):
         for j in range(k):  # choice j of a prompt samples with seed + j: choice 0 is the n=1 request
-            p = dataclasses.replace(params, stop=list(params.stop), logit_bias=dict(params.logit_bias),
-                                    seed=derived_seed(params.seed, j))
+            max_tokens = params.max_tokens
             if spec.requested_max_tokens is None:
                 # No max_tokens given: the default, but never more than the context leaves.
-                p.max_tokens = max(1, min(p.max_tokens, context - len(ids)))
+                max_tokens = max(1, min(max_tokens, context - len(ids)))
+            p = dataclasses.replace(params, stop=list(params.stop), logit_bias=dict(params.logit_bias),
+                                    seed=derived_seed(params.seed, j), max_tokens=max_tokens)
+            if max_tokens != params.max_tokens:
+                p.validate()  # a new value: min_tokens may now exceed the max_tokens the context leaves
+            if not choices:  # the same for every choice: checked once
+                limits.check_token_params(params)
+            limits.check_fit(len(ids), max_tokens)
             choices.append(ids)
             choice_params.append(p)
             choice_texts.append(text)
@@ -189,9 +203,10 @@ def build(state: ServerState, spec: RequestSpec) -> ValidatedRequest:
                             spec.receipt)
 
 
-def tool_grammar(state: ServerState, tools: ToolRequest, params: SamplingParams) -> ToolFormat:
+def tool_grammar(state: ServerState, tools: ToolRequest, params: SamplingParams) -> tuple[ToolFormat, str]:
     """Constrain the output to this model's call format (api/tools): each tool's schema must compile (else a
-    400 naming that tool), then the whole grammar. Returns the format, for the encoders to parse the output."""
+    400 naming that tool), then the whole grammar. Returns the format, for the encoders to parse the output,
+    and the grammar the choices sample under."""
     from ..engine.structured import json_schema_grammar
 
     if params.grammar is not None:
@@ -200,7 +215,7 @@ def tool_grammar(state: ServerState, tools: ToolRequest, params: SamplingParams)
     if params.ignore_eos:
         raise InvalidRequest("ignore_eos", "ignore_eos cannot be combined with tools: a finished call ends with "
                              "end-of-sequence")
-    grammars = state.engine.engine.grammars
+    grammars = state.limits.grammars
     for i, tool in enumerate(tools.tools):
         param = tools.schema_param.format(i=i)
         try:
@@ -210,11 +225,11 @@ def tool_grammar(state: ServerState, tools: ToolRequest, params: SamplingParams)
         if why:
             raise InvalidRequest(param, f"{param}: tool {tool.name!r} has a schema this server cannot compile: {why}")
     fmt = format_for(state.loaded.tokenizer)
-    params.grammar = fmt.grammar(tools)
-    why = grammars.error(params.grammar)
+    grammar = fmt.grammar(tools)
+    why = grammars.error(grammar)
     if why:
         raise InvalidRequest("tools", f"tools: cannot compile the tools' grammar: {why}")
-    return fmt
+    return fmt, grammar
 
 
 def derived_seed(seed: int | None, j: int) -> int | None:

@@ -145,7 +145,7 @@ def build_state(config: Config, hooks: EngineHooks | None = None) -> ServerState
     metrics.set_kv_cache(engine.kv.fmt, engine.kv.num_blocks, engine.kv.block_size, engine.kv.nbytes)
     metrics.set_cpu_budget(cpu.threads, cpu.quota)
     state = ServerState(config=config, loaded=loaded, engine=async_engine, fingerprint=fp,
-                        selftest=selftest if ec.batch_invariant else None, metrics=metrics,
+                        selftest=selftest if ec.batch_invariant else None, limits=engine.limits, metrics=metrics,
                         streams=OpenChannels(metrics), memory=plan, cpu=cpu)
     metrics.backlog_sources[0] = state.streams.backlog_bytes
     return state

@@ -13,6 +13,7 @@ from typing import Any, Callable, TypeVar
 
 from ..config import Config
 from ..cpu_budget import CpuBudget
+from ..engine.admission import ModelLimits
 from ..engine.async_engine import AsyncEngine
 from ..engine.channel import RequestChannel
 from ..engine.selftest import SelfTestResult
@@ -37,6 +38,9 @@ class ServerState:
     engine: AsyncEngine
     fingerprint: Fingerprint
     selftest: SelfTestResult | None  # None when invariance is off and the test was skipped
+    # The engine's limits (vocabulary, context, KV capacity, grammars), built once by the engine at start-up:
+    # the request builders check against them, and nothing above the engine reads the engine for them.
+    limits: ModelLimits
     draining: bool = False  # SIGTERM seen: refuse new work, finish what is in flight
     started_at: float = field(default_factory=time.time)
     metrics: Any = None  # steadyserve.metrics.Metrics, when enabled

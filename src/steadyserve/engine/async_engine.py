@@ -85,11 +85,12 @@ class AsyncEngine:
         return self.submit_all([request])
 
     def submit_all(self, requests: list[Request]) -> RequestChannel:
-        """Admit all of `requests` (one client call: batched prompts) or none: Refused at once."""
+        """Admit all of `requests` (one client call: batched prompts) or none: Refused at once.
+
+        Only counts capacity: each request was checked against the engine's ModelLimits by whoever built it
+        (api/requests.py for the server; engine/admission.py has the checks), once, off the event loop."""
         if self.dead is not None:
             raise Refused("dead", f"the engine is not running: {self.dead}")
-        for request in requests:
-            self.engine.check(request)
         ids = [r.request_id for r in requests]
         with self._count_lock:
             if self._num_in_flight + len(requests) > self.capacity:
@@ -161,7 +162,7 @@ class AsyncEngine:
             if kind == "add":
                 req = item  # type: ignore[assignment]
                 try:
-                    self.engine.add_checked(req)  # type: ignore[arg-type]  # submit_all ran check
+                    self.engine.add_checked(req)  # type: ignore[arg-type]  # its builder checked it
                 except Exception as e:  # a bad request fails alone; it must never stop the loop
                     outputs.append(RequestOutput(req.request_id, [], "", [], finished=True,  # type: ignore[attr-defined]
                                                  finish_reason="error", error=str(e)))

@@ -22,6 +22,7 @@ import torch
 from ..config import ConfigError, EngineConfig
 from ..kernels.build import NATIVE_KERNEL_ID
 from ..models.loader import LoadedModel
+from .admission import ModelLimits
 from .batch_sampler import BatchSampler
 from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer, token_text
@@ -34,7 +35,6 @@ from .scheduler import Scheduler
 from .speculation import Speculator, TokenKeys
 from .step_stats import StepMeter, StepStats
 from .stop import end_token_ids
-from ..limits import Refused, check_token_ids
 from .sequence import Request, RequestOutput, SeqState, Sequence
 from .structured import Grammars
 from .threads import CpuSignals, ThreadChange, ThreadPolicy
@@ -85,55 +85,27 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.max_model_len)
         self.meter = StepMeter(self.scheduler, self.block_manager, self.speculator, cpu_signals)
         self.eos_token_ids = _eos_ids(loaded)
+        # What a request must fit, built once here and handed to the request builders (engine/admission.py).
+        self.limits = ModelLimits(vocab_size=loaded.args.vocab_size, context=self.max_model_len,
+                                  kv_blocks=self.kv.num_blocks, block_size=cfg.block_size, grammars=self.grammars,
+                                  eos_token_ids=frozenset(self.eos_token_ids))
         self._seq_ids = itertools.count()
 
     # ---- admission -------------------------------------------------------
     def check(self, request: Request) -> None:
-        """Refuse at once what can never run. Raises Refused (reasons: too_long | invalid_value, the request
-        builder's reason for a field's value, so a client sees one code whichever side refused).
-
-        The server runs it once per request, on the event loop at submit (AsyncEngine.submit_all); offline
-        callers get it from add_request."""
-        p = request.params
-        if request.embed:  # prefill only: no sampling fields apply
-            if p.max_tokens != 0:
-                raise Refused("invalid_value", "an embedding request generates nothing: max_tokens must be 0",
-                              "max_tokens")
-        else:
-            p.validate()  # InvalidRequest: a Refused with the builder's reason, invalid_value
-        n = len(request.prompt_token_ids)
-        if n == 0:
-            raise Refused("invalid_value", "the prompt is empty", "prompt")
-        vocab = self.loaded.args.vocab_size
-        # The request builder's own token-range and grammar checks (steadyserve.limits, Grammars.check): a
-        # server request passed them already, an offline one gets the same reason, field and message.
-        check_token_ids(request.prompt_token_ids, vocab, "prompt")
-        if p.grammar is not None:
-            self.grammars.check(p.grammar)
-        bad_bias = next((t for t in p.logit_bias if not 0 <= t < vocab), None)
-        if bad_bias is not None:
-            raise Refused("invalid_value", f"logit_bias: {bad_bias} is not a token id of this model "
-                          f"(0..{vocab - 1})", "logit_bias")
-        bad_stop = next((t for t in p.stop_token_ids if not 0 <= t < vocab), None)
-        if bad_stop is not None:
-            raise Refused("invalid_value", f"stop_token_ids: {bad_stop} is not a token id of this model "
-                          f"(0..{vocab - 1})", "stop_token_ids")
-        total = n + p.max_tokens
-        if total > self.max_model_len:
-            raise Refused("too_long", f"prompt ({n} tokens) + max_tokens ({p.max_tokens}) = {total} "
-                          f"exceeds the context length of {self.max_model_len} tokens", "max_tokens")
-        if not self.block_manager.can_ever_fit(total):
-            cap = self.block_manager.num_blocks * self.block_manager.block_size
-            raise Refused("too_long", f"prompt ({n} tokens) + max_tokens ({p.max_tokens}) = {total} "
-                          f"exceeds the KV cache of {cap} tokens", "max_tokens")
+        """Refuse at once what can never run: every check of ModelLimits.check (engine/admission.py). Raises
+        Refused. For offline callers (add_request, receipts' replay); the server's request builders check
+        against the same ModelLimits once, and submit without calling this."""
+        self.limits.check(request)
 
     def add_request(self, request: Request) -> Sequence:
-        """Check and queue a request (offline use). Raises Refused."""
+        """Check and queue a request (offline use: every check, ModelLimits.check). Raises Refused."""
         self.check(request)
         return self.add_checked(request)
 
     def add_checked(self, request: Request) -> Sequence:
-        """Queue a request that `check` has already passed (AsyncEngine checks at submit, on the loop)."""
+        """Queue a request that passed ModelLimits' checks already: the server's request builder ran them
+        (api/requests.py), before AsyncEngine.submit_all, which only counts capacity."""
         seq = Sequence(next(self._seq_ids), request)
         pooling = self.loaded.pooling.mode
         seq.needs_prompt_rows = request.embed and pooling == "mean"  # every row: no prefix-cache hits

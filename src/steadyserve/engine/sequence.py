@@ -27,8 +27,12 @@ if TYPE_CHECKING:  # annotations only: this module stays free of torch (the sche
 __all__ = ["MAX_LOGPROBS", "InvalidRequest"]  # re-exported: their home is steadyserve.limits
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplingParams:
+    """How one request samples. Immutable once built: a builder that derives a value (a resolved max_tokens, a
+    choice's seed, a tools grammar) makes a new one with dataclasses.replace; per-sequence state that changes
+    while it runs lives in the engine's Sequence, never here."""
+
     max_tokens: int = 16  # tokens to generate; 0 = score the prompt only
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0  # nucleus mass kept, (0, 1]
@@ -93,9 +97,9 @@ class SamplingParams:
             or self.repetition_penalty != 1 or self.min_tokens > 0 or self.grammar is not None
 
 
-@dataclass
+@dataclass(frozen=True)
 class Request:
-    """What a front end submits."""
+    """What a front end submits: immutable once built (a new id for a retry is a new Request)."""
 
     request_id: str  # unique among in-flight requests
     prompt_token_ids: list[int]

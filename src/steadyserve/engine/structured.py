@@ -57,15 +57,15 @@ class Grammars:
 
     def check(self, grammar: str) -> None:
         """Refuse a grammar this model cannot follow: the one grammar check, run by the request builder (off
-        the event loop) and again, answered from memory, at the engine's admission."""
+        the event loop), through ModelLimits.check_grammar; offline callers get it from ModelLimits.check."""
         why = self.error(grammar)
         if why:
             raise InvalidRequest("response_format", f"response_format: {why}")
 
     def error(self, grammar: str) -> str:
         """Why this grammar cannot be used with this model, or '' when it can. Remembered for the last 256
-        grammars: the HTTP layer validates on its tokenizer thread, so the check at admission, on the event
-        loop, finds the answer instead of compiling a large schema again."""
+        grammars: a client sending one schema again (and tools' grammars, rebuilt per request) finds the answer
+        instead of compiling it again."""
         import llguidance
 
         with self._lock:

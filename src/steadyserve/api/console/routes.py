@@ -139,8 +139,8 @@ class Stats:
                 "name": st.model_name, "fingerprint": str(fp), "weights": fp.weights, "device": fp.device,
                 "dtype": fp.dtype, "batch_invariant": fp.batch_invariant, "selftest": selftest,
                 "kernel": fp.kernel, "numerics_id": fp.numerics, "numerics": _numerics_text(),
-                "max_model_len": loaded.max_model_len, "architecture": loaded.args.architecture,
-                "num_layers": loaded.args.num_layers, "vocab_size": loaded.args.vocab_size,
+                "max_model_len": st.limits.context, "architecture": loaded.args.architecture,
+                "num_layers": loaded.args.num_layers, "vocab_size": st.limits.vocab_size,
             },
             "status": {
                 "ready": st.ready, "draining": st.draining, "engine_alive": engine.alive, "engine_error": engine.dead,
@@ -235,7 +235,7 @@ def mount_console(app: FastAPI, state: Any) -> None:
             return error_response(400, f"ids: at most {MAX_TOKEN_IDS} per call", "invalid_request_error", "ids",
                                   "invalid_value")
         tok = state.loaded.tokenizer
-        vocab = state.loaded.args.vocab_size
+        vocab = state.limits.vocab_size
         out = []
         for i in ids:
             if not 0 <= i < vocab:

@@ -229,9 +229,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         except Refused as e:
             await self._refuse(call, e)
         st, fp = self.state, self.state.fingerprint
-        return pb.ModelInfo(model=st.model_name, context_length=st.loaded.max_model_len, fingerprint=self.fingerprint,
+        return pb.ModelInfo(model=st.model_name, context_length=st.limits.context, fingerprint=self.fingerprint,
                             device=fp.device, dtype=fp.dtype, batch_invariant=fp.batch_invariant,
-                            architecture=st.loaded.args.architecture, vocab_size=st.loaded.args.vocab_size,
+                            architecture=st.loaded.args.architecture, vocab_size=st.limits.vocab_size,
                             max_tokens_cap=st.config.server.max_tokens_cap, max_logprobs=MAX_LOGPROBS,
                             weights_hash=fp.weights, platform=_platform_pb(st))
 
@@ -243,7 +243,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         except Refused as e:
             await self._refuse(call, e, request)
         return pb.TokenizeResponse(token_ids=ids, tokens=[self._text(t) for t in ids],
-                                   context_length=self.state.loaded.max_model_len)
+                                   context_length=self.state.limits.context)
 
     async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
         call = _Call(context, self.fingerprint)

@@ -13,7 +13,7 @@ from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ...limits import Refused, check_token_ids
+from ...limits import Refused
 from ...platform_info import platform_info, row_tiles_of
 from ..events import RequestChannel, sum_usage
 from ..protocol import encode_prompt, render_chat
@@ -126,12 +126,12 @@ def create_app(state: ServerState) -> FastAPI:
             ids = render_chat(tok, req.message_dicts())
         else:
             ids = encode_prompt(tok, req.prompt, add_special_tokens=req.add_special_tokens, allow_empty=True)
-        return {"count": len(ids), "max_model_len": state.loaded.max_model_len, "tokens": ids}
+        return {"count": len(ids), "max_model_len": state.limits.context, "tokens": ids}
 
     def detokenize(body: Any) -> dict[str, Any]:
         req = validated(DetokenizeRequest, body)
         check_model(state, req.model)
-        check_token_ids(req.tokens, state.loaded.args.vocab_size, "tokens")
+        state.limits.check_prompt_ids(req.tokens, "tokens")
         return {"prompt": state.loaded.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
     @app.post("/tokenize")
@@ -155,7 +155,7 @@ def create_app(state: ServerState) -> FastAPI:
         """The served model: id, context length, fingerprint, and the platform that computes its bits."""
         return {"object": "list", "data": [{
             "id": state.model_name, "object": "model", "created": int(state.started_at), "owned_by": "steadyserve",
-            "max_model_len": state.loaded.max_model_len, "system_fingerprint": str(state.fingerprint),
+            "max_model_len": state.limits.context, "system_fingerprint": str(state.fingerprint),
             # The machine and library build that compute the responses (same facts as gRPC GetModelInfo).
             "platform": platform_info(row_tiles_of(state.loaded), state.memory.limit if state.memory else None,
                                       state.cpu).as_dict()}]}

@@ -54,7 +54,7 @@ def stop_finder(state: ServerState, stops: list[str]) -> Any:
     """The stop sequence that ended a finished turn, or None when it ended on end-of-sequence (or no stop
     sequence was sent). The engine cuts the text before the first stop string it finds, so the stop sequence
     is the one that starts where the text ends, in the decoded tokens (decoded as the detokenizer decodes)."""
-    eos = state.engine.engine.eos_token_ids
+    eos = state.limits.eos_token_ids
     tok = state.loaded.tokenizer
 
     def matched(acc: Accumulated) -> str | None:
