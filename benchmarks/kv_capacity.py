@@ -14,7 +14,8 @@ different prompt per stream so no prefix is shared; ignore_eos so each runs its 
 - llama-server (--llama-cpp DIR, default /tmp/llama/bin, skipped if absent), per -ctk/-ctv f16 and q8_0 (-fa on,
   which its quantized V cache needs): its KV bytes per token from the model shape (2 x layers x kv heads x
   head dim x 2 bytes for f16, x 34/32 bytes for q8_0), N = slots of P+G tokens whose KV fits the budget,
-  started with -np N -c N*(P+G) --kv-unified (one pool for all slots, as steadyserve's); the size it logs (llama_kv_cache: size = ... MiB) is recorded
+  started with -np N -c N*(P+G) --kv-unified (one pool for all slots, as steadyserve's); N counts llama.cpp's rounding of the context up
+  to 256 cells; the size it logs (llama_kv_cache: size = ... MiB, with -v) is recorded
   and checked against the budget, and N streams sent at once are checked to all run at once (the peak of
   its /metrics llamacpp:requests_processing).
 
@@ -146,15 +147,21 @@ def steadyserve_format(gguf: str, fmt: str, a, shape: dict) -> dict:
 def llama_format(bin_dir: Path, gguf: str, cache: str, a, shape: dict) -> dict:
     per_token = 2 * shape["layers"] * shape["kv_heads"] * shape["head_dim"] * LLAMA_FORMATS[cache]
     stream = a.prompt + a.output_tokens
-    n = min(int(a.budget // (per_token * stream)), a.max_num_seqs)
+    # llama.cpp rounds its context up to a multiple of 256 cells (640 -> 768): N is the most slots whose
+    # padded cache still fits the budget.
+    n = 0
+    while n < a.max_num_seqs and -(-(n + 1) * stream // 256) * 256 * per_token <= a.budget:
+        n += 1
     port = free_port()
     argv = [str(bin_dir / "llama-server"), "-m", gguf, "-np", str(n), "-c", str(n * stream), "-cb", "-t",
             str(a.threads), "-ctk", cache, "-ctv", cache, "-fa", "on", "--kv-unified", "--metrics", "--no-warmup",
+            "-v",  # -v: it logs its KV cache size only at this verbosity
             "--host", "127.0.0.1", "--port", str(port)]
-    row = {"bytes_per_token": per_token, "tokens_per_gib": GIB / per_token, "predicted_streams": n, "argv": argv[1:]}
+    row = {"bytes_per_token": per_token, "tokens_per_gib": GIB / per_token, "predicted_streams": n,
+           "slots_unpadded": int(a.budget // (per_token * stream)), "argv": argv[1:]}
     peer = Peer(f"llama-server {cache}", argv, thread_env(a.threads), "/health", {"port": port})
     try:
-        logged = re.findall(r"llama_kv_cache:\s+size\s*=\s*([\d.]+) MiB \(\s*(\d+) cells", peer.log_tail(400))
+        logged = re.findall(r"llama_kv_cache:\s+size\s*=\s*([\d.]+) MiB \(\s*(\d+) cells", peer.log_tail(10**6))
         if logged:
             mib, cells = float(logged[-1][0]), int(logged[-1][1])
             row.update(logged_kv_mib=mib, logged_cells=cells, logged_bytes_per_token=mib * 2**20 / cells,
