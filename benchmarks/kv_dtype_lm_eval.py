@@ -7,7 +7,7 @@ flags otherwise). The machine has no Hugging Face hub access, so the tasks are b
 prose found offline: the docstrings of Python's standard library modules (inspect.getdoc over a fixed module
 list; lines that look like code are dropped), in a fixed order with a fixed seed:
 - kv_lastword: LAMBADA-style. A sentence without its last word; the choices are the true last word and three
-  last words of other sentences (multiple_choice: acc and acc_norm with their stderr);
+  other words of the same sentence (other sentences' last words where it has too few) (multiple_choice: acc and acc_norm with their stderr);
 - kv_rolling: rolling perplexity (loglikelihood_rolling: word_perplexity, byte_perplexity, bits_per_byte)
   over a few long documents, each the concatenated docstrings of some modules. lm-eval gives these no stderr,
   so the script adds one for bits_per_byte: the standard error of the per-document bits per byte.
@@ -102,7 +102,11 @@ def write_tasks(d: Path, items: int, docs: int, doc_words: int, seed: int = 0) -
     rows = []
     for s in picked:
         *ctx, target = s.split()
-        distractors = rng.sample([w for w in last_words if w != target], 3)
+        # Distractors from the sentence's own words where it has three (on topic, so the task is not trivial),
+        # else from other sentences' last words.
+        own = sorted({w for w in ctx if re.fullmatch(r"[a-z]{3,}", w) and w != target})
+        pool = own if len(own) >= 3 else [w for w in last_words if w != target]
+        distractors = rng.sample(pool, 3)
         choices = distractors + [target]
         rng.shuffle(choices)
         rows.append({"context": " ".join(ctx), "choices": [" " + c for c in choices], "answer": choices.index(target)})
@@ -197,11 +201,10 @@ def main() -> None:
         for fmt in formats:
             rows[fmt] = evaluate(str(gguf), fmt, tokenizer, tm, a.max_length, a.threads)
             print(name, fmt, {k: v for k, v in rows[fmt].items() if k != "doc_loglikelihoods"}, flush=True)
-        if "fp32" in rows:
-            for fmt in formats:
+            if "fp32" in rows:
                 rows[fmt]["vs_fp32"] = compare(rows[fmt], rows["fp32"])
-        out["models"][name] = {"gguf": Path(gguf).name, "formats": rows}
-        Path(a.output).write_text(json.dumps(out, indent=1) + "\n")  # after each model: a partial run keeps it
+            out["models"][name] = {"gguf": Path(gguf).name, "formats": rows}
+            Path(a.output).write_text(json.dumps(out, indent=1) + "\n")  # after each format: a partial run keeps it
     print(f"\n| model | KV | acc (± se) | Δacc | acc_norm (± se) | bits/byte (± se) | Δbpb | word ppl | within fp32 se |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name, m in out["models"].items():
