@@ -24,7 +24,7 @@ llama-server's same format, and the concurrency measured. Capacity numbers do no
 timings (also recorded) do.
 
     .venv/bin/python benchmarks/kv_capacity.py [--gguf PATH] [--kv-budget 1GiB] [--prompt 512] [--output-tokens 128]
-        [--formats fp32,f16,bf16,q8_0] [--llama-cpp /tmp/llama/bin] [--no-over]
+        [--formats fp32,f16,bf16,q8_0] [--llama-cpp /tmp/llama/bin] [--no-over] [--capacity-only]
     # a quick check on the default small model:
     .venv/bin/python benchmarks/kv_capacity.py --gguf default --kv-budget 8MiB --prompt 48 --output-tokens 16
 """
@@ -135,6 +135,8 @@ def steadyserve_format(gguf: str, fmt: str, a, shape: dict) -> dict:
                "tokens_per_gib": cap / a.budget * GIB, "bytes_per_token": nbytes / cap,
                "blocks_per_stream": per_stream, "predicted_streams": n}
         print(f"steadyserve {fmt}: {int(cap)} tokens in {nbytes / 2**20:.1f} MiB, {n} streams predicted", flush=True)
+        if a.capacity_only:
+            return row
         row["at_n"] = steadyserve_run(s, n, a, shape, seed=1)
         ok = (row["at_n"]["completed"] == n and row["at_n"]["peak_running"] == n and row["at_n"]["preemptions"] == 0)
         row["all_n_ran_at_once_without_preemption"] = ok
@@ -167,6 +169,8 @@ def llama_format(bin_dir: Path, gguf: str, cache: str, a, shape: dict) -> dict:
             row.update(logged_kv_mib=mib, logged_cells=cells, logged_bytes_per_token=mib * 2**20 / cells,
                        logged_fits_budget=mib * 2**20 <= a.budget)
         url = f"http://127.0.0.1:{port}"
+        if a.capacity_only:
+            return row
 
         def processing() -> float:
             m = re.search(r"^llamacpp:requests_processing (\S+)", httpx.get(url + "/metrics", timeout=5).text, re.M)
@@ -184,7 +188,7 @@ def llama_format(bin_dir: Path, gguf: str, cache: str, a, shape: dict) -> dict:
         row["all_n_ran_at_once"] = row["at_n"]["completed"] == n and row["at_n"]["peak_processing"] == n
     finally:
         peer.stop()
-    print(f"llama-server {cache}: {row}", flush=True)
+        print(f"llama-server {cache}: {row}", flush=True)
     return row
 
 
@@ -198,6 +202,8 @@ def main() -> None:
     p.add_argument("--llama-cpp", default="/tmp/llama/bin", help="directory holding llama-server; '' to skip")
     p.add_argument("--max-num-seqs", type=int, default=256, help="both servers' cap on concurrent streams")
     p.add_argument("--no-over", action="store_true", help="skip the N+1 streams run on steadyserve")
+    p.add_argument("--capacity-only", action="store_true",
+                   help="start each server and read its capacity, send no streams (capacity needs no quiet machine)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per request")
     p.add_argument("--output", default=str(HERE / "results" / "kv_capacity.json"))
@@ -235,10 +241,10 @@ def main() -> None:
     for fmt, r in ss.items():
         print(f"| steadyserve | {fmt} | {r['tokens_per_gib']:.0f} | {r.get('tokens_per_gib_vs_fp32', 0):.2f} | "
               f"{r.get('tokens_per_gib_vs_llama_server', float('nan')):.2f} | {r['predicted_streams']} | "
-              f"{r['all_n_ran_at_once_without_preemption']} |")
+              f"{r.get('all_n_ran_at_once_without_preemption', 'not run')} |")
     for cache, r in ll.items():
         print(f"| llama-server | {cache} | {r['tokens_per_gib']:.0f} | | | {r['predicted_streams']} | "
-              f"{r.get('all_n_ran_at_once')} |")
+              f"{r.get('all_n_ran_at_once', 'not run')} |")
 
 
 if __name__ == "__main__":
