@@ -66,12 +66,10 @@ def spec(prompt, **kw) -> RequestSpec:
                        prompts=[prompt], requested_max_tokens=kw.pop("max_tokens", 4), output=OutputOptions(), **kw)
 
 
-async def finish(handles) -> list:
-    outs = []
-    for h in handles:
-        async for batch in h.stream.batches():
-            outs += batch
-    return outs
+async def finish(channel) -> list:
+    """Every output of every choice, in the order the request channel delivers them."""
+    async with channel:
+        return [o async for event in channel for o in event.outputs]
 
 
 def serve(state, s: RequestSpec) -> list:
@@ -124,8 +122,8 @@ def test_submit_all_only_counts_capacity(state) -> None:
     assert offline.value.reason == "too_long"
 
     async def go() -> list:
-        stream = state.engine.submit_all([too_long])[0]  # not refused: submit_all checks nothing
-        return await asyncio.wait_for(_collect(stream), 120)
+        channel = state.engine.submit_all([too_long])  # not refused: submit_all checks nothing
+        return await asyncio.wait_for(finish(channel), 120)
 
     outs = asyncio.run(go())
     end = outs[-1]
@@ -136,10 +134,6 @@ def test_submit_all_only_counts_capacity(state) -> None:
         build(state, spec(ids, max_tokens=4, params=params))
     assert (built.value.reason, built.value.param, str(built.value)) == \
         (offline.value.reason, offline.value.param, str(offline.value))
-
-
-async def _collect(stream) -> list:
-    return [o async for o in stream]
 
 
 def test_the_builder_leaves_the_clients_params_alone(state) -> None:
