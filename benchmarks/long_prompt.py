@@ -98,6 +98,7 @@ def main() -> int:
     p.add_argument("--model", default="smollm2", help="smollm2 | gemma3 | 1.7b | a GGUF path")
     p.add_argument("--prompt-tokens", type=int, default=2048)
     p.add_argument("--kv-dtypes", default="f16,bf16,q8_0", help="steadyserve's --kv-cache-dtype runs besides default")
+    p.add_argument("--numerics", default="", help="steadyserve's --numerics modes to run besides default (int8)")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--llama-cpp", type=Path, default=Path(os.environ.get("LLAMA_CPP_BIN", "/tmp/llama/bin")),
@@ -111,6 +112,7 @@ def main() -> int:
     runs: list[tuple[str, tuple[str, ...] | None]] = [] if a.no_llama else [("llama-server", None)]
     runs.append(("steadyserve", ()))
     runs += [(f"steadyserve --kv-cache-dtype {f}", ("--kv-cache-dtype", f)) for f in a.kv_dtypes.split(",") if f]
+    runs += [(f"steadyserve --numerics {m}", ("--numerics", m)) for m in a.numerics.split(",") if m]
     case: dict = {"gguf": gguf.name, "prompt_tokens": a.prompt_tokens, "threads": a.threads, "repeat": a.repeat,
                   "command": " ".join([".venv/bin/python benchmarks/long_prompt.py", *sys.argv[1:]]),
                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
