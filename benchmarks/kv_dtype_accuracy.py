@@ -76,12 +76,16 @@ def llama_generated(server_bin: Path, gguf: str, ids: list[int], n: int, cache: 
     stored as `cache` (f32 | f16 | q8_0)."""
     import httpx
 
-    port = 18932
+    from peers import free_port
+
+    port = free_port()  # never a fixed port: a server left from an earlier run would answer for this one
     proc = subprocess.Popen([str(server_bin), "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-t",
                              str(threads), "-c", str(ctx), "-np", "1", "-fa", "on", "-ctk", cache, "-ctv", cache],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         for _ in range(240):
+            if proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {proc.returncode} before it was ready")
             try:
                 if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
                     break
