@@ -40,6 +40,7 @@ from peers import cpu_name
 
 from steadyserve.models import known
 from steadyserve.models.loader import convert_gguf
+from steadyserve.testing.lm_eval_tasks import ROLLING, multiple_choice, write_task
 from steadyserve.testing.server import ServerProcess
 
 HERE = Path(__file__).parent
@@ -121,13 +122,8 @@ def write_tasks(d: Path, items: int, docs: int, doc_words: int, seed: int = 0) -
             break
     (d / "lastword.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (d / "rolling.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in documents))
-    head = "dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {path}\ntest_split: test\n"
-    (d / "kv_lastword.yaml").write_text("task: kv_lastword\n" + head.format(path=d / "lastword.jsonl") + (
-        'output_type: multiple_choice\ndoc_to_text: "{{context}}"\ndoc_to_choice: "{{choices}}"\n'
-        'target_delimiter: ""\ndoc_to_target: "{{answer}}"\nmetric_list:\n  - metric: acc\n  - metric: acc_norm\n'))
-    (d / "kv_rolling.yaml").write_text("task: kv_rolling\n" + head.format(path=d / "rolling.jsonl") + (
-        'output_type: loglikelihood_rolling\ndoc_to_text: ""\ndoc_to_target: "{{text}}"\nmetric_list:\n'
-        "  - metric: word_perplexity\n  - metric: byte_perplexity\n  - metric: bits_per_byte\n"))
+    write_task(d, "kv_lastword", d / "lastword.jsonl", multiple_choice("context", target_delimiter=""))
+    write_task(d, "kv_rolling", d / "rolling.jsonl", ROLLING)
     return {"source": f"docstrings of {len(prose)} Python {sys.version.split()[0]} standard-library modules "
                       "(inspect.getdoc, code lines dropped)",
             "lastword_items": len(rows), "lastword_pool_sentences": len(sents), "rolling_docs": len(documents),

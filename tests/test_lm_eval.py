@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from steadyserve.testing.lm_eval_tasks import ROLLING, multiple_choice, write_task
 from steadyserve.testing.server import ServerProcess
 from steadyserve.testing.tiny_model import build_tiny_model
 
@@ -42,14 +43,9 @@ def write_tasks(d: Path) -> None:
             "gen": [{"question": phrase(3, 7), "answer": rng.choice(WORDS)} for _ in range(6)]}
     for name, items in rows.items():
         (d / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in items))
-    head = "dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {path}\ntest_split: test\n"
-    (d / "ss_choice.yaml").write_text("task: ss_choice\n" + head.format(path=d / "choice.jsonl") + (
-        'output_type: multiple_choice\ndoc_to_text: "{{question}}"\ndoc_to_choice: "{{choices}}"\n'
-        'doc_to_target: "{{answer}}"\nmetric_list:\n  - metric: acc\n  - metric: acc_norm\n'))
-    (d / "ss_rolling.yaml").write_text("task: ss_rolling\n" + head.format(path=d / "rolling.jsonl") + (
-        'output_type: loglikelihood_rolling\ndoc_to_text: ""\ndoc_to_target: "{{text}}"\nmetric_list:\n'
-        "  - metric: word_perplexity\n  - metric: byte_perplexity\n  - metric: bits_per_byte\n"))
-    (d / "ss_gen.yaml").write_text("task: ss_gen\n" + head.format(path=d / "gen.jsonl") + (
+    write_task(d, "ss_choice", d / "choice.jsonl", multiple_choice("question"))
+    write_task(d, "ss_rolling", d / "rolling.jsonl", ROLLING)
+    write_task(d, "ss_gen", d / "gen.jsonl", (
         'output_type: generate_until\ndoc_to_text: "{{question}}"\ndoc_to_target: "{{answer}}"\n'
         'generation_kwargs:\n  until: ["\\n"]\n  max_gen_toks: 8\n  do_sample: false\n  temperature: 0\n'
         "metric_list:\n  - metric: exact_match\n"))
