@@ -40,14 +40,16 @@ def _allowed(nodeid: str) -> str | None:
     return None
 
 
-_skipped: list[tuple[str, str, str | None]] = []  # (node id, reason, allow-list entry)
+_skipped: list[tuple[str, str, str | None]] = []  # (node id, reason, allow-list entry), in the process that reports
 
 
-def _record_skip(rep: pytest.TestReport | pytest.CollectReport, nodeid: str, when: str) -> None:
-    """List a skip; under strict skips turn it into a failure unless allow-listed."""
+def _mark_skip(rep: pytest.TestReport | pytest.CollectReport, nodeid: str, when: str) -> None:
+    """Mark a skip for the list; under strict skips turn it into a failure unless allow-listed. Runs where the
+    test ran (a pytest-xdist worker under `make test`); the mark travels with the report to the process that
+    prints the summary (report attributes are serialized)."""
     reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
     allowed = _allowed(nodeid)
-    _skipped.append((nodeid, reason, allowed))
+    rep.steadyserve_skip = [nodeid, reason, allowed]
     if strict_skips() and allowed is None:
         rep.outcome = "failed"
         rep.longrepr = (f"SKIP IS AN ERROR here (CI / make test): {nodeid} skipped{when}: {reason}\n"
@@ -60,7 +62,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     outcome = yield
     rep = outcome.get_result()
     if rep.skipped and not hasattr(rep, "wasxfail"):
-        _record_skip(rep, item.nodeid, "")
+        _mark_skip(rep, item.nodeid, "")
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -70,7 +72,23 @@ def pytest_make_collect_report(collector: pytest.Collector):
     outcome = yield
     rep = outcome.get_result()
     if rep.skipped:
-        _record_skip(rep, rep.nodeid, " while collecting")
+        _mark_skip(rep, rep.nodeid, " while collecting")
+
+
+def _listed(rep: pytest.TestReport | pytest.CollectReport) -> None:
+    """List a marked skip once: in the process that prints the summary (xdist names its workers in
+    PYTEST_XDIST_WORKER; they only send their reports on)."""
+    mark = getattr(rep, "steadyserve_skip", None)
+    if mark is not None and "PYTEST_XDIST_WORKER" not in os.environ:
+        _skipped.append(tuple(mark))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _listed(report)
+
+
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    _listed(report)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:

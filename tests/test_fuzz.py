@@ -14,7 +14,7 @@ import grpc
 import httpx
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 from websockets.exceptions import ConnectionClosed
@@ -191,6 +191,10 @@ m_bodies = st.fixed_dictionaries({"messages": m_messages | m_values, "max_tokens
 
 @settings(max_examples=400, deadline=None, database=None)
 @given(body=m_bodies)
+# Found by this test (a TypeError, so a 500): a tool_choice type or name that is a list is not hashable.
+@example(body={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "tool_choice": {"type": []}})
+@example(body={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+               "tool_choice": {"type": "tool", "name": ["x"]}})
 def test_messages_parsing_refuses_by_name_and_never_crashes(body):
     """The Messages body to its chat RequestSpec: refused with a field named, or a spec, never another error."""
     fields = set(MessagesRequest.model_fields)

@@ -37,23 +37,29 @@ def test_never_collected():
 '''
 
 
-def run_pytest(tmp_path: Path, source: str | None = SKIPPING, **env: str) -> subprocess.CompletedProcess:
+def run_pytest(tmp_path: Path, source: str | None = SKIPPING, workers: int = 0, **env: str) -> subprocess.CompletedProcess:
     """A pytest session over one file that skips, with this suite's conftest hooks loaded as a plugin.
-    `source` None: the file is already written (sessions run side by side over it)."""
+    `source` None: the file is already written (sessions run side by side over it). workers: pytest-xdist
+    processes, as `make test` runs (0: none, the hooks run in the one process)."""
     if source is not None:
         (tmp_path / "test_sample.py").write_text(source)
-    clean = {k: v for k, v in os.environ.items() if k not in ("CI", "STEADYSERVE_STRICT_SKIPS")}
+    # This suite's own xdist worker variables (PYTEST_XDIST_*) would make the inner session think it is a worker.
+    clean = {k: v for k, v in os.environ.items()
+             if k not in ("CI", "STEADYSERVE_STRICT_SKIPS") and not k.startswith("PYTEST_XDIST")}
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:randomly",
-                           "-p", "no:cacheprovider", str(tmp_path / "test_sample.py")],
+                           "-p", "no:cacheprovider", "-n", str(workers), str(tmp_path / "test_sample.py")],
                           capture_output=True, text=True, timeout=120, cwd=tmp_path,
                           env={**clean, "PYTHONPATH": str(TESTS), **env})
 
 
-def test_a_skip_is_an_error_in_ci_and_always_reported(tmp_path: Path):
+@pytest.mark.parametrize("workers", [0, 2], ids=["one-process", "xdist"])
+def test_a_skip_is_an_error_in_ci_and_always_reported(tmp_path: Path, workers: int):
+    """In one process and across pytest-xdist workers (as `make test` runs): a skip in a worker is listed by the
+    process that prints the summary, and fails a strict run."""
     (tmp_path / "test_sample.py").write_text(SKIPPING)
     envs = ({}, {"CI": "true"}, {"STEADYSERVE_STRICT_SKIPS": "1"})
     with ThreadPoolExecutor(len(envs)) as pool:  # three independent sessions: side by side
-        relaxed, *stricts = pool.map(lambda env: run_pytest(tmp_path, None, **env), envs)
+        relaxed, *stricts = pool.map(lambda env: run_pytest(tmp_path, None, workers, **env), envs)
     assert relaxed.returncode == 0, relaxed.stdout
     assert "1 passed, 1 skipped" in relaxed.stdout
     assert "1 test(s) skipped" in relaxed.stdout and "no widget on this machine [NOT allow-listed]" in relaxed.stdout
@@ -63,13 +69,15 @@ def test_a_skip_is_an_error_in_ci_and_always_reported(tmp_path: Path):
         assert "no widget on this machine" in strict.stdout
 
 
-def test_a_module_skipped_while_collecting_is_reported_and_an_error_in_ci(tmp_path: Path):
+@pytest.mark.parametrize("workers", [0, 2], ids=["one-process", "xdist"])
+def test_a_module_skipped_while_collecting_is_reported_and_an_error_in_ci(tmp_path: Path, workers: int):
     """A module-level importorskip skips before any test report exists; the hook on collection sees it."""
-    relaxed = run_pytest(tmp_path, IMPORT_SKIPPING)
+    relaxed = run_pytest(tmp_path, IMPORT_SKIPPING, workers)
     assert relaxed.returncode == 5 and "1 skipped" in relaxed.stdout, relaxed.stdout  # 5: no test ran
     assert "1 test(s) skipped" in relaxed.stdout and "no_such_module_anywhere" in relaxed.stdout
-    strict = run_pytest(tmp_path, IMPORT_SKIPPING, CI="true")
-    assert strict.returncode == 2, strict.stdout  # 2: a collection error
+    strict = run_pytest(tmp_path, IMPORT_SKIPPING, workers, CI="true")
+    # 2: a collection error; pytest-xdist ends a run whose worker could not collect with 1 (a failed run)
+    assert strict.returncode == (1 if workers else 2), strict.stdout
     assert "SKIP IS AN ERROR" in strict.stdout and "skipped while collecting" in strict.stdout, strict.stdout
 
 

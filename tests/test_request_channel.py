@@ -31,7 +31,8 @@ from steadyserve.testing.prompt_log import logged_aborts
 from steadyserve.testing.faults import FAIL_REQUEST_MARKER
 from steadyserve.testing.server import ServerProcess
 
-LONG = 3000  # tokens a stream asks for: it is surely still running when the client leaves
+LONG = 4000  # tokens a stream asks for (of the 4096 positions): it is surely still running when the client leaves
+DEADLINE_S = 1.0  # the gRPC deadline case: 4000 tokens take ~2.5 s on one quiet core; slower machines, longer
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +87,9 @@ def hang_up_messages(srv, rid: str) -> None:
 
 
 def hang_up_ws(srv, rid: str) -> None:
-    with connect(f"ws://127.0.0.1:{srv.http_port}/v1/stream", open_timeout=30,
+    # close_timeout=1: the client library stops reading at its 16-message queue, so it would wait its whole
+    # default 10 s for the server's close frame behind the unread deltas; the server has cut the stream by then.
+    with connect(f"ws://127.0.0.1:{srv.http_port}/v1/stream", open_timeout=30, close_timeout=1,
                  additional_headers={"x-request-id": rid}) as ws:
         ws.send(json.dumps({"prompt": "go on", "max_tokens": LONG, "ignore_eos": True}))
         for _ in range(3):
@@ -110,7 +113,7 @@ def cancel_grpc(srv, rid: str) -> None:
 
 
 def deadline_grpc(srv, rid: str) -> None:
-    ch, call = _generate(srv, rid, 3.0)
+    ch, call = _generate(srv, rid, DEADLINE_S)
     with ch, pytest.raises(grpc.RpcError) as e:
         for _ in call:
             pass

@@ -245,10 +245,10 @@ def tool_choice_of(value: dict[str, Any] | None, names: set[str]) -> tuple[ToolC
         return None, None
     kind = value.get("type")
     modes = {"auto": "auto", "any": "required", "none": "none", "tool": "function"}
-    if kind not in modes:
+    if not isinstance(kind, str) or kind not in modes:  # a list or an object is not a mode (nor hashable)
         raise InvalidRequest("tool_choice.type", 'tool_choice.type must be "auto", "any", "tool" or "none"')
     name = value.get("name")
-    if kind == "tool" and name not in names:
+    if kind == "tool" and (not isinstance(name, str) or name not in names):
         raise InvalidRequest("tool_choice.name", f"tool_choice.name: no tool named {name!r} in tools")
     disable = value.get("disable_parallel_tool_use")
     if disable is not None and not isinstance(disable, bool):
