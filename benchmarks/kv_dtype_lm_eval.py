@@ -1,5 +1,6 @@
 """lm-eval scores per KV cache format: is each within the float32 cache's stderr? (issue 44, "lm-eval within
-stderr of the fp32 cache")
+stderr of the fp32 cache"); with --numerics, per numerics path too (issue 39: int8 activations within the
+float32 path's stderr)
 
 The real lm-evaluation-harness (`local-completions`, token-id prompts, as docs/quickstart.md drives it) against a
 live steadyserve server per --kv-cache-dtype (fp32, f16, bf16, q8_0; one server at a time, same model, same
@@ -16,7 +17,7 @@ Writes benchmarks/results/kv_dtype_lm_eval.json (per model and format: the metri
 difference to fp32 and whether it is within fp32's stderr) and prints a table.
 
     .venv/bin/python benchmarks/kv_dtype_lm_eval.py [--models smollm2,gemma3-270m] [--items 300] [--docs 6]
-        [--doc-words 1500] [--formats fp32,f16,bf16,q8_0]
+        [--doc-words 1500] [--formats fp32,f16,bf16,q8_0] [--numerics portable,int8]
     # a quick check: --items 20 --docs 1 --doc-words 200 --formats fp32,q8_0
 """
 
@@ -139,11 +140,13 @@ def doc_bpb_stderr(samples: list[dict]) -> float:
     return math.sqrt(sum((b - mean) ** 2 for b in bpb) / (len(bpb) - 1) / len(bpb))
 
 
-def evaluate(model: str, fmt: str, tokenizer: str, tm, max_length: int, threads: int) -> dict:
+def evaluate(model: str, fmt: str, tokenizer: str, tm, max_length: int, threads: int,
+             numerics: str = "portable") -> dict:
     import lm_eval
 
     t0 = time.monotonic()
-    with ServerProcess(model, "--kv-cache-dtype", fmt, "--grpc-port", "-1", "--served-model-name", "m",
+    with ServerProcess(model, "--kv-cache-dtype", fmt, "--numerics", numerics, "--grpc-port", "-1",
+                       "--served-model-name", "m",
                        "--kv-cache-memory", "512MiB", threads=threads,
                        startup_timeout=1200) as s:
         args = (f"base_url={s.http_url}/v1/completions,tokenizer={tokenizer},tokenizer_backend=huggingface,"
@@ -177,6 +180,9 @@ def main() -> None:
     p.add_argument("--docs", type=int, default=6, help="rolling-perplexity documents")
     p.add_argument("--doc-words", type=int, default=1500, help="words per rolling document")
     p.add_argument("--max-length", type=int, default=2050, help="lm-eval max_length (windows of max_length-2)")
+    p.add_argument("--numerics", default="portable",
+                   help="numerics paths, comma-separated (portable, int8): each runs every format; the reference is "
+                        "portable with the fp32 cache, so list portable first with fp32 among the formats")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--output", default=str(HERE / "results" / "kv_dtype_lm_eval.json"))
     a = p.parse_args()
@@ -194,14 +200,16 @@ def main() -> None:
         gguf = known.resolve(name)
         tokenizer = str(convert_gguf(Path(gguf), with_weights=False)[0])
         rows: dict = {}
-        for fmt in formats:
-            rows[fmt] = evaluate(str(gguf), fmt, tokenizer, tm, a.max_length, a.threads)
-            print(name, fmt, {k: v for k, v in rows[fmt].items() if k != "doc_loglikelihoods"}, flush=True)
-            if "fp32" in rows:
-                rows[fmt]["vs_fp32"] = compare(rows[fmt], rows["fp32"])
-            out["models"][name] = {"gguf": Path(gguf).name, "formats": rows}
-            Path(a.output).write_text(json.dumps(out, indent=1) + "\n")  # after each format: a partial run keeps it
-    print(f"\n| model | KV | acc (± se) | Δacc | acc_norm (± se) | bits/byte (± se) | Δbpb | word ppl | within fp32 se |")
+        for numerics in a.numerics.split(","):
+            for fmt in formats:
+                key = fmt if numerics == "portable" else f"{fmt} --numerics {numerics}"
+                rows[key] = evaluate(str(gguf), fmt, tokenizer, tm, a.max_length, a.threads, numerics)
+                print(name, key, {k: v for k, v in rows[key].items() if k != "doc_loglikelihoods"}, flush=True)
+                if "fp32" in rows:
+                    rows[key]["vs_fp32"] = compare(rows[key], rows["fp32"])
+                out["models"][name] = {"gguf": Path(gguf).name, "formats": rows}
+                Path(a.output).write_text(json.dumps(out, indent=1) + "\n")  # after each run: a partial run keeps it
+    print(f"\n| model | KV (numerics) | acc (± se) | Δacc | acc_norm (± se) | bits/byte (± se) | Δbpb | word ppl | within fp32 se |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name, m in out["models"].items():
         for fmt, r in m["formats"].items():
