@@ -308,7 +308,7 @@ def test_vector_width_does_not_change_the_bits(tmp_path) -> None:
     assert src != SOURCES[0].read_text(), "the kernel no longer uses target_clones: update this test"
     plain_src = tmp_path / "paged_attention.cpp"
     plain_src.write_text(src)
-    for header in ("ops.h", "kv_format.h"):  # the headers it includes
+    for header in ("ops.h", "kv_format.h", "attention_rows.h"):  # the headers it includes
         shutil.copy(SOURCES[0].parent / header, tmp_path)
     have = set(open("/proc/cpuinfo").read().split())
     # The baseline build computes each fma with libm's fmaf; AVX2 and AVX-512 builds with the instruction.

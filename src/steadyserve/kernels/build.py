@@ -32,7 +32,7 @@ SOURCES = [CSRC / name for name in ("paged_attention.cpp", "rope.cpp", "qlinear.
                                     "q8_pack.cpp", "q8_scalar.cpp", "q8_avx2.cpp", "q8_avx512.cpp", "q8linear.cpp",
                                     "kv_write.cpp")]
 HEADERS = [CSRC / name for name in ("qmm.h", "qmm_body.h", "ops.h", "half.h", "isa.h", "q8.h", "q8_body.h",
-                                    "q8_quantize.h", "kv_format.h")]
+                                    "q8_quantize.h", "kv_format.h", "attention_rows.h")]
 CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-fast-math", "-fno-unsafe-math-optimizations"]
 # The kernels' versions have one owner, kernel_versions.KERNELS, from which the numerics ids derive.
 NATIVE_KERNEL_ID = KERNELS["attention"]  # the attention kernel's id in the fingerprint
