@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from steadyserve.kernel_versions import KERNELS, PATH_KERNELS
 from steadyserve.numerics import NumericsError, choose, describe
 
 GOLDEN = Path(__file__).parent / "golden" / "portable_smollm2.json"
@@ -37,6 +38,17 @@ def test_a_portable_id_names_no_host_fact():
            for change in ({}, dict(isa="AVX2"), dict(cpu_model="Intel(R) Xeon(R)"), dict(cpu_flags=("avx2",)),
                           dict(mkl_version="2025.0"), dict(torch_version="2.14.0+cpu"), dict(mkl_cbwr="AVX2"))}
     assert len(ids) == 1 and next(iter(ids)).startswith("p")
+
+
+@pytest.mark.parametrize("family", sorted(KERNELS))
+def test_bumping_a_kernel_version_moves_every_numerics_id_that_names_it(family: str, monkeypatch):
+    """kernel_versions.KERNELS is the one owner of the kernels' versions: a bump alone changes the id (so the
+    fingerprint) of every native path that runs that family, and of no other."""
+    before = {path: describe(path, **HOST).numerics_id for path in PATH_KERNELS}
+    monkeypatch.setitem(KERNELS, family, KERNELS[family] + "-bumped")
+    for path, families in PATH_KERNELS.items():
+        moved = describe(path, **HOST).numerics_id != before[path]
+        assert moved == (family in families), (family, path, families)
 
 
 def test_auto_is_portable_where_the_native_kernels_run_and_host_elsewhere():
