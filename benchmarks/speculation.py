@@ -214,14 +214,16 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3, help="runs per request and mode, alternating; the best counts")
     p.add_argument("--max-tokens", type=int, default=160)
     p.add_argument("--c64-max-tokens", type=int, default=64)
+    p.add_argument("--numerics", default="auto", help="the engines' numerics path (auto, portable, int8)")
     p.add_argument("--out", type=Path, default=HERE / "results" / "speculation.json")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-    lm = load_model("")
+    lm = load_model("", numerics=a.numerics)
     engines = {mode: engine(lm, a.threads, mode) for mode in ("off", "ngram")}
     tok = lm.tokenizer
     res: dict = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
                  "cpu": _cpu(), "cpus": os.cpu_count(), "threads": a.threads, "max_tokens": a.max_tokens,
+                 "numerics": lm.numerics.mode if lm.numerics is not None else a.numerics,
                  "command": " ".join([".venv/bin/python benchmarks/speculation.py", *sys.argv[1:]]),
                  "c1": {}, "c64": {}, "identical": True}
     run_one(engines["off"], "warm", prompt_ids(tok, "Hello"), 8)
