@@ -28,11 +28,11 @@ from steadyserve.api.protos.steadyserve.v1 import inference_pb2_grpc as pb_grpc
 from steadyserve.engine.channel import END_MESSAGES, RequestChannel
 from steadyserve.engine.sequence import RequestOutput
 from steadyserve.testing.prompt_log import logged_aborts
-from steadyserve.testing.faults import FAIL_REQUEST_MARKER
+from steadyserve.testing.faults import FAIL_REQUEST_MARKER, SLOW_REQUEST_MARKER
 from steadyserve.testing.server import ServerProcess
 
 LONG = 4000  # tokens a stream asks for (of the 4096 positions): it is surely still running when the client leaves
-DEADLINE_S = 1.0  # the gRPC deadline case: 4000 tokens take ~2.5 s on one quiet core; slower machines, longer
+DEADLINE_S = 1.0  # the gRPC deadline case: its stream is slowed to >= 4000 x SLOW_STEP_S = 20 s on any CPU
 
 
 @pytest.fixture(scope="module")
@@ -97,9 +97,9 @@ def hang_up_ws(srv, rid: str) -> None:
     # leaving the block closes the connection mid-stream
 
 
-def _generate(srv, rid: str, timeout: float | None):
+def _generate(srv, rid: str, timeout: float | None, text: str = "go on"):
     ch = grpc.insecure_channel(srv.grpc_addr)
-    req = pb.GenerateRequest(text="go on", request_id=rid, params=pb.SamplingParameters(max_tokens=LONG,
+    req = pb.GenerateRequest(text=text, request_id=rid, params=pb.SamplingParameters(max_tokens=LONG,
                                                                                          ignore_eos=True))
     return ch, pb_grpc.InferenceStub(ch).Generate(req, timeout=timeout)
 
@@ -113,7 +113,8 @@ def cancel_grpc(srv, rid: str) -> None:
 
 
 def deadline_grpc(srv, rid: str) -> None:
-    ch, call = _generate(srv, rid, DEADLINE_S)
+    # Slowed (TEST-ONLY fault): a fast CPU made 3000 tokens in 1.9 s, before a 3 s deadline, so none fired.
+    ch, call = _generate(srv, rid, DEADLINE_S, f"go on {SLOW_REQUEST_MARKER}")
     with ch, pytest.raises(grpc.RpcError) as e:
         for _ in call:
             pass
