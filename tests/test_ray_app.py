@@ -2,7 +2,8 @@
 
 build_app's arguments (the one config tree: `steadyserve serve` flags, validated before deploying),
 the Ray options derived from them, the gRPC messages pickling (Ray's gRPC proxy pickles each request
-to its replica), and the ingress ending a stream whose replica is lost with an explicit error event.
+to its replica), the ingress ending a stream whose replica is lost with an explicit error event, and the
+replica grouping the gRPC messages that wait for Ray into one.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pytest
 from steadyserve.api.protos.steadyserve.v1 import inference_pb2
 from steadyserve.ray.app import RayAppArgs, build_app, engine_options, parse_serve_args
 from steadyserve.ray.ingress import relay_events
+from steadyserve.ray.replica import _arrived, merge_batches
 from steadyserve.tools.sse_client import StreamResult, _on_event
 
 
@@ -107,3 +109,66 @@ def test_a_stream_lost_after_its_done_gets_no_error_event_and_one_lost_before_it
     assert whole.num_events_after_done == 0
     cut = asyncio.run(relayed([text, last]))
     assert cut.done and cut.error["code"] == "replica_lost" and cut.num_events_after_done == 0
+
+
+def _batch(ids: list[int], text: str) -> bytes:
+    lps = [inference_pb2.TokenLogprob(token_id=i, logprob=-float(i)) for i in ids]
+    return inference_pb2.GenerateResponse(batch=inference_pb2.TokenBatch(token_ids=ids, text=text,
+                                                                         logprobs=lps)).SerializeToString()
+
+
+def test_token_batches_waiting_together_go_as_one_and_the_final_stays_last() -> None:
+    final = inference_pb2.GenerateResponse(final=inference_pb2.GenerateFinal(request_id="r")).SerializeToString()
+    out = merge_batches([_batch([1], "a"), _batch([2, 3], "bc"), _batch([4], "\u00e9"), final])
+    assert len(out) == 2 and out[1] == final
+    merged = inference_pb2.GenerateResponse.FromString(out[0]).batch
+    assert list(merged.token_ids) == [1, 2, 3, 4] and merged.text == "abc\u00e9"
+    assert [lp.token_id for lp in merged.logprobs] == [1, 2, 3, 4]
+    assert merge_batches([_batch([7], "x")]) == [_batch([7], "x")]  # alone: the bytes as they came
+
+
+class _Call:
+    """A grpc.aio server-streaming call: `arrivals` are (seconds to wait, message or exception)."""
+
+    def __init__(self, arrivals: list) -> None:
+        self.arrivals, self.cancelled = arrivals, False
+
+    async def __aiter__(self):
+        for delay, item in self.arrivals:
+            await asyncio.sleep(delay)
+            if isinstance(item, Exception):
+                raise item
+            yield item
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def test_messages_are_grouped_as_they_waited_for_a_busy_consumer() -> None:
+    """Quiet (the consumer is back before the next message), one message per group; a consumer that was busy
+    while three arrived gets the three at once; an error comes after the messages before it."""
+    async def groups(call: _Call, busy: float) -> list:
+        out = []
+        async for group in _arrived(call):
+            out.append(group)
+            await asyncio.sleep(busy)  # handing the group to Ray
+        return out
+
+    quiet = [(0.02, b"a"), (0.02, b"b"), (0.02, b"c")]
+    assert asyncio.run(groups(_Call(quiet), 0)) == [[b"a"], [b"b"], [b"c"]]
+    burst = [(0, b"a"), (0.01, b"b"), (0, b"c"), (0, b"d")]
+    assert asyncio.run(groups(_Call(burst), 0.2)) == [[b"a"], [b"b", b"c", b"d"]]
+    broken = [(0, b"a"), (0, RuntimeError("lost"))]
+    with pytest.raises(RuntimeError, match="lost"):
+        asyncio.run(groups(_Call(broken), 0.05))
+
+
+def test_a_consumer_that_leaves_cancels_the_call() -> None:
+    async def leave(call: _Call) -> None:
+        gen = _arrived(call)
+        assert await gen.__anext__() == [b"a"]
+        await gen.aclose()
+
+    call = _Call([(0, b"a"), (10, b"never")])
+    asyncio.run(leave(call))
+    assert call.cancelled

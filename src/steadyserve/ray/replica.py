@@ -13,6 +13,7 @@ the server drains whatever is left exactly as `steadyserve serve` does.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any, AsyncIterator
 
@@ -21,6 +22,7 @@ import httpx
 import websockets
 
 from ..api.grpc import SERVICE
+from ..api.protos.steadyserve.v1.inference_pb2 import GenerateResponse
 from .child import ChildServer
 
 log = logging.getLogger("steadyserve.ray")
@@ -113,15 +115,17 @@ class EngineReplica:
     async def grpc_call(self, method: str, request: bytes, metadata: list[tuple[str, str]],
                         streaming: bool) -> AsyncIterator[bytes | dict[str, Any]]:
         """Calls steadyserve.v1.Inference/`method` with the serialized request; yields each response message
-        (serialized), then {"code": grpc status code number, "details", "trailers"}."""
+        (serialized), then {"code": grpc status code number, "details", "trailers"}. A streaming call's token
+        batches that arrived while the previous item was being handed to Ray go as one (merge_batches)."""
         path = f"/{SERVICE}/{method}"
         channel = self._grpc()
         call: Any = (channel.unary_stream(path) if streaming else channel.unary_unary(path))(
             request, metadata=tuple(metadata))
         try:
             if streaming:
-                async for message in call:
-                    yield message
+                async for messages in _arrived(call):
+                    for message in merge_batches(messages):
+                        yield message
             else:
                 yield await call
             code, details, trailers = await call.code(), await call.details(), await call.trailing_metadata()
@@ -149,3 +153,64 @@ class EngineReplica:
         code = child.drain(self.drain_timeout + 10)
         log.info("replica stopped", extra={"fields": {"replica": getattr(self, "replica_id", "?"), "exit_code": code}})
         child.cleanup()
+
+
+async def _arrived(call: Any) -> AsyncIterator[list[bytes]]:
+    """The messages of a server-streaming call, in the groups they arrived in: each group is what was waiting
+    when the consumer came back, at least one message. Every yield is a Ray object sent to the ingress (and
+    another on to Ray's proxy), which under load costs far more than a step of a small model: without the
+    groups, a replica short of CPU fell minutes behind its engine, one Ray object per token, with nothing
+    refused. Quiet, each group is one message and nothing waits. Raises the call's AioRpcError at its place."""
+    queue: asyncio.Queue = asyncio.Queue()  # bounded by the child's stream: one request's messages
+
+    async def read() -> None:
+        try:
+            async for message in call:
+                queue.put_nowait(message)
+            queue.put_nowait(None)
+        except BaseException as e:  # noqa: BLE001 (handed to the consumer, raised there)
+            queue.put_nowait(e)
+
+    reader = asyncio.create_task(read())
+    try:
+        while True:
+            group = [await queue.get()]
+            while not queue.empty():
+                group.append(queue.get_nowait())
+            end = group[-1]
+            messages = [m for m in group if isinstance(m, bytes)]
+            if messages:
+                yield messages
+            if end is None:
+                return
+            if isinstance(end, BaseException):
+                raise end
+    finally:
+        if not reader.done():  # the consumer left (the client cancelled): stop reading and the call
+            reader.cancel()
+            call.cancel()
+
+
+def merge_batches(messages: list[bytes]) -> list[bytes]:
+    """Consecutive GenerateResponse token batches as one: token ids and logprobs appended, texts concatenated,
+    which is what a client assembles from them anyway (TokenBatch: the texts of all batches concatenate to the
+    output). Anything else (the final message) stays a message of its own, in its place."""
+    out: list[bytes] = []
+    merged: GenerateResponse | None = None
+    for raw in messages:
+        msg = GenerateResponse.FromString(raw) if len(messages) > 1 else None
+        if msg is not None and msg.HasField("batch"):
+            if merged is None:
+                merged = msg
+            else:
+                merged.batch.token_ids.extend(msg.batch.token_ids)
+                merged.batch.text += msg.batch.text
+                merged.batch.logprobs.extend(msg.batch.logprobs)
+            continue
+        if merged is not None:
+            out.append(merged.SerializeToString())
+            merged = None
+        out.append(raw)
+    if merged is not None:
+        out.append(merged.SerializeToString())
+    return out
