@@ -11,6 +11,8 @@ built, make the GGUFs. Files are cached outside the repository; an existing file
         [--types Q4_K_M,Q4_1] [--layers 24]
 
 Prints the paths. `--layers 2` makes a small file of the same widths (a quick check of the pipeline).
+`--hf-dir` instead writes (or keeps) the float32 HF directory the GGUFs come from, for peers that read one
+(vLLM's CPU build serves it in bf16): the same weights before llama-quantize, so the same shape and cost.
 """
 
 from __future__ import annotations
@@ -64,7 +66,14 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path.home() / ".cache" / "steadyserve" / "bench-models")
     p.add_argument("--types", default="Q4_K_M,Q4_1")
     p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--hf-dir", action="store_true", help="write the HF directory (for vLLM) and print its path")
     a = p.parse_args()
+    if a.hf_dir:
+        hf = a.out / ("smollm2-1.7b-shape" + ("" if a.layers == 24 else f"-{a.layers}l") + "-hf")
+        if not (hf / "model.safetensors").exists():
+            random_hf_model(hf, a.layers)
+        print(hf)
+        return
     src = llama_sources(a.llama_cpp)
     quantize = a.llama_cpp / "bin" / "llama-quantize"
     stem = "smollm2-1.7b-shape" + ("" if a.layers == 24 else f"-{a.layers}l")
