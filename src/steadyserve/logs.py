@@ -31,8 +31,21 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(obj, default=str)
 
 
+class StderrHandler(logging.StreamHandler):
+    """Writes each record to the sys.stderr of the moment, not the one at set-up: a process that swaps
+    stderr (a test's capture, then its close) must not leave threads logging into a closed file."""
+
+    @property  # type: ignore[override]
+    def stream(self):  # noqa: ANN201 (a text stream)
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value: object) -> None:  # StreamHandler.__init__ assigns it
+        pass
+
+
 def setup_logging(fmt: str = "text", level: int = logging.INFO) -> None:
-    handler = logging.StreamHandler(sys.stderr)
+    handler = StderrHandler()
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
