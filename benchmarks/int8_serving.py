@@ -108,7 +108,7 @@ def main() -> int:
             argv = [str(a.vllm / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", a.vllm_model,
                     "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-num-seqs", "64",
                     "--max-model-len", "4096"]
-            srv = Peer("vllm", argv, env, "/health", {"argv": " ".join(argv)})
+            srv = Peer("vllm", argv, env, "/health", {"port": port, "argv": " ".join(argv)}, startup_timeout=600)
             url, pid, stop = srv.url, srv.pid, srv.stop
             res["servers"][name] = srv.settings
         else:

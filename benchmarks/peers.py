@@ -75,10 +75,10 @@ class Peer:
     def __init__(self, name: str, argv: list[str], env: dict[str, str], health: str, settings: dict,
                  startup_timeout: float = 300.0) -> None:
         self.name, self.settings = name, {**settings, "command": " ".join(argv)}
+        self.url = f"http://127.0.0.1:{settings['port']}"  # before the process starts: nothing left running
         self.log = tempfile.NamedTemporaryFile(prefix=f"peer-{name.split()[0]}-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **env},
                                      start_new_session=True)
-        self.url = f"http://127.0.0.1:{settings['port']}"
         deadline = time.monotonic() + startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
