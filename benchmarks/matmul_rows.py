@@ -8,7 +8,10 @@ Then what bounds a row's cost from below: the multiply-adds one more row adds, a
 the time over M = 1 to the register rows), against this machine's float32 FMA peak
 on the same threads (independent FMA chains in a small C++ loop, compiled here).
 
-    .venv/bin/python benchmarks/matmul_rows.py [--threads 2] [--isa -1|0|1|2]
+    .venv/bin/python benchmarks/matmul_rows.py [--threads 2] [--isa -1|0|1|2] [--model GGUF --numerics int8]
+
+With --model and --numerics it walks that model as loaded for those numerics (the int8 path's packed panels),
+and prints what M = 1 streams: the matrices' bytes over the pass's time, against torch.sum's read bandwidth.
 """
 
 from __future__ import annotations
@@ -54,9 +57,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--isa", type=int, default=-1, help="-1 the best build, 0 scalar, 1 AVX2, 2 AVX-512")
+    p.add_argument("--model", default="", help="a GGUF (default: the default model)")
+    p.add_argument("--numerics", default="auto")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-    mats = matrices(load_model("").model)
+    mats = matrices(load_model(a.model, numerics=a.numerics).model)
+    if a.numerics == "int8":  # the packed panels it multiplies, not a tied embedding's rows kept for lookups
+        mats = [q for q in mats if all(p.packed for p in q.parts)]
     print(f"{len(mats)} matrices, register rows {torch.ops.steadyserve.qmm_register_rows()}")
     inputs = {m: ([torch.randn(m, q.k) for q in mats], [torch.empty(m, q.n) for q in mats]) for m in range(1, 11)}
     times = {m: float("inf") for m in inputs}
@@ -69,6 +76,13 @@ def main() -> None:
                 times[m] = min(times[m], time.perf_counter() - t0)
     for m, best in times.items():
         print(f"M={m:2d} {best * 1e3:7.2f} ms  x{best / times[1]:.2f}")
+    nbytes = sum(q.nbytes for q in mats)
+    x = torch.ones(256 * 1024 * 1024)  # 1 GiB of float32: torch.sum reads it at the memory's pace
+    bw = 4 * x.numel() / min(_timed(x.sum) for _ in range(5))
+    print(f"M=1 streams {nbytes / 1e9:.3f} GB in {times[1] * 1e3:.2f} ms: {nbytes / times[1] / 1e9:.1f} GB/s, "
+          f"{nbytes / times[1] / bw:.2f} of torch.sum's {bw / 1e9:.1f} GB/s on {a.threads} threads")
+    if a.numerics == "int8":
+        return  # the slope below sizes the float32 path's register rows
     # the register rows of the build that ran (kSmallM of kernels/csrc/qmm_{scalar,avx2,avx512}.cpp)
     rows = {0: 1, 1: 4, 2: 8}.get(a.isa) or torch.ops.steadyserve.qmm_register_rows()
     flop_per_row = 2 * sum(q.n * q.k for q in mats)
@@ -81,6 +95,12 @@ def main() -> None:
           f"peak of {a.threads} threads {peak:.1f} GFLOP/s: rows run at {row_gflops / peak:.0%} of it, so a row "
           f"costs at least {flop_per_row / peak * 1e-6:.2f} ms ({flop_per_row / peak / 1e9 / times[1]:.3f} of the "
           f"M = 1 pass; divide by an engine step's ms for speculation's row cost)")
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 # Independent FMA chains, more than the FMA units' latency times their count, so the loop runs at their
