@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from gguf_serving import read_bandwidth_gb_s
 from steadyserve.kernels.quant import QMatrix
 from steadyserve.models.loader import load_model
 
@@ -77,8 +78,7 @@ def main() -> None:
     for m, best in times.items():
         print(f"M={m:2d} {best * 1e3:7.2f} ms  x{best / times[1]:.2f}")
     nbytes = sum(q.nbytes for q in mats)
-    x = torch.ones(256 * 1024 * 1024)  # 1 GiB of float32: torch.sum reads it at the memory's pace
-    bw = 4 * x.numel() / min(_timed(x.sum) for _ in range(5))
+    bw = read_bandwidth_gb_s(a.threads) * 1e9
     print(f"M=1 streams {nbytes / 1e9:.3f} GB in {times[1] * 1e3:.2f} ms: {nbytes / times[1] / 1e9:.1f} GB/s, "
           f"{nbytes / times[1] / bw:.2f} of torch.sum's {bw / 1e9:.1f} GB/s on {a.threads} threads")
     if a.numerics == "int8":
@@ -95,12 +95,6 @@ def main() -> None:
           f"peak of {a.threads} threads {peak:.1f} GFLOP/s: rows run at {row_gflops / peak:.0%} of it, so a row "
           f"costs at least {flop_per_row / peak * 1e-6:.2f} ms ({flop_per_row / peak / 1e9 / times[1]:.3f} of the "
           f"M = 1 pass; divide by an engine step's ms for speculation's row cost)")
-
-
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 # Independent FMA chains, more than the FMA units' latency times their count, so the loop runs at their

@@ -195,11 +195,13 @@ def merge_batches(messages: list[bytes]) -> list[bytes]:
     """Consecutive GenerateResponse token batches as one: token ids and logprobs appended, texts concatenated,
     which is what a client assembles from them anyway (TokenBatch: the texts of all batches concatenate to the
     output). Anything else (the final message) stays a message of its own, in its place."""
+    if len(messages) == 1:
+        return messages  # nothing to merge: the bytes as they came, unparsed
     out: list[bytes] = []
     merged: GenerateResponse | None = None
     for raw in messages:
-        msg = GenerateResponse.FromString(raw) if len(messages) > 1 else None
-        if msg is not None and msg.HasField("batch"):
+        msg = GenerateResponse.FromString(raw)
+        if msg.HasField("batch"):
             if merged is None:
                 merged = msg
             else:
