@@ -42,7 +42,7 @@ def test_ray_options_follow_the_flags() -> None:
     cfg = parse_serve_args(["--max-num-seqs", "8", "--max-queue", "4", "--drain-timeout", "30", "--threads", "2"])
     o = engine_options(cfg, {})
     assert o["max_ongoing_requests"] == 12  # what the engine admits: running + queued
-    assert o["max_queued_requests"] == 4
+    assert o["max_queued_requests"] == 12  # a burst one replica admits waits for assignment, never refused
     assert o["graceful_shutdown_timeout_s"] == 35.0
     assert o["ray_actor_options"] == {"num_cpus": 2}
     o = engine_options(cfg, {"num_replicas": 3, "autoscaling_config": {"min_replicas": 1, "max_replicas": 4},

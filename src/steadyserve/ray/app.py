@@ -8,8 +8,11 @@ two deployments pass through as Ray Serve's LLM deployments take theirs (`deploy
 Defaults that keep the project's guarantees behind Ray's router:
 - max_ongoing_requests = --max-num-seqs + --max-queue: Ray never sends a replica more than its
   engine admits, so a replica's own 429 only happens when clients bypass Ray;
-- max_queued_requests = --max-queue: beyond that, Ray's router refuses (429 / RESOURCE_EXHAUSTED)
-  instead of queueing without bound;
+- max_queued_requests = --max-num-seqs + --max-queue (one replica's admission): beyond that, Ray's
+  router refuses (429 / RESOURCE_EXHAUSTED) instead of queueing without bound. Ray counts a request
+  as queued until it is assigned, even while a replica has room (Router.wrap_request_assignment), so
+  a bound below one replica's admission refused bursts an idle replica could take (24 streams at
+  once against one replica with 32 seats, on a loaded 2-core machine: a 429);
 - graceful_shutdown_timeout_s = --drain-timeout: a replica scaled down finishes its streams first;
 - autoscaling, when asked for, targets --max-num-seqs ongoing requests per replica.
 """
@@ -64,7 +67,7 @@ def engine_options(cfg: Config, given: dict[str, Any]) -> dict[str, Any]:
     ec, sc = cfg.engine, cfg.server
     options: dict[str, Any] = {
         "max_ongoing_requests": ec.max_num_seqs + ec.max_queue,
-        "max_queued_requests": max(ec.max_queue, 1),
+        "max_queued_requests": ec.max_num_seqs + ec.max_queue,
         "graceful_shutdown_timeout_s": sc.drain_timeout + 5,
         "graceful_shutdown_wait_loop_s": 0.5,
         "health_check_period_s": 2.0,
