@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -50,6 +51,7 @@ while eng.has_work():
             break
 d = durations[3:]
 print("STEP", sum(d) / len(d), flush=True)
+sys.stdin.readline()  # perf stops first: the process's exit (torch's teardown) is no part of a step
 """
 
 
@@ -66,7 +68,7 @@ def main() -> int:
     a = p.parse_args()
     data = Path(tempfile.mkdtemp()) / "perf.data"
     child = subprocess.Popen([sys.executable, "-c", CHILD, a.model, a.numerics, str(a.batch), str(a.steps), str(a.prompt),
-                              str(a.threads)], stdout=subprocess.PIPE, text=True)
+                              str(a.threads)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert child.stdout is not None
     for line in child.stdout:
         if line.startswith("READY"):
@@ -77,8 +79,12 @@ def main() -> int:
     for line in child.stdout:
         if line.startswith("STEP"):
             step = float(line.split()[1])
-    child.wait()
+            break
+    perf.send_signal(signal.SIGINT)
     perf.wait(60)
+    assert child.stdin is not None
+    child.stdin.close()
+    child.wait()
 
     def table(sort: str) -> list[dict]:
         report = subprocess.run(["perf", "report", "-i", str(data), "--stdio", "--no-children", "--sort", sort,
@@ -90,14 +96,19 @@ def main() -> int:
                 rows.append({"percent": float(parts[0].rstrip("%")), sort: " ".join(parts[1:])[:160]})
         return rows[:a.top]
 
-    top, dsos = table("symbol"), table("dso")
+    # Per thread: the engine thread's samples in libgomp are time it waited at a barrier for the others; a
+    # helper's are its wait between parallel regions (the engine thread's serial work).
+    top, dsos, per_thread = table("symbol"), table("dso"), table("pid,dso")
     res = {"model": Path(a.model).name if a.model else "default", "numerics": a.numerics, "batch": a.batch,
            "threads": a.threads, "cpu": next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo")
                                               if ln.startswith("model name")), ""),
-           "step_s": step, "tok_s": a.batch / step if step else 0.0, "top": top, "dso": dsos}
+           "step_s": step, "tok_s": a.batch / step if step else 0.0, "top": top, "dso": dsos,
+           "thread_dso": per_thread}
     print(f"{res['numerics']} batch {a.batch}: step {step * 1e3:.1f} ms, {res['tok_s']:.1f} tok/s on {res['cpu']}")
     for t in dsos:
         print(f"  {t['percent']:5.1f}%  {t['dso']}")
+    for t in per_thread:
+        print(f"  {t['percent']:5.1f}%  {t['pid,dso']}")
     for t in top:
         print(f"  {t['percent']:5.1f}%  {t['symbol']}")
     if a.out:

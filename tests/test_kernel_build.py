@@ -101,3 +101,10 @@ def test_each_checkout_builds_in_its_own_directory(tmp_path: Path, monkeypatch) 
     monkeypatch.setattr(build, "SOURCES", [other / s.name for s in build.SOURCES])
     monkeypatch.setattr(build, "HEADERS", [other / h.name for h in build.HEADERS])
     assert build._cache_dir() != here
+
+
+def test_every_source_and_header_is_in_the_build_and_its_cache_key() -> None:
+    """A file left out of SOURCES is not compiled; one left out of HEADERS does not move the cache directory,
+    so an edit to it would load the old build's library."""
+    assert {p.name for p in build.CSRC.glob("*.cpp")} == {s.name for s in build.SOURCES}
+    assert {p.name for p in build.CSRC.glob("*.h")} == {h.name for h in build.HEADERS}
