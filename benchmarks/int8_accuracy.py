@@ -9,7 +9,8 @@ prompt token given the ones before it, from:
   * llama.cpp's llama-server on the same GGUF, where a build is at hand (--llama-cpp): the logprob it
     reports for each token it generates greedily after a prompt, against the reference's on the same
     sequence; steadyserve's int8 path is scored on those very positions beside it.
-Prints mean and max |Δ logprob| per source and writes benchmarks/results/int8_accuracy.json.
+Prints mean and max |Δ logprob| per source, and int8's minus llama.cpp's on the same positions (the paired
+mean and its standard error), and writes benchmarks/results/int8_accuracy.json.
 
     .venv/bin/python benchmarks/int8_accuracy.py [--lengths 64,1024,4096] [--llama-cpp /tmp/llama/bin]
 """
@@ -99,6 +100,13 @@ def stats(got: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
     return {"mean_abs": float(d.mean()), "max_abs": float(d.max()), "n": int(d.numel())}
 
 
+def paired(mine: torch.Tensor, theirs: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
+    """|Δ| of ours minus |Δ| of theirs, position by position: its mean and standard error. Both errors move
+    together with how hard a position is, so the paired difference says more than the two means apart."""
+    d = (mine.double() - ref.double()).abs() - (theirs.double() - ref.double()).abs()
+    return {"mean": float(d.mean()), "se": float(d.std() / d.numel() ** 0.5), "n": int(d.numel())}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", default="64,1024,4096")
@@ -129,8 +137,10 @@ def main() -> None:
                 gen, lp = llama_generated(a.llama_cpp / "llama-server", path, ids, a.generate)
                 full = ids + gen
                 ref_full = reference_logprobs(hf_dir, full)[-len(gen):]
+                mine = steady_logprobs(path, "int8", full)[-len(gen):]
                 row["llama.cpp"] = stats(torch.tensor(lp), ref_full)
-                row["int8_on_llama_tokens"] = stats(steady_logprobs(path, "int8", full)[-len(gen):], ref_full)
+                row["int8_on_llama_tokens"] = stats(mine, ref_full)
+                row["int8_minus_llama.cpp"] = paired(mine, torch.tensor(lp), ref_full)
             print(json.dumps(row), flush=True)
             results.append(row)
     out = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cpu": cpu_model(),
