@@ -9,7 +9,8 @@ stopped before the next), streaming /v1/completions with `ignore_eos`, 2 compute
 Per server: tok/s at each concurrency level (20-40-word prompts), peak RSS, and the TTFT of one
 --long-prompt-token prompt at c=1 (the mean of 3, after one warm-up; llama-server's 64 slots hold 256 tokens each,
 so it gets a one-slot server of 4096 tokens for that). Also the read bandwidth (torch.sum over 1 GiB), which bounds
-one stream: every weight byte read once per token; read right before and after int8's lowest level, and at the end. Ratios against the issue's targets are in the JSON.
+one stream: every weight byte read once per token; read right before and after int8's lowest level, and at the
+end. Ratios against the issue's targets are in the JSON.
 
     .venv/bin/python benchmarks/int8_serving.py --model PATH.gguf [--levels 1,16] [--output-tokens 32]
         [--kv-cache-memory 1GiB] [--llama-cpp DIR] [--vllm VENV] [--out FILE]

@@ -128,10 +128,12 @@ def test_token_batches_waiting_together_go_as_one_and_the_final_stays_last() -> 
 
 
 class _Call:
-    """A grpc.aio server-streaming call: `arrivals` are (seconds to wait, message or exception)."""
+    """A grpc.aio server-streaming call: `arrivals` are (seconds to wait, message or exception). `delivered` is
+    set once every message has been handed out (before the call ends)."""
 
     def __init__(self, arrivals: list) -> None:
         self.arrivals, self.cancelled = arrivals, False
+        self.delivered = asyncio.Event()
 
     async def __aiter__(self):
         for delay, item in self.arrivals:
@@ -139,6 +141,7 @@ class _Call:
             if isinstance(item, Exception):
                 raise item
             yield item
+        self.delivered.set()
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -146,21 +149,25 @@ class _Call:
 
 def test_messages_are_grouped_as_they_waited_for_a_busy_consumer() -> None:
     """Quiet (the consumer is back before the next message), one message per group; a consumer that was busy
-    while three arrived gets the three at once; an error comes after the messages before it."""
-    async def groups(call: _Call, busy: float) -> list:
+    while three arrived gets the three at once; an error comes after the messages before it. No timing
+    margin decides a group: a woken consumer runs before the reader's next timer, and the busy one is busy
+    exactly until the call has delivered everything."""
+    async def groups(arrivals: list, busy: bool) -> list:
+        call = _Call(arrivals)  # made inside the loop that runs it (its Event belongs to that loop)
         out = []
         async for group in _arrived(call):
             out.append(group)
-            await asyncio.sleep(busy)  # handing the group to Ray
+            if busy:  # handing the group to Ray while the rest arrives
+                await call.delivered.wait()
         return out
 
     quiet = [(0.02, b"a"), (0.02, b"b"), (0.02, b"c")]
-    assert asyncio.run(groups(_Call(quiet), 0)) == [[b"a"], [b"b"], [b"c"]]
+    assert asyncio.run(groups(quiet, False)) == [[b"a"], [b"b"], [b"c"]]
     burst = [(0, b"a"), (0.01, b"b"), (0, b"c"), (0, b"d")]
-    assert asyncio.run(groups(_Call(burst), 0.2)) == [[b"a"], [b"b", b"c", b"d"]]
+    assert asyncio.run(groups(burst, True)) == [[b"a"], [b"b", b"c", b"d"]]
     broken = [(0, b"a"), (0, RuntimeError("lost"))]
     with pytest.raises(RuntimeError, match="lost"):
-        asyncio.run(groups(_Call(broken), 0.05))
+        asyncio.run(groups(broken, False))
 
 
 def test_a_consumer_that_leaves_cancels_the_call() -> None:
