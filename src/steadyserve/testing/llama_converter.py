@@ -107,6 +107,8 @@ def convert(jobs: dict[str | Path, str | Path]) -> None:
                               env={**os.environ, "PYTHONPATH": f"{root / 'gguf-py'}{os.pathsep}{root}"},
                               capture_output=True, text=True)
         if proc.returncode != 0:
+            for _, t in tmp:  # a failed run leaves no partial outputs behind in the cache
+                t.unlink(missing_ok=True)
             raise RuntimeError(f"llama.cpp's converter failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
         for (_, t), (_, c) in zip(tmp, todo):
             t.rename(c)
