@@ -11,7 +11,8 @@ on the same threads (independent FMA chains in a small C++ loop, compiled here).
     .venv/bin/python benchmarks/matmul_rows.py [--threads 2] [--isa -1|0|1|2] [--model GGUF --numerics int8]
 
 With --model and --numerics it walks that model as loaded for those numerics (the int8 path's packed panels),
-and prints what M = 1 streams: the matrices' bytes over the pass's time, against torch.sum's read bandwidth.
+and prints what M = 1 streams: the matrices' bytes over the pass's time, against torch.sum's read bandwidth;
+for int8, also the multiply-adds per second at M = 16 and 64 against the AVX-512 VNNI instruction's peak.
 """
 
 from __future__ import annotations
@@ -81,8 +82,9 @@ def main() -> None:
     bw = read_bandwidth_gb_s(a.threads) * 1e9
     print(f"M=1 streams {nbytes / 1e9:.3f} GB in {times[1] * 1e3:.2f} ms: {nbytes / times[1] / 1e9:.1f} GB/s, "
           f"{nbytes / times[1] / bw:.2f} of torch.sum's {bw / 1e9:.1f} GB/s on {a.threads} threads")
-    if a.numerics == "int8":
-        return  # the slope below sizes the float32 path's register rows
+    if a.numerics == "int8":  # the slope below sizes the float32 path's register rows; int8's bound is VNNI's
+        int8_against_vnni_peak(mats, a.threads)
+        return
     # the register rows of the build that ran (kSmallM of kernels/csrc/qmm_{scalar,avx2,avx512}.cpp)
     rows = {0: 1, 1: 4, 2: 8}.get(a.isa) or torch.ops.steadyserve.qmm_register_rows()
     flop_per_row = 2 * sum(q.n * q.k for q in mats)
@@ -134,16 +136,67 @@ double fma_peak_gflops(int64_t threads, bool avx512) {
   for (float v : sink) results = v;
   return double(threads) * n * 12 * (avx512 ? 16 : 8) * 2 / s / 1e9;
 }
+// The same for the int8 family's instruction: 12 independent vpdpbusd chains on zmm registers.
+__attribute__((target("avx512f,avx512vnni"))) static int32_t dots512(long n) {
+  __m512i a[12], w = _mm512_set1_epi8(3), x = _mm512_set1_epi8(5);
+  for (int i = 0; i < 12; ++i) a[i] = _mm512_set1_epi32(i);
+  for (long r = 0; r < n; ++r) {
+    _Pragma("GCC unroll 12") for (int i = 0; i < 12; ++i) a[i] = _mm512_dpbusd_epi32(a[i], w, x);
+  }
+  int32_t s = 0;
+  for (int i = 0; i < 12; ++i) s += _mm512_reduce_add_epi32(a[i]);
+  return s;
+}
+static volatile int32_t int_results;
+double vnni_peak_gmacs(int64_t threads) {
+  const long n = 50000000;
+  std::vector<int32_t> sink(threads);
+  auto t0 = std::chrono::steady_clock::now();
+  std::vector<std::thread> pool;
+  for (int64_t t = 0; t < threads; ++t) pool.emplace_back([&, t] { sink[t] = dots512(n); });
+  for (auto& th : pool) th.join();
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  for (int32_t v : sink) int_results = v;
+  return double(threads) * n * 12 * 64 / s / 1e9;
+}
 """
+
+
+def int8_against_vnni_peak(mats: list[QMatrix], threads: int) -> None:
+    """Where M makes the int8 family compute-bound (a step of 16 or 64 rows), its multiply-adds per second over
+    every packed matrix (weights streamed from memory, as in a step), against the peak of the integer dot
+    product it is built on (AVX-512 VNNI vpdpbusd: 64 multiply-adds per instruction)."""
+    if torch.ops.steadyserve.q8_isa() != 2:
+        print("int8 rows: no AVX-512 VNNI build on this CPU, no VNNI peak to compare with")
+        return
+    macs = sum(q.n * q.k for q in mats)
+    peak = max(_peak_ext().vnni_peak_gmacs(threads) for _ in range(3))
+    for m in (16, 64):
+        xs, ys = [torch.randn(m, q.k) for q in mats], [torch.empty(m, q.n) for q in mats]
+        best = float("inf")
+        for rep in range(5):
+            t0 = time.perf_counter()
+            for q, x, y in zip(mats, xs, ys):
+                q(x, -1, y)
+            if rep >= 1:
+                best = min(best, time.perf_counter() - t0)
+        rate = m * macs / best / 1e9
+        print(f"int8 M={m}: {best * 1e3:.1f} ms, {rate:.1f} GMAC/s: {rate / peak:.0%} of the vpdpbusd peak of "
+              f"{threads} threads, {peak:.1f} GMAC/s")
+
+
+def _peak_ext():  # the C++ above, built once per process
+    from torch.utils.cpp_extension import load_inline
+
+    return load_inline("fma_peak", cpp_sources=_PEAK_SRC, functions=["fma_peak_gflops", "vnni_peak_gmacs"],
+                       extra_cflags=["-O2"])
 
 
 def fma_peak_gflops(threads: int, isa: int) -> float:
     """The float32 FMA peak of `threads` cores (best of 3), in GFLOP/s, at the vector width the matmuls ran
     at (--isa; -1: the widest CPUID reports): a small C++ loop built here. The scalar build has no peak of
     its own here: it gets the AVX2 figure."""
-    from torch.utils.cpp_extension import load_inline
-
-    ext = load_inline("fma_peak", cpp_sources=_PEAK_SRC, functions=["fma_peak_gflops"], extra_cflags=["-O2"])
+    ext = _peak_ext()
     avx512 = isa == 2 or (isa == -1 and torch.backends.cpu.get_cpu_capability().startswith("AVX512"))
     return max(ext.fma_peak_gflops(threads, avx512) for _ in range(3))
 

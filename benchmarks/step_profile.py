@@ -7,7 +7,7 @@ functions with the largest share of samples (the native kernels' symbols, or Pyt
 ops run), and writes the table to JSON.
 
     .venv/bin/python benchmarks/step_profile.py --model PATH.gguf --numerics int8 --batch 1 [--steps 20]
-        [--prompt 64] [--threads 2] [--out FILE]
+        [--prompt 64] [--threads 2] [--out FILE] [--perf-data FILE]
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -65,6 +66,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--top", type=int, default=20)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--perf-data", type=Path, default=None, help="keep perf's recording at this path")
     a = p.parse_args()
     data = Path(tempfile.mkdtemp()) / "perf.data"
     child = subprocess.Popen([sys.executable, "-c", CHILD, a.model, a.numerics, str(a.batch), str(a.steps), str(a.prompt),
@@ -114,7 +116,11 @@ def main() -> int:
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(res, indent=2) + "\n")
-    os.unlink(data)
+    if a.perf_data:  # kept for `perf annotate -i PATH` (where in a kernel the samples fall)
+        shutil.move(data, a.perf_data)
+    else:
+        os.unlink(data)
+    data.parent.rmdir()
     return 0
 
 
