@@ -185,7 +185,7 @@ def int8_against_vnni_peak(mats: list[QMatrix], threads: int) -> None:
               f"{threads} threads, {peak:.1f} GMAC/s")
 
 
-def _peak_ext():  # the C++ above, built once per process
+def _peak_ext():  # the C++ above: built on first use, then loaded from torch's extension cache
     from torch.utils.cpp_extension import load_inline
 
     return load_inline("fma_peak", cpp_sources=_PEAK_SRC, functions=["fma_peak_gflops", "vnni_peak_gmacs"],
