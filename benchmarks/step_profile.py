@@ -7,7 +7,8 @@ functions with the largest share of samples (the native kernels' symbols, or Pyt
 ops run), and writes the table to JSON.
 
     .venv/bin/python benchmarks/step_profile.py --model PATH.gguf --numerics int8 --batch 1 [--steps 20]
-        [--prompt 64] [--threads 2] [--out FILE] [--perf-data FILE]
+        [--prompt 64] [--threads 2] [--out FILE] [--kv-cache-dtype auto|fp32|f16|bf16|q8_0]
+        [--perf-data FILE]
 """
 
 from __future__ import annotations
@@ -31,9 +32,11 @@ from steadyserve.engine.engine import LLMEngine
 from steadyserve.engine.sequence import Request, SamplingParams
 from steadyserve.models.loader import load_model
 model, numerics, batch, steps, prompt, threads = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:7])
+kv_dtype = sys.argv[7]
 torch.set_num_threads(threads)
 lm = load_model(model, numerics=numerics)
-eng = LLMEngine(lm, EngineConfig(kv_cache_memory=1024**3, threads=threads, max_num_seqs=max(batch, 1), speculation="off"))
+eng = LLMEngine(lm, EngineConfig(kv_cache_memory=1024**3, threads=threads, max_num_seqs=max(batch, 1), speculation="off",
+                                 kv_cache_dtype=kv_dtype))
 import gc
 gc.freeze()  # as the server does before serving (api/startup.py)
 rng = random.Random(0)
@@ -66,11 +69,12 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--top", type=int, default=20)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--kv-cache-dtype", default="auto", help="the engine's --kv-cache-dtype")
     p.add_argument("--perf-data", type=Path, default=None, help="keep perf's recording at this path")
     a = p.parse_args()
     data = Path(tempfile.mkdtemp()) / "perf.data"
     child = subprocess.Popen([sys.executable, "-c", CHILD, a.model, a.numerics, str(a.batch), str(a.steps), str(a.prompt),
-                              str(a.threads)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                              str(a.threads), a.kv_cache_dtype], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert child.stdout is not None
     for line in child.stdout:
         if line.startswith("READY"):
@@ -102,11 +106,12 @@ def main() -> int:
     # helper's are its wait between parallel regions (the engine thread's serial work).
     top, dsos, per_thread = table("symbol"), table("dso"), table("pid,dso")
     res = {"model": Path(a.model).name if a.model else "default", "numerics": a.numerics, "batch": a.batch,
+           "kv_cache_dtype": a.kv_cache_dtype,
            "threads": a.threads, "cpu": next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo")
                                               if ln.startswith("model name")), ""),
            "step_s": step, "tok_s": a.batch / step if step else 0.0, "top": top, "dso": dsos,
            "thread_dso": per_thread}
-    print(f"{res['numerics']} batch {a.batch}: step {step * 1e3:.1f} ms, {res['tok_s']:.1f} tok/s on {res['cpu']}")
+    print(f"{res['numerics']} kv {a.kv_cache_dtype} batch {a.batch}: step {step * 1e3:.1f} ms, {res['tok_s']:.1f} tok/s on {res['cpu']}")
     for t in dsos:
         print(f"  {t['percent']:5.1f}%  {t['dso']}")
     for t in per_thread:
