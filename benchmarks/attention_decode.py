@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from gguf_serving import read_bandwidth_gb_s
+from peers import cpu_name
 from steadyserve.kernels import load
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -59,7 +60,7 @@ def main() -> None:
     if not load().available:
         raise SystemExit("native kernels not built")
     torch.set_num_threads(a.threads)
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "")
+    cpu = cpu_name()
     rows = []
     for context in (int(c) for c in a.context.split(",")):
         for name in a.dtypes.split(","):

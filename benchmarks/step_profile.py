@@ -23,6 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from peers import cpu_name
+
 HERE = Path(__file__).parent
 
 CHILD = """
@@ -107,8 +109,7 @@ def main() -> int:
     top, dsos, per_thread = table("symbol"), table("dso"), table("pid,dso")
     res = {"model": Path(a.model).name if a.model else "default", "numerics": a.numerics, "batch": a.batch,
            "kv_cache_dtype": a.kv_cache_dtype,
-           "threads": a.threads, "cpu": next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo")
-                                              if ln.startswith("model name")), ""),
+           "threads": a.threads, "cpu": cpu_name(),
            "step_s": step, "tok_s": a.batch / step if step else 0.0, "top": top, "dso": dsos,
            "thread_dso": per_thread}
     print(f"{res['numerics']} kv {a.kv_cache_dtype} batch {a.batch}: step {step * 1e3:.1f} ms, {res['tok_s']:.1f} tok/s on {res['cpu']}")
