@@ -55,6 +55,9 @@ while eng.has_work():
             time.sleep(0.5)
         if len(durations) == steps + 3:
             break
+if len(durations) < steps + 3:  # sequences were preempted or never admitted together: no step of the batch to time
+    sys.exit(f"only {len(durations)} steps ran all {batch} sequences at once (the 1 GiB KV budget holds fewer of "
+             f"{prompt}-token prompts): lower --batch or --prompt, or pick a smaller --kv-cache-dtype")
 d = durations[3:]
 print("STEP", sum(d) / len(d), flush=True)
 sys.stdin.readline()  # perf stops first: the process's exit (torch's teardown) is no part of a step
@@ -78,9 +81,9 @@ def main() -> int:
     child = subprocess.Popen([sys.executable, "-c", CHILD, a.model, a.numerics, str(a.batch), str(a.steps), str(a.prompt),
                               str(a.threads), a.kv_cache_dtype], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert child.stdout is not None
-    for line in child.stdout:
-        if line.startswith("READY"):
-            break
+    if not any(line.startswith("READY") for line in child.stdout):  # stops at READY, or when the child ends
+        data.parent.rmdir()
+        return child.wait() or 1
     perf = subprocess.Popen(["perf", "record", "-e", "cpu-clock", "-F", "999", "-p", str(child.pid), "-o", str(data)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     step = 0.0
@@ -92,7 +95,10 @@ def main() -> int:
     perf.wait(60)
     assert child.stdin is not None
     child.stdin.close()
-    child.wait()
+    if child.wait() != 0 or not step:
+        data.unlink(missing_ok=True)
+        data.parent.rmdir()
+        return child.returncode or 1
 
     def table(sort: str) -> list[dict]:
         report = subprocess.run(["perf", "report", "-i", str(data), "--stdio", "--no-children", "--sort", sort,
