@@ -12,7 +12,8 @@ on the same threads (independent FMA chains in a small C++ loop, compiled here).
 
 With --model and --numerics it walks that model as loaded for those numerics (the int8 path's packed panels),
 and prints what M = 1 streams: the matrices' bytes over the pass's time, against torch.sum's read bandwidth;
-for int8, also the multiply-adds per second at M = 16 and 64 against the AVX-512 VNNI instruction's peak.
+for int8, also the multiply-adds per second at M = 16, 64 and 256 against the AVX-512 VNNI instruction's peak,
+per build (VNNI, and AMX where the CPU has it).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import time
 import torch
 
 from gguf_serving import read_bandwidth_gb_s
+from steadyserve.kernels.build import INT8_BUILDS
 from steadyserve.kernels.quant import QMatrix
 from steadyserve.models.loader import load_model
 
@@ -163,26 +165,29 @@ double vnni_peak_gmacs(int64_t threads) {
 
 
 def int8_against_vnni_peak(mats: list[QMatrix], threads: int) -> None:
-    """Where M makes the int8 family compute-bound (a step of 16 or 64 rows), its multiply-adds per second over
-    every packed matrix (weights streamed from memory, as in a step), against the peak of the integer dot
-    product it is built on (AVX-512 VNNI vpdpbusd: 64 multiply-adds per instruction)."""
-    if torch.ops.steadyserve.q8_isa() != 2:
+    """Where M makes the int8 family compute-bound (a step of 16, 64 or 256 rows), its multiply-adds per second
+    over every packed matrix (weights streamed from memory, as in a step), against the peak of the integer dot
+    product its VNNI build is built on (AVX-512 VNNI vpdpbusd: 64 multiply-adds per instruction); on a CPU with
+    AMX, the AMX build (tiles for 32 rows or more) beside the VNNI build at each M."""
+    best_build = torch.ops.steadyserve.q8_isa()
+    if best_build < 2:
         print("int8 rows: no AVX-512 VNNI build on this CPU, no VNNI peak to compare with")
         return
     macs = sum(q.n * q.k for q in mats)
     peak = max(_peak_ext().vnni_peak_gmacs(threads) for _ in range(3))
-    for m in (16, 64):
+    for m in (16, 64, 256):
         xs, ys = [torch.randn(m, q.k) for q in mats], [torch.empty(m, q.n) for q in mats]
-        best = float("inf")
-        for rep in range(5):
-            t0 = time.perf_counter()
-            for q, x, y in zip(mats, xs, ys):
-                q(x, -1, y)
-            if rep >= 1:
-                best = min(best, time.perf_counter() - t0)
-        rate = m * macs / best / 1e9
-        print(f"int8 M={m}: {best * 1e3:.1f} ms, {rate:.1f} GMAC/s: {rate / peak:.0%} of the vpdpbusd peak of "
-              f"{threads} threads, {peak:.1f} GMAC/s")
+        for build in range(2, best_build + 1):
+            best = float("inf")
+            for rep in range(5 if m < 256 else 3):
+                t0 = time.perf_counter()
+                for q, x, y in zip(mats, xs, ys):
+                    q(x, build, y)
+                if rep >= 1:
+                    best = min(best, time.perf_counter() - t0)
+            rate = m * macs / best / 1e9
+            print(f"int8 M={m} {INT8_BUILDS[build]}: {best * 1e3:.1f} ms, {rate:.1f} GMAC/s: {rate / peak:.0%} of "
+                  f"the vpdpbusd peak of {threads} threads, {peak:.1f} GMAC/s")
 
 
 def _peak_ext():  # the C++ above: built on first use, then loaded from torch's extension cache

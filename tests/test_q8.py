@@ -3,8 +3,9 @@
 What it promises, on any x86-64 machine:
 * an activation block's int8 values and scale follow the documented rule from that block alone
   (amax / 127, round-half-even of x * (127 / amax)), bitwise;
-* a row's result does not depend on M, on the thread count or on the build: the AVX2 and AVX-512
-  VNNI builds equal the scalar reference bitwise, for every packable format;
+* a row's result does not depend on M, on the thread count or on the build: the AVX2, AVX-512 VNNI
+  and AMX builds equal the scalar reference bitwise, for every packable format, every M from 1 past
+  two AMX tiles (whole tiles of 16 from 32 rows on, the rest in VNNI) and odd block counts;
 * the integer sums are the exact dot products of the quantized activations with the stored
   weights: the result equals float64 arithmetic on the dequantized operands to float32 rounding;
 * a matrix the family cannot read (F16, or N not a multiple of 16) stays on the float32 path.
@@ -21,7 +22,7 @@ from steadyserve.kernels.quant import FORMAT_IDS, PACKABLE, PACKED, QMatrix
 
 pytestmark = pytest.mark.skipif(not load().available, reason="native kernels not built")
 OPS = torch.ops.steadyserve
-BUILDS = [b for b in (0, 1, 2) if b <= (OPS.q8_isa() if load().available else 0)]
+BUILDS = [b for b in (0, 1, 2, 3) if b <= (OPS.q8_isa() if load().available else 0)]
 PACKABLE_NAMES = sorted(n for n, f in FORMAT_IDS.items() if f in PACKABLE)
 
 
@@ -63,21 +64,23 @@ def test_activation_quantization_follows_the_documented_rule_bitwise():
 @pytest.mark.parametrize("name", PACKABLE_NAMES)
 def test_a_rows_bits_do_not_depend_on_m_threads_or_the_build(name):
     fmt = FORMAT_IDS[name]
-    qw = _qweight(fmt, 48, 512, seed=2)
-    packed = OPS.q8pack(qw.data, fmt, qw.k)
-    x = torch.randn(21, qw.k, generator=torch.Generator().manual_seed(3))
-    full = _mm(packed, fmt, x, 0)  # the scalar reference, all rows at once
     threads = torch.get_num_threads()
-    try:
-        for isa in BUILDS:
-            for n_threads in sorted({1, threads}):
-                torch.set_num_threads(n_threads)
-                assert torch.equal(_bits(_mm(packed, fmt, x, isa)), _bits(full)), (name, isa, n_threads)
-                for rows in (1, 3, 8, 9, 17):  # each tile height and its tails
-                    got = _mm(packed, fmt, x[5:5 + rows], isa)
-                    assert torch.equal(_bits(got), _bits(full[5:5 + rows])), (name, isa, n_threads, rows)
-    finally:
-        torch.set_num_threads(threads)
+    # K = 96: an odd count of blocks (AMX takes them two at a time); K-quants need whole super-blocks of 256
+    for k in ((512,) if name.endswith("_K") else (512, 96)):
+        qw = _qweight(fmt, 48, k, seed=2)
+        packed = OPS.q8pack(qw.data, fmt, qw.k)
+        x = torch.randn(70, qw.k, generator=torch.Generator().manual_seed(3))
+        full = _mm(packed, fmt, x, 0)  # the scalar reference, all rows at once
+        try:
+            for isa in BUILDS:
+                for n_threads in sorted({1, threads}):
+                    torch.set_num_threads(n_threads)
+                    assert torch.equal(_bits(_mm(packed, fmt, x, isa)), _bits(full)), (name, k, isa, n_threads)
+                    for rows in (*range(1, 35), 47, 48, 49, 64):  # each tile height, its tails, AMX's threshold
+                        got = _mm(packed, fmt, x[5:5 + rows], isa)
+                        assert torch.equal(_bits(got), _bits(full[5:5 + rows])), (name, k, isa, n_threads, rows)
+        finally:
+            torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("name", PACKABLE_NAMES)
@@ -111,12 +114,12 @@ def test_the_error_against_float32_activations_is_the_quantization_step(name):
 def test_non_finite_activations_give_nan_outputs_not_garbage():
     fmt = FORMAT_IDS["Q4_0"]
     qw = _qweight(fmt, 16, 64, seed=8)
-    x = torch.randn(3, 64)
+    x = torch.randn(35, 64)  # 35 rows: the AMX build's tiles too
     x[1, 40] = float("inf")
     x[2, 3] = float("nan")
     for isa in BUILDS:
         y = _mm(OPS.q8pack(qw.data, fmt, 64), fmt, x, isa)
-        assert torch.isfinite(y[0]).all() and torch.isnan(y[1:]).all(), isa
+        assert torch.isfinite(y[0]).all() and torch.isnan(y[1:3]).all() and torch.isfinite(y[3:]).all(), isa
 
 
 def test_what_the_family_cannot_read_stays_on_the_float32_path():

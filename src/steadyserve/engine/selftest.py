@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernel_versions import KERNELS
+from ..kernels.build import float_build, int8_build
 from .engine import LLMEngine
 from .offline import run_requests
 from .sequence import Request, SamplingParams
@@ -60,10 +61,10 @@ def run_selftest(engine: LLMEngine, seed: int = 1234) -> SelfTestResult:
     if problems:
         return SelfTestResult(False, "batch variance detected: " + ", ".join(problems), secs)
     if model.native:
-        isa = ("scalar", "avx2", "avx512")[torch.ops.steadyserve.qmm_isa()]
+        isa = float_build()
         kernels = f"native matmul {KERNELS['matmul']} ({isa} build equal to the scalar reference)"
         if _has_packed(model):
-            q8 = ("scalar", "avx2", "avx512 vnni")[torch.ops.steadyserve.q8_isa()]
+            q8 = int8_build()
             kernels += f", int8 matmul {KERNELS['int8']} ({q8} build equal to the scalar reference)"
         kernels += f", attention {model.kernel_id}"
     else:
@@ -83,7 +84,8 @@ def _has_packed(model) -> bool:  # noqa: ANN001 - a Transformer
 
 
 def _kernel_problems(model) -> list[str]:  # noqa: ANN001 - a Transformer; engine code does not import models
-    """Each weight format of the model through this CPU's build and the scalar build, 1 and 5 rows."""
+    """Each weight format of the model through this CPU's build and the scalar build, 1 and 40 rows (40: the int8
+    family's AMX build runs whole tiles of 16 from 32 rows on, the rest in its VNNI build)."""
     parts = {}
     for m in _matrices(model):
         for p in m.parts:
@@ -92,9 +94,9 @@ def _kernel_problems(model) -> list[str]:  # noqa: ANN001 - a Transformer; engin
     problems = []
     for fmt, p in sorted(parts.items()):
         w = p.data[:32]
-        x = torch.randn(5, p.k, generator=g)
+        x = torch.randn(40, p.k, generator=g)
         outs = []
-        for isa, rows in ((-1, 5), (0, 5), (-1, 1)):
+        for isa, rows in ((-1, 40), (0, 40), (-1, 1)):
             y = torch.empty(rows, w.shape[0])
             torch.ops.steadyserve.qmatmul_(x[:rows], w, fmt, y, 0, isa)
             outs.append(y)

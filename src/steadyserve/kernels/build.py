@@ -28,11 +28,11 @@ log = logging.getLogger("steadyserve.kernels")
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("paged_attention.cpp", "rope.cpp", "qlinear.cpp", "qmm_scalar.cpp",
-                                    "qmm_avx2.cpp", "qmm_avx512.cpp", "forward.cpp",
-                                    "q8_pack.cpp", "q8_scalar.cpp", "q8_avx2.cpp", "q8_avx512.cpp", "q8linear.cpp",
-                                    "kv_write.cpp")]
+                                    "qmm_avx2.cpp", "qmm_avx512.cpp", "forward.cpp", "q8_pack.cpp", "q8_scalar.cpp",
+                                    "q8_avx2.cpp", "q8_avx512.cpp", "q8_amx.cpp", "q8linear.cpp", "kv_write.cpp")]
 HEADERS = [CSRC / name for name in ("qmm.h", "qmm_body.h", "ops.h", "half.h", "isa.h", "q8.h", "q8_body.h",
-                                    "q8_quantize.h", "kv_format.h", "attention_rows.h")]
+                                    "q8_unpack.h", "q8_avx512_lanes.h", "q8_quantize.h", "kv_format.h",
+                                    "attention_rows.h")]
 CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-fast-math", "-fno-unsafe-math-optimizations"]
 # The kernels' versions have one owner, kernel_versions.KERNELS, from which the numerics ids derive.
 NATIVE_KERNEL_ID = KERNELS["attention"]  # the attention kernel's id in the fingerprint
@@ -137,3 +137,20 @@ def kernel_status() -> KernelStatus | None:
     """The result of `load()` if it ran in this process, else None."""
     return _status
 
+
+
+# The vector builds by the index the extension reports (qmm_isa, q8_isa): names for the fingerprint's neighbours
+# (self-test line, golden files, conformance records). Every build of a family computes the same bits.
+FLOAT_BUILDS = ("scalar", "avx2", "avx512")
+INT8_BUILDS = ("scalar", "avx2", "avx512 vnni", "amx + avx512 vnni")
+
+
+def float_build() -> str:
+    """The float32 matmul family's build this process runs (the extension must be loaded)."""
+    return FLOAT_BUILDS[torch.ops.steadyserve.qmm_isa()]
+
+
+def int8_build() -> str:
+    """The int8 family's build this process runs: AMX tiles where CPUID reports them and the OS grants the tile
+    state (for 32 rows or more; fewer rows run AVX-512 VNNI), else the widest vector build."""
+    return INT8_BUILDS[torch.ops.steadyserve.q8_isa()]

@@ -50,6 +50,7 @@ def make(name: str, threads: int = 0) -> dict[str, Any]:
     from ..engine.offline import run_requests
     from ..engine.selftest import run_selftest
     from ..engine.sequence import Request
+    from ..kernels.build import float_build
     from ..models.loader import Fingerprint, load_model
     from ..platform_info import platform_info
     from ..receipts.format import identity_of, make_receipt
@@ -78,7 +79,7 @@ def make(name: str, threads: int = 0) -> dict[str, Any]:
     plat = platform_info()
     return {"model": name, "fingerprint": str(fp),
             "made_on": {"cpu_model": plat.cpu_model, "cpu_flags": list(plat.cpu_flags), "threads": threads,
-                        "native_build": ("scalar", "avx2", "avx512")[torch.ops.steadyserve.qmm_isa()]},
+                        "native_build": float_build()},
             "receipts": receipts}
 
 

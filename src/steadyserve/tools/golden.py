@@ -4,8 +4,8 @@
     python -m steadyserve.tools.golden --check tests/golden/portable_smollm2.json [--threads N]
     python -m steadyserve.tools.golden --numerics int8 --write tests/golden/int8_smollm2.json
 
-STEADYSERVE_ISA=scalar|avx2|avx512 caps the native kernels' vector build (as a CPU without the wider
-ISA would), so one machine can check every build against the file. The vectors are the
+STEADYSERVE_ISA=scalar|avx2|avx512|amx caps the native kernels' vector build (as a CPU without the wider
+ISA would; avx512 leaves the int8 family's AMX tiles out), so one machine can check every build against the file. The vectors are the
 default model's (SmolLM2-135M-Instruct) prompt logprobs when scoring and its greedy tokens and
 logprobs when generating, for a fixed set of prompts, stored as float32 hex so that equality means
 equal bits. The file records the machine it was made on; a check prints the first differing value
@@ -44,6 +44,7 @@ def compute(threads: int, numerics_mode: str = "portable") -> dict[str, Any]:
     from ..engine.offline import run_requests
     from ..engine.selftest import run_selftest
     from ..engine.sequence import Request, SamplingParams
+    from ..kernels.build import float_build, int8_build
     from ..models.loader import load_model
     from ..platform_info import platform_info
 
@@ -70,8 +71,8 @@ def compute(threads: int, numerics_mode: str = "portable") -> dict[str, Any]:
     p = platform_info()
     return {"numerics_id": numerics.numerics_id, "weights": loaded.weights_hash[:12],
             "made_on": {"cpu_model": p.cpu_model, "cpu_flags": list(p.cpu_flags), "host_isa_of_torch": p.isa,
-                        "native_build": ("scalar", "avx2", "avx512")[torch.ops.steadyserve.qmm_isa()],
-                        "int8_build": ("scalar", "avx2", "avx512 vnni")[torch.ops.steadyserve.q8_isa()],
+                        "native_build": float_build(),
+                        "int8_build": int8_build(),
                         "threads": threads, "kernel": loaded.model.kernel_id},
             "cases": cases}
 

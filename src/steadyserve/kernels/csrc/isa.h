@@ -1,4 +1,4 @@
-// The cap on the native kernels' vector build from STEADYSERVE_ISA (scalar | avx2 | avx512): a speed knob only,
+// The cap on the native kernels' vector build from STEADYSERVE_ISA (scalar | avx2 | avx512 | amx): a speed knob only,
 // since every build computes the same bits (it lets one machine check them all). Read by both families'
 // dispatch (qlinear.cpp, q8linear.cpp), so one setting caps both.
 #pragma once
@@ -8,12 +8,13 @@
 
 namespace steady_isa {
 
-// 0 scalar, 1 AVX2, 2 AVX-512: the widest build STEADYSERVE_ISA allows (2 when unset).
+// 0 scalar, 1 AVX2, 2 AVX-512, 3 AMX (the int8 family's tiles): the widest build STEADYSERVE_ISA allows (3 when
+// unset). The float32 family has no AMX build: its own best caps it at 2.
 inline int env_cap() {
   const char* env = std::getenv("STEADYSERVE_ISA");
-  if (!env) return 2;
+  if (!env) return 3;
   const std::string v(env);
-  return v == "scalar" ? 0 : v == "avx2" ? 1 : 2;
+  return v == "scalar" ? 0 : v == "avx2" ? 1 : v == "avx512" ? 2 : 3;
 }
 
 }  // namespace steady_isa

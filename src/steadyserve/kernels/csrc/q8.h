@@ -1,7 +1,7 @@
 // The int8-activation matmul family: y = x · Wᵀ with x quantized to int8 per block of 32 and W
 // repacked once at load from its GGUF block format into 16-row panels (q8_pack.cpp).
 //
-// THE REDUCTION ORDER (the numerics of every build: scalar, AVX2, AVX-512 VNNI):
+// THE REDUCTION ORDER (the numerics of every build: scalar, AVX2, AVX-512 VNNI, AMX):
 //   Activations. Row m of x is cut into blocks c of 32 values. For each block, by IEEE operations on
 //   that block alone (so a row's quantization depends on nothing else in the batch):
 //     amax = max |x_k| (exact in any order); dx = amax / 127; s = 127 / amax (0 when amax is 0);
@@ -22,8 +22,8 @@
 //   y[m, n] = acc. Each output is one chain of float operations in c; nothing in it depends on M,
 //   on how threads split N (by 16-row panels), or on the ISA: a vector build holds 16 outputs (one
 //   panel) in the lanes of its registers and runs each lane's chain exactly as the scalar build runs
-//   one output. Only the integer sums differ in how they are formed (VNNI vpdpbusd, AVX2
-//   maddubs/madd with the sign trick for Q8_0, plain loops), and integer sums are exact.
+//   one output. Only the integer sums differ in how they are formed (AMX tdpbsud/tdpbssd, VNNI vpdpbusd,
+//   AVX2 maddubs/madd with the sign trick for Q8_0, plain loops), and integer sums are exact.
 //
 // F16, BF16 and F32 weights are not packed: they stay on the float32 path (qmm.h).
 #pragma once
@@ -93,5 +93,9 @@ void pack(int32_t ggml_type, const uint8_t* w, int64_t row_bytes, int64_t N, int
 STEADY_Q8_DECLARE(scalar)
 STEADY_Q8_DECLARE(avx2)
 STEADY_Q8_DECLARE(avx512)  // AVX-512 VNNI
+// AMX tiles for each 16 rows, the VNNI build for the rest; its activations are the VNNI build's quantize_rows.
+namespace amx {
+void matmul(const Q8Args& a);
+}
 
 }  // namespace steady_q8

@@ -2,15 +2,19 @@
 //
 //   q8pack(w, fmt, K)                     a GGUF matrix (N, row_bytes) as packed panels (N, packed_row_bytes)
 //   q8quantize(x, isa)                    (xq, dx): the activation quantization alone, for the tests
-//   q8_isa()                              the int8 build this CPU runs: 0 scalar, 1 AVX2, 2 AVX-512 VNNI
+//   q8_isa()                              the int8 build this CPU runs: 0 scalar, 1 AVX2, 2 AVX-512 VNNI, 3 AMX
 //   steady_q8_ops::matmul_packed          y[:, col0 : col0 + N] = x · Wᵀ; reached through qmatmul_ (qlinear.cpp)
 //                                         when its format id is kPacked + a GGML type
 //
-// `isa` picks the build: -1 the best this CPU has (by CPUID), 0 scalar, 1 AVX2, 2 AVX-512 VNNI; the tests
+// `isa` picks the build: -1 the best this CPU has (by CPUID), 0 scalar, 1 AVX2, 2 AVX-512 VNNI, 3 AMX; the tests
 // run every one the machine has and compare bits. Threads split panels of 16 output columns, never a sum.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <string>
@@ -23,7 +27,22 @@ namespace steady_q8_ops {
 
 using namespace steady_q8;
 
-// The widest int8 build this CPU runs, capped by STEADYSERVE_ISA (scalar | avx2 | avx512) as qlinear.cpp's.
+namespace {
+
+// AMX-TILE and AMX-INT8 by CPUID (leaf 7, EDX bits 24 and 25), and the tile state granted by the OS: Linux hands
+// it to a process only on request (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); a refusal (an old
+// kernel, a sandbox) leaves the VNNI build, with the same bits.
+bool amx_granted() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+  if (!((edx >> 24) & 1) || !((edx >> 25) & 1)) return false;
+  constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+}
+
+}  // namespace
+
+// The widest int8 build this CPU runs, capped by STEADYSERVE_ISA (scalar | avx2 | avx512 | amx) as qlinear.cpp's.
 int best_q8_isa() {
   static const int best = [] {
     const int cap = steady_isa::env_cap();
@@ -32,7 +51,7 @@ int best_q8_isa() {
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
         __builtin_cpu_supports("avx512vnni"))
-      have = 2;
+      have = cap >= 3 && amx_granted() ? 3 : 2;  // the grant is asked only when the cap allows its use
     else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
       have = 1;
     return have < cap ? have : cap;
@@ -46,12 +65,12 @@ struct Build {
   decltype(&scalar::matmul) matmul;
   decltype(&scalar::quantize_rows) quantize_rows;
 };
-const Build kBuilds[3] = {{scalar::matmul, scalar::quantize_rows}, {avx2::matmul, avx2::quantize_rows},
-                          {avx512::matmul, avx512::quantize_rows}};
+const Build kBuilds[4] = {{scalar::matmul, scalar::quantize_rows}, {avx2::matmul, avx2::quantize_rows},
+                          {avx512::matmul, avx512::quantize_rows}, {amx::matmul, avx512::quantize_rows}};
 
 int pick(int64_t isa) {
   const int best = best_q8_isa();
-  TORCH_CHECK(isa >= -1 && isa <= 2, "isa must be -1 (auto), 0 (scalar), 1 (avx2) or 2 (avx512 vnni)");
+  TORCH_CHECK(isa >= -1 && isa <= 3, "isa must be -1 (auto), 0 (scalar), 1 (avx2), 2 (avx512 vnni) or 3 (amx)");
   TORCH_CHECK(isa <= best, "this CPU cannot run int8 build ", isa, " (best: ", best, ")");
   return isa < 0 ? best : int(isa);
 }

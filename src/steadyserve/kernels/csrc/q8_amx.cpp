@@ -1,0 +1,220 @@
+// The AMX build of the int8 family: the integer sums of 16 activation rows against one 16-row panel come from
+// AMX tiles, one TDPBSUD (TDPBSSD for Q8_0's signed weights) per block of 32 values: 16 x 16 x 32 products in
+// one instruction. Rows left over (M mod 16), and calls of fewer than 32 rows, run the AVX-512 VNNI build.
+// Called only where CPUID reports AMX-TILE and AMX-INT8 beside AVX-512 VNNI and the OS granted the tile state
+// (q8linear.cpp).
+//
+// THE REDUCTION ORDER is q8.h's, unchanged: a tile yields each I_c exactly (an integer sum; how the tile forms
+// it cannot change it), and the float chain over the blocks c in ascending order runs in the AVX-512 lanes,
+// one lane per panel row, the same IEEE operations as every other build. So the bits equal the scalar build's.
+//
+// Per panel: its blocks are unpacked once into tile rows (q8_unpack.h: operand j is B's row j, 16 columns of 4
+// bytes) with each block's a and b beside them, then each group of 16 activation rows walks the blocks two tiles
+// at a time (two accumulators, so the epilogue of one overlaps the next product), keeping its 16 x 16 float
+// accumulators in registers.
+#include <immintrin.h>
+
+#include <cfloat>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "q8.h"
+
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,amx-tile,amx-int8")
+
+namespace steady_q8 {
+namespace amx {
+namespace {
+
+#include "q8_avx512_lanes.h"
+#include "q8_unpack.h"
+
+constexpr int kRows = 16;  // activation rows per tile: AMX's 16 tile rows
+// Below 32 rows the VNNI build is faster: each of a panel's blocks costs a tile load, a product and a tile store
+// (Q4_K, K = N = 2048, one thread, Xeon with AMX: 16 rows 0.55 ms here against 0.48 ms in the VNNI build; 32
+// rows 0.79 against 0.93; 256 rows 5.0 against 7.8). Decode steps of up to 31 sequences stay on VNNI.
+constexpr int64_t kMinRows = 32;
+
+// Tiles, set once per call. Two halves (0-2 and 3-5), each an A (activations), a B (weights) and a C (int32):
+// two consecutive blocks (A 16 x 32 bytes, B 8 rows of 64), or for Q6_K one block's two sub-scaled halves
+// (A 16 x 16 bytes, B 4 rows of 64).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+void configure(int k_bytes) {
+  TileConfig c;
+  for (int h = 0; h < 2; ++h) {
+    c.rows[3 * h] = kRows, c.colsb[3 * h] = uint16_t(k_bytes);           // A
+    c.rows[3 * h + 1] = uint8_t(k_bytes / 4), c.colsb[3 * h + 1] = 64;  // B: 4 values of 16 panel rows per row
+    c.rows[3 * h + 2] = kRows, c.colsb[3 * h + 2] = 64;                 // C: 16 int32 per row
+  }
+  // The config is an "m" operand of the asm: GCC 12 drops the stores to a config passed to _tile_loadconfig as
+  // dead (it cannot see the instruction read them), and tiles configured from garbage fault.
+  asm volatile("ldtilecfg %0" : : "m"(c));
+}
+
+// What a panel's block needs beyond its tile rows, in lanes: a and b of q8.h, Q6_K's two sub-scales.
+struct BlockScales {
+  float a[16], b[16];
+  int32_t sc_lo[16], sc_hi[16];
+};
+
+template <int ZERO, bool MIN, bool SUB>
+inline void epilogue(const Q8Args& a, const BlockScales& s, const int32_t* c0, const int32_t* c1, int64_t m0,
+                     int64_t c, F (&acc)[kRows]) {
+  const int64_t blocks = a.K / kBlock;
+  const F wa = _mm512_loadu_ps(s.a), wb = _mm512_loadu_ps(s.b);
+  const I sc_lo = _mm512_loadu_si512(s.sc_lo), sc_hi = _mm512_loadu_si512(s.sc_hi);
+#pragma GCC unroll 16  // whole, so that acc stays in 16 registers
+  for (int m = 0; m < kRows; ++m) {
+    const int64_t at = (m0 + m) * blocks + c;
+    I v = _mm512_loadu_si512(c0 + 16 * m);
+    if constexpr (SUB) {  // Q6_K: sc_lo (lo - 32 sx16_lo) + sc_hi (hi - 32 sx16_hi), as block_dot
+      v = iadd(imul(sc_lo, isub_bcast(v, ZERO * a.sx16[2 * at])),
+               imul(sc_hi, isub_bcast(_mm512_loadu_si512(c1 + 16 * m), ZERO * a.sx16[2 * at + 1])));
+    } else if constexpr (ZERO != 0) {
+      v = isub_bcast(v, ZERO * a.sx[at]);
+    }
+    acc[m] = ffma(wa, fmul_bcast(f_of_i(v), a.dx[at]), acc[m]);  // t = float(I) * dx; acc = fma(a, t, acc)
+    if constexpr (MIN) acc[m] = ffma_bcast(wb, a.sxd[at], acc[m]);  // acc = fma(b, sxd, acc)
+  }
+}
+
+// The products of one half: C = A (activations at x, row stride K) . B (tile rows at w), in tiles A, B, C. GCC's
+// tile intrinsics paste their tile numbers into the instruction text, so each half is spelled out by this macro.
+#define STEADY_AMX_PRODUCT(NAME, A, B, C)                                              \
+  template <bool SIGNED>                                                               \
+  inline void NAME(const int8_t* x, int64_t stride, const uint8_t* w) {                \
+    _tile_loadd(A, x, stride);                                                         \
+    _tile_loadd(B, w, 64);                                                             \
+    _tile_zero(C);                                                                     \
+    if constexpr (SIGNED) {                                                            \
+      _tile_dpbssd(C, A, B);                                                           \
+    } else {                                                                           \
+      _tile_dpbsud(C, A, B); /* A signed (activations), B unsigned (stored integers) */ \
+    }                                                                                  \
+  }
+STEADY_AMX_PRODUCT(product0, 0, 1, 2)
+STEADY_AMX_PRODUCT(product1, 3, 4, 5)
+#undef STEADY_AMX_PRODUCT
+
+template <int BITS, int ZERO, bool MIN, bool SUB, bool KQ>
+void panel(const Q8Args& a, int64_t p, int64_t rows, uint8_t* tiles, BlockScales* scales) {
+  const int64_t blocks = a.K / kBlock;
+  constexpr int per = KQ ? 8 : 1;
+  constexpr int qbytes = BITS == 8 ? 512 : BITS == 4 ? 256 : BITS == 5 ? 320 : 384;
+  constexpr bool SIGNED = BITS == 8;
+  // The panel's blocks as tile rows (512 bytes each) and scales, once for every group of rows.
+  const uint8_t* rec = a.w + p * (blocks / per) * a.lay.record;
+  for (int64_t c0 = 0; c0 < blocks; c0 += per, rec += a.lay.record) {
+    const uint8_t* sc = rec + per * qbytes;
+    const F d = h2f16(sc);
+    const F d2 = MIN ? h2f16(sc + 32) : fzero();
+    for (int i = 0; i < per; ++i) {
+      W w[8];
+      unpack<BITS>(rec + i * qbytes, w);
+      for (int j = 0; j < 8; ++j) _mm512_storeu_si512(tiles + 512 * (c0 + i) + 64 * j, w[j]);
+      F wa = d, wb = d2;
+      if constexpr (KQ && MIN) {  // a = d * sc, b = -(dmin * mn), as the VNNI build
+        wa = fmul(d, u8f(sc + 64 + 16 * i));
+        wb = fneg(fmul(d2, u8f(sc + 192 + 16 * i)));
+      }
+      BlockScales& s = scales[c0 + i];
+      _mm512_storeu_ps(s.a, wa);
+      _mm512_storeu_ps(s.b, wb);
+      _mm512_storeu_si512(s.sc_lo, SUB ? i8load(sc + 32 + 32 * i) : izero());
+      _mm512_storeu_si512(s.sc_hi, SUB ? i8load(sc + 48 + 32 * i) : izero());
+    }
+  }
+  // Each block's products are stored one step before its epilogue reads them: the loads of a tile just stored wait
+  // for the store, so the epilogue of block b runs while block b + 1's product is formed.
+  alignas(64) int32_t c[2][2][kRows * 16];
+  for (int64_t m0 = 0; m0 < rows; m0 += kRows) {
+    F acc[kRows];
+    for (int m = 0; m < kRows; ++m) acc[m] = fzero();
+    const int8_t* x = a.xq + m0 * a.K;
+    if constexpr (SUB) {  // one block per step: its two halves in the two tile sets
+      for (int64_t b = 0; b < blocks; ++b) {
+        int32_t(&out)[2][kRows * 16] = c[b & 1];
+        product0<false>(x + b * kBlock, a.K, tiles + 512 * b);
+        product1<false>(x + b * kBlock + 16, a.K, tiles + 512 * b + 256);
+        _tile_stored(2, out[0], 64);
+        _tile_stored(5, out[1], 64);
+        if (b > 0) epilogue<ZERO, MIN, SUB>(a, scales[b - 1], c[~b & 1][0], c[~b & 1][1], m0, b - 1, acc);
+      }
+      epilogue<ZERO, MIN, SUB>(a, scales[blocks - 1], c[~blocks & 1][0], c[~blocks & 1][1], m0, blocks - 1, acc);
+    } else {  // blocks alternate between the two tile sets; the chain still takes them in ascending order
+      int64_t b = 0;
+      for (; b + 2 <= blocks; b += 2) {
+        product0<SIGNED>(x + b * kBlock, a.K, tiles + 512 * b);
+        _tile_stored(2, c[0][0], 64);
+        if (b > 0) epilogue<ZERO, MIN, SUB>(a, scales[b - 1], c[1][0], nullptr, m0, b - 1, acc);
+        product1<SIGNED>(x + (b + 1) * kBlock, a.K, tiles + 512 * (b + 1));
+        _tile_stored(5, c[1][0], 64);
+        epilogue<ZERO, MIN, SUB>(a, scales[b], c[0][0], nullptr, m0, b, acc);
+      }
+      if (b < blocks) {  // an odd count: the last block in the first set
+        product0<SIGNED>(x + b * kBlock, a.K, tiles + 512 * b);
+        _tile_stored(2, c[0][0], 64);
+        if (b > 0) epilogue<ZERO, MIN, SUB>(a, scales[b - 1], c[1][0], nullptr, m0, b - 1, acc);
+        epilogue<ZERO, MIN, SUB>(a, scales[b], c[0][0], nullptr, m0, b, acc);
+      } else {
+        epilogue<ZERO, MIN, SUB>(a, scales[b - 1], c[1][0], nullptr, m0, b - 1, acc);
+      }
+    }
+    for (int m = 0; m < kRows; ++m) fstore(a.y + (m0 + m) * a.y_stride + p * kPanel, acc[m]);
+  }
+}
+
+template <int BITS, int ZERO, bool MIN, bool SUB, bool KQ>
+void matmul_fmt(const Q8Args& a, int64_t rows) {
+  const int64_t blocks = a.K / kBlock;
+  std::vector<uint8_t> tiles(static_cast<size_t>(blocks) * 512);
+  std::vector<BlockScales> scales(static_cast<size_t>(blocks));
+  configure(SUB ? 16 : kBlock);
+  for (int64_t p = a.p_begin; p < a.p_end; ++p) {
+    panel<BITS, ZERO, MIN, SUB, KQ>(a, p, rows, tiles.data(), scales.data());
+  }
+  _tile_release();  // the tile state is the thread's only while it is in use
+}
+
+}  // namespace
+
+void matmul(const Q8Args& a) {
+  const int64_t rows = a.M >= kMinRows ? a.M / kRows * kRows : 0;  // whole tiles; the rest below
+  if (rows > 0) {
+    switch (a.fmt) {
+      case 2: matmul_fmt<4, 8, false, false, false>(a, rows); break;   // Q4_0
+      case 3: matmul_fmt<4, 0, true, false, false>(a, rows); break;    // Q4_1
+      case 6: matmul_fmt<5, 16, false, false, false>(a, rows); break;  // Q5_0
+      case 8: matmul_fmt<8, 0, false, false, false>(a, rows); break;   // Q8_0
+      case 12: matmul_fmt<4, 0, true, false, true>(a, rows); break;    // Q4_K
+      case 13: matmul_fmt<5, 0, true, false, true>(a, rows); break;    // Q5_K
+      case 14: matmul_fmt<6, 32, false, true, true>(a, rows); break;   // Q6_K
+      default: break;  // q8linear.cpp refuses other formats before calling
+    }
+  }
+  if (rows < a.M) {  // the last M mod 16 rows: the same chain in the VNNI build
+    const int64_t blocks = a.K / kBlock;
+    Q8Args rest = a;
+    rest.xq += rows * a.K;
+    rest.dx += rows * blocks;
+    rest.sxd += rows * blocks;
+    rest.sx += rows * blocks;
+    rest.sx16 += rows * 2 * blocks;
+    rest.y += rows * a.y_stride;
+    rest.M = a.M - rows;
+    avx512::matmul(rest);
+  }
+}
+
+}  // namespace amx
+}  // namespace steady_q8

@@ -1,0 +1,33 @@
+// Unpacking one panel's block of packed weights (q8.h's layout) into the 8 operands the integer sums read.
+// Included by q8_body.h (the VNNI and AVX2 builds) and q8_amx.cpp (which stores the operands as an AMX B tile:
+// operand j is tile row j, 16 columns of 4 bytes), inside the build's namespace after its lane definitions.
+
+// The 8 weight operands of one panel's block: operand j holds values 4 j .. 4 j + 3 of every row.
+template <int BITS>
+inline void unpack(const uint8_t* rec, W (&w)[8]) {
+  if constexpr (BITS == 8) {
+    for (int j = 0; j < 8; ++j) w[j] = wload(rec + 64 * j);
+  } else {
+    for (int j = 0; j < 4; ++j) {
+      const W lo = wload(rec + 64 * j);
+      w[j] = wand(lo, 0x0F);
+      w[j + 4] = wand(wsrl16(lo, 4), 0x0F);  // 16-bit shifts then a byte mask: no bit crosses a byte
+    }
+    if constexpr (BITS == 5) {
+      const W h = wload(rec + 256);  // bit j of each byte: bit 4 of operand j
+      for (int j = 0; j < 8; ++j) w[j] = wor(w[j], wand(j <= 4 ? wsll16(h, 4 - j) : wsrl16(h, j - 4), 0x10));
+    } else if constexpr (BITS == 6) {
+      const W h[2] = {wload(rec + 256), wload(rec + 320)};  // bits 2jj, 2jj+1: bits 4, 5 of operand 4h + jj
+      for (int j = 0; j < 8; ++j) {
+        const int s = 2 * (j % 4);
+        w[j] = wor(w[j], wand(s <= 4 ? wsll16(h[j / 4], 4 - s) : wsrl16(h[j / 4], s - 4), 0x30));
+      }
+    }
+  }
+}
+
+inline int32_t x4_at(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
