@@ -6,37 +6,44 @@
 //   fmul fneg h2f16 (16 binary16, exactly) u8f (16 bytes as floats) ffma ffma_bcast fstore, and the tile height kMM.
 // dot(acc, w, x4) adds to each lane r the sum of w's 4 unsigned bytes of row r times the 4 signed bytes
 // of x4; dot_signed does the same with w's bytes signed (Q8_0), plus kSignedBias times the sum of x4 (a
-// build may add 128 to each byte to use an unsigned product; block_dot takes it off). Both are exact integer sums: how a build
+// build may add 128 to each byte to use an unsigned product; tile_dots takes it off). Both are exact integer sums: how a build
 // forms them (vpdpbusd, maddubs/madd) never changes a value. The float part is q8.h's chain, one
 // IEEE operation per lane per step, in the scalar build's order.
 
 #include "q8_unpack.h"
 
-// I_c of q8.h for the 16 rows of a panel and one activation row (xrow: its block's 32 int8).
-template <int BITS, int ZERO, bool SUB>
-inline I block_dot(const W (&w)[8], const int8_t* xrow, int32_t sx, const int32_t* sx16, const I& sc_lo,
-                   const I& sc_hi) {
-  if constexpr (SUB) {  // Q6_K: two halves, each (u - 32) . q, times its int8 sub-scale
-    I lo = izero(), hi = izero();
-    for (int j = 0; j < 4; ++j) lo = dot(lo, w[j], x4_at(xrow + 4 * j));
-    for (int j = 4; j < 8; ++j) hi = dot(hi, w[j], x4_at(xrow + 4 * j));
-    return iadd(imul(sc_lo, isub_bcast(lo, ZERO * sx16[0])), imul(sc_hi, isub_bcast(hi, ZERO * sx16[1])));
-  } else if constexpr (BITS == 8) {
-    I even = izero(), odd = izero();  // two chains: half the latency of one (integer sums: any order is exact)
-    for (int j = 0; j < 8; j += 2) {
-      even = dot_signed(even, w[j], x4_at(xrow + 4 * j));
-      odd = dot_signed(odd, w[j + 1], x4_at(xrow + 4 * j + 4));
+// I_c of q8.h for Q6_K, the 16 rows of a panel and one activation row (xrow: its block's 32 int8): two halves,
+// each (u - 32) . q, times its int8 sub-scale.
+template <int ZERO>
+inline I sub_block_dot(const W (&w)[8], const int8_t* xrow, const int32_t* sx16, const I& sc_lo, const I& sc_hi) {
+  I lo = izero(), hi = izero();
+  for (int j = 0; j < 4; ++j) lo = dot(lo, w[j], x4_at(xrow + 4 * j));
+  for (int j = 4; j < 8; ++j) hi = dot(hi, w[j], x4_at(xrow + 4 * j));
+  return iadd(imul(sc_lo, isub_bcast(lo, ZERO * sx16[0])), imul(sc_hi, isub_bcast(hi, ZERO * sx16[1])));
+}
+
+// I_c of q8.h for MM activation rows (row m's block at x + m K) against one panel's block: one integer chain per
+// row, the rows interleaved operand by operand, so that MM independent chains keep the dot-product units busy
+// while the 8 operands, the chains and the float accumulators stay in registers. sx: row m's sum at sx[m * blocks].
+template <int BITS, int ZERO, int MM>
+inline void tile_dots(const W (&w)[8], const int8_t* x, int64_t K, const int32_t* sx, int64_t blocks, I (&out)[MM]) {
+#pragma GCC unroll 16
+  for (int m = 0; m < MM; ++m) out[m] = izero();
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) {
+#pragma GCC unroll 16
+    for (int m = 0; m < MM; ++m) {
+      const int32_t x4 = x4_at(x + m * K + 4 * j);
+      out[m] = BITS == 8 ? dot_signed(out[m], w[j], x4) : dot(out[m], w[j], x4);
     }
-    const I acc = iadd(even, odd);
-    return kSignedBias ? isub_bcast(acc, kSignedBias * sx) : acc;
-  } else {
-    I even = izero(), odd = izero();
-    for (int j = 0; j < 8; j += 2) {
-      even = dot(even, w[j], x4_at(xrow + 4 * j));
-      odd = dot(odd, w[j + 1], x4_at(xrow + 4 * j + 4));
+  }
+#pragma GCC unroll 16
+  for (int m = 0; m < MM; ++m) {
+    if constexpr (BITS == 8) {
+      if (kSignedBias) out[m] = isub_bcast(out[m], kSignedBias * sx[m * blocks]);
+    } else if constexpr (ZERO != 0) {
+      out[m] = isub_bcast(out[m], ZERO * sx[m * blocks]);
     }
-    const I acc = iadd(even, odd);
-    return ZERO ? isub_bcast(acc, ZERO * sx) : acc;
   }
 }
 
@@ -63,11 +70,19 @@ inline void panel_tile(const Q8Args& a, int64_t p, int64_t m0) {
         wb = fneg(fmul(d2, u8f(sc + 192 + 16 * i)));
       }
       const I sc_lo = SUB ? i8load(sc + 32 + 32 * i) : izero(), sc_hi = SUB ? i8load(sc + 48 + 32 * i) : izero();
+      I dotv[MM];
+      if constexpr (SUB) {
+        for (int m = 0; m < MM; ++m) {
+          const int64_t at = (m0 + m) * blocks + c;
+          dotv[m] = sub_block_dot<ZERO>(w, a.xq + (m0 + m) * a.K + c * kBlock, a.sx16 + 2 * at, sc_lo, sc_hi);
+        }
+      } else {
+        tile_dots<BITS, ZERO, MM>(w, a.xq + m0 * a.K + c * kBlock, a.K, a.sx + m0 * blocks + c, blocks, dotv);
+      }
+#pragma GCC unroll 16
       for (int m = 0; m < MM; ++m) {
-        const int64_t row = m0 + m, at = row * blocks + c;
-        const I dotv = block_dot<BITS, ZERO, SUB>(w, a.xq + row * a.K + c * kBlock, a.sx[at], a.sx16 + 2 * at, sc_lo,
-                                                  sc_hi);
-        acc[m] = ffma(wa, fmul_bcast(f_of_i(dotv), a.dx[at]), acc[m]);  // t = float(I) * dx; acc = fma(a, t, acc)
+        const int64_t at = (m0 + m) * blocks + c;
+        acc[m] = ffma(wa, fmul_bcast(f_of_i(dotv[m]), a.dx[at]), acc[m]);  // t = float(I) * dx; acc = fma(a, t, acc)
         if constexpr (MIN) acc[m] = ffma_bcast(wb, a.sxd[at], acc[m]);  // acc = fma(b, sxd, acc)
       }
     }
