@@ -119,6 +119,7 @@ void panel(const Q8Args& a, int64_t p, int64_t rows, uint8_t* tiles, BlockScales
     const F d = h2f16(sc);
     const F d2 = MIN ? h2f16(sc + 32) : fzero();
     for (int i = 0; i < per; ++i) {
+      prefetch_ahead(rec, a.lay.record, per, i);
       W w[8];
       unpack<BITS>(rec + i * qbytes, w);
       for (int j = 0; j < 8; ++j) _mm512_storeu_si512(tiles + 512 * (c0 + i) + 64 * j, w[j]);

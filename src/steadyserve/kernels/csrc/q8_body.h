@@ -62,6 +62,7 @@ inline void panel_tile(const Q8Args& a, int64_t p, int64_t m0) {
     const F d2 = MIN ? h2f16(sc + 32) : fzero();  // Q4_1's m, or the K-quants' dmin
     for (int i = 0; i < per; ++i) {
       const int64_t c = c0 + i;
+      if (m0 == 0) prefetch_ahead(rec, a.lay.record, per, i);  // later tiles of rows find the panel in cache
       W w[8];
       unpack<BITS>(rec + i * qbytes, w);
       F wa = d, wb = d2;
