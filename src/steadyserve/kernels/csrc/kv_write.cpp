@@ -4,7 +4,8 @@
 // conversions of kv_format.h, so a token's stored K/V depend on nothing else in the step: prefill, decode and
 // any batch store the same bytes. Both forward paths store through here (the per-op path through the op
 // steadyserve::kv_write, forward.cpp through steady_ops::kv_write_rows), so both store the same bytes.
-// A float32 cache is a plain copy. Scalar code: this is O(T x Hkv x D) per layer, not the step's cost.
+// A float32 cache is a plain copy. Scalar code, threads splitting the (token, head) pairs: O(T x Hkv x D) per layer.
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
@@ -57,20 +58,25 @@ void kv_write_rows(at::Tensor& k_cache, at::Tensor& v_cache, const float* k, con
   uint8_t* kc = static_cast<uint8_t*>(k_cache.data_ptr());
   uint8_t* vc = static_cast<uint8_t*>(v_cache.data_ptr());
   for (int64_t t = 0; t < T; ++t) {
-    const int64_t b = blocks[t], o = offsets[t];
-    TORCH_CHECK(b >= 0 && b < nb && o >= 0 && o < bs, "kv_write: slot out of range");
-    for (int64_t h = 0; h < hkv; ++h) {
+    TORCH_CHECK(blocks[t] >= 0 && blocks[t] < nb && offsets[t] >= 0 && offsets[t] < bs, "kv_write: slot out of range");
+  }
+  // Each (token, head) writes its own slots: threads split them, and nothing read depends on who wrote it. Split,
+  // because a float32 K column is D strided stores (one cache line each): serial, a c=16 decode step of a 1.7B
+  // model spent 3.4% of its time here while the other thread waited.
+  at::parallel_for(0, T * hkv, 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t = i / hkv, h = i % hkv, b = blocks[t], o = offsets[t];
       const float* kx = k + t * row_stride + h * d;
       const float* vx = v + t * row_stride + h * d;
       uint8_t* kh = kc + (b * hkv + h) * hb;  // this block's K region of head h
       uint8_t* vh = vc + (b * hkv + h) * hb;
       if (fmt != kQ8) {
         const int64_t es = fmt == kF32 ? 4 : 2;
-        store_row(fmt, kx, kh + o * es, d, bs);        // K (D, Bs): column o
-        store_row(fmt, vx, vh + o * d * es, d, 1);     // V (Bs, D): row o
+        store_row(fmt, kx, kh + o * es, d, bs);     // K (D, Bs): column o
+        store_row(fmt, vx, vh + o * d * es, d, 1);  // V (Bs, D): row o
         continue;
       }
-      int8_t* kq = reinterpret_cast<int8_t*>(kh);        // (D, Bs) int8, then (D/32, Bs) f16 scales
+      int8_t* kq = reinterpret_cast<int8_t*>(kh);                     // (D, Bs) int8, then (D/32, Bs) f16 scales
       int8_t* vq = reinterpret_cast<int8_t*>(vh + o * (d + d / 16));  // this token's D int8, then D/32 scales
       for (int64_t c = 0; c < d / kQBlock; ++c) {
         const uint16_t ks = quantize_q8_0(kx + c * kQBlock, kq + (c * kQBlock) * bs + o, bs);
@@ -79,7 +85,7 @@ void kv_write_rows(at::Tensor& k_cache, at::Tensor& v_cache, const float* k, con
         std::memcpy(vq + d + 2 * c, &vs, 2);
       }
     }
-  }
+  });
 }
 
 }  // namespace steady_ops

@@ -90,7 +90,9 @@ Quantized quantize(const at::Tensor& x, int use) {
   float *dx = q.dx.data_ptr<float>(), *sxd = q.sxd.data_ptr<float>();
   int32_t *sx = q.sx.data_ptr<int32_t>(), *sx16 = q.sx16.data_ptr<int32_t>();
   const int64_t stride = x.stride(0);
-  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+  // Rows are independent (each row's blocks alone, q8.h): threads split them, 4 rows at least (a decode step's
+  // 16 rows are two threads' work, not one's while the other waits).
+  at::parallel_for(0, M, 4, [&](int64_t m0, int64_t m1) {
     kBuilds[use].quantize_rows(xp, stride, K, m0, m1, xq, dx, sxd, sx, sx16);
   });
   return q;
