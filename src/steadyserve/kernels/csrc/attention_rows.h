@@ -176,19 +176,30 @@ template <int G>
 STEADY_INLINE void softmax_rows(float* scores, int64_t stride, int64_t n_chunks, float* total) {
   for (int r = 0; r < G; ++r) {
     float* sr = scores + r * stride;
-    // 2. Max (exact in any order).
+    // 2. Max (exact in any order), as 16 lanes.
+    const f16v neg_inf = f16v{} - std::numeric_limits<float>::infinity();
+    f16v mv = neg_inf;
+    for (int64_t c = 0; c < n_chunks; ++c) {
+      f16v x;
+      std::memcpy(&x, sr + c * kLanes, sizeof x);
+      mv = x > mv ? x : mv;
+    }
     float mlane[kLanes];
-    for (int l = 0; l < kLanes; ++l) mlane[l] = -std::numeric_limits<float>::infinity();
-    for (int64_t c = 0; c < n_chunks; ++c)
-      for (int l = 0; l < kLanes; ++l) mlane[l] = sr[c * kLanes + l] > mlane[l] ? sr[c * kLanes + l] : mlane[l];
+    std::memcpy(mlane, &mv, sizeof mlane);
     float m = mlane[0];
     for (int l = 1; l < kLanes; ++l) m = mlane[l] > m ? mlane[l] : m;
-    // 3-4. Exponentials in place (masked keys give exact zeros), summed in 16 lanes.
-    float lane[kLanes] = {};
+    // 3-4. Exponentials in place (masked keys give exact zeros), summed in 16 lanes: lane l adds its keys in
+    // ascending c. Written on the vector type, because GCC left the array form as 16 scalar adds per chunk (11% of
+    // a 2k-token prefill's attention).
+    f16v acc = {};
     for (int64_t c = 0; c < n_chunks; ++c) {
       exp_det16(sr + c * kLanes, m);
-      for (int l = 0; l < kLanes; ++l) lane[l] += sr[c * kLanes + l];
+      f16v e;
+      std::memcpy(&e, sr + c * kLanes, sizeof e);
+      acc = acc + e;
     }
+    float lane[kLanes];
+    std::memcpy(lane, &acc, sizeof lane);
     float l8[8], l4[4], l2[2];
     for (int i = 0; i < 8; ++i) l8[i] = lane[2 * i] + lane[2 * i + 1];
     for (int i = 0; i < 4; ++i) l4[i] = l8[2 * i] + l8[2 * i + 1];
