@@ -23,7 +23,9 @@
 //   on how threads split N (by 16-row panels), or on the ISA: a vector build holds 16 outputs (one
 //   panel) in the lanes of its registers and runs each lane's chain exactly as the scalar build runs
 //   one output. Only the integer sums differ in how they are formed (AMX tdpbsud/tdpbssd, VNNI vpdpbusd,
-//   AVX2 maddubs/madd with the sign trick for Q8_0, plain loops), and integer sums are exact.
+//   AVX2 maddubs/madd with the sign trick for Q8_0, plain loops), and integer sums are exact. (The vector builds
+//   form Q6_K's float(I_c) as fma(sc_lo, lo, sc_hi * hi) of its two sub-scaled halves: each product is below 2^24,
+//   so exact, and the fma rounds the exact I_c once: the same float.)
 //
 // F16, BF16 and F32 weights are not packed: they stay on the float32 path (qmm.h).
 #pragma once

@@ -72,18 +72,21 @@ inline void epilogue(const Q8Args& a, const BlockScales& s, const int32_t* c0, c
                      int64_t c, F (&acc)[kRows]) {
   const int64_t blocks = a.K / kBlock;
   const F wa = _mm512_loadu_ps(s.a), wb = _mm512_loadu_ps(s.b);
-  const I sc_lo = _mm512_loadu_si512(s.sc_lo), sc_hi = _mm512_loadu_si512(s.sc_hi);
+  const F fsc_lo = f_of_i(_mm512_loadu_si512(s.sc_lo)), fsc_hi = f_of_i(_mm512_loadu_si512(s.sc_hi));
 #pragma GCC unroll 16  // whole, so that acc stays in 16 registers
   for (int m = 0; m < kRows; ++m) {
     const int64_t at = (m0 + m) * blocks + c;
     I v = _mm512_loadu_si512(c0 + 16 * m);
-    if constexpr (SUB) {  // Q6_K: sc_lo (lo - 32 sx16_lo) + sc_hi (hi - 32 sx16_hi), as block_dot
-      v = iadd(imul(sc_lo, isub_bcast(v, ZERO * a.sx16[2 * at])),
-               imul(sc_hi, isub_bcast(_mm512_loadu_si512(c1 + 16 * m), ZERO * a.sx16[2 * at + 1])));
+    F fdot;  // float(I_c)
+    if constexpr (SUB) {  // Q6_K: fma(sc_lo, lo - 32 sx16_lo, sc_hi (hi - 32 sx16_hi)), exact as in q8_body.h
+      fdot = ffma(fsc_lo, f_of_i(isub_bcast(v, ZERO * a.sx16[2 * at])),
+                  fmul(fsc_hi, f_of_i(isub_bcast(_mm512_loadu_si512(c1 + 16 * m), ZERO * a.sx16[2 * at + 1]))));
     } else if constexpr (ZERO != 0) {
-      v = isub_bcast(v, ZERO * a.sx[at]);
+      fdot = f_of_i(isub_bcast(v, ZERO * a.sx[at]));
+    } else {
+      fdot = f_of_i(v);
     }
-    acc[m] = ffma(wa, fmul_bcast(f_of_i(v), a.dx[at]), acc[m]);  // t = float(I) * dx; acc = fma(a, t, acc)
+    acc[m] = ffma(wa, fmul_bcast(fdot, a.dx[at]), acc[m]);  // t = float(I) * dx; acc = fma(a, t, acc)
     if constexpr (MIN) acc[m] = ffma_bcast(wb, a.sxd[at], acc[m]);  // acc = fma(b, sxd, acc)
   }
 }

@@ -59,8 +59,6 @@ inline I isub_bcast(I x, int32_t v) {
   const __m256i s = _mm256_set1_epi32(v);
   return {_mm256_sub_epi32(x.a, s), _mm256_sub_epi32(x.b, s)};
 }
-inline I iadd(I x, I y) { return {_mm256_add_epi32(x.a, y.a), _mm256_add_epi32(x.b, y.b)}; }
-inline I imul(I x, I y) { return {_mm256_mullo_epi32(x.a, y.a), _mm256_mullo_epi32(x.b, y.b)}; }
 inline I i8load(const uint8_t* p) {
   return {_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))),
           _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)))};

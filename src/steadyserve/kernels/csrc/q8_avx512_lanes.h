@@ -23,8 +23,6 @@ inline I dot_signed(I acc, W w, int32_t x4) {
   return _mm512_dpbusd_epi32(acc, _mm512_xor_si512(w, _mm512_set1_epi8(char(0x80))), _mm512_set1_epi32(x4));
 }
 inline I isub_bcast(I a, int32_t v) { return _mm512_sub_epi32(a, _mm512_set1_epi32(v)); }
-inline I iadd(I a, I b) { return _mm512_add_epi32(a, b); }
-inline I imul(I a, I b) { return _mm512_mullo_epi32(a, b); }
 inline I i8load(const uint8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline F f_of_i(I a) { return _mm512_cvtepi32_ps(a); }  // round to nearest even, as float(int) in C++
 inline F fmul_bcast(F a, float s) { return _mm512_mul_ps(a, _mm512_set1_ps(s)); }

@@ -2,7 +2,7 @@
 //
 // Included by q8_avx2.cpp and q8_avx512.cpp inside their namespace, after each has defined:
 //   W (64 bytes: 16 panel rows x 4 values), I (16 int32), F (16 float) and
-//   wload wand wsrl16 wsll16 wor | dot dot_signed kSignedBias izero isub_bcast iadd imul i8load | f_of_i fmul_bcast fzero
+//   wload wand wsrl16 wsll16 wor | dot dot_signed kSignedBias izero isub_bcast i8load | f_of_i fmul_bcast fzero
 //   fmul fneg h2f16 (16 binary16, exactly) u8f (16 bytes as floats) ffma ffma_bcast fstore, and the tile height kMM.
 // dot(acc, w, x4) adds to each lane r the sum of w's 4 unsigned bytes of row r times the 4 signed bytes
 // of x4; dot_signed does the same with w's bytes signed (Q8_0), plus kSignedBias times the sum of x4 (a
@@ -12,14 +12,40 @@
 
 #include "q8_unpack.h"
 
-// I_c of q8.h for Q6_K, the 16 rows of a panel and one activation row (xrow: its block's 32 int8): two halves,
-// each (u - 32) . q, times its int8 sub-scale.
-template <int ZERO>
-inline I sub_block_dot(const W (&w)[8], const int8_t* xrow, const int32_t* sx16, const I& sc_lo, const I& sc_hi) {
-  I lo = izero(), hi = izero();
-  for (int j = 0; j < 4; ++j) lo = dot(lo, w[j], x4_at(xrow + 4 * j));
-  for (int j = 4; j < 8; ++j) hi = dot(hi, w[j], x4_at(xrow + 4 * j));
-  return iadd(imul(sc_lo, isub_bcast(lo, ZERO * sx16[0])), imul(sc_hi, isub_bcast(hi, ZERO * sx16[1])));
+// float(I_c) of q8.h for Q6_K, MM activation rows (row m's block at x + m K) against one panel's block, the rows
+// interleaved operand by operand as tile_dots does, two integer chains per row: lo = sum over the first 16 values of
+// u q, hi over the last 16. With lo' = lo - 32 sx16_lo and hi' likewise, I_c = sc_lo lo' + sc_hi hi'. |lo'|, |hi'|
+// <= 16 * 32 * 127 and |sc| <= 128, so each product is below 2^24 and exact in float; one fma then rounds the exact
+// I_c once: fma(sc_lo, lo', sc_hi * hi') == float(I_c), the same float the other formats convert (and no 32-bit
+// integer multiplies, which take two uops each on one port). fsc_lo, fsc_hi: the sub-scales as floats (exact).
+template <int MM>
+inline void sub_block_floats(const W (&w)[8], const int8_t* x, int64_t K, const int32_t* sx16, int64_t blocks,
+                             const F& fsc_lo, const F& fsc_hi, F (&out)[MM]) {
+  constexpr int R = MM < 4 ? MM : 4;  // rows per pass: 2 R chains, the 8 operands and the tile's accumulators fit
+#pragma GCC unroll 2
+  for (int m0 = 0; m0 < MM; m0 += R) {
+    I lo[R], hi[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) lo[r] = izero(), hi[r] = izero();
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        if (m0 + r < MM) {
+          const int8_t* xr = x + (m0 + r) * K;
+          lo[r] = dot(lo[r], w[j], x4_at(xr + 4 * j));
+          hi[r] = dot(hi[r], w[j + 4], x4_at(xr + 16 + 4 * j));
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      if (m0 + r < MM) {
+        const int32_t* s = sx16 + 2 * (m0 + r) * blocks;
+        out[m0 + r] = ffma(fsc_lo, f_of_i(isub_bcast(lo[r], 32 * s[0])), fmul(fsc_hi, f_of_i(isub_bcast(hi[r], 32 * s[1]))));
+      }
+    }
+  }
 }
 
 // I_c of q8.h for MM activation rows (row m's block at x + m K) against one panel's block: one integer chain per
@@ -70,20 +96,21 @@ inline void panel_tile(const Q8Args& a, int64_t p, int64_t m0) {
         wa = fmul(d, u8f(sc + 64 + 16 * i));
         wb = fneg(fmul(d2, u8f(sc + 192 + 16 * i)));
       }
-      const I sc_lo = SUB ? i8load(sc + 32 + 32 * i) : izero(), sc_hi = SUB ? i8load(sc + 48 + 32 * i) : izero();
-      I dotv[MM];
+      F fdot[MM];  // float(I_c) per row
       if constexpr (SUB) {
-        for (int m = 0; m < MM; ++m) {
-          const int64_t at = (m0 + m) * blocks + c;
-          dotv[m] = sub_block_dot<ZERO>(w, a.xq + (m0 + m) * a.K + c * kBlock, a.sx16 + 2 * at, sc_lo, sc_hi);
-        }
+        static_assert(ZERO == 32, "Q6_K's zero point");
+        sub_block_floats<MM>(w, a.xq + m0 * a.K + c * kBlock, a.K, a.sx16 + 2 * (m0 * blocks + c), blocks,
+                             f_of_i(i8load(sc + 32 + 32 * i)), f_of_i(i8load(sc + 48 + 32 * i)), fdot);
       } else {
+        I dotv[MM];
         tile_dots<BITS, ZERO, MM>(w, a.xq + m0 * a.K + c * kBlock, a.K, a.sx + m0 * blocks + c, blocks, dotv);
+#pragma GCC unroll 16
+        for (int m = 0; m < MM; ++m) fdot[m] = f_of_i(dotv[m]);
       }
 #pragma GCC unroll 16
       for (int m = 0; m < MM; ++m) {
         const int64_t at = (m0 + m) * blocks + c;
-        acc[m] = ffma(wa, fmul_bcast(f_of_i(dotv[m]), a.dx[at]), acc[m]);  // t = float(I) * dx; acc = fma(a, t, acc)
+        acc[m] = ffma(wa, fmul_bcast(fdot[m], a.dx[at]), acc[m]);  // t = float(I) * dx; acc = fma(a, t, acc)
         if constexpr (MIN) acc[m] = ffma_bcast(wb, a.sxd[at], acc[m]);  // acc = fma(b, sxd, acc)
       }
     }
