@@ -24,6 +24,7 @@ from websockets.sync.client import connect
 
 from http_util import stream_completion
 from steadyserve.client import Client, generate_request
+from steadyserve.numerics import describe
 from steadyserve.receipts.format import parse
 from steadyserve.receipts.replay import MISMATCH, NOT_REPRODUCIBLE, VERIFIED, verify
 
@@ -340,7 +341,8 @@ def test_a_host_numerics_receipt_replays_on_its_own_path(tiny_model) -> None:
                            out.prompt_logprobs, out.logprobs)
     assert receipt["model"]["numerics"]["id"].startswith("h")
     as_portable = copy.deepcopy(receipt)
-    as_portable["model"]["numerics"] = {"mode": "portable", "id": "p4b3701"}
+    portable_id = describe("portable", "", "", (), "", "", "", "").numerics_id  # names no machine fact
+    as_portable["model"]["numerics"] = {"mode": "portable", "id": portable_id}
     as_portable["model"]["weights_sha256"] = receipt["model"]["weights_sha256"]
     v = verify([("host", parse(receipt)), ("portable", parse(as_portable))], model=tiny_model)
     assert v[0].status == VERIFIED and v[0].numerics.startswith("host"), v[0]

@@ -44,8 +44,9 @@ from .config import NUMERICS_MODES, ConfigError, choice_error
 from .kernel_versions import PATH_KERNELS, kernels_of
 
 # 1: fma attention kernel nat1, MKL strict mode; 2: LM head computed in 2048-column GEMMs;
-# 3: the native matmul family (qmm1) and native row-wise ops for the portable path.
-NUMERICS_VERSION = 3
+# 3: the native matmul family (qmm1) and native row-wise ops for the portable path;
+# 4: RoPE tables' cos and sin by models/rope_trig.py's fixed float64 method, not PyTorch's math library.
+NUMERICS_VERSION = 4
 MODES = NUMERICS_MODES  # the settings of --numerics (config.py owns the list)
 NATIVE_PATHS = tuple(PATH_KERNELS)  # the concrete paths that run steadyserve's own kernels: portable, int8
 _PREFIX = {"portable": "p", "int8": "i", "host": "h"}

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from .rope_trig import cos_sin
+
 
 @dataclass(frozen=True)
 class ModelArgs:
@@ -74,7 +76,8 @@ class ModelArgs:
 
 
 def rope_tables(args: ModelArgs, max_len: int, layer_type: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables (max_len, head_dim) in float32, as transformers computes them.
+    """cos/sin tables (max_len, head_dim) in float32: transformers' angles, their cos and sin by rope_trig's
+    fixed method (the same bits on every machine and in every process, whatever PyTorch's math library does).
 
     A table lookup by absolute position makes RoPE independent of how tokens are
     batched: the same position always reads the same row. Models whose RoPE differs
@@ -102,9 +105,9 @@ def rope_tables(args: ModelArgs, max_len: int, layer_type: str | None = None) ->
         inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, torch.device("cpu"), **extra)
         inv_freq = inv_freq.float()
     pos = torch.arange(max_len, dtype=torch.float32)
-    freqs = pos[:, None] * inv_freq[None, :]  # (L, D/2)
-    emb = torch.cat([freqs, freqs], dim=-1)  # (L, D)
-    return emb.cos() * scaling, emb.sin() * scaling
+    freqs = pos[:, None] * inv_freq[None, :]  # (L, D/2) float32, as transformers' angles
+    cos, sin = cos_sin(freqs, float(scaling))  # (L, D/2) each: fixed float64 method, not the library's cos
+    return torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)  # (L, D)
 
 
 def common_args(cfg: Any, arch: str, **overrides: Any) -> ModelArgs:

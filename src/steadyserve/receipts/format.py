@@ -44,7 +44,7 @@ class Identity:
     weights_sha256: str  # loader.LoadedModel.weights_hash: full sha256 over the weight files
     fingerprint: str  # the string stamped on every response (loader.Fingerprint)
     numerics_mode: str  # portable | int8 | host (numerics.py)
-    numerics_id: str  # e.g. p4b3701: equal ids, equal bits on every host that can run the path
+    numerics_id: str  # e.g. pfd4d6e: equal ids, equal bits on every host that can run the path
     dtype: str  # float32 | bfloat16 | float16
     device: str  # cpu | cuda:N
     attention: str  # the attention kernel's id: nat1 (native) or py
