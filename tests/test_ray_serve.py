@@ -243,7 +243,10 @@ def test_64_sse_streams_survive_a_killed_replica(ray_app: Deployed) -> None:
 
     async def run() -> list:
         progress = [StreamResult() for _ in range(64)]
-        task = asyncio.create_task(_streams(ray_app.http_url, 64, 256, progress))
+        # 1024 tokens (the 4096-position model): the last streams to start must still run when the replicas'
+        # metrics are read. With 256 both replicas once read 0 running under a parallel test file's load (n-gram
+        # speculation makes the tiny model's greedy streams fast: 256 tokens in well under a second).
+        task = asyncio.create_task(_streams(ray_app.http_url, 64, 1024, progress))
         # Kill once every stream has its first token: each is then answered by a replica, so none is retried onto
         # the survivor (whose queue a retried burst would overflow into 429s). A fixed 3 s sleep did that on a
         # loaded machine (Counter({200: 54, 429: 10})). The victim is the replica running the most sequences at
