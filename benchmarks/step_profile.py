@@ -44,7 +44,7 @@ gc.freeze()  # as the server does before serving (api/startup.py)
 rng = random.Random(0)
 for i in range(batch):
     eng.add_request(Request(str(i), [rng.randrange(100, lm.args.vocab_size) for _ in range(prompt)],
-                            SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)))
+                            SamplingParams(max_tokens=steps + 32, temperature=0, ignore_eos=True)))  # + a chunked prefill's steps
 durations = []
 while eng.has_work():
     _, s = eng.step()

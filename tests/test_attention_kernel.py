@@ -247,6 +247,18 @@ def test_refuses_shapes_it_does_not_support() -> None:
         attention_native(q, k, v, torch.zeros(1, 1, dtype=torch.int64), one, one, 1.0, 0)
 
 
+def test_f16_block_conversion_gives_every_half_its_float_on_each_build() -> None:
+    """An f16 cache's blocks become floats in one call per block (attention_rows.h halves_fn): F16C's vcvtph2ps
+    where the CPU has it, else the 16-lane bit moves. All 65536 halves, both builds: the float each stands for
+    (PyTorch's own conversion, bit for bit, NaNs quieted alike)."""
+    halves = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    want = halves.float().view(torch.int32)
+    builds = [0] + ([1] if {"avx", "f16c"} <= set(open("/proc/cpuinfo").read().split()) else [])
+    for isa in builds + [-1]:
+        got = torch.ops.steadyserve.kv_halves_to_floats(halves, isa).view(torch.int32)
+        assert torch.equal(got, want), (isa, int((got != want).sum()))
+
+
 # The AVX-512 subsets x86-64-v4 requires (besides v3's): a CPU with them all runs the v4 clone of a target_clones
 # function.
 X86_64_V4 = {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
@@ -308,7 +320,7 @@ def test_vector_width_does_not_change_the_bits(tmp_path) -> None:
     assert src != SOURCES[0].read_text(), "the kernel no longer uses target_clones: update this test"
     plain_src = tmp_path / "paged_attention.cpp"
     plain_src.write_text(src)
-    for header in ("ops.h", "kv_format.h", "attention_rows.h"):  # the headers it includes
+    for header in ("ops.h", "isa.h", "kv_format.h", "attention_rows.h"):  # the headers it includes
         shutil.copy(SOURCES[0].parent / header, tmp_path)
     have = set(open("/proc/cpuinfo").read().split())
     # The baseline build computes each fma with libm's fmaf; AVX2 and AVX-512 builds with the instruction.

@@ -16,6 +16,9 @@
 #include <cstring>
 #include <limits>
 
+#include <immintrin.h>
+
+#include "isa.h"
 #include "kv_format.h"
 
 namespace steady_attn {
@@ -71,6 +74,35 @@ STEADY_INLINE void halves16(const uint16_t* h, float* out) {
   const u16v bits = e == 0u ? (sub | sign) : (e == 31u ? special : normal);
   std::memcpy(out, &bits, sizeof bits);
 }
+
+// n binary16 values -> floats, exactly, for a whole stored block (k_block_floats, v_block_floats): F16C's
+// vcvtph2ps (exact for every half, NaNs quieted as f16_to_f32 quiets them) where the CPU has it, else halves16.
+// Not inlined into the target_clones clones: an F16C intrinsic cannot be compiled into the baseline clone, and
+// GCC 12 scalarizes _Float16 vector conversions, which made the f16 cache slower to read than float32's. Every
+// choice gives the same floats, so it is a speed choice only; tests/test_attention_kernel.py checks all 65536
+// halves on each.
+__attribute__((target("avx,f16c"))) inline void halves_f16c(const uint16_t* h, float* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
+  for (; i < n; ++i) out[i] = steady_kv::f16_to_f32(h[i]);
+}
+
+inline void halves_lanes(const uint16_t* h, float* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) halves16(h + i, out + i);
+  for (; i < n; ++i) out[i] = steady_kv::f16_to_f32(h[i]);
+}
+
+inline bool has_f16c() {
+  static const bool ok = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c") && steady_isa::env_cap() >= 1;
+  return ok;
+}
+
+using HalvesFn = void (*)(const uint16_t*, float*, int64_t);
+
+// isa 0: halves16 on 16 lanes; 1: F16C; -1: F16C where the CPU has it and STEADYSERVE_ISA allows AVX2 (isa.h).
+inline HalvesFn halves_fn(int64_t isa = -1) { return (isa < 0 ? has_f16c() : isa >= 1) ? halves_f16c : halves_lanes; }
 
 // x[i] = tanh(x[i] / cap) * cap for 16 lanes (Gemma 2's soft-capping), from IEEE operations only:
 // tanh|t| = (1 - e) / (1 + e) with e = exp(-2|t|) <= 1, the sign restored exactly. Elementwise.
@@ -212,6 +244,10 @@ STEADY_INLINE void softmax_rows(float* scores, int64_t stride, int64_t n_chunks,
 // reads it. Not called for float32, whose blocks are read in place.
 template <int F>
 STEADY_INLINE void k_block_floats(const uint8_t* kh, int64_t D, int64_t Bs, float* out) {
+  if constexpr (F == steady_kv::kF16) {  // (D, Bs) halves in a row: one conversion of the region
+    halves_fn()(reinterpret_cast<const uint16_t*>(kh), out, D * Bs);
+    return;
+  }
   float scales[kLanes];
   for (int64_t off = 0; off < Bs; off += kLanes)
     for (int64_t dd = 0; dd < D; ++dd) {
@@ -227,6 +263,10 @@ STEADY_INLINE void k_block_floats(const uint8_t* kh, int64_t D, int64_t Bs, floa
 // reads it.
 template <int F>
 STEADY_INLINE void v_block_floats(const uint8_t* vh, int64_t D, int64_t Bs, float* out) {
+  if constexpr (F == steady_kv::kF16) {  // (Bs, D) halves in a row
+    halves_fn()(reinterpret_cast<const uint16_t*>(vh), out, D * Bs);
+    return;
+  }
   for (int64_t row = 0; row < Bs; ++row)
     for (int64_t d0 = 0; d0 < D; d0 += kLanes) v_row<F, kLanes>(vh, row, d0, D, out + row * D + d0);
 }

@@ -40,7 +40,7 @@
 // the tile size is a speed knob, not part of the numerics.
 
 #include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
+#include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -342,7 +342,9 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
         for (int64_t t = t0; t < t1; ++t) max_pos = std::max(max_pos, P.pos[t]);
         const int64_t stride = max_pos + 2 * kLanes;  // room for each token's chunk-aligned span [c0, p]
         scratch.resize(static_cast<size_t>((t1 - t0) * group * stride));
-        if (t1 - t0 == 1) {
+        // A lone token takes the untiled loop, except from an f16 cache: the tile converts each block once with
+        // F16C (halves_fn), where attend_one converts row by row on 16 lanes (the same floats either way).
+        if (t1 - t0 == 1 && fmt != steady_kv::kF16) {
           kern.one(P, t0, g, scratch.data(), stride);
           continue;
         }
@@ -353,6 +355,16 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
       }
     }
   });
+}
+
+// The f16 cache's block conversion on its own (tests: every build gives every half's float): h float16, any shape.
+at::Tensor kv_halves_to_floats(const at::Tensor& h, int64_t isa) {
+  TORCH_CHECK(h.scalar_type() == at::kHalf && h.is_contiguous(), "kv_halves_to_floats: a contiguous float16 tensor");
+  TORCH_CHECK(isa <= 0 || (__builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c")),
+              "kv_halves_to_floats: this CPU has no F16C");
+  at::Tensor out = at::empty(h.sizes(), h.options().dtype(at::kFloat));
+  halves_fn(isa)(static_cast<const uint16_t*>(h.data_ptr()), out.data_ptr<float>(), h.numel());
+  return out;
 }
 
 // x = tanh(x / cap) * cap in place (Gemma 2's final-logit soft-capping), with softcap16: the same
@@ -385,6 +397,8 @@ TORCH_LIBRARY(steadyserve, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_of, "
         "Tensor positions, Tensor(a!) out, float scale, int window, float softcap=0.0) -> ()");
   m.impl("paged_attention", c10::DispatchKey::CPU, TORCH_FN(paged_attention));
+  m.def("kv_halves_to_floats(Tensor h, int isa=-1) -> Tensor");
+  m.impl("kv_halves_to_floats", c10::DispatchKey::CPU, TORCH_FN(kv_halves_to_floats));
   m.def("softcap_(Tensor(a!) x, float cap) -> ()");
   m.impl("softcap_", c10::DispatchKey::CPU, TORCH_FN(softcap_));
 }
