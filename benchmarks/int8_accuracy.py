@@ -13,6 +13,7 @@ Prints mean and max |Δ logprob| per source, and int8's minus llama.cpp's on the
 mean and its standard error), and writes benchmarks/results/int8_accuracy.json.
 
     .venv/bin/python benchmarks/int8_accuracy.py [--lengths 64,1024,4096] [--llama-cpp /tmp/llama/bin]
+        [--int8-kv auto,f16]
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def reference_logprobs(hf_dir: Path, ids: list[int]) -> torch.Tensor:
     return lp[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
 
 
-def steady_logprobs(path: str, numerics: str, ids: list[int]) -> torch.Tensor:
+def steady_logprobs(path: str, numerics: str, ids: list[int], kv: str = "auto") -> torch.Tensor:
     from steadyserve.config import EngineConfig
     from steadyserve.engine.engine import LLMEngine
     from steadyserve.engine.offline import run_requests
@@ -65,7 +66,8 @@ def steady_logprobs(path: str, numerics: str, ids: list[int]) -> torch.Tensor:
 
     loaded = load_model(path, numerics=numerics, max_model_len=max(len(ids) + 8, 2048))
     engine = LLMEngine(loaded, EngineConfig(kv_cache_memory=2 * 1024**3, threads=torch.get_num_threads(),
-                                            numerics=numerics, max_model_len=max(len(ids) + 8, 2048)))
+                                            numerics=numerics, max_model_len=max(len(ids) + 8, 2048),
+                                            kv_cache_dtype=kv))
     done = run_requests(engine, [Request("s", ids, SamplingParams(max_tokens=0, prompt_logprobs=0))])["s"]
     return torch.tensor(done.prompt_logprob_values, dtype=torch.float32)
 
@@ -114,6 +116,8 @@ def main() -> None:
     p.add_argument("--llama-cpp", type=Path, default=Path(os.environ.get("LLAMA_CPP_BIN", "/tmp/llama/bin")))
     p.add_argument("--generate", type=int, default=32, help="tokens llama-server generates for its comparison")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--int8-kv", default="auto", help="the int8 rows' --kv-cache-dtype values, comma-separated "
+                                                     "(auto: the row named int8; others: int8_kv_<dtype>)")
     p.add_argument("--out", type=Path, default=HERE / "results" / "int8_accuracy.json")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
@@ -131,16 +135,19 @@ def main() -> None:
             ids = all_ids[:n]
             ref = reference_logprobs(hf_dir, ids)
             row = {"model": name, "prompt_tokens": len(ids)}
-            for numerics in ("portable", "int8"):
-                row[numerics] = stats(steady_logprobs(path, numerics, ids), ref)
+            kvs = {kv: "int8" if kv == "auto" else f"int8_kv_{kv}" for kv in a.int8_kv.split(",")}
+            row["portable"] = stats(steady_logprobs(path, "portable", ids), ref)
+            for kv, label in kvs.items():
+                row[label] = stats(steady_logprobs(path, "int8", ids, kv), ref)
             if (a.llama_cpp / "llama-server").exists() and len(ids) <= 1024:
                 gen, lp = llama_generated(a.llama_cpp / "llama-server", path, ids, a.generate)
                 full = ids + gen
                 ref_full = reference_logprobs(hf_dir, full)[-len(gen):]
-                mine = steady_logprobs(path, "int8", full)[-len(gen):]
                 row["llama.cpp"] = stats(torch.tensor(lp), ref_full)
-                row["int8_on_llama_tokens"] = stats(mine, ref_full)
-                row["int8_minus_llama.cpp"] = paired(mine, torch.tensor(lp), ref_full)
+                for kv, label in kvs.items():
+                    mine = steady_logprobs(path, "int8", full, kv)[-len(gen):]
+                    row[f"{label}_on_llama_tokens"] = stats(mine, ref_full)
+                    row[f"{label}_minus_llama.cpp"] = paired(mine, torch.tensor(lp), ref_full)
             print(json.dumps(row), flush=True)
             results.append(row)
     out = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cpu": cpu_model(),

@@ -13,7 +13,7 @@ one stream: every weight byte read once per token; read right before and after i
 end. Ratios against the issue's targets are in the JSON.
 
     .venv/bin/python benchmarks/int8_serving.py --model PATH.gguf [--levels 1,16] [--output-tokens 32]
-        [--kv-cache-memory 1GiB] [--llama-cpp DIR] [--vllm VENV] [--out FILE]
+        [--kv-cache-memory 1GiB] [--kv-cache-dtype auto] [--llama-cpp DIR] [--vllm VENV] [--out FILE]
 """
 
 from __future__ import annotations
@@ -79,6 +79,7 @@ def main() -> int:
     p.add_argument("--long-prompt", type=int, default=1000)
     p.add_argument("--kv-cache-memory", default="1GiB")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--kv-cache-dtype", default="auto", help="steadyserve's rows: --kv-cache-dtype (auto | fp32 | f16 | bf16 | q8_0)")
     p.add_argument("--rows", default="int8,portable,llama-server,llama-server --no-repack")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args()
@@ -87,7 +88,7 @@ def main() -> int:
     out = a.out or HERE / "results" / f"int8_serving_{Path(gguf).stem}.json"
     res: dict = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"), "cpu": cpu_name(),
                  "cpus": os.cpu_count(), "gguf": Path(gguf).name, "gguf_bytes": Path(gguf).stat().st_size,
-                 "threads": a.threads, "output_tokens": a.output_tokens, "kv_cache": a.kv_cache_memory,
+                 "threads": a.threads, "output_tokens": a.output_tokens, "kv_cache": a.kv_cache_memory, "kv_cache_dtype": a.kv_cache_dtype,
                  "command": " ".join([".venv/bin/python benchmarks/int8_serving.py", *sys.argv[1:]]),
                  "servers": {}, "levels": {}, "ttft_long_prompt_s": {}, "peak_rss_mib": {}}
     rows = [r.strip() for r in a.rows.split(",") if r.strip()]
@@ -114,7 +115,7 @@ def main() -> int:
             res["servers"][name] = srv.settings
         else:
             sp = ServerProcess(gguf, "--numerics", name, "--kv-cache-memory", a.kv_cache_memory, "--max-num-seqs", "64",
-                               "--max-queue", "512", threads=a.threads)
+                               "--max-queue", "512", "--kv-cache-dtype", a.kv_cache_dtype, threads=a.threads)
             url, pid, stop = sp.http_url, sp.proc.pid, sp.stop
             res["servers"][name] = {"command": " ".join(sp.argv)}
         try:

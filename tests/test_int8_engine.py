@@ -8,6 +8,7 @@ The fingerprint names the path: its own numerics id, not the portable one's.
 
 from __future__ import annotations
 
+import httpx
 import pytest
 import torch
 from test_engine_invariance import engine_for, expect, greedy, probe_vs_batches, same, score_vs_generate
@@ -17,6 +18,7 @@ from steadyserve.engine.selftest import run_selftest
 from steadyserve.kernels import load
 from steadyserve.models.loader import load_model
 from steadyserve.testing.drift import install_batch_drift
+from steadyserve.testing.server import ServerProcess
 from steadyserve.testing.tiny_gguf import write_tiny_gguf
 
 pytestmark = pytest.mark.skipif(not load().available, reason="native kernels not built")
@@ -59,6 +61,23 @@ def test_the_matrices_run_packed_and_the_fingerprint_names_the_path(int8, sw_q4_
     assert portable.numerics.numerics_id.startswith("p")
     assert portable.numerics.numerics_id != int8.loaded.numerics.numerics_id
     assert "q8a1" in int8.loaded.numerics.facts["kernels"]
+
+
+def test_its_cache_is_f16_by_default_and_the_served_fingerprint_names_it(int8, sw_q4_1):
+    """`--kv-cache-dtype auto` is f16 on this path (the portable path keeps float32), and a real server's
+    fingerprint says so (`kvh1`), so int8 responses from an f16 and a float32 cache are never confused."""
+    assert int8.kv.fmt == "f16"
+    assert engine_for(load_model(sw_q4_1, numerics="portable")).kv.fmt == "fp32"
+    assert engine_for(int8.loaded, kv_cache_dtype="fp32").kv.fmt == "fp32"  # an explicit setting wins
+    fingerprints = {}
+    for args in (("--numerics", "int8"), ("--numerics", "int8", "--kv-cache-dtype", "fp32"), ("--numerics", "portable")):
+        with ServerProcess(sw_q4_1, *args, "--kv-cache-memory", "32MiB", threads=1) as srv:
+            r = httpx.post(srv.http_url + "/v1/completions", json={"prompt": "a b", "max_tokens": 1}, timeout=60)
+            assert r.status_code == 200, r.text
+            fingerprints[args] = r.headers["x-steadyserve-fingerprint"]
+    f16, fp32, portable = fingerprints.values()
+    assert f16.endswith("-kvh1-bi") and "-kv" not in fp32 and "-kv" not in portable, fingerprints
+    assert f16.replace("-kvh1", "") == fp32, fingerprints  # the same path otherwise
 
 
 def test_probe_alone_vs_inside_batches(mode):

@@ -18,7 +18,7 @@ from ..config import Config, EngineConfig
 from ..cpu_budget import CpuBudget, read_cpu_budget
 from ..engine.async_engine import AsyncEngine
 from ..engine.engine import LLMEngine
-from ..engine.kv_cache import bytes_per_block, resolve_kv_dtype
+from ..engine.kv_cache import activations_kv_dtype, bytes_per_block, resolve_kv_dtype
 from ..engine.model_thread import ModelThread
 from ..engine.selftest import SelfTestResult, run_selftest
 from ..kernel_versions import kv_format_id
@@ -44,7 +44,8 @@ class EngineHooks:
 def _fit_memory(loaded: LoadedModel, ec: EngineConfig, limit: MemoryLimit) -> MemoryPlan:
     """Measure the weights and check (or, for auto / a fraction, derive) the KV budget against the limit,
     before the cache is allocated: a budget that cannot fit raises MemoryBudgetError here, not the OOM killer."""
-    per_block = bytes_per_block(loaded.args, ec.block_size, resolve_kv_dtype(ec.kv_cache_dtype, loaded.dtype))
+    per_block = bytes_per_block(loaded.args, ec.block_size, resolve_kv_dtype(
+        ec.kv_cache_dtype, loaded.dtype, loaded.numerics.mode if loaded.numerics else ""))
     plan = plan_memory(limit, loaded.weights_bytes, ec.memory_overhead, ec.kv_cache_memory, per_block,
                        on_host=loaded.device.type == "cpu")
     log.info("memory budget", extra={"fields": {
@@ -134,7 +135,7 @@ def build_state(config: Config, hooks: EngineHooks | None = None) -> ServerState
     fp = Fingerprint(loaded.weights_hash[:12], str(loaded.dtype).removeprefix("torch."), str(loaded.device),
                      ec.batch_invariant and selftest.passed, loaded.model.kernel_id,
                      loaded.numerics.numerics_id if loaded.numerics else "",
-                     kv_format_id(engine.kv.fmt, resolve_kv_dtype("auto", loaded.dtype)))
+                     kv_format_id(engine.kv.fmt, activations_kv_dtype(loaded.dtype)))
     log.info("model fingerprint", extra={"fields": {"fingerprint": str(fp)}})
     async_engine = AsyncEngine(engine, ec.max_queue, model_thread)
     metrics = Metrics(loaded.name, str(fp), fp.device, fp.dtype, fp.batch_invariant)

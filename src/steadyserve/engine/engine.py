@@ -67,7 +67,7 @@ class LLMEngine:
         if loaded.model.kernel_id == NATIVE_KERNEL_ID and cfg.block_size % 16:
             raise ConfigError("--block-size must be a multiple of 16 for the native attention kernel "
                               "(or use --attention python)")
-        kv_fmt = resolve_kv_dtype(cfg.kv_cache_dtype, loaded.dtype)
+        kv_fmt = resolve_kv_dtype(cfg.kv_cache_dtype, loaded.dtype, loaded.numerics.mode if loaded.numerics else "")
         check_kv_dtype(kv_fmt, loaded.args, loaded.model.kernel_id == NATIVE_KERNEL_ID)
         self.kv = allocate_kv_cache(loaded.args, cfg.kv_cache_memory, cfg.block_size, kv_fmt, loaded.device)
         # The prefix cache's hashes start from what determines a block's contents besides its tokens.

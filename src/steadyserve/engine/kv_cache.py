@@ -44,9 +44,21 @@ class KVCache:
         return self.k.numel() * self.k.element_size() * 2
 
 
-def resolve_kv_dtype(setting: str, activations: torch.dtype) -> str:
-    """The storage format of --kv-cache-dtype `setting`: auto is the activations' dtype (float32 on the CPU)."""
-    return _OF_ACTIVATIONS[activations] if setting == "auto" else setting
+def resolve_kv_dtype(setting: str, activations: torch.dtype, numerics: str = "") -> str:
+    """The storage format of --kv-cache-dtype `setting` on numerics path `numerics` (numerics.py's mode).
+
+    auto is f16 on the int8 path: decode attention is bound by the bytes of the cache it reads, f16 halves them,
+    and the path's error against float32 stays at most llama.cpp's (whose default cache is f16 too; measured in
+    benchmarks/RESULTS.md). Elsewhere auto is the activations' dtype (float32 on the CPU): the portable path's
+    exact-parity scoring keeps its float32 cache."""
+    if setting != "auto":
+        return setting
+    return "f16" if numerics == "int8" else _OF_ACTIVATIONS[activations]
+
+
+def activations_kv_dtype(activations: torch.dtype) -> str:
+    """The format that stores the activations' own values: the fingerprint names every other (kv_format_id)."""
+    return _OF_ACTIVATIONS[activations]
 
 
 def check_kv_dtype(fmt: str, args: ModelArgs, native_attention: bool) -> None:

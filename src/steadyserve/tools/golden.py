@@ -40,6 +40,8 @@ def compute(threads: int, numerics_mode: str = "portable") -> dict[str, Any]:
     import torch
 
     from ..config import EngineConfig
+    from ..engine.kv_cache import activations_kv_dtype
+    from ..kernel_versions import kv_format_id
     from ..engine.engine import LLMEngine
     from ..engine.offline import run_requests
     from ..engine.selftest import run_selftest
@@ -69,7 +71,8 @@ def compute(threads: int, numerics_mode: str = "portable") -> dict[str, Any]:
                       "prompt_logprobs": [f32hex(v) for v in score.prompt_logprob_values],
                       "generated_token_ids": gen.token_ids, "logprobs": [f32hex(v) for v in gen.logprob_values]})
     p = platform_info()
-    return {"numerics_id": numerics.numerics_id, "weights": loaded.weights_hash[:12],
+    kv = kv_format_id(engine.kv.fmt, activations_kv_dtype(loaded.dtype))  # the fingerprint's KV part: "" = float32
+    return {"numerics_id": numerics.numerics_id, "weights": loaded.weights_hash[:12], "kv": kv,
             "made_on": {"cpu_model": p.cpu_model, "cpu_flags": list(p.cpu_flags), "host_isa_of_torch": p.isa,
                         "native_build": float_build(),
                         "int8_build": int8_build(),
@@ -79,9 +82,9 @@ def compute(threads: int, numerics_mode: str = "portable") -> dict[str, Any]:
 
 def first_difference(golden: dict[str, Any], got: dict[str, Any]) -> str | None:
     """None when bitwise equal; else a sentence naming the first differing value and both machines."""
-    for key in ("numerics_id", "weights"):
-        if golden[key] != got[key]:
-            return f"{key} differs: golden {golden[key]}, here {got[key]} (compare like with like)"
+    for key in ("numerics_id", "weights", "kv"):
+        if golden.get(key, "") != got[key]:
+            return f"{key} differs: golden {golden.get(key, '')!r}, here {got[key]!r} (compare like with like)"
     for g, h in zip(golden["cases"], got["cases"]):
         for field in ("prompt_token_ids", "prompt_logprobs", "generated_token_ids", "logprobs"):
             for j, (a, b) in enumerate(zip(g[field], h[field])):
