@@ -17,6 +17,8 @@ from steadyserve.engine.offline import run_requests
 from steadyserve.engine.selftest import run_selftest
 from steadyserve.kernels import load
 from steadyserve.models.loader import load_model
+from steadyserve.receipts.format import parse
+from steadyserve.receipts.replay import VERIFIED, verify
 from steadyserve.testing.drift import install_batch_drift
 from steadyserve.testing.server import ServerProcess
 from steadyserve.testing.tiny_gguf import write_tiny_gguf
@@ -78,6 +80,21 @@ def test_its_cache_is_f16_by_default_and_the_served_fingerprint_names_it(int8, s
     f16, fp32, portable = fingerprints.values()
     assert f16.endswith("-kvh1-bi") and "-kv" not in fp32 and "-kv" not in portable, fingerprints
     assert f16.replace("-kvh1", "") == fp32, fingerprints  # the same path otherwise
+
+
+def test_receipts_replay_on_the_cache_format_they_were_made_with(sw_q4_1):
+    """`verify` rebuilds the cache a receipt's fingerprint names, not the path's default: int8 receipts of an f16
+    (default) and a float32 cache, and portable ones of a bf16 cache, all verify bitwise in one call."""
+    receipts = []
+    for args in (("--numerics", "int8"), ("--numerics", "int8", "--kv-cache-dtype", "fp32"),
+                 ("--numerics", "portable", "--kv-cache-dtype", "bf16")):
+        with ServerProcess(sw_q4_1, *args, "--kv-cache-memory", "32MiB", threads=1) as srv:
+            body = {"prompt": "one two three", "max_tokens": 6, "temperature": 0, "logprobs": 1, "receipt": True}
+            r = httpx.post(srv.http_url + "/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            receipts.append((" ".join(args), parse(r.json()["choices"][0]["receipt"])))
+    verdicts = verify(receipts, model=sw_q4_1, threads=1)
+    assert [v.status for v in verdicts] == [VERIFIED] * 3, [(v.source, v.detail) for v in verdicts]
 
 
 def test_probe_alone_vs_inside_batches(mode):

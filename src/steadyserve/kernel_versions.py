@@ -40,3 +40,10 @@ def kernels_of(path: str) -> str:
 def kv_format_id(fmt: str, activations_fmt: str) -> str:
     """The fingerprint's name for a KV storage format; "" where the cache stores the activations' own dtype."""
     return "" if fmt == activations_fmt else KV_FORMATS[fmt]
+
+
+def kv_format_named(fingerprint: str) -> str:
+    """The KV storage format a fingerprint names ("f16", "bf16", "q8_0", "fp32"), or "" where it names none:
+    then the cache stored the activations' own dtype."""
+    by_id = {v: k for k, v in KV_FORMATS.items()}
+    return next((by_id[part] for part in fingerprint.split("-") if part in by_id), "")

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from ..kernel_versions import kv_format_named
 from .format import Receipt, f32_bytes, f32_hex, f32_values, logprob_values
 
 VERIFIED, MISMATCH, NOT_REPRODUCIBLE, INVALID = "verified", "mismatch", "not reproducible here", "invalid"
@@ -136,6 +137,7 @@ def load_group(model_path: str, r: Receipt, threads: int) -> Loaded:
 
     from ..config import EngineConfig
     from ..engine.engine import LLMEngine
+    from ..engine.kv_cache import activations_kv_dtype
     from ..engine.selftest import run_selftest
     from ..models.loader import LoadError, load_model
     from ..numerics import NumericsError
@@ -149,9 +151,12 @@ def load_group(model_path: str, r: Receipt, threads: int) -> Loaded:
         return Loaded(why_not=f"cannot load {model_path or 'the default model'} on numerics "
                       f"{ident.numerics_mode}: {e}")
     num = loaded.numerics
+    # The cache the receipt's server stored (its fingerprint names any format but the activations' own), not this
+    # build's default for the path: a receipt keeps the format it was made with.
+    kv = kv_format_named(ident.fingerprint) or activations_kv_dtype(loaded.dtype)
     engine = LLMEngine(loaded, EngineConfig(kv_cache_memory=512 * 1024**2, threads=threads,
                                             numerics=ident.numerics_mode, attention=attention,
-                                            adaptive_threads=False))
+                                            adaptive_threads=False, kv_cache_dtype=kv))
     selftest = run_selftest(engine)
     if not selftest.passed:
         return Loaded(why_not=f"the batch-invariance self-test failed on this machine: {selftest.detail}")
@@ -258,7 +263,7 @@ def verify(receipts: list[tuple[str, Receipt]], model: str = "", threads: int = 
 
     threads = threads or read_cpu_budget(0).threads
     verdicts: list[Verdict | None] = [None] * len(receipts)
-    groups: dict[tuple[str, str, str, str, str], list[int]] = {}
+    groups: dict[tuple[str, str, str, str, str, str], list[int]] = {}
     hashes: dict[str, str] = {}
     for i, (src, r) in enumerate(receipts):
         why = host_reason(r, numerics_for)
@@ -267,8 +272,10 @@ def verify(receipts: list[tuple[str, Receipt]], model: str = "", threads: int = 
             continue
         path = model_for(r, model, hashes)
         ident = r.identity
-        groups.setdefault((path, ident.numerics_mode, ident.dtype, ident.attention, ident.weights_sha256), []).append(i)
-    for (path, mode, _, _, _), members in groups.items():
+        key = (path, ident.numerics_mode, ident.dtype, ident.attention, ident.weights_sha256,
+               kv_format_named(ident.fingerprint))  # one engine per KV format too
+        groups.setdefault(key, []).append(i)
+    for (path, mode, *_), members in groups.items():
         log(f"loading {path or 'the default model'} on numerics {mode} for {len(members)} receipt(s)")
         loaded = load_group(path, receipts[members[0]][1], threads)
         runnable = []
