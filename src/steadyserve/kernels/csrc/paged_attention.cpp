@@ -77,6 +77,13 @@ struct Problem {
   float softcap;  // 0: none
 };
 
+// The next block's region of one kv head, requested into L2 while this block is read: a block region is its own
+// page or two (4-8 KiB) wherever the block table put it, and the hardware prefetchers stop at page boundaries.
+// A prefetch changes no value.
+inline void prefetch_region(const uint8_t* p, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 2);
+}
+
 // One (token, kv head): all G query heads of that kv head share each K and V load.
 // `scores` holds G rows of `stride` floats; row r, index i is key c0 + i, where c0
 // is `first` rounded down to a multiple of 16, so lanes sit at fixed absolute positions.
@@ -93,9 +100,13 @@ void attend_one(const Problem& P, int64_t t, int64_t g, float* scores, int64_t s
   const float* qg = P.q + (t * P.h + g * G) * D;  // (G, D)
 
   // 1. Scores (a pass never straddles a block: Bs % 16 == 0).
-  for (int64_t c = c0, blk = c0 / Bs, off = c0 % Bs; c <= p;) {
+  for (int64_t c = c0, blk = c0 / Bs, off = c0 % Bs, fetched = -1; c <= p;) {
     if (off == Bs) off = 0, ++blk;
     const uint8_t* kh = P.k + (table[blk] * P.hkv + g) * P.head_bytes;  // (D, Bs) of this block and kv head
+    if (blk != fetched && (blk + 1) * Bs <= p) {  // once per block: the next one's region
+      prefetch_region(P.k + (table[blk + 1] * P.hkv + g) * P.head_bytes, P.head_bytes);
+      fetched = blk;
+    }
     if (W && off + 2 * kLanes <= Bs && c + kLanes <= p) {
       score_keys<F, G, 2 * kLanes>(qg, kh, off, D, Bs, c, first, p, P.scale, P.softcap, scores + (c - c0), stride);
       c += 2 * kLanes, off += 2 * kLanes;
@@ -114,6 +125,7 @@ void attend_one(const Problem& P, int64_t t, int64_t g, float* scores, int64_t s
     float buf[NV];
     for (int64_t b = first / Bs; b * Bs <= p; ++b) {
       const uint8_t* vh = P.v + (table[b] * P.hkv + g) * P.head_bytes;  // (Bs, D) of this block and kv head
+      if ((b + 1) * Bs <= p) prefetch_region(P.v + (table[b + 1] * P.hkv + g) * P.head_bytes, P.head_bytes);
       const int64_t k0 = b * Bs > first ? b * Bs : first, k1 = b * Bs + Bs - 1 < p ? b * Bs + Bs - 1 : p;
       for (int64_t key = k0; key <= k1; ++key) {
         const float* vr = v_row<F, NV>(vh, key - b * Bs, d0, D, buf);
@@ -155,6 +167,7 @@ void attend_tile(const Problem& P, int64_t t0, int64_t t1, int64_t g, float* sco
   // 1. Scores, block by block (a pass never straddles a block: Bs % 16 == 0, c0 % 16 == 0).
   for (int64_t b = lo / Bs; b <= hi / Bs; ++b) {
     const uint8_t* kh = P.k + (table[b] * P.hkv + g) * P.head_bytes;  // (D, Bs) of this block and kv head
+    if (b < hi / Bs) prefetch_region(P.k + (table[b + 1] * P.hkv + g) * P.head_bytes, P.head_bytes);
     if constexpr (F != steady_kv::kF32) {
       k_block_floats<F>(kh, D, Bs, kf);
       kh = reinterpret_cast<const uint8_t*>(kf);
@@ -185,6 +198,7 @@ void attend_tile(const Problem& P, int64_t t0, int64_t t1, int64_t g, float* sco
   std::fill(acc, acc + M * G * D, 0.0f);
   for (int64_t b = lo / Bs; b <= hi / Bs; ++b) {  // c0[i] and first[i] lie in one block
     const uint8_t* vh = P.v + (table[b] * P.hkv + g) * P.head_bytes;  // (Bs, D) of this block and kv head
+    if (b < hi / Bs) prefetch_region(P.v + (table[b + 1] * P.hkv + g) * P.head_bytes, P.head_bytes);
     if constexpr (F != steady_kv::kF32) {
       v_block_floats<F>(vh, D, Bs, vf);
       vh = reinterpret_cast<const uint8_t*>(vf);
