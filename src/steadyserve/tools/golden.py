@@ -40,11 +40,11 @@ def compute(threads: int, numerics_mode: str = "portable") -> dict[str, Any]:
     import torch
 
     from ..config import EngineConfig
-    from ..engine.kv_cache import activations_kv_dtype
-    from ..kernel_versions import kv_format_id
     from ..engine.engine import LLMEngine
+    from ..engine.kv_cache import activations_kv_dtype
     from ..engine.offline import run_requests
     from ..engine.selftest import run_selftest
+    from ..kernel_versions import kv_format_id
     from ..engine.sequence import Request, SamplingParams
     from ..kernels.build import float_build, int8_build
     from ..models.loader import load_model

@@ -125,7 +125,8 @@ void attend_one(const Problem& P, int64_t t, int64_t g, float* scores, int64_t s
     float buf[NV];
     for (int64_t b = first / Bs; b * Bs <= p; ++b) {
       const uint8_t* vh = P.v + (table[b] * P.hkv + g) * P.head_bytes;  // (Bs, D) of this block and kv head
-      if ((b + 1) * Bs <= p) prefetch_region(P.v + (table[b + 1] * P.hkv + g) * P.head_bytes, P.head_bytes);
+      if (d0 == 0 && (b + 1) * Bs <= p)  // the first pass over the blocks; later passes find them in cache
+        prefetch_region(P.v + (table[b + 1] * P.hkv + g) * P.head_bytes, P.head_bytes);
       const int64_t k0 = b * Bs > first ? b * Bs : first, k1 = b * Bs + Bs - 1 < p ? b * Bs + Bs - 1 : p;
       for (int64_t key = k0; key <= k1; ++key) {
         const float* vr = v_row<F, NV>(vh, key - b * Bs, d0, D, buf);
@@ -233,15 +234,26 @@ using AttendFn = void (*)(const Problem&, int64_t, int64_t, float*, int64_t);
 using TileFn = void (*)(const Problem&, int64_t, int64_t, int64_t, float*, int64_t, float*, float*, float*);
 
 struct Kernels {
-  AttendFn one;  // one token (attend_one)
-  TileFn tile;   // a tile of 2 to kTile tokens of one sequence (attend_tile)
+  AttendFn one;  // one token (attend_one); null where a lone token takes the tile path too
+  TileFn tile;   // a tile of 2 to kTile tokens of one sequence (attend_tile), or 1 where `one` is null
 };
+
+// A lone token from an f16 cache takes the tile path: it converts each block once with F16C (halves_fn), where
+// attend_one converts row by row on 16 lanes (the same floats either way).
+template <int F, int G, bool W>
+constexpr AttendFn one_for() {
+  if constexpr (F == steady_kv::kF16) {
+    return nullptr;
+  } else {
+    return attend_one<F, G, W>;
+  }
+}
 
 // STEADY_TEST_GROUP (tests/test_attention_kernel.py's single-width builds only): instantiate that one group
 // size, so each build compiles 16 kernels instead of 128 (minutes of one core on the test machine).
 template <int F, bool W>
 Kernels attend_for(int64_t group) {
-#define STEADY_KERNELS(G) Kernels{attend_one<F, G, W>, attend_tile<F, G, W>}
+#define STEADY_KERNELS(G) Kernels{one_for<F, G, W>(), attend_tile<F, G, W>}
 #ifdef STEADY_TEST_GROUP
   return group == STEADY_TEST_GROUP ? STEADY_KERNELS(STEADY_TEST_GROUP) : Kernels{nullptr, nullptr};
 #else
@@ -313,7 +325,7 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   TORCH_CHECK(k_cache.size(2) == stored_d && v_cache.size(2) == P.bs && v_cache.size(3) == stored_d &&
                   v_cache.size(0) == k_cache.size(0) && v_cache.size(1) == P.hkv,
               "paged_attention: cache shapes do not match q");
-  TORCH_CHECK(P.h % P.hkv == 0 && attend_for_shape(fmt, P.h / P.hkv, 16, 16).one != nullptr,
+  TORCH_CHECK(P.h % P.hkv == 0 && attend_for_shape(fmt, P.h / P.hkv, 16, 16).tile != nullptr,
               "paged_attention: 1 to 8 query heads per kv head");
   TORCH_CHECK(P.bs % kLanes == 0 && P.d % kLanes == 0, "paged_attention: block size and head dim must be multiples of 16");
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.sizes() == q.sizes(),
@@ -356,9 +368,7 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
         for (int64_t t = t0; t < t1; ++t) max_pos = std::max(max_pos, P.pos[t]);
         const int64_t stride = max_pos + 2 * kLanes;  // room for each token's chunk-aligned span [c0, p]
         scratch.resize(static_cast<size_t>((t1 - t0) * group * stride));
-        // A lone token takes the untiled loop, except from an f16 cache: the tile converts each block once with
-        // F16C (halves_fn), where attend_one converts row by row on 16 lanes (the same floats either way).
-        if (t1 - t0 == 1 && fmt != steady_kv::kF16) {
+        if (t1 - t0 == 1 && kern.one != nullptr) {  // a lone token: the untiled loop (see one_for)
           kern.one(P, t0, g, scratch.data(), stride);
           continue;
         }
