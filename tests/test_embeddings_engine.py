@@ -131,7 +131,7 @@ def st_reference(model_dir: str, ps: list[list[int]], mode: str) -> list[torch.T
 def test_parity_with_transformers(arch: str, mode: str, qwen3_dir: str, tiny_model: str):
     path = qwen3_dir if arch == "qwen3" else tiny_model
     ps = prompts(1, [1, 5, 33, 70, 130])  # 70 and 130 span several chunks of 32 and several KV blocks
-    ours = embed(engine(load_model(path, pooling=mode), budget=32), ps)
+    ours = embed(engine(load_model(path, pooling=mode, numerics="portable"), budget=32), ps)  # float32 parity
     ref = st_reference(path, ps, mode)
     worst = max((torch.tensor(v) - r).abs().max().item() for v, r in zip(ours, ref))
     print(f"\n{arch} {mode}: max |ours - transformers| = {worst:.2e}")
@@ -203,7 +203,7 @@ def test_preempted_embeddings_give_the_same_bits(tiny_model: str, mode: str):
     loaded = load_model(tiny_model, pooling=mode)
     ps = prompts(7, [300, 280, 310])  # 10 blocks each, of the 12
     alone = [embed(engine(loaded), [p])[0] for p in ps]
-    per_block = bytes_per_block(loaded.args, 32, "fp32")  # the default cache: float32 on the CPU
+    per_block = bytes_per_block(loaded.args, 32, engine(loaded).kv.fmt)  # the default path's cache format
     small = LLMEngine(loaded, EngineConfig(kv_cache_memory=per_block * 12, threads=1, max_num_batched_tokens=64,
                                            prefix_caching=False))
     gen = [Request(f"g{i}", p, SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))

@@ -12,6 +12,7 @@ import torch
 from steadyserve.config import EngineConfig
 from steadyserve.engine.async_engine import SECOND_MODEL_THREAD, AsyncEngine
 from steadyserve.engine.engine import LLMEngine
+from steadyserve.engine.kv_cache import STORAGE, resolve_kv_dtype
 from steadyserve.limits import Refused
 from steadyserve.engine.model_thread import ModelThread
 from steadyserve.engine.offline import Completed, run_requests
@@ -65,7 +66,8 @@ def test_too_long_for_the_context_is_refused_at_once(loaded):
 
 
 def test_larger_than_the_whole_cache_is_refused_at_once(loaded):
-    per_block = 2 * loaded.args.num_layers * loaded.args.num_kv_heads * loaded.args.head_dim * 32 * 4
+    fmt = resolve_kv_dtype("auto", torch.float32, loaded.numerics.mode)  # the cache format the engine picks
+    per_block = 2 * loaded.args.num_layers * loaded.args.num_kv_heads * loaded.args.head_dim * 32 * STORAGE[fmt].itemsize
     engine = make_engine(loaded, kv_cache_memory=3 * per_block)
     assert engine.kv.num_blocks == 3
     with pytest.raises(Refused) as e:

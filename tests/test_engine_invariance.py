@@ -17,15 +17,18 @@ import os
 import random
 
 import pytest
+import torch
 
 from invariance_util import report_plain_search
 from steadyserve.config import EngineConfig
 from steadyserve.engine.engine import LLMEngine
+from steadyserve.engine.kv_cache import STORAGE, bytes_per_block, resolve_kv_dtype
 from steadyserve.engine.offline import Completed, run_requests
 from steadyserve.engine.selftest import run_selftest
 from steadyserve.engine.sequence import Request, SamplingParams
 from steadyserve.engine.structured import json_schema_grammar
 from steadyserve.models.loader import load_model
+from steadyserve.numerics import DEFAULT_NATIVE_PATH
 from steadyserve.testing.drift import install_batch_drift
 
 THREADS = int(os.environ.get("STEADYSERVE_TEST_THREADS", "1"))
@@ -264,7 +267,7 @@ def preemption_case(engine, name: str, seed: int = 21) -> dict[str, float]:
         max_tokens=24, temperature=0.9, top_p=0.95, seed=99, logprobs=0, ignore_eos=True)))
     ref = {r.request_id: run_requests(engine, [r])[r.request_id] for r in reqs}
     # 10 blocks of 32 tokens for 9 sequences of up to 64 tokens: they must take turns.
-    small = engine_for(engine.loaded, kv_cache_memory=10 * 2 * 2 * 3 * 64 * 32 * 4)
+    small = engine_for(engine.loaded, kv_cache_memory=10 * bytes_per_block(engine.loaded.args, 32, engine.kv.fmt))
     if name == "broken":
         install_batch_drift(small)
     assert small.kv.num_blocks == 10
@@ -374,7 +377,11 @@ def test_speculation_keeps_the_probe_and_generation_invariant(mode, speculating)
     expect(name, diffs)
 
 
-@pytest.fixture(scope="module", params=["f16", "bf16", "q8_0"])
+# The formats other than the default path's own cache (f16 on the int8 path, which `bi` runs and stores).
+OTHER_KV_FORMATS = [f for f in STORAGE if f != resolve_kv_dtype("auto", torch.float32, DEFAULT_NATIVE_PATH)]
+
+
+@pytest.fixture(scope="module", params=OTHER_KV_FORMATS)
 def kv_engine(request, bi):
     """The invariant engine's model with its KV cache stored in another format (--kv-cache-dtype), drafting
     in batches too (as `speculating`)."""

@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from http_util import FP_HEADER, five_xx, parse_stream, post_request, raw_http, status_counts, stream_completion
+from steadyserve.kernel_versions import KV_FORMATS
 from steadyserve.testing.server import ServerProcess
 
 MAX_REQUEST_BYTES = 65536
@@ -44,9 +45,10 @@ def http(srv) -> httpx.Client:
 @pytest.fixture(scope="module")
 def fingerprint(http) -> str:
     fp = http.get("/readyz").json()["system_fingerprint"]
-    h, dtype, device, numerics, kernel, bi = fp.split("-")
+    h, dtype, device, numerics, kernel, *kv, bi = fp.split("-")  # kv: the cache format where it is not float32
     assert len(h) == 12 and dtype == "float32" and device == "cpu" and kernel in ("nat1", "py") and bi in ("bi", "nbi")
-    assert numerics[0] in "hp" and len(numerics) == 7  # the numerics path (steadyserve/numerics.py)
+    assert numerics[0] in "hpi" and len(numerics) == 7  # the numerics path (steadyserve/numerics.py)
+    assert len(kv) <= 1 and set(kv) <= set(KV_FORMATS.values()), fp
     return fp
 
 

@@ -16,6 +16,7 @@ from steadyserve.engine.engine import LLMEngine
 from steadyserve.engine.selftest import run_selftest
 from steadyserve.models import load_model
 from steadyserve.models.loader import LoadError
+from steadyserve.numerics import DEFAULT_NATIVE_PATH
 from steadyserve.testing.server import start_servers
 
 
@@ -37,7 +38,9 @@ def test_kernels_agree_within_tolerance_and_each_repeats_its_bits(tiny_model: st
 
     outs = {}
     for attention in ("auto", "python"):
-        engine = LLMEngine(load_model(tiny_model, attention=attention), EngineConfig(kv_cache_memory=8 * 1024**2))
+        # float32 activations on both sides (the native kernel on the portable path; Python attention runs host)
+        loaded = load_model(tiny_model, attention=attention, numerics="portable" if attention == "auto" else "auto")
+        engine = LLMEngine(loaded, EngineConfig(kv_cache_memory=8 * 1024**2))
         runs = [run_requests(engine, [Request(f"r{i}", list(range(3, 60)), SamplingParams(
             max_tokens=0, prompt_logprobs=0))])[f"r{i}"].prompt_logprob_values for i in range(2)]
         assert runs[0] == runs[1], attention
@@ -69,9 +72,10 @@ def test_served_fingerprint_names_the_kernel(tiny_model: str) -> None:
         for attention, s in zip(kinds, servers):
             with urllib.request.urlopen(s.http_url + "/readyz", timeout=10) as r:
                 fps[attention] = json.load(r)["system_fingerprint"]
-    assert fps["auto"].endswith("-nat1-bi") and fps["python"].endswith("-py-bi"), fps
     auto, python = fps["auto"].split("-"), fps["python"].split("-")
-    assert auto[3].startswith("p") and python[3].startswith("h")  # Python attention runs the host path
+    assert auto[4] == "nat1" and python[4] == "py" and auto[-1] == python[-1] == "bi", fps
+    # the default native path's id (i: int8, p: portable); Python attention runs the host path
+    assert auto[3][0] == DEFAULT_NATIVE_PATH[0] and python[3].startswith("h"), fps
     assert auto[:3] == python[:3]
 
 

@@ -231,7 +231,7 @@ def test_a_server_admits_and_reports_the_tokens_its_format_holds(tiny_model: str
 
     budget = 64 * 1024
     prompt = [(7 * i) % 300 + 3 for i in range(200)]
-    fp32 = LLMEngine(load_model(tiny_model), EngineConfig(kv_cache_memory=budget, threads=1))
+    fp32 = LLMEngine(load_model(tiny_model), EngineConfig(kv_cache_memory=budget, threads=1, kv_cache_dtype="fp32"))
     with pytest.raises(Refused, match="exceeds the KV cache of 128 tokens"):
         fp32.check(Request("r", prompt, SamplingParams(max_tokens=20)))
     with ServerProcess(tiny_model, "--kv-cache-dtype", "bf16", "--kv-cache-memory", "64KiB") as s:

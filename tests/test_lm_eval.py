@@ -5,7 +5,9 @@ sends batched token-id prompts with echo, logprobs and max_tokens), rolling perp
 than one window (loglikelihood_rolling) and greedy generation through `local-chat-completions`
 (generate_until, with the chat template). The scores must equal those of `--model hf`: accuracies and
 generated strings exactly, each choice's log-likelihood and bits per byte to 4 decimals, a whole document's
-log-likelihood (hundreds of float32 terms, which hf sums in float32) and perplexities to a relative 1e-6 / 1e-5.
+log-likelihood (hundreds of float32 terms, which hf sums in float32) and perplexities to a relative 1e-6 / 1e-5,
+on a server with `--numerics portable` (exact-parity scoring). A second server on the default flags (int8
+activations) must score within the harness's stderr of it.
 
 Window sizes: lm-eval's API models reserve one token of `max_length` for generation and another for the
 rolling context (their rolling windows are max_length - 2 tokens), where `hf` uses max_length; so the API
@@ -14,6 +16,7 @@ side gets max_length 514 for hf's 512, making both send identical windows.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import random
@@ -65,25 +68,37 @@ def runs(models_dir: Path, tmp_path_factory) -> dict:
                                        batch_size=batch_size, **kw)
 
     out: dict = {"model": str(model)}
-    # The server starts in a thread while transformers runs the same tasks in this one (the runs are independent).
-    pool = ThreadPoolExecutor(1)
-    starting = pool.submit(ServerProcess, str(model), "--grpc-port", "-1", "--served-model-name", "tiny")
+    # The servers start in threads while transformers runs the same tasks in this one (the runs are independent):
+    # the float32-activation path (--numerics portable, exact-parity scoring) and the default flags (int8).
+    pool = ThreadPoolExecutor(2)
+    starting = [pool.submit(ServerProcess, str(model), "--grpc-port", "-1", "--served-model-name", "tiny", *numerics)
+                for numerics in (("--numerics", "portable"), ())]
     pool.shutdown(wait=False)
     try:
         hf = f"pretrained={model},dtype=float32,device=cpu,max_length=512"
         out["hf"] = evaluate("hf", hf, ["ss_choice", "ss_rolling"])
         out["hf_chat"] = evaluate("hf", hf, ["ss_gen"], apply_chat_template=True)
     except BaseException:
-        if starting.exception() is None:  # waits for the start; a failed start left nothing behind
-            starting.result().__exit__(None, None, None)
+        for f in starting:
+            if f.exception() is None:  # waits for the start; a failed start left nothing behind
+                f.result().__exit__(None, None, None)
         raise
-    with starting.result() as s:
-        api = "model=tiny,num_concurrent=1,max_retries=1,max_length=514"
-        out["ours"] = evaluate("local-completions", f"base_url={s.http_url}/v1/completions,tokenizer={model},"
-                               f"tokenizer_backend=huggingface,tokenized_requests=True,{api}",
-                               ["ss_choice", "ss_rolling"], batch_size=8)  # 8 prompts per request
+    api = "model=tiny,num_concurrent=1,max_retries=1,max_length=514"
+
+    def completions(s: ServerProcess) -> dict:
+        return evaluate("local-completions", f"base_url={s.http_url}/v1/completions,tokenizer={model},"
+                        f"tokenizer_backend=huggingface,tokenized_requests=True,{api}",
+                        ["ss_choice", "ss_rolling"], batch_size=8)  # 8 prompts per request
+
+    with contextlib.ExitStack() as stack:
+        errors = [f.exception() for f in starting]  # waits for both starts; each started one is stopped below
+        s, default = [stack.enter_context(f.result()) if e is None else None for f, e in zip(starting, errors)]
+        if s is None or default is None:
+            raise next(e for e in errors if e is not None)
+        out["ours"] = completions(s)
         out["ours_chat"] = evaluate("local-chat-completions", f"base_url={s.http_url}/v1/chat/completions,"
                                     f"tokenizer_backend=none,{api}", ["ss_gen"], apply_chat_template=True)
+        out["default"] = completions(default)
     return out
 
 
@@ -106,6 +121,20 @@ def test_loglikelihood_rolling_scores_equal_transformers(runs) -> None:
     assert any(len(tok(d["doc"]["text"])["input_ids"]) > 512 for d, _ in docs)  # some span two windows
     for a, b in docs:  # a document's log-likelihood sums hundreds of float32 values: hf sums them in float32
         assert a["resps"][0][0] == pytest.approx(b["resps"][0][0], rel=1e-6, abs=1e-4)
+
+
+def test_the_default_paths_scores_stay_within_the_harness_stderr_of_float32(runs) -> None:
+    """The default numerics (int8 activations) score within lm-eval's own stderr of the float32-activation path,
+    and its bits per byte within 1% of it: its quantization moves no score beyond the harness's resolution."""
+    ours, fp32 = runs["default"]["results"], runs["ours"]["results"]
+    for metric in ("acc,none", "acc_norm,none"):
+        stderr = fp32["ss_choice"][metric.replace(",", "_stderr,")]
+        assert stderr > 0 and abs(ours["ss_choice"][metric] - fp32["ss_choice"][metric]) <= stderr, (metric, ours, fp32)
+    a, b = ours["ss_rolling"]["bits_per_byte,none"], fp32["ss_rolling"]["bits_per_byte,none"]
+    assert math.isclose(a, b, rel_tol=0.01), (a, b)
+    # the two runs really are two paths: a choice's log-likelihood differs somewhere
+    pairs = zip(runs["default"]["samples"]["ss_choice"], runs["ours"]["samples"]["ss_choice"], strict=True)
+    assert any(r[0][0] != q[0][0] for x, y in pairs for r, q in zip(x["resps"], y["resps"]))
 
 
 def test_chat_generation_equals_transformers(runs) -> None:

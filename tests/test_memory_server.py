@@ -23,7 +23,8 @@ import pytest
 
 from steadyserve.client import Client
 from steadyserve.config import EngineConfig
-from steadyserve.memory import AUTO_HEADROOM, SOURCE_CGROUP1, SOURCE_CGROUP2, SOURCE_MEMINFO, human, tensor_bytes
+from steadyserve.engine.kv_cache import STORAGE
+from steadyserve.memory import AUTO_HEADROOM, SOURCE_CGROUP1, SOURCE_CGROUP2, SOURCE_MEMINFO, human
 from steadyserve.models.loader import load_model
 from steadyserve.testing.server import ServerProcess
 
@@ -140,9 +141,11 @@ def test_auto_reports_the_limit_and_gets_the_expected_blocks(auto_server: Server
     assert auto_server.metric("steadyserve_memory_limit_bytes") == LIMIT
     # Blocks from the documented rule, with the weights measured here and the block size from config.json.
     cfg = json.loads((Path(long_model) / "config.json").read_text())
-    per_block = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * 4 \
+    loaded = load_model(long_model)  # the default path, as served
+    fmt = "f16" if loaded.numerics.mode == "int8" else "fp32"  # its cache format (kv_cache.py: auto)
+    per_block = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * STORAGE[fmt].itemsize \
         * EngineConfig().block_size
-    weights = tensor_bytes(load_model(long_model, batch_invariant=False).model)
+    weights = loaded.weights_bytes
     expected = (LIMIT - weights - EngineConfig().memory_overhead - int(LIMIT * AUTO_HEADROOM)) // per_block
     m = re.search(r"kv cache allocated .*?blocks=(\d+)", auto_server.logs())
     assert m and int(m.group(1)) == expected, auto_server.logs()[-3000:]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from steadyserve.kernel_versions import KERNELS, PATH_KERNELS
-from steadyserve.numerics import NumericsError, choose, describe
+from steadyserve.numerics import DEFAULT_NATIVE_PATH, NumericsError, choose, describe
 
 GOLDEN = Path(__file__).parent / "golden" / "portable_smollm2.json"
 GOLDEN_INT8 = Path(__file__).parent / "golden" / "int8_smollm2.json"
@@ -51,9 +51,10 @@ def test_bumping_a_kernel_version_moves_every_numerics_id_that_names_it(family: 
         assert moved == (family in families), (family, path, families)
 
 
-def test_auto_is_portable_where_the_native_kernels_run_and_host_elsewhere():
+def test_auto_is_int8_where_the_native_kernels_run_and_host_elsewhere():
     ok = dict(native_available=True, native_detail="", device_type="cpu", dtype="auto")
-    assert choose("auto", **ok) == "portable" and choose("portable", **ok) == "portable"
+    assert DEFAULT_NATIVE_PATH == "int8"  # decided once for every host (numerics.py)
+    assert choose("auto", **ok) == "int8" and choose("portable", **ok) == "portable"
     assert choose("int8", **ok) == "int8" and choose("host", **ok) == "host"
     for change, words in ((dict(native_available=False, native_detail="no compiler"), "no compiler"),
                           (dict(device_type="cuda"), "cuda"), (dict(dtype="bfloat16"), "bfloat16"),
@@ -81,7 +82,10 @@ def test_the_fingerprint_names_the_numerics_path(tiny_model):
         info[mode] = dict(line.split(None, 1) for line in r.stdout.splitlines() if " " in line)
     host_fp, port_fp = info["host"]["fingerprint"], info["portable"]["fingerprint"]
     assert host_fp.split("-")[3].startswith("h") and port_fp.split("-")[3].startswith("p"), (host_fp, port_fp)
-    assert info["auto"]["fingerprint"] == port_fp  # the default is portable where the kernels are built
+    # the default is int8 where the kernels are built: its own id, and its f16 cache named
+    auto_fp = info["auto"]["fingerprint"].split("-")
+    assert auto_fp[3].startswith("i") and auto_fp[5] == "kvh1" and auto_fp[:3] == port_fp.split("-")[:3], auto_fp
+    assert info["auto"]["numerics"].startswith("int8") and "q8a1" in info["auto"]["numerics"]
     assert info["portable"]["numerics"].startswith("portable") and "qmm1" in info["portable"]["numerics"]
     assert "qmm1" in info["portable"]["self-test"] and "scalar reference" in info["portable"]["self-test"]
     assert host_fp.split("-")[:3] == port_fp.split("-")[:3]  # same weights, dtype, device
@@ -127,7 +131,7 @@ def test_validate_across_a_mixed_fleet_reports_one_vector_per_fingerprint(smolwi
 
     text = "The quick brown fox jumps over the lazy dog, and then the dog"
     started = start_servers(((smolwidth_model, "--max-num-seqs", "16", "--numerics", "host"), {}),
-                            ((smolwidth_model, "--max-num-seqs", "16"), {}))  # side by side
+                            ((smolwidth_model, "--max-num-seqs", "16", "--numerics", "portable"), {}))  # side by side
     with started[0] as host, started[1] as portable:
         vectors, fps = [], []
         for srv in (host, portable):

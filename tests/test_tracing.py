@@ -15,12 +15,15 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import httpx
 import pytest
+import torch
 import websockets
 import websockets.sync.client as ws_client
 
 from steadyserve.api.otel import traces_endpoint
 from steadyserve.client import generate_request, pb, score_request
 from steadyserve.config import ConfigError, ServerConfig
+from steadyserve.engine.kv_cache import STORAGE, resolve_kv_dtype
+from steadyserve.numerics import DEFAULT_NATIVE_PATH
 from steadyserve.testing.server import ServerProcess
 from steadyserve.api.protos.steadyserve.v1 import inference_pb2_grpc as pb_grpc
 
@@ -31,7 +34,8 @@ SERVER_KIND, INTERNAL_KIND = 2, 1  # OTLP Span.SpanKind
 ERROR = 2  # OTLP Status.StatusCode
 EXPORT_TIMEOUT_S = 2  # OTEL_EXPORTER_OTLP_TRACES_TIMEOUT of the traced server
 MAX_QUEUE = 64  # OTEL_BSP_MAX_QUEUE_SIZE of the traced server
-KV_BLOCK_BYTES = 2 * 2 * 2 * 16 * 4 * 32  # the tiny model's K and V: layers x kv heads x head dim x fp32 x 32 tokens
+# The tiny model's K and V: layers x kv heads x head dim x 32 tokens x the bytes of the default path's cache format
+KV_BLOCK_BYTES = 2 * 2 * 2 * 16 * 32 * STORAGE[resolve_kv_dtype("auto", torch.float32, DEFAULT_NATIVE_PATH)].itemsize
 
 
 @pytest.fixture(scope="module")

@@ -160,11 +160,12 @@ class EngineConfig:
                          help="most rows per row-wise kernel call (default: %(default)s)")
     attention: str = flag("auto", name="--attention", choices=ATTENTION_CHOICES,  # auto | native (C++ kernel, else refuse to start) | python
                           help="attention kernel: native C++ when built (auto), required (native), or Python")
-    numerics: str = flag("auto", name="--numerics", choices=NUMERICS_MODES,  # auto (portable where the native kernels run, else host) | portable (same bits on every x86-64 host, native kernels on the stored weights) | int8 (portable, with int8 activations in the matmuls: faster, same promises, quantization error) | host (fp32 weights, MKL and PyTorch for this CPU)
-        help="portable: steadyserve's native kernels on the weights as stored, the same bits on every x86-64 "
-             "host; int8: portable with int8 activations in the matmuls (faster, the same promises, a "
-             "quantization error); host: weights dequantized to float32, MKL and PyTorch kernels for this CPU; "
-             "auto: portable where the native kernels run, else host (default: %(default)s)")
+    numerics: str = flag("auto", name="--numerics", choices=NUMERICS_MODES,  # auto (int8 where the native kernels run, else host) | portable (same bits on every x86-64 host, native kernels on the stored weights, float32 activations: exact-parity scoring) | int8 (portable, with int8 activations in the matmuls: faster, same promises, quantization error) | host (fp32 weights, MKL and PyTorch for this CPU)
+        help="portable: steadyserve's native kernels on the weights as stored, float32 activations, the same "
+             "bits on every x86-64 host (exact-parity scoring); int8: portable with int8 activations in the "
+             "matmuls (faster, the same promises, a measured quantization error); host: weights dequantized to "
+             "float32, MKL and PyTorch kernels for this CPU; auto: int8 where the native kernels run, else host "
+             "(default: %(default)s)")
     prefix_caching: bool = flag(True, name="--prefix-caching", negatable=True,  # reuse cached K/V of shared prompt prefixes
                                 help="reuse the cached K/V of shared prompt prefixes, bitwise-safe (default: on)")
     speculation: str = flag("auto", name="--speculation", choices=SPECULATION_CHOICES,  # auto | off | ngram (ngram: prompt lookup drafts up to 7 tokens per sequence from its prompt and output, verified in one pass, bitwise the output of off, drafted only where the expected tokens pay for the rows; auto: ngram with --batch-invariant and the native kernels, else off)

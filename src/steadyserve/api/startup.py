@@ -18,13 +18,12 @@ from ..config import Config, EngineConfig
 from ..cpu_budget import CpuBudget, read_cpu_budget
 from ..engine.async_engine import AsyncEngine
 from ..engine.engine import LLMEngine
-from ..engine.kv_cache import activations_kv_dtype, bytes_per_block, resolve_kv_dtype
+from ..engine.kv_cache import bytes_per_block, resolve_kv_dtype
 from ..engine.model_thread import ModelThread
 from ..engine.selftest import SelfTestResult, run_selftest
-from ..kernel_versions import kv_format_id
 from ..memory import MemoryLimit, MemoryPlan, plan_memory, read_memory_limit, release_free_memory
 from ..metrics import Metrics
-from ..models.loader import Fingerprint, LoadedModel, load_model
+from ..models.loader import LoadedModel, load_model
 from ..numerics import activate as activate_numerics
 from .state import ServerState
 from .streams import OpenChannels
@@ -132,10 +131,7 @@ def build_state(config: Config, hooks: EngineHooks | None = None) -> ServerState
     except BaseException:
         model_thread.close()
         raise
-    fp = Fingerprint(loaded.weights_hash[:12], str(loaded.dtype).removeprefix("torch."), str(loaded.device),
-                     ec.batch_invariant and selftest.passed, loaded.model.kernel_id,
-                     loaded.numerics.numerics_id if loaded.numerics else "",
-                     kv_format_id(engine.kv.fmt, activations_kv_dtype(loaded.dtype)))
+    fp = engine.fingerprint(ec.batch_invariant and selftest.passed)
     log.info("model fingerprint", extra={"fields": {"fingerprint": str(fp)}})
     async_engine = AsyncEngine(engine, ec.max_queue, model_thread)
     metrics = Metrics(loaded.name, str(fp), fp.device, fp.dtype, fp.batch_invariant)

@@ -21,12 +21,13 @@ import torch
 
 from ..config import ConfigError, EngineConfig
 from ..kernels.build import NATIVE_KERNEL_ID
-from ..models.loader import LoadedModel
+from ..kernel_versions import kv_format_id
+from ..models.loader import Fingerprint, LoadedModel
 from .admission import ModelLimits
 from .batch_sampler import BatchSampler
 from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer, token_text
-from .kv_cache import allocate_kv_cache, check_kv_dtype, resolve_kv_dtype
+from .kv_cache import activations_kv_dtype, allocate_kv_cache, check_kv_dtype, resolve_kv_dtype
 from .model_runner import ModelRunner
 from .output_processor import OutputProcessor
 from .pooler import PoolState
@@ -92,6 +93,15 @@ class LLMEngine:
         self._seq_ids = itertools.count()
 
     # ---- admission -------------------------------------------------------
+    def fingerprint(self, batch_invariant: bool) -> Fingerprint:
+        """What computes this engine's bits, as every response is stamped: the model's weights, dtype, device,
+        numerics path and attention kernel, and the KV cache's format where it is not the activations' own.
+        `batch_invariant`: the promise as the caller confirmed it (the server: the flag and its self-test)."""
+        m = self.loaded
+        return Fingerprint(m.weights_hash[:12], str(m.dtype).removeprefix("torch."), str(m.device), batch_invariant,
+                           m.model.kernel_id, m.numerics.numerics_id if m.numerics else "",
+                           kv_format_id(self.kv.fmt, activations_kv_dtype(m.dtype)))
+
     def check(self, request: Request) -> None:
         """Refuse at once what can never run: every check of ModelLimits.check (engine/admission.py). Raises
         Refused. For offline callers (add_request, receipts' replay); the server's request builders check

@@ -3,9 +3,10 @@ reproduce bitwise (`steadyserve verify docs/conformance/*.json`; tests/test_conf
 
     python -m steadyserve.tools.conformance --write docs/conformance     # regenerate (numerics changed on purpose)
 
-For each packaged model, a few short prompts on the default (portable) numerics path: scoring (prompt
-logprobs with one alternative), greedy generation and seeded sampling, each with logprobs, built by the
-same receipt code the server uses (receipts/format.py). A file records the machine it was made on.
+For each packaged model and each native numerics path (PATHS: int8, the default, in <model>-int8.json, and
+portable in <model>.json), a few short prompts: scoring (prompt logprobs with one alternative), greedy generation
+and seeded sampling, each with logprobs, built by the same receipt code the server uses (receipts/format.py),
+on the path's default KV cache. A file records the machine it was made on.
 """
 
 from __future__ import annotations
@@ -20,6 +21,11 @@ PROMPTS = ["The capital of France is", "def add(a, b):\n    return"]
 CHAT = [{"role": "user", "content": "Name one prime number."}]
 NUM_TOKENS = 6
 MODELS = ("smollm2", "gemma3-270m")  # models/known.py names
+PATHS = {"portable": "", "int8": "-int8"}  # numerics path -> the file name's suffix
+
+
+def file_name(model: str, numerics: str) -> str:
+    return f"{model}{PATHS[numerics]}.json"
 
 
 def cases(tokenizer: Any) -> list[tuple[str, list[int], Any]]:
@@ -40,8 +46,8 @@ def cases(tokenizer: Any) -> list[tuple[str, list[int], Any]]:
     return out
 
 
-def make(name: str, threads: int = 0) -> dict[str, Any]:
-    """The conformance file of packaged model `name`, computed in this process."""
+def make(name: str, threads: int = 0, numerics: str = "portable") -> dict[str, Any]:
+    """The conformance file of packaged model `name` on numerics path `numerics`, computed in this process."""
     import torch
 
     from ..config import EngineConfig
@@ -51,21 +57,20 @@ def make(name: str, threads: int = 0) -> dict[str, Any]:
     from ..engine.selftest import run_selftest
     from ..engine.sequence import Request
     from ..kernels.build import float_build
-    from ..models.loader import Fingerprint, load_model
+    from ..models.loader import load_model
     from ..platform_info import platform_info
     from ..receipts.format import identity_of, make_receipt
 
     threads = threads or read_cpu_budget(0).threads
     torch.set_num_threads(threads)
-    loaded = load_model(name, numerics="portable")
-    engine = LLMEngine(loaded, EngineConfig(kv_cache_memory=64 * 1024**2, threads=threads, numerics="portable",
+    loaded = load_model(name, numerics=numerics)
+    engine = LLMEngine(loaded, EngineConfig(kv_cache_memory=64 * 1024**2, threads=threads, numerics=numerics,
                                             adaptive_threads=False))
     selftest = run_selftest(engine)
     if not selftest.passed:
         raise RuntimeError(f"self-test failed: {selftest.detail}")
     assert loaded.numerics is not None
-    fp = Fingerprint(loaded.weights_hash[:12], str(loaded.dtype).removeprefix("torch."), str(loaded.device),
-                     True, loaded.model.kernel_id, loaded.numerics.numerics_id)
+    fp = engine.fingerprint(True)
     identity = identity_of(loaded, fp)
     todo = cases(loaded.tokenizer)
     done = run_requests(engine, [Request(f"conformance-{name}-{label}", ids, p) for label, ids, p in todo])
@@ -88,13 +93,14 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--write", required=True, metavar="DIR", help="write DIR/<model>.json for each packaged model")
     ap.add_argument("--model", action="append", choices=MODELS, help="only these models (default: all)")
+    ap.add_argument("--numerics", action="append", choices=list(PATHS), help="only these paths (default: all)")
     ap.add_argument("--threads", type=int, default=0)
     a = ap.parse_args(argv)
     out = Path(a.write)
     out.mkdir(parents=True, exist_ok=True)
-    for name in a.model or MODELS:
-        data = make(name, a.threads)
-        path = out / f"{name}.json"
+    for name, numerics in [(m, n) for m in a.model or MODELS for n in a.numerics or PATHS]:
+        data = make(name, a.threads, numerics)
+        path = out / file_name(name, numerics)
         path.write_text(json.dumps(data, indent=1) + "\n")
         print(f"wrote {path}: {len(data['receipts'])} receipts, fingerprint {data['fingerprint']}", file=sys.stderr)
     return 0

@@ -41,10 +41,8 @@ def compute(threads: int, numerics_mode: str = "portable") -> dict[str, Any]:
 
     from ..config import EngineConfig
     from ..engine.engine import LLMEngine
-    from ..engine.kv_cache import activations_kv_dtype
     from ..engine.offline import run_requests
     from ..engine.selftest import run_selftest
-    from ..kernel_versions import kv_format_id
     from ..engine.sequence import Request, SamplingParams
     from ..kernels.build import float_build, int8_build
     from ..models.loader import load_model
@@ -71,7 +69,7 @@ def compute(threads: int, numerics_mode: str = "portable") -> dict[str, Any]:
                       "prompt_logprobs": [f32hex(v) for v in score.prompt_logprob_values],
                       "generated_token_ids": gen.token_ids, "logprobs": [f32hex(v) for v in gen.logprob_values]})
     p = platform_info()
-    kv = kv_format_id(engine.kv.fmt, activations_kv_dtype(loaded.dtype))  # the fingerprint's KV part: "" = float32
+    kv = engine.fingerprint(True).kv  # the fingerprint's KV part: "" where the cache stores float32
     return {"numerics_id": numerics.numerics_id, "weights": loaded.weights_hash[:12], "kv": kv,
             "made_on": {"cpu_model": p.cpu_model, "cpu_flags": list(p.cpu_flags), "host_isa_of_torch": p.isa,
                         "native_build": float_build(),
