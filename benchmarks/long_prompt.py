@@ -3,9 +3,10 @@
 One GGUF, one prompt length, servers started one at a time (each alone on the machine's cores, then stopped):
 - llama.cpp's llama-server: `llama-server -m GGUF -np 1 -c 9000 -t THREADS` (benchmarks/build_llama_cpp.sh
   builds it; --llama-cpp names its bin/ directory);
-- steadyserve with default flags (its KV cache in the activations' float32), then once per --kv-dtypes format
-  (--kv-cache-dtype f16, bf16, q8_0). Every steadyserve server gets --kv-cache-memory 1GiB, so an 8k-token
-  prompt fits in float32 too (the default 256 MiB holds ~6.9k tokens of Gemma 3 270M in float32).
+- steadyserve with default flags (int8 numerics, its f16 KV cache), then once per --kv-dtypes format
+  (--kv-cache-dtype f16, bf16, q8_0) and once per --numerics mode (portable: float32 activations and cache).
+  Every steadyserve server gets --kv-cache-memory 1GiB, so an 8k-token prompt fits in float32 too (the default
+  256 MiB holds ~6.9k tokens of Gemma 3 270M in float32).
 Each server first answers two short requests (warm-up), then --repeat requests of exactly --prompt-tokens random
 token ids (a new draw per request, so neither server's prefix cache can reuse a previous prompt), each asking for
 one greedy token, not streamed: the request's latency is its time to first token (prefill + one token). The
@@ -98,7 +99,7 @@ def main() -> int:
     p.add_argument("--model", default="smollm2", help="smollm2 | gemma3 | 1.7b | a GGUF path")
     p.add_argument("--prompt-tokens", type=int, default=2048)
     p.add_argument("--kv-dtypes", default="f16,bf16,q8_0", help="steadyserve's --kv-cache-dtype runs besides default")
-    p.add_argument("--numerics", default="", help="steadyserve's --numerics modes to run besides default (int8)")
+    p.add_argument("--numerics", default="", help="steadyserve's --numerics modes to run besides the default (e.g. portable)")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--llama-cpp", type=Path, default=Path(os.environ.get("LLAMA_CPP_BIN", "/tmp/llama/bin")),
