@@ -3,8 +3,9 @@
 There are three paths:
 
 * portable (`--numerics portable`: float32 activations, for exact-parity scoring): every operation
-  that can round differently on another machine runs in steadyserve's own native kernels (kernels/csrc): the matmul family over the weights as the
-  GGUF stores them (qmm.h: 16 fma lanes over K, one fixed lane tree), RMSNorm, SiLU·mul and
+  that can round differently on another machine runs in steadyserve's own native kernels
+  (kernels/csrc): the matmul family over the weights as the GGUF stores them (qmm.h: 16 fma
+  lanes over K, one fixed lane tree), RMSNorm, SiLU·mul and
   log-softmax with the same 16-lane sums and an exp/log made of IEEE mul/add only, RoPE, and
   the paged attention kernel. What is left to PyTorch is exact on any CPU (additions of two
   tensors, copies, gathers). The reduction order depends on nothing about the host: not the

@@ -1,9 +1,9 @@
 """Load a model from a Hugging Face directory or a GGUF file, and fingerprint it.
 
-On the native numerics paths (int8, the default, and portable) a GGUF file's tensors are used as
-stored, memory-mapped (int8 repacks them once into panels) (models/gguf.py); only its config and tokenizer are
-written once into an HF directory under the cache, keyed by the file's content
-hash. On the host path (`--numerics host`, asked for explicitly or where the
+On the native numerics paths (int8, the default, and portable) a GGUF file's tensors are read
+as stored, memory-mapped (models/gguf.py; int8 repacks them once into panels in memory); only
+its config and tokenizer are written once into an HF directory under the cache, keyed by the
+file's content hash. On the host path (`--numerics host`, asked for explicitly or where the
 native kernels cannot run) the weights are dequantized once to float32 into
 that directory, as safetensors, and the fingerprint's numerics id says so.
 The forward pass is ours (transformer.py); only loading, configs and
