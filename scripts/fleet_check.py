@@ -10,14 +10,15 @@ branch, which it never takes on AMD), `-cpu EPYC-Rome` an AuthenticAMD CPU with 
 emulation computes each instruction's IEEE result exactly, so what differs is which code the
 libraries pick, which is the point. TCG emulates no AVX-512: an AVX-512 Xeon is not covered.
 
-For each CPU and for both numerics paths, scripts/numerics_probe.py runs a fixed score and greedy
-generation through the engine on a 2-layer model of SmolLM2-135M's widths (built here). The
-verdict: every portable vector equal (the default numerics' promise; the native kernels run their
-AVX-512 build natively here and their AVX2 build under the emulated CPUs), and how many distinct
-host vectors there are (host numerics make no promise across machine kinds; distinct host vectors
-show that the emulation really changed the kernels). `--golden` also checks the default model's
-golden file (tests/golden/portable_smollm2.json) under the emulated Intel CPU (about 20 minutes).
-Exit status 1 when portable vectors differ or the golden check fails.
+For each CPU and each numerics path (int8, the default; portable; host), scripts/numerics_probe.py
+runs a fixed score and greedy generation through the engine on a 2-layer model of SmolLM2-135M's
+widths (built here; int8 on its Q4_1 GGUF). The verdict: every int8 vector equal and every portable
+vector equal (the native paths' promise; their kernels run the AVX-512 build natively here and the
+AVX2 build under the emulated CPUs), and how many distinct host vectors there are (host numerics
+make no promise across machine kinds; distinct host vectors show that the emulation really changed
+the kernels). `--golden` also checks the default model's golden files (tests/golden/<path>_smollm2.json)
+under the emulated Intel CPU (about 20 minutes). Exit status 1 when a native path's vectors differ
+or a golden check fails.
 """
 
 from __future__ import annotations
