@@ -230,6 +230,12 @@ void attend_tile(const Problem& P, int64_t t0, int64_t t1, int64_t g, float* sco
     }
 }
 
+// p rounded up to a 64-byte boundary (a buffer kLanes floats longer than it needs holds it).
+inline float* align_up(float* p) {
+  const auto a = reinterpret_cast<std::uintptr_t>(p);
+  return reinterpret_cast<float*>((a + 63) & ~std::uintptr_t(63));
+}
+
 using AttendFn = void (*)(const Problem&, int64_t, int64_t, float*, int64_t);
 using TileFn = void (*)(const Problem&, int64_t, int64_t, int64_t, float*, int64_t, float*, float*, float*);
 
@@ -360,7 +366,7 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   const int64_t n_units = n_tiles * P.hkv;
   const int64_t n_workers = std::min<int64_t>(threads, n_units);
   at::parallel_for(0, n_workers, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch, acc, kf, vf;
+    std::vector<float> scratch, acc, kvf;
     for (int64_t worker = begin; worker < end; ++worker) {
       for (int64_t i = worker; i < n_units; i += n_workers) {
         const int64_t t0 = starts[i / P.hkv], t1 = starts[i / P.hkv + 1], g = i % P.hkv;
@@ -372,10 +378,12 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
           kern.one(P, t0, g, scratch.data(), stride);
           continue;
         }
-        acc.resize(static_cast<size_t>((t1 - t0) * group * P.d));
-        kf.resize(static_cast<size_t>(P.d * P.bs));
-        vf.resize(static_cast<size_t>(P.d * P.bs));
-        kern.tile(P, t0, t1, g, scratch.data(), stride, acc.data(), kf.data(), vf.data());
+        acc.resize(static_cast<size_t>((t1 - t0) * group * P.d + kLanes));
+        // The converted K and V blocks, on 64-byte boundaries: the tile's loops read them a whole vector at a
+        // time, and a vector load across two cache lines (malloc aligns to 16 bytes) costs two.
+        kvf.resize(static_cast<size_t>(2 * P.d * P.bs + kLanes));
+        float* kf = align_up(kvf.data());
+        kern.tile(P, t0, t1, g, scratch.data(), stride, align_up(acc.data()), kf, kf + P.d * P.bs);
       }
     }
   });
