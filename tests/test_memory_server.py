@@ -23,7 +23,7 @@ import pytest
 
 from steadyserve.client import Client
 from steadyserve.config import EngineConfig
-from steadyserve.engine.kv_cache import STORAGE
+from steadyserve.engine.kv_cache import STORAGE, resolve_kv_dtype
 from steadyserve.memory import AUTO_HEADROOM, SOURCE_CGROUP1, SOURCE_CGROUP2, SOURCE_MEMINFO, human
 from steadyserve.models.loader import load_model
 from steadyserve.testing.server import ServerProcess
@@ -142,7 +142,7 @@ def test_auto_reports_the_limit_and_gets_the_expected_blocks(auto_server: Server
     # Blocks from the documented rule, with the weights measured here and the block size from config.json.
     cfg = json.loads((Path(long_model) / "config.json").read_text())
     loaded = load_model(long_model)  # the default path, as served
-    fmt = "f16" if loaded.numerics.mode == "int8" else "fp32"  # its cache format (kv_cache.py: auto)
+    fmt = resolve_kv_dtype("auto", loaded.dtype, loaded.numerics.mode)  # its cache format (kv_cache.py)
     per_block = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * STORAGE[fmt].itemsize \
         * EngineConfig().block_size
     weights = loaded.weights_bytes

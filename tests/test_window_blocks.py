@@ -17,6 +17,7 @@ import pytest
 from steadyserve.config import EngineConfig
 from steadyserve.engine.block_manager import RELEASED, BlockManager
 from steadyserve.engine.engine import LLMEngine
+from steadyserve.engine.kv_cache import resolve_kv_dtype
 from steadyserve.engine.offline import Completed, run_requests
 from steadyserve.engine.sequence import Request, SamplingParams, Sequence
 from steadyserve.models.loader import load_model
@@ -93,8 +94,7 @@ def test_out_of_window_blocks_are_released_with_the_same_bits(request, speculati
     assert engine(phi3).block_manager.window == 24
     ref, ref_peak = run_tracking(engine(phi3, keep_all=True, kv=kv), requests(phi3.args.vocab_size))
     e = engine(phi3, speculation=speculation, kv=kv)
-    default = "f16" if phi3.numerics.mode == "int8" else "fp32"  # auto: the path's own cache (kv_cache.py)
-    assert e.kv.fmt == (default if kv == "auto" else kv)
+    assert e.kv.fmt == resolve_kv_dtype(kv, phi3.dtype, phi3.numerics.mode)  # auto: the path's own cache
     got, peak = run_tracking(e, requests(phi3.args.vocab_size))
     if speculation == "ngram":
         assert e.speculator.total_accepted > 0, "no draft accepted: the ngram case would be the off case"

@@ -92,7 +92,7 @@ class LLMEngine:
                                   eos_token_ids=frozenset(self.eos_token_ids))
         self._seq_ids = itertools.count()
 
-    # ---- admission -------------------------------------------------------
+    # ---- identity --------------------------------------------------------
     def fingerprint(self, batch_invariant: bool) -> Fingerprint:
         """What computes this engine's bits, as every response is stamped: the model's weights, dtype, device,
         numerics path and attention kernel, and the KV cache's format where it is not the activations' own.
@@ -102,6 +102,7 @@ class LLMEngine:
                            m.model.kernel_id, m.numerics.numerics_id if m.numerics else "",
                            kv_format_id(self.kv.fmt, activations_kv_dtype(m.dtype)))
 
+    # ---- admission -------------------------------------------------------
     def check(self, request: Request) -> None:
         """Refuse at once what can never run: every check of ModelLimits.check (engine/admission.py). Raises
         Refused. For offline callers (add_request, receipts' replay); the server's request builders check

@@ -91,7 +91,7 @@ def make(name: str, threads: int = 0, numerics: str = "portable") -> dict[str, A
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m steadyserve.tools.conformance", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--write", required=True, metavar="DIR", help="write DIR/<model>.json for each packaged model")
+    ap.add_argument("--write", required=True, metavar="DIR", help="write DIR/<model>.json (portable) and DIR/<model>-int8.json for each packaged model")
     ap.add_argument("--model", action="append", choices=MODELS, help="only these models (default: all)")
     ap.add_argument("--numerics", action="append", choices=list(PATHS), help="only these paths (default: all)")
     ap.add_argument("--threads", type=int, default=0)
