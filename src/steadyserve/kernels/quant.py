@@ -120,8 +120,20 @@ class QMatrix:
 
     def packed(self) -> QMatrix:
         """The same matrix with every part the int8 family reads packed for it (QWeight.pack); a new object,
-        so a tied embedding keeps its GGUF rows for lookups while the LM head multiplies the panels."""
-        return QMatrix([p.pack() for p in self.parts])
+        so a tied embedding keeps its GGUF rows for lookups while the LM head multiplies the panels.
+
+        Neighbouring parts packed in one format become one part: a packed matrix is its panels of 16 whole rows
+        one after another, so q|k|v's joined panels are q's, then k's, then v's, each computing its columns as
+        before (the same bits), and one call quantizes the activations once for all of them, where separate
+        parts quantized them once each (three times per layer for q|k|v, twice for gate|up)."""
+        joined: list[QWeight] = []
+        for p in (p.pack() for p in self.parts):
+            last = joined[-1] if joined else None
+            if last is not None and p.packed and last.fmt == p.fmt:
+                joined[-1] = QWeight(torch.cat([last.data, p.data]), p.fmt, p.k, f"{last.name}|{p.name}")
+            else:
+                joined.append(p)
+        return QMatrix(joined)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """(T,) ids -> (T, K) float32 dequantized rows: an embedding lookup (single-part matrices)."""

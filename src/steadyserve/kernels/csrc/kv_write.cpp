@@ -4,14 +4,18 @@
 // conversions of kv_format.h, so a token's stored K/V depend on nothing else in the step: prefill, decode and
 // any batch store the same bytes. Both forward paths store through here (the per-op path through the op
 // steadyserve::kv_write, forward.cpp through steady_ops::kv_write_rows), so both store the same bytes.
-// A float32 cache is a plain copy. Scalar code, threads splitting the (token, head) pairs: O(T x Hkv x D) per layer.
+// A float32 cache is a plain copy. Threads split the (token, head) pairs: O(T x Hkv x D) per layer. The f16
+// conversion runs on F16C where the CPU has it (below); everything else is scalar code.
 #include <ATen/Parallel.h>
+#include <ATen/Functions.h>
 #include <ATen/core/Tensor.h>
+#include <immintrin.h>
 #include <torch/library.h>
 
 #include <cstdint>
 #include <cstring>
 
+#include "isa.h"
 #include "kv_format.h"
 #include "ops.h"
 
@@ -29,13 +33,51 @@ int fmt_of(const at::Tensor& cache) {
   }
 }
 
-void store_row(int fmt, const float* x, uint8_t* dst, int64_t n, int64_t stride) {  // n values, dst[i * stride]
-  for (int64_t i = 0; i < n; ++i) {
-    if (fmt == kF32) std::memcpy(dst + i * stride * 4, x + i, 4);
-    else {
-      const uint16_t h = fmt == kF16 ? f32_to_f16(x[i]) : f32_to_bf16(x[i]);
-      std::memcpy(dst + i * stride * 2, &h, 2);
+// n floats as binary16, f32_to_f16 one at a time.
+void halves_scalar(const float* x, uint16_t* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = f32_to_f16(x[i]);
+}
+
+// The same conversion by F16C's vcvtps2ph, 8 at a time: IEEE round to nearest even (the immediate asks for it,
+// whatever MXCSR says), overflow to infinity, subnormal halves, as f32_to_f16. Only a NaN differs (vcvtps2ph keeps
+// the top of its payload, f32_to_f16 stores the one quiet NaN): a group of 8 with a NaN goes through f32_to_f16.
+// The scalar conversion cost a 512-token prefill step 7% of its time (SmolLM2, f16 cache, Intel Xeon). A speed
+// choice only: tests/test_kv_dtype.py checks both conversions against each other and torch's cast.
+__attribute__((target("avx,f16c"))) void halves_f16c(const float* x, uint16_t* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    if (_mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)) != 0) {
+      halves_scalar(x + i, out + i, 8);
+      continue;
     }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  halves_scalar(x + i, out + i, n - i);
+}
+
+using HalvesFn = void (*)(const float*, uint16_t*, int64_t);
+
+// isa 0: f32_to_f16; 1: F16C; -1: F16C where the CPU has it and STEADYSERVE_ISA allows AVX2 (isa.h).
+HalvesFn halves_fn(int64_t isa) {
+  static const bool f16c = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c") && steady_isa::env_cap() >= 1;
+  return (isa < 0 ? f16c : isa >= 1) ? halves_f16c : halves_scalar;
+}
+
+// n values (one token's head) into dst[i * stride]: stride 1 for a V row, Bs for a K column. Each value converts
+// alone, so converting 64 at a time changes no bit.
+void store_row(int fmt, HalvesFn halves, const float* x, uint8_t* dst, int64_t n, int64_t stride) {
+  if (fmt == kF32) {
+    for (int64_t i = 0; i < n; ++i) std::memcpy(dst + i * stride * 4, x + i, 4);
+    return;
+  }
+  uint16_t h[64];
+  for (int64_t i0 = 0; i0 < n; i0 += 64) {
+    const int64_t c = n - i0 < 64 ? n - i0 : 64;
+    if (fmt == kF16) halves(x + i0, h, c);
+    else for (int64_t i = 0; i < c; ++i) h[i] = f32_to_bf16(x[i0 + i]);
+    if (stride == 1) std::memcpy(dst + 2 * i0, h, 2 * c);
+    else for (int64_t i = 0; i < c; ++i) std::memcpy(dst + (i0 + i) * stride * 2, &h[i], 2);
   }
 }
 
@@ -51,6 +93,7 @@ void kv_write_rows(at::Tensor& k_cache, at::Tensor& v_cache, const float* k, con
               "kv_write: K and V caches must be contiguous (NB, Hkv, ., .) of one dtype");
   const int64_t bs = k_cache.size(3), hb = head_bytes(fmt, d, bs), nb = k_cache.size(0);
   TORCH_CHECK(fmt != kQ8 || d % kQBlock == 0, "kv_write: q8_0 needs a head dim that is a multiple of 32");
+  const HalvesFn halves = halves_fn(-1);
   TORCH_CHECK(k_cache.size(1) == hkv && k_cache.size(2) * k_cache.size(3) * k_cache.element_size() == hb &&
                   v_cache.size(1) == hkv && v_cache.size(2) == bs &&
                   v_cache.size(2) * v_cache.size(3) * v_cache.element_size() == hb && v_cache.size(0) == nb,
@@ -72,8 +115,8 @@ void kv_write_rows(at::Tensor& k_cache, at::Tensor& v_cache, const float* k, con
       uint8_t* vh = vc + (b * hkv + h) * hb;
       if (fmt != kQ8) {
         const int64_t es = fmt == kF32 ? 4 : 2;
-        store_row(fmt, kx, kh + o * es, d, bs);     // K (D, Bs): column o
-        store_row(fmt, vx, vh + o * d * es, d, 1);  // V (Bs, D): row o
+        store_row(fmt, halves, kx, kh + o * es, d, bs);     // K (D, Bs): column o
+        store_row(fmt, halves, vx, vh + o * d * es, d, 1);  // V (Bs, D): row o
         continue;
       }
       int8_t* kq = reinterpret_cast<int8_t*>(kh);                     // (D, Bs) int8, then (D/32, Bs) f16 scales
@@ -107,9 +150,21 @@ void kv_write(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const
                             slot_offsets.data_ptr<int64_t>());
 }
 
+// The f16 cache's conversion on its own (tests: every build gives every float the same half): x float32, any shape.
+at::Tensor kv_floats_to_halves(const at::Tensor& x, int64_t isa) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "kv_floats_to_halves: a contiguous float32 tensor");
+  TORCH_CHECK(isa <= 0 || (__builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c")),
+              "kv_floats_to_halves: this CPU has no F16C");
+  at::Tensor out = at::empty(x.sizes(), x.options().dtype(at::kHalf));
+  halves_fn(isa)(x.data_ptr<float>(), static_cast<uint16_t*>(out.data_ptr()), x.numel());
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(steadyserve, m) {
+  m.def("kv_floats_to_halves(Tensor x, int isa=-1) -> Tensor");
+  m.impl("kv_floats_to_halves", c10::DispatchKey::CPU, TORCH_FN(kv_floats_to_halves));
   m.def("kv_write(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slot_blocks, "
         "Tensor slot_offsets) -> ()");
   m.impl("kv_write", c10::DispatchKey::CPU, TORCH_FN(kv_write));

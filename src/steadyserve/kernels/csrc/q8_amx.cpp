@@ -138,8 +138,11 @@ void panel(const Q8Args& a, int64_t p, int64_t rows, uint8_t* tiles, BlockScales
       _mm512_storeu_si512(s.sc_hi, SUB ? i8load(sc + 48 + 32 * i) : izero());
     }
   }
-  // Each block's products are stored one step before its epilogue reads them: the loads of a tile just stored wait
-  // for the store, so the epilogue of block b runs while block b + 1's product is formed.
+  // Each block's products are stored one step before its epilogue reads them, and a tile's store is issued after
+  // the previous block's epilogue, not before: the store waits for its product, and an epilogue issued behind that
+  // waiting store did not start until it was done. Issued first, the epilogue of block b - 1 runs while block b's
+  // product is formed (Q4_1, M = 512, K = 576, N = 3072, one thread, Xeon with AMX: 3.63 -> 3.36 ms; K = 1536,
+  // N = 576: 1.73 -> 1.51 ms). The epilogues still run in ascending block order.
   alignas(64) int32_t c[2][2][kRows * 16];
   for (int64_t m0 = 0; m0 < rows; m0 += kRows) {
     F acc[kRows];
@@ -150,25 +153,25 @@ void panel(const Q8Args& a, int64_t p, int64_t rows, uint8_t* tiles, BlockScales
         int32_t(&out)[2][kRows * 16] = c[b & 1];
         product0<false>(x + b * kBlock, a.K, tiles + 512 * b);
         product1<false>(x + b * kBlock + 16, a.K, tiles + 512 * b + 256);
+        if (b > 0) epilogue<ZERO, MIN, SUB>(a, scales[b - 1], c[~b & 1][0], c[~b & 1][1], m0, b - 1, acc);
         _tile_stored(2, out[0], 64);
         _tile_stored(5, out[1], 64);
-        if (b > 0) epilogue<ZERO, MIN, SUB>(a, scales[b - 1], c[~b & 1][0], c[~b & 1][1], m0, b - 1, acc);
       }
       epilogue<ZERO, MIN, SUB>(a, scales[blocks - 1], c[~blocks & 1][0], c[~blocks & 1][1], m0, blocks - 1, acc);
     } else {  // blocks alternate between the two tile sets; the chain still takes them in ascending order
       int64_t b = 0;
       for (; b + 2 <= blocks; b += 2) {
         product0<SIGNED>(x + b * kBlock, a.K, tiles + 512 * b);
-        _tile_stored(2, c[0][0], 64);
         if (b > 0) epilogue<ZERO, MIN, SUB>(a, scales[b - 1], c[1][0], nullptr, m0, b - 1, acc);
+        _tile_stored(2, c[0][0], 64);
         product1<SIGNED>(x + (b + 1) * kBlock, a.K, tiles + 512 * (b + 1));
-        _tile_stored(5, c[1][0], 64);
         epilogue<ZERO, MIN, SUB>(a, scales[b], c[0][0], nullptr, m0, b, acc);
+        _tile_stored(5, c[1][0], 64);
       }
       if (b < blocks) {  // an odd count: the last block in the first set
         product0<SIGNED>(x + b * kBlock, a.K, tiles + 512 * b);
-        _tile_stored(2, c[0][0], 64);
         if (b > 0) epilogue<ZERO, MIN, SUB>(a, scales[b - 1], c[1][0], nullptr, m0, b - 1, acc);
+        _tile_stored(2, c[0][0], 64);
         epilogue<ZERO, MIN, SUB>(a, scales[b], c[0][0], nullptr, m0, b, acc);
       } else {
         epilogue<ZERO, MIN, SUB>(a, scales[b - 1], c[1][0], nullptr, m0, b - 1, acc);
