@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..models.transformer import MAX_HEAD_TILE, ForwardBatch, Transformer
@@ -140,10 +141,13 @@ class ModelRunner:
         if sample_rows:
             sample_lp = self._logprobs(hidden, sample_rows)  # (S, V)
             # Row-wise selections (exact, so batch-invariant), once per step rather than once per sequence.
-            # One pass: max() propagates NaN and returns the first maximum's index, as argmax() does.
-            best, best_ids = sample_lp.max(dim=1)  # (S,), (S,)
+            # NumPy's argmax gives the first maximum, a NaN counting as the largest (so a row with a NaN picks
+            # one, and the value there says so); it is vectorized where torch's max(dim) compares one value at
+            # a time (64 rows of 49152: 0.46 against 0.81 ms of a 40 ms step, Intel Xeon).
+            lp = sample_lp.numpy()  # (S, V), the same memory
+            best_ids = lp.argmax(axis=1)  # (S,)
             argmax = best_ids.tolist()
-            has_nan = best.isnan().tolist()
+            has_nan = np.isnan(lp[np.arange(len(best_ids)), best_ids]).tolist()
         results = []
         for i, (first_pp, si, num_choices) in enumerate(plans):
             r = SeqResult(sample_row=None, prompt_logprobs=prompt_lps[i], first_prompt_pos=first_pp)
