@@ -94,15 +94,10 @@ inline void halves_lanes(const uint16_t* h, float* out, int64_t n) {
   for (; i < n; ++i) out[i] = steady_kv::f16_to_f32(h[i]);
 }
 
-inline bool has_f16c() {
-  static const bool ok = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c") && steady_isa::env_cap() >= 1;
-  return ok;
-}
-
 using HalvesFn = void (*)(const uint16_t*, float*, int64_t);
 
 // isa 0: halves16 on 16 lanes; 1: F16C; -1: F16C where the CPU has it and STEADYSERVE_ISA allows AVX2 (isa.h).
-inline HalvesFn halves_fn(int64_t isa = -1) { return (isa < 0 ? has_f16c() : isa >= 1) ? halves_f16c : halves_lanes; }
+inline HalvesFn halves_fn(int64_t isa = -1) { return (isa < 0 ? steady_isa::use_f16c() : isa >= 1) ? halves_f16c : halves_lanes; }
 
 // x[i] = tanh(x[i] / cap) * cap for 16 lanes (Gemma 2's soft-capping), from IEEE operations only:
 // tanh|t| = (1 - e) / (1 + e) with e = exp(-2|t|) <= 1, the sign restored exactly. Elementwise.

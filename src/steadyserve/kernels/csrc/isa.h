@@ -17,4 +17,14 @@ inline int env_cap() {
   return v == "scalar" ? 0 : v == "avx2" ? 1 : v == "avx512" ? 2 : 3;
 }
 
+// F16C (with AVX), by CPUID. The f16 KV cache's conversions use it: reading (attention_rows.h) and writing
+// (kv_write.cpp), each beside a portable conversion with the same bits.
+inline bool cpu_has_f16c() { return __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c"); }
+
+// Whether those conversions take F16C: the CPU has it and STEADYSERVE_ISA allows AVX2.
+inline bool use_f16c() {
+  static const bool ok = cpu_has_f16c() && env_cap() >= 1;
+  return ok;
+}
+
 }  // namespace steady_isa

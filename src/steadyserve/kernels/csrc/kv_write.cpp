@@ -60,8 +60,7 @@ using HalvesFn = void (*)(const float*, uint16_t*, int64_t);
 
 // isa 0: f32_to_f16; 1: F16C; -1: F16C where the CPU has it and STEADYSERVE_ISA allows AVX2 (isa.h).
 HalvesFn halves_fn(int64_t isa) {
-  static const bool f16c = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c") && steady_isa::env_cap() >= 1;
-  return (isa < 0 ? f16c : isa >= 1) ? halves_f16c : halves_scalar;
+  return (isa < 0 ? steady_isa::use_f16c() : isa >= 1) ? halves_f16c : halves_scalar;
 }
 
 // n values (one token's head) into dst[i * stride]: stride 1 for a V row, Bs for a K column. Each value converts
@@ -153,7 +152,7 @@ void kv_write(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const
 // The f16 cache's conversion on its own (tests: every build gives every float the same half): x float32, any shape.
 at::Tensor kv_floats_to_halves(const at::Tensor& x, int64_t isa) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "kv_floats_to_halves: a contiguous float32 tensor");
-  TORCH_CHECK(isa <= 0 || (__builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c")),
+  TORCH_CHECK(isa <= 0 || steady_isa::cpu_has_f16c(),
               "kv_floats_to_halves: this CPU has no F16C");
   at::Tensor out = at::empty(x.sizes(), x.options().dtype(at::kHalf));
   halves_fn(isa)(x.data_ptr<float>(), static_cast<uint16_t*>(out.data_ptr()), x.numel());

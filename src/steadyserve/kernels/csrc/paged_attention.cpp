@@ -392,7 +392,7 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
 // The f16 cache's block conversion on its own (tests: every build gives every half's float): h float16, any shape.
 at::Tensor kv_halves_to_floats(const at::Tensor& h, int64_t isa) {
   TORCH_CHECK(h.scalar_type() == at::kHalf && h.is_contiguous(), "kv_halves_to_floats: a contiguous float16 tensor");
-  TORCH_CHECK(isa <= 0 || (__builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c")),
+  TORCH_CHECK(isa <= 0 || steady_isa::cpu_has_f16c(),
               "kv_halves_to_floats: this CPU has no F16C");
   at::Tensor out = at::empty(h.sizes(), h.options().dtype(at::kFloat));
   halves_fn(isa)(static_cast<const uint16_t*>(h.data_ptr()), out.data_ptr<float>(), h.numel());

@@ -141,7 +141,7 @@ void panel(const Q8Args& a, int64_t p, int64_t rows, uint8_t* tiles, BlockScales
   // Each block's products are stored one step before its epilogue reads them, and a tile's store is issued after
   // the previous block's epilogue, not before: the store waits for its product, and an epilogue issued behind that
   // waiting store did not start until it was done. Issued first, the epilogue of block b - 1 runs while block b's
-  // product is formed (Q4_1, M = 512, K = 576, N = 3072, one thread, Xeon with AMX: 3.63 -> 3.36 ms; K = 1536,
+  // product is formed (Q4_1, M = 512, K = 576, N = 3072, one thread, Xeon with AMX: 3.63 -> 3.19-3.39 ms; K = 1536,
   // N = 576: 1.73 -> 1.51 ms). The epilogues still run in ascending block order.
   alignas(64) int32_t c[2][2][kRows * 16];
   for (int64_t m0 = 0; m0 < rows; m0 += kRows) {
