@@ -81,20 +81,31 @@ STEADY_INLINE void halves16(const uint16_t* h, float* out) {
 // GCC 12 scalarizes _Float16 vector conversions, which made the f16 cache slower to read than float32's. Every
 // choice gives the same floats, so it is a speed choice only; tests/test_attention_kernel.py checks all 65536
 // halves on each.
-__attribute__((target("avx,f16c"))) inline void halves_f16c(const uint16_t* h, float* out, int64_t n) {
+// `next` (or null): a region of at least 2 n bytes read after this one; line i of it is requested as line i of `h`
+// is read, so the next block streams in while this one converts instead of in one burst that stalls the thread.
+__attribute__((target("avx,f16c"))) inline void halves_f16c(const uint16_t* h, float* out, int64_t n,
+                                                            const uint8_t* next) {
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
+  for (; i + 32 <= n; i += 32) {  // one 64-byte line of halves
+    if (next != nullptr) __builtin_prefetch(next + 2 * i, 0, 2);
+    for (int j = 0; j < 32; j += 8)
+      _mm256_storeu_ps(out + i + j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i + j))));
+  }
   for (; i < n; ++i) out[i] = steady_kv::f16_to_f32(h[i]);
 }
 
-inline void halves_lanes(const uint16_t* h, float* out, int64_t n) {
+inline void halves_lanes(const uint16_t* h, float* out, int64_t n, const uint8_t* next) {
   int64_t i = 0;
+  for (; i + 2 * kLanes <= n; i += 2 * kLanes) {
+    if (next != nullptr) __builtin_prefetch(next + 2 * i, 0, 2);
+    halves16(h + i, out + i);
+    halves16(h + i + kLanes, out + i + kLanes);
+  }
   for (; i + kLanes <= n; i += kLanes) halves16(h + i, out + i);
   for (; i < n; ++i) out[i] = steady_kv::f16_to_f32(h[i]);
 }
 
-using HalvesFn = void (*)(const uint16_t*, float*, int64_t);
+using HalvesFn = void (*)(const uint16_t*, float*, int64_t, const uint8_t*);
 
 // isa 0: halves16 on 16 lanes; 1: F16C; -1: F16C where the CPU has it and STEADYSERVE_ISA allows AVX2 (isa.h).
 inline HalvesFn halves_fn(int64_t isa = -1) { return (isa < 0 ? steady_isa::use_f16c() : isa >= 1) ? halves_f16c : halves_lanes; }
@@ -238,9 +249,9 @@ STEADY_INLINE void softmax_rows(float* scores, int64_t stride, int64_t n_chunks,
 // A whole K block region `kh` (D, Bs) of format F as floats (D, Bs) in `out`, each value exactly as k_row
 // reads it. Not called for float32, whose blocks are read in place.
 template <int F>
-STEADY_INLINE void k_block_floats(const uint8_t* kh, int64_t D, int64_t Bs, float* out) {
+STEADY_INLINE void k_block_floats(const uint8_t* kh, int64_t D, int64_t Bs, float* out, const uint8_t* next) {
   if constexpr (F == steady_kv::kF16) {  // (D, Bs) halves in a row: one conversion of the region
-    halves_fn()(reinterpret_cast<const uint16_t*>(kh), out, D * Bs);
+    halves_fn()(reinterpret_cast<const uint16_t*>(kh), out, D * Bs, next);
     return;
   }
   float scales[kLanes];
@@ -257,9 +268,9 @@ STEADY_INLINE void k_block_floats(const uint8_t* kh, int64_t D, int64_t Bs, floa
 // A whole V block region `vh` (Bs, D) of format F as floats (Bs, D) in `out`, each value exactly as v_row
 // reads it.
 template <int F>
-STEADY_INLINE void v_block_floats(const uint8_t* vh, int64_t D, int64_t Bs, float* out) {
+STEADY_INLINE void v_block_floats(const uint8_t* vh, int64_t D, int64_t Bs, float* out, const uint8_t* next) {
   if constexpr (F == steady_kv::kF16) {  // (Bs, D) halves in a row
-    halves_fn()(reinterpret_cast<const uint16_t*>(vh), out, D * Bs);
+    halves_fn()(reinterpret_cast<const uint16_t*>(vh), out, D * Bs, next);
     return;
   }
   for (int64_t row = 0; row < Bs; ++row)
