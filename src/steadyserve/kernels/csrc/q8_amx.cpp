@@ -1,6 +1,6 @@
 // The AMX build of the int8 family: the integer sums of 16 activation rows against one 16-row panel come from
 // AMX tiles, one TDPBSUD (TDPBSSD for Q8_0's signed weights) per block of 32 values: 16 x 16 x 32 products in
-// one instruction. Rows left over (M mod 16), and calls of fewer than 32 rows, run the AVX-512 VNNI build.
+// one instruction. Rows left over (M mod 16), and calls of fewer than 16 rows, run the AVX-512 VNNI build.
 // Called only where CPUID reports AMX-TILE and AMX-INT8 beside AVX-512 VNNI and the OS granted the tile state
 // (q8linear.cpp).
 //
@@ -11,9 +11,11 @@
 // Per panel: its blocks are unpacked once into tile rows (q8_unpack.h: operand j is B's row j, 16 columns of 4
 // bytes) with each block's a and b beside them, then each group of 16 activation rows walks the blocks two tiles
 // at a time (two accumulators, so the epilogue of one overlaps the next product), keeping its 16 x 16 float
-// accumulators in registers.
+// accumulators in registers. A call with one group of rows unpacks each block just ahead of its product instead
+// (panel_one_group).
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cfloat>
 #include <climits>
 #include <cmath>
@@ -33,10 +35,12 @@ namespace {
 #include "q8_unpack.h"
 
 constexpr int kRows = 16;  // activation rows per tile: AMX's 16 tile rows
-// Below 32 rows the VNNI build is faster: each of a panel's blocks costs a tile load, a product and a tile store
-// (Q4_K, K = N = 2048, one thread, Xeon with AMX: 16 rows 0.55 ms here against 0.48 ms in the VNNI build; 32
-// rows 0.79 against 0.93; 256 rows 5.0 against 7.8). Decode steps of up to 31 sequences stay on VNNI.
-constexpr int64_t kMinRows = 32;
+// Below 16 rows the VNNI build runs: a tile of fewer rows would still cost a whole product and store. A call of
+// 16-31 rows has one group of rows, which reuses no unpacked block, so it takes panel_one_group; from 32 rows the
+// panel's blocks are unpacked once and every group reuses them (panel). SmolLM2-1.7B's shape, M = 16, 2 threads,
+// Intel Xeon: Q4_K gate|up 1.72-1.91 ms in the VNNI build, 2.05 through panel, 1.39-1.56 through panel_one_group;
+// Q6_K down 1.23-1.26 either way, level with VNNI's; SmolLM2-135M's Q8_0 LM head 1.75 -> 1.23 ms.
+constexpr int64_t kMinRows = 16;
 
 // Tiles, set once per call. Two halves (0-2 and 3-5), each an A (activations), a B (weights) and a C (int32):
 // two consecutive blocks (A 16 x 32 bytes, B 8 rows of 64), or for Q6_K one block's two sub-scaled halves
@@ -108,6 +112,75 @@ inline void epilogue(const Q8Args& a, const BlockScales& s, const int32_t* c0, c
 STEADY_AMX_PRODUCT(product0, 0, 1, 2)
 STEADY_AMX_PRODUCT(product1, 3, 4, 5)
 #undef STEADY_AMX_PRODUCT
+
+// Block c of panel p (record `rec`, block i of its `per`) as a B tile at `tile` (512 bytes) and its scales.
+template <int BITS, bool MIN, bool SUB, bool KQ>
+inline void unpack_block(const uint8_t* rec, int i, uint8_t* tile, BlockScales& s) {
+  constexpr int per = KQ ? 8 : 1;
+  constexpr int qbytes = BITS == 8 ? 512 : BITS == 4 ? 256 : BITS == 5 ? 320 : 384;
+  const uint8_t* sc = rec + per * qbytes;
+  const F d = h2f16(sc);
+  const F d2 = MIN ? h2f16(sc + 32) : fzero();
+  W w[8];
+  unpack<BITS>(rec + i * qbytes, w);
+  for (int j = 0; j < 8; ++j) _mm512_storeu_si512(tile + 64 * j, w[j]);
+  F wa = d, wb = d2;
+  if constexpr (KQ && MIN) {  // a = d * sc, b = -(dmin * mn), as the VNNI build
+    wa = fmul(d, u8f(sc + 64 + 16 * i));
+    wb = fneg(fmul(d2, u8f(sc + 192 + 16 * i)));
+  }
+  _mm512_storeu_ps(s.a, wa);
+  _mm512_storeu_ps(s.b, wb);
+  _mm512_storeu_si512(s.sc_lo, SUB ? i8load(sc + 32 + 32 * i) : izero());
+  _mm512_storeu_si512(s.sc_hi, SUB ? i8load(sc + 48 + 32 * i) : izero());
+}
+
+// One group of 16 rows (M = 16..31): nothing is reused across groups, so each block is unpacked two blocks ahead of
+// its product into a ring of 4 (2 KiB) instead of the whole panel first (32 KiB at K = 2048, most of L1).
+template <int BITS, int ZERO, bool MIN, bool SUB, bool KQ>
+void panel_one_group(const Q8Args& a, int64_t p, uint8_t* ring, BlockScales* scales) {
+  const int64_t blocks = a.K / kBlock;
+  constexpr int per = KQ ? 8 : 1;
+  constexpr bool SIGNED = BITS == 8;
+  const uint8_t* rec0 = a.w + p * (blocks / per) * a.lay.record;
+  auto unpack_at = [&](int64_t c) {
+    unpack_block<BITS, MIN, SUB, KQ>(rec0 + (c / per) * a.lay.record, int(c % per), ring + 512 * (c & 3), scales[c & 3]);
+  };
+  const uint8_t* next = a.w + (p + 1) * (blocks / per) * a.lay.record;
+  const int64_t next_lines = p + 1 < a.p_end ? (blocks / per) * a.lay.record / 64 : 0;
+  alignas(64) int32_t c[2][2][kRows * 16];  // [block parity][half (Q6_K)]
+  F acc[kRows];
+  for (int m = 0; m < kRows; ++m) acc[m] = fzero();
+  unpack_at(0);
+  if (blocks > 1) unpack_at(1);
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int64_t l = next_lines * b / blocks; l < next_lines * (b + 1) / blocks; ++l)
+      _mm_prefetch(reinterpret_cast<const char*>(next + 64 * l), _MM_HINT_T1);
+    const uint8_t* tile = ring + 512 * (b & 3);
+    if constexpr (SUB) {  // Q6_K: the block's two sub-scaled halves in the two tile sets
+      product0<false>(a.xq + b * kBlock, a.K, tile);
+      product1<false>(a.xq + b * kBlock + 16, a.K, tile + 256);
+    } else if (b & 1) {  // blocks alternate between the two tile sets
+      product1<SIGNED>(a.xq + b * kBlock, a.K, tile);
+    } else {
+      product0<SIGNED>(a.xq + b * kBlock, a.K, tile);
+    }
+    if (b + 2 < blocks) unpack_at(b + 2);
+    const int32_t(&prev)[2][kRows * 16] = c[(b - 1) & 1];
+    if (b > 0) epilogue<ZERO, MIN, SUB>(a, scales[(b - 1) & 3], prev[0], prev[1], 0, b - 1, acc);
+    if (SUB) {
+      _tile_stored(2, c[b & 1][0], 64);
+      _tile_stored(5, c[b & 1][1], 64);
+    } else if (b & 1) {
+      _tile_stored(5, c[1][0], 64);
+    } else {
+      _tile_stored(2, c[0][0], 64);
+    }
+  }
+  const int32_t(&last)[2][kRows * 16] = c[(blocks - 1) & 1];
+  epilogue<ZERO, MIN, SUB>(a, scales[(blocks - 1) & 3], last[0], last[1], 0, blocks - 1, acc);
+  for (int m = 0; m < kRows; ++m) fstore(a.y + m * a.y_stride + p * kPanel, acc[m]);
+}
 
 template <int BITS, int ZERO, bool MIN, bool SUB, bool KQ>
 void panel(const Q8Args& a, int64_t p, int64_t rows, uint8_t* tiles, BlockScales* scales) {
@@ -197,11 +270,15 @@ void panel(const Q8Args& a, int64_t p, int64_t rows, uint8_t* tiles, BlockScales
 template <int BITS, int ZERO, bool MIN, bool SUB, bool KQ>
 void matmul_fmt(const Q8Args& a, int64_t rows) {
   const int64_t blocks = a.K / kBlock;
-  std::vector<uint8_t> tiles(static_cast<size_t>(blocks) * 512);
-  std::vector<BlockScales> scales(static_cast<size_t>(blocks));
+  std::vector<uint8_t> tiles(static_cast<size_t>(std::max<int64_t>(blocks, 4)) * 512);
+  std::vector<BlockScales> scales(static_cast<size_t>(std::max<int64_t>(blocks, 4)));
   configure(SUB ? 16 : kBlock);
   for (int64_t p = a.p_begin; p < a.p_end; ++p) {
-    panel<BITS, ZERO, MIN, SUB, KQ>(a, p, rows, tiles.data(), scales.data());
+    if (rows == kRows) {
+      panel_one_group<BITS, ZERO, MIN, SUB, KQ>(a, p, tiles.data(), scales.data());
+    } else {
+      panel<BITS, ZERO, MIN, SUB, KQ>(a, p, rows, tiles.data(), scales.data());
+    }
   }
   _tile_release();  // the tile state is the thread's only while it is in use
 }
