@@ -152,5 +152,5 @@ def float_build() -> str:
 
 def int8_build() -> str:
     """The int8 family's build this process runs: AMX tiles where CPUID reports them and the OS grants the tile
-    state (for 32 rows or more; fewer rows run AVX-512 VNNI), else the widest vector build."""
+    state (for 16 rows or more; fewer rows run AVX-512 VNNI), else the widest vector build."""
     return INT8_BUILDS[torch.ops.steadyserve.q8_isa()]
