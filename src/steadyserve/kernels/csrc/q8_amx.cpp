@@ -113,6 +113,17 @@ STEADY_AMX_PRODUCT(product0, 0, 1, 2)
 STEADY_AMX_PRODUCT(product1, 3, 4, 5)
 #undef STEADY_AMX_PRODUCT
 
+// The next panel's records (`lines` lines at `next`; 0 for none), requested into L2 while a group of rows runs: the
+// share of blocks [b0, b1) of `blocks`. The VNNI build requests its stream ahead as it unpacks (q8_unpack.h's
+// prefetch_ahead); here the unpack is a short loop of loads and stores before many products, and its hints, issued
+// there in a burst of about ten a block, filled the line-fill buffers and stalled it (the hint loop held 14% of a
+// c=64 decode step's panel samples). Spread over the products instead: Q4_1 at M = 64 (SmolLM2's four matrices,
+// 2 threads, Intel Xeon) 8-10% less time; M = 512 and the LM head unchanged. A hint never changes a value.
+inline void prefetch_share(const uint8_t* next, int64_t lines, int64_t b0, int64_t b1, int64_t blocks) {
+  for (int64_t l = lines * b0 / blocks; l < lines * b1 / blocks; ++l)
+    _mm_prefetch(reinterpret_cast<const char*>(next + 64 * l), _MM_HINT_T1);
+}
+
 // Block c of panel p (record `rec`, block i of its `per`) as a B tile at `tile` (512 bytes) and its scales.
 template <int BITS, bool MIN, bool SUB, bool KQ>
 inline void unpack_block(const uint8_t* rec, int i, uint8_t* tile, BlockScales& s) {
@@ -154,8 +165,7 @@ void panel_one_group(const Q8Args& a, int64_t p, uint8_t* ring, BlockScales* sca
   unpack_at(0);
   if (blocks > 1) unpack_at(1);
   for (int64_t b = 0; b < blocks; ++b) {
-    for (int64_t l = next_lines * b / blocks; l < next_lines * (b + 1) / blocks; ++l)
-      _mm_prefetch(reinterpret_cast<const char*>(next + 64 * l), _MM_HINT_T1);
+    prefetch_share(next, next_lines, b, b + 1, blocks);
     const uint8_t* tile = ring + 512 * (b & 3);
     if constexpr (SUB) {  // Q6_K: the block's two sub-scaled halves in the two tile sets
       product0<false>(a.xq + b * kBlock, a.K, tile);
@@ -186,42 +196,18 @@ template <int BITS, int ZERO, bool MIN, bool SUB, bool KQ>
 void panel(const Q8Args& a, int64_t p, int64_t rows, uint8_t* tiles, BlockScales* scales) {
   const int64_t blocks = a.K / kBlock;
   constexpr int per = KQ ? 8 : 1;
-  constexpr int qbytes = BITS == 8 ? 512 : BITS == 4 ? 256 : BITS == 5 ? 320 : 384;
   constexpr bool SIGNED = BITS == 8;
   // The panel's blocks as tile rows (512 bytes each) and scales, once for every group of rows.
   const uint8_t* rec = a.w + p * (blocks / per) * a.lay.record;
-  for (int64_t c0 = 0; c0 < blocks; c0 += per, rec += a.lay.record) {
-    const uint8_t* sc = rec + per * qbytes;
-    const F d = h2f16(sc);
-    const F d2 = MIN ? h2f16(sc + 32) : fzero();
-    for (int i = 0; i < per; ++i) {
-      W w[8];
-      unpack<BITS>(rec + i * qbytes, w);
-      for (int j = 0; j < 8; ++j) _mm512_storeu_si512(tiles + 512 * (c0 + i) + 64 * j, w[j]);
-      F wa = d, wb = d2;
-      if constexpr (KQ && MIN) {  // a = d * sc, b = -(dmin * mn), as the VNNI build
-        wa = fmul(d, u8f(sc + 64 + 16 * i));
-        wb = fneg(fmul(d2, u8f(sc + 192 + 16 * i)));
-      }
-      BlockScales& s = scales[c0 + i];
-      _mm512_storeu_ps(s.a, wa);
-      _mm512_storeu_ps(s.b, wb);
-      _mm512_storeu_si512(s.sc_lo, SUB ? i8load(sc + 32 + 32 * i) : izero());
-      _mm512_storeu_si512(s.sc_hi, SUB ? i8load(sc + 48 + 32 * i) : izero());
-    }
-  }
+  for (int64_t c0 = 0; c0 < blocks; c0 += per, rec += a.lay.record)
+    for (int i = 0; i < per; ++i) unpack_block<BITS, MIN, SUB, KQ>(rec, i, tiles + 512 * (c0 + i), scales[c0 + i]);
   // Each block's products are stored one step before its epilogue reads them, and a tile's store is issued after
   // the previous block's epilogue, not before: the store waits for its product, and an epilogue issued behind that
   // waiting store did not start until it was done. Issued first, the epilogue of block b - 1 runs while block b's
   // product is formed (Q4_1, M = 512, K = 576, N = 3072, one thread, Xeon with AMX: 3.63 -> 3.19-3.39 ms; K = 1536,
   // N = 576: 1.73 -> 1.51 ms). The epilogues still run in ascending block order.
   alignas(64) int32_t c[2][2][kRows * 16];
-  // The next panel's records, requested into L2 a few lines per block while the first group of rows runs. The
-  // VNNI build requests its stream ahead as it unpacks (q8_unpack.h's prefetch_ahead); here the unpack is a short
-  // loop of loads and stores before many products, and its hints, issued there in a burst of about ten a block,
-  // filled the line-fill buffers and stalled it (the prefetch loop held 14% of a c=64 decode step's panel samples).
-  // Spread over the products instead: Q4_1 at M = 64 (SmolLM2's four matrices, 2 threads, Intel Xeon) 8-10% less
-  // time; M = 512 and the LM head unchanged. A hint never changes a value.
+  // The next panel's records, over the first group of rows' blocks (prefetch_share).
   const uint8_t* next = a.w + (p + 1) * (blocks / per) * a.lay.record;
   const int64_t next_lines = p + 1 < a.p_end ? (blocks / per) * a.lay.record / 64 : 0;
   for (int64_t m0 = 0; m0 < rows; m0 += kRows) {
@@ -230,9 +216,7 @@ void panel(const Q8Args& a, int64_t p, int64_t rows, uint8_t* tiles, BlockScales
     const int8_t* x = a.xq + m0 * a.K;
     if constexpr (SUB) {  // one block per step: its two halves in the two tile sets
       for (int64_t b = 0; b < blocks; ++b) {
-        if (m0 == 0)
-          for (int64_t l = next_lines * b / blocks; l < next_lines * (b + 1) / blocks; ++l)
-            _mm_prefetch(reinterpret_cast<const char*>(next + 64 * l), _MM_HINT_T1);
+        if (m0 == 0) prefetch_share(next, next_lines, b, b + 1, blocks);
         int32_t(&out)[2][kRows * 16] = c[b & 1];
         product0<false>(x + b * kBlock, a.K, tiles + 512 * b);
         product1<false>(x + b * kBlock + 16, a.K, tiles + 512 * b + 256);
@@ -244,9 +228,7 @@ void panel(const Q8Args& a, int64_t p, int64_t rows, uint8_t* tiles, BlockScales
     } else {  // blocks alternate between the two tile sets; the chain still takes them in ascending order
       int64_t b = 0;
       for (; b + 2 <= blocks; b += 2) {
-        if (m0 == 0)
-          for (int64_t l = next_lines * b / blocks; l < next_lines * (b + 2) / blocks; ++l)
-            _mm_prefetch(reinterpret_cast<const char*>(next + 64 * l), _MM_HINT_T1);
+        if (m0 == 0) prefetch_share(next, next_lines, b, b + 2, blocks);
         product0<SIGNED>(x + b * kBlock, a.K, tiles + 512 * b);
         if (b > 0) epilogue<ZERO, MIN, SUB>(a, scales[b - 1], c[1][0], nullptr, m0, b - 1, acc);
         _tile_stored(2, c[0][0], 64);
