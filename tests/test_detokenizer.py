@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from steadyserve.engine.detokenizer import REPLACEMENT, IncrementalDetokenizer
+from steadyserve.engine.detokenizer import REPLACEMENT, IncrementalDetokenizer, text_decoder
 
 
 def stream(tokenizer, ids: list[int], stop: list[str] | None = None) -> tuple[list[str], IncrementalDetokenizer]:
@@ -72,6 +72,31 @@ def test_tiny_tokenizer_random_ids(tiny_tokenizer):
         check_against_one_shot(tiny_tokenizer, ids)
 
     prop()
+
+
+def test_the_direct_decode_is_transformers_decode(tiny_tokenizer):
+    """text_decoder calls the fast tokenizer's backend directly: the same text as transformers' decode with the
+    detokenizer's flags, special tokens (skipped), split characters and empty lists included; a tokenizer that
+    overrides decode keeps its own."""
+    decode = text_decoder(tiny_tokenizer)
+    assert decode is not None and "backend" in decode.__code__.co_freevars  # the direct path on this tokenizer
+    special = list(tiny_tokenizer.all_special_ids)
+    assert special, "test needs special tokens"
+
+    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.lists(st.one_of(st.sampled_from(special), st.integers(0, len(tiny_tokenizer) - 1)), max_size=20))
+    def prop(ids):
+        assert decode(ids) == tiny_tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    prop()
+
+    class Overriding(type(tiny_tokenizer)):
+        def decode(self, token_ids, skip_special_tokens=False, **kwargs):
+            return "own"
+
+    own = object.__new__(Overriding)
+    own.__dict__.update(tiny_tokenizer.__dict__)
+    assert text_decoder(own)([1, 2]) == "own"
 
 
 # ---- SmolLM2's tokenizer ---------------------------------------------------------------------

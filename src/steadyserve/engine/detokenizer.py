@@ -9,9 +9,32 @@ and never leak any part of a stop string.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 REPLACEMENT = "\ufffd"
+
+
+def text_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
+    """`ids -> tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)`, the decode every
+    generated token goes through (twice, IncrementalDetokenizer.add).
+
+    For transformers' fast tokenizers (TokenizersBackend) with its own decode and _decode, that is exactly the
+    backend tokenizer's decode of the list: transformers' wrapper only converts the ids, checks for a batch and, with
+    the clean-up off, returns the backend's text. Called directly a 6-token decode costs 1.0-1.1 instead of 3.2-3.4 us
+    (SmolLM2, Intel Xeon): 0.3 ms of a c=64 decode step on the engine thread, where the step's Python runs while the
+    other compute thread waits. Any other tokenizer goes through its own decode."""
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # a transformers without the class: its own decode
+        TokenizersBackend = PreTrainedTokenizerBase = None  # noqa: N806
+    cls = type(tokenizer)
+    if (TokenizersBackend is not None and isinstance(tokenizer, TokenizersBackend)
+            and cls._decode is TokenizersBackend._decode and cls.decode is PreTrainedTokenizerBase.decode):
+        backend = tokenizer.backend_tokenizer
+        return lambda ids: backend.decode(ids, skip_special_tokens=True)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 _TOKEN_TEXT: dict[int, dict[int, str]] = {}  # id(tokenizer) -> token id -> text; at most the vocabulary
 
@@ -32,6 +55,7 @@ def token_text(tokenizer: Any, token_id: int) -> str:
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, stop: list[str]) -> None:
         self.tokenizer = tokenizer
+        self._decode = text_decoder(tokenizer)  # ids -> text, special tokens skipped, no clean-up
         self.stop = stop
         self.max_stop_len = max((len(s) for s in stop), default=0)
         self.ids: list[int] = []
@@ -40,9 +64,6 @@ class IncrementalDetokenizer:
         self.text = ""  # all text decoded so far (stable part)
         self.num_sent = 0  # characters of `text` already emitted
         self.stopped = False  # a stop string was found; text is cut before it
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def add(self, token_id: int) -> str:
         """Add one generated token; return the text that can be emitted now."""
