@@ -101,7 +101,7 @@ def _kernel_problems(model) -> list[str]:  # noqa: ANN001 - a Transformer; engin
             y = torch.empty(rows, w.shape[0])
             torch.ops.steadyserve.qmatmul_(x[:rows], w, fmt, y, 0, isa)
             outs.append(y)
-        if not (torch.equal(outs[0], outs[1]) and torch.equal(outs[0][:1], outs[2]) and torch.equal(outs[0][:20], outs[3])):
+        if not all(torch.equal(y, outs[1][:y.shape[0]]) for y in outs):  # each against the scalar build's rows
             problems.append(f"matmul kernels disagree on {p.format_name}")
     return problems
 

@@ -77,6 +77,11 @@ struct Problem {
   float softcap;  // 0: none
 };
 
+// The first key the token at position p attends to: 0, or the start of its sliding window.
+inline int64_t first_key(const Problem& P, int64_t p) {
+  return P.window > 0 && p - P.window + 1 > 0 ? p - P.window + 1 : 0;
+}
+
 // The next block's region of one kv head, requested into L2 while this block is read: a block region is its own
 // page or two (4-8 KiB) wherever the block table put it, and the hardware prefetchers stop at page boundaries.
 // A prefetch changes no value. The f16 cache (the default) does not take this burst: its conversion requests the
@@ -98,7 +103,7 @@ STEADY_CLONES
 void attend_one(const Problem& P, int64_t t, int64_t g, float* scores, int64_t stride) {
   const int64_t D = P.d, Bs = P.bs;
   const int64_t p = P.pos[t];
-  const int64_t first = P.window > 0 && p - P.window + 1 > 0 ? p - P.window + 1 : 0;
+  const int64_t first = first_key(P, p);
   const int64_t c0 = first - first % kLanes;
   const int64_t* table = P.tables + P.seq_of[t] * P.nb_max;
   const float* qg = P.q + (t * P.h + g * G) * D;  // (G, D)
@@ -164,7 +169,7 @@ void attend_tile(const Problem& P, int64_t t0, int64_t t1, int64_t g, float* sco
   for (int64_t i = 0; i < M; ++i) {
     const int64_t p = P.pos[t0 + i];
     pos[i] = p;
-    first[i] = P.window > 0 && p - P.window + 1 > 0 ? p - P.window + 1 : 0;
+    first[i] = first_key(P, p);
     c0[i] = first[i] - first[i] % kLanes;
     lo = std::min(lo, c0[i]);
     hi = std::max(hi, p);
@@ -395,8 +400,7 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
         float* kf = align_up(kvf.data());
         const uint8_t* after = nullptr;  // the first K block of the unit this thread runs next
         if (const int64_t nx = i + n_workers; nx < n_units) {
-          const int64_t nt = starts[nx / P.hkv];
-          const int64_t p = P.pos[nt], first = P.window > 0 && p - P.window + 1 > 0 ? p - P.window + 1 : 0;
+          const int64_t nt = starts[nx / P.hkv], first = first_key(P, P.pos[nt]);
           after = P.k + (P.tables[P.seq_of[nt] * P.nb_max + first / P.bs] * P.hkv + nx % P.hkv) * P.head_bytes;
         }
         kern.tile(P, t0, t1, g, scratch.data(), stride, align_up(acc.data()), kf, kf + P.d * P.bs, after);

@@ -113,15 +113,24 @@ STEADY_AMX_PRODUCT(product0, 0, 1, 2)
 STEADY_AMX_PRODUCT(product1, 3, 4, 5)
 #undef STEADY_AMX_PRODUCT
 
-// The next panel's records (`lines` lines at `next`; 0 for none), requested into L2 while a group of rows runs: the
-// share of blocks [b0, b1) of `blocks`. The VNNI build requests its stream ahead as it unpacks (q8_unpack.h's
+// The next panel's records: `lines` lines at `rec`, none after the thread's last panel.
+struct NextPanel {
+  const uint8_t* rec;
+  int64_t lines;
+};
+
+inline NextPanel next_panel(const Q8Args& a, int64_t p, int64_t records) {
+  return {a.w + (p + 1) * records * a.lay.record, p + 1 < a.p_end ? records * a.lay.record / 64 : 0};
+}
+
+// The next panel's records, requested into L2 while a group of rows runs: the share of blocks [b0, b1) of `blocks`. The VNNI build requests its stream ahead as it unpacks (q8_unpack.h's
 // prefetch_ahead); here the unpack is a short loop of loads and stores before many products, and its hints, issued
 // there in a burst of about ten a block, filled the line-fill buffers and stalled it (the hint loop held 14% of a
 // c=64 decode step's panel samples). Spread over the products instead: Q4_1 at M = 64 (SmolLM2's four matrices,
 // 2 threads, Intel Xeon) 8-10% less time; M = 512 and the LM head unchanged. A hint never changes a value.
-inline void prefetch_share(const uint8_t* next, int64_t lines, int64_t b0, int64_t b1, int64_t blocks) {
-  for (int64_t l = lines * b0 / blocks; l < lines * b1 / blocks; ++l)
-    _mm_prefetch(reinterpret_cast<const char*>(next + 64 * l), _MM_HINT_T1);
+inline void prefetch_share(const NextPanel& next, int64_t b0, int64_t b1, int64_t blocks) {
+  for (int64_t l = next.lines * b0 / blocks; l < next.lines * b1 / blocks; ++l)
+    _mm_prefetch(reinterpret_cast<const char*>(next.rec + 64 * l), _MM_HINT_T1);
 }
 
 // Block c of panel p (record `rec`, block i of its `per`) as a B tile at `tile` (512 bytes) and its scales.
@@ -157,15 +166,14 @@ void panel_one_group(const Q8Args& a, int64_t p, uint8_t* ring, BlockScales* sca
   auto unpack_at = [&](int64_t c) {
     unpack_block<BITS, MIN, SUB, KQ>(rec0 + (c / per) * a.lay.record, int(c % per), ring + 512 * (c & 3), scales[c & 3]);
   };
-  const uint8_t* next = a.w + (p + 1) * (blocks / per) * a.lay.record;
-  const int64_t next_lines = p + 1 < a.p_end ? (blocks / per) * a.lay.record / 64 : 0;
+  const NextPanel next = next_panel(a, p, blocks / per);
   alignas(64) int32_t c[2][2][kRows * 16];  // [block parity][half (Q6_K)]
   F acc[kRows];
   for (int m = 0; m < kRows; ++m) acc[m] = fzero();
   unpack_at(0);
   if (blocks > 1) unpack_at(1);
   for (int64_t b = 0; b < blocks; ++b) {
-    prefetch_share(next, next_lines, b, b + 1, blocks);
+    prefetch_share(next, b, b + 1, blocks);
     const uint8_t* tile = ring + 512 * (b & 3);
     if constexpr (SUB) {  // Q6_K: the block's two sub-scaled halves in the two tile sets
       product0<false>(a.xq + b * kBlock, a.K, tile);
@@ -208,15 +216,14 @@ void panel(const Q8Args& a, int64_t p, int64_t rows, uint8_t* tiles, BlockScales
   // N = 576: 1.73 -> 1.51 ms). The epilogues still run in ascending block order.
   alignas(64) int32_t c[2][2][kRows * 16];
   // The next panel's records, over the first group of rows' blocks (prefetch_share).
-  const uint8_t* next = a.w + (p + 1) * (blocks / per) * a.lay.record;
-  const int64_t next_lines = p + 1 < a.p_end ? (blocks / per) * a.lay.record / 64 : 0;
+  const NextPanel next = next_panel(a, p, blocks / per);
   for (int64_t m0 = 0; m0 < rows; m0 += kRows) {
     F acc[kRows];
     for (int m = 0; m < kRows; ++m) acc[m] = fzero();
     const int8_t* x = a.xq + m0 * a.K;
     if constexpr (SUB) {  // one block per step: its two halves in the two tile sets
       for (int64_t b = 0; b < blocks; ++b) {
-        if (m0 == 0) prefetch_share(next, next_lines, b, b + 1, blocks);
+        if (m0 == 0) prefetch_share(next, b, b + 1, blocks);
         int32_t(&out)[2][kRows * 16] = c[b & 1];
         product0<false>(x + b * kBlock, a.K, tiles + 512 * b);
         product1<false>(x + b * kBlock + 16, a.K, tiles + 512 * b + 256);
@@ -228,7 +235,7 @@ void panel(const Q8Args& a, int64_t p, int64_t rows, uint8_t* tiles, BlockScales
     } else {  // blocks alternate between the two tile sets; the chain still takes them in ascending order
       int64_t b = 0;
       for (; b + 2 <= blocks; b += 2) {
-        if (m0 == 0) prefetch_share(next, next_lines, b, b + 2, blocks);
+        if (m0 == 0) prefetch_share(next, b, b + 2, blocks);
         product0<SIGNED>(x + b * kBlock, a.K, tiles + 512 * b);
         if (b > 0) epilogue<ZERO, MIN, SUB>(a, scales[b - 1], c[1][0], nullptr, m0, b - 1, acc);
         _tile_stored(2, c[0][0], 64);
