@@ -151,24 +151,26 @@ def test_stalled_reader_is_cut_while_others_continue(srv):
     stalls0 = srv.metric("steadyserve_streams_aborted_total", reason="stall")
     rss0 = srv.metric("steadyserve_process_resident_memory_bytes")
     # Echoed prompt logprobs (20 alternatives per token) plus logprobs for every generated token: megabytes.
-    prompt = [5 + (i * 7) % 370 for i in range(1200)]  # ~0.45 MB of echoed logprobs in the first event
-    request = {"prompt": prompt, "echo": True, "logprobs": 20, "max_tokens": 2500, "ignore_eos": True,
+    prompt = [5 + (i * 7) % 370 for i in range(600)]  # ~0.22 MB of echoed logprobs in the first event
+    max_tokens = 3400  # with the prompt, within the model's 4096 positions
+    request = {"prompt": prompt, "echo": True, "logprobs": 20, "max_tokens": max_tokens, "ignore_eos": True,
                "stream": True}
-    # The sizes of this response, from short versions of it read in full: its largest event (the echoed
-    # prompt, with whatever tokens a fast engine coalesced into it) and the bytes each generated token adds
-    # (from 4 vs 8 tokens: events may carry several tokens each). The whole response is about the first
-    # plus 2500 times the second.
-    def body_of(max_tokens: int) -> bytes:
-        with httpx.Client(base_url=srv.http_url, timeout=60) as c:
-            with c.stream("POST", "/v1/completions", json={**request, "max_tokens": max_tokens,
-                                                           "temperature": 0}) as r:
-                return r.read()
-
-    short, longer = body_of(4), body_of(8)
+    # The sizes of this response, from a short version of it read in full: its largest event (the echoed
+    # prompt, with whatever tokens a fast engine coalesced into it) and, per generated token, the bytes of
+    # its 20 alternatives alone, compactly encoded. That is a floor on what each token adds however the
+    # server coalesces tokens into events (it coalesces more on a busy machine, so a difference of two
+    # response lengths, the first way to estimate it, varied from 624 to 238 bytes a token; this floor is
+    # about 270 with the tiny model's short tokens). The whole response is at least the first event plus
+    # max_tokens times that.
+    with httpx.Client(base_url=srv.http_url, timeout=60) as c:
+        with c.stream("POST", "/v1/completions", json={**request, "max_tokens": 8, "temperature": 0}) as r:
+            short = r.read()
     first_event = max(len(e) for e in short.split(b"\n\n")) + 2
-    token_bytes = (len(longer) - len(short)) / 4
-    assert token_bytes > 0, (len(short), len(longer))
-    whole = first_event + 2500 * token_bytes
+    chunks, _ = parse_stream(short)
+    alternatives = [t for ch in chunks for t in ch["choices"][0]["logprobs"]["top_logprobs"]][-8:]
+    token_bytes = min(len(json.dumps(t, separators=(",", ":"))) for t in alternatives)
+    assert token_bytes > 0, alternatives
+    whole = first_event + max_tokens * token_bytes
     # The server sends one event at a time and waits for it to be taken: its backlog is at most the event
     # being sent plus what uvicorn's transport still buffers (its 64 KiB high-water mark plus the previous
     # event). A server that queued events regardless would hold the whole response less what the kernel can
