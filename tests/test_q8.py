@@ -36,7 +36,7 @@ def _reference_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _mm(packed: torch.Tensor, fmt: int, x: torch.Tensor, isa: int = -1) -> torch.Tensor:
-    y = torch.empty(x.shape[0], packed.shape[0])
+    y = torch.full((x.shape[0], packed.shape[0]), float("nan"))  # a row the kernel did not write is not equal
     OPS.qmatmul_(x.contiguous(), packed, PACKED + fmt, y, 0, isa)
     return y
 
@@ -81,6 +81,28 @@ def test_a_rows_bits_do_not_depend_on_m_threads_or_the_build(name):
                         assert torch.equal(_bits(got), _bits(full[5:5 + rows])), (name, k, isa, n_threads, rows)
         finally:
             torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("name", PACKABLE_NAMES)
+def test_a_large_matrix_gives_the_scalar_builds_rows_at_every_m(name):
+    """N = 8192, K = 512: each of two threads reads more than 1 MiB of weights, where the AMX build runs the whole
+    tiles of a call of 48 or more rows as passes of 32 over its panels (q8_amx.cpp, kPassRows); the rows stay the
+    scalar build's."""
+    fmt = FORMAT_IDS[name]
+    threads = torch.get_num_threads()
+    qw = _qweight(fmt, 8192, 512, seed=4)
+    packed = OPS.q8pack(qw.data, fmt, qw.k)
+    x = torch.randn(64, qw.k, generator=torch.Generator().manual_seed(5))
+    full = _mm(packed, fmt, x, 0)
+    try:
+        for isa in BUILDS[1:]:
+            for n_threads in sorted({1, 2, threads}):
+                torch.set_num_threads(n_threads)
+                for rows in (16, 33, 47, 48, 64):
+                    got = _mm(packed, fmt, x[:rows], isa)
+                    assert torch.equal(_bits(got), _bits(full[:rows])), (name, isa, n_threads, rows)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("name", PACKABLE_NAMES)

@@ -12,7 +12,8 @@
 // bytes) with each block's a and b beside them, then each group of 16 activation rows walks the blocks two tiles
 // at a time (two accumulators, so the epilogue of one overlaps the next product), keeping its 16 x 16 float
 // accumulators in registers. A call with one group of rows unpacks each block just ahead of its product instead
-// (panel_one_group).
+// (panel_one_group). Where a call's rows overflow L1 and 32 of them would not, and its weights stream from memory
+// (an LM head), the rows run as passes of 32 over the thread's panels (kPassRows).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -200,6 +201,20 @@ void panel_one_group(const Q8Args& a, int64_t p, uint8_t* ring, BlockScales* sca
   for (int m = 0; m < kRows; ++m) fstore(a.y + m * a.y_stride + p * kPanel, acc[m]);
 }
 
+// Rows [r, M) of a call as a call of their own.
+Q8Args rows_from(const Q8Args& a, int64_t r) {
+  const int64_t blocks = a.K / kBlock;
+  Q8Args rest = a;
+  rest.xq += r * a.K;
+  rest.dx += r * blocks;
+  rest.sxd += r * blocks;
+  rest.sx += r * blocks;
+  rest.sx16 += r * 2 * blocks;
+  rest.y += r * a.y_stride;
+  rest.M = a.M - r;
+  return rest;
+}
+
 template <int BITS, int ZERO, bool MIN, bool SUB, bool KQ>
 void panel(const Q8Args& a, int64_t p, int64_t rows, uint8_t* tiles, BlockScales* scales) {
   const int64_t blocks = a.K / kBlock;
@@ -209,12 +224,6 @@ void panel(const Q8Args& a, int64_t p, int64_t rows, uint8_t* tiles, BlockScales
   const uint8_t* rec = a.w + p * (blocks / per) * a.lay.record;
   for (int64_t c0 = 0; c0 < blocks; c0 += per, rec += a.lay.record)
     for (int i = 0; i < per; ++i) unpack_block<BITS, MIN, SUB, KQ>(rec, i, tiles + 512 * (c0 + i), scales[c0 + i]);
-  // Each block's products are stored one step before its epilogue reads them, and a tile's store is issued after
-  // the previous block's epilogue, not before: the store waits for its product, and an epilogue issued behind that
-  // waiting store did not start until it was done. Issued first, the epilogue of block b - 1 runs while block b's
-  // product is formed (Q4_1, M = 512, K = 576, N = 3072, one thread, Xeon with AMX: 3.63 -> 3.19-3.39 ms; K = 1536,
-  // N = 576: 1.73 -> 1.51 ms). The epilogues still run in ascending block order.
-  alignas(64) int32_t c[2][2][kRows * 16];
   // The next panel's records, over the first group of rows' blocks (prefetch_share).
   const NextPanel next = next_panel(a, p, blocks / per);
   for (int64_t m0 = 0; m0 < rows; m0 += kRows) {
@@ -222,6 +231,7 @@ void panel(const Q8Args& a, int64_t p, int64_t rows, uint8_t* tiles, BlockScales
     for (int m = 0; m < kRows; ++m) acc[m] = fzero();
     const int8_t* x = a.xq + m0 * a.K;
     if constexpr (SUB) {  // one block per step: its two halves in the two tile sets
+      alignas(64) int32_t c[2][2][kRows * 16];
       for (int64_t b = 0; b < blocks; ++b) {
         if (m0 == 0) prefetch_share(next, b, b + 1, blocks);
         int32_t(&out)[2][kRows * 16] = c[b & 1];
@@ -233,40 +243,59 @@ void panel(const Q8Args& a, int64_t p, int64_t rows, uint8_t* tiles, BlockScales
       }
       epilogue<ZERO, MIN, SUB>(a, scales[blocks - 1], c[~blocks & 1][0], c[~blocks & 1][1], m0, blocks - 1, acc);
     } else {  // blocks alternate between the two tile sets; the chain still takes them in ascending order
+      alignas(64) int32_t c2[2][kRows * 16];
       int64_t b = 0;
       for (; b + 2 <= blocks; b += 2) {
         if (m0 == 0) prefetch_share(next, b, b + 2, blocks);
         product0<SIGNED>(x + b * kBlock, a.K, tiles + 512 * b);
-        if (b > 0) epilogue<ZERO, MIN, SUB>(a, scales[b - 1], c[1][0], nullptr, m0, b - 1, acc);
-        _tile_stored(2, c[0][0], 64);
+        if (b > 0) epilogue<ZERO, MIN, SUB>(a, scales[b - 1], c2[1], nullptr, m0, b - 1, acc);
+        _tile_stored(2, c2[0], 64);
         product1<SIGNED>(x + (b + 1) * kBlock, a.K, tiles + 512 * (b + 1));
-        epilogue<ZERO, MIN, SUB>(a, scales[b], c[0][0], nullptr, m0, b, acc);
-        _tile_stored(5, c[1][0], 64);
+        epilogue<ZERO, MIN, SUB>(a, scales[b], c2[0], nullptr, m0, b, acc);
+        _tile_stored(5, c2[1], 64);
       }
       if (b < blocks) {  // an odd count: the last block in the first set
         product0<SIGNED>(x + b * kBlock, a.K, tiles + 512 * b);
-        if (b > 0) epilogue<ZERO, MIN, SUB>(a, scales[b - 1], c[1][0], nullptr, m0, b - 1, acc);
-        _tile_stored(2, c[0][0], 64);
-        epilogue<ZERO, MIN, SUB>(a, scales[b], c[0][0], nullptr, m0, b, acc);
+        if (b > 0) epilogue<ZERO, MIN, SUB>(a, scales[b - 1], c2[1], nullptr, m0, b - 1, acc);
+        _tile_stored(2, c2[0], 64);
+        epilogue<ZERO, MIN, SUB>(a, scales[b], c2[0], nullptr, m0, b, acc);
       } else {
-        epilogue<ZERO, MIN, SUB>(a, scales[b - 1], c[1][0], nullptr, m0, b - 1, acc);
+        epilogue<ZERO, MIN, SUB>(a, scales[b - 1], c2[1], nullptr, m0, b - 1, acc);
       }
     }
     for (int m = 0; m < kRows; ++m) fstore(a.y + (m0 + m) * a.y_stride + p * kPanel, acc[m]);
   }
 }
 
+// Rows per pass over a thread's panels, where a pass's activations and one unpacked panel fit in L1 (kPassL1 bytes)
+// but all rows' do not, and the thread reads more than kPassBytes of weights. SmolLM2-135M's Q8_0 LM head (49152 x
+// 576, 2 threads, Intel Xeon): M = 64 6.6-6.8 -> 4.7-4.75 ms, though each pass reads and unpacks the weights again.
+// In one pass each panel walks all groups of rows, and their activations (37 KiB at M = 64, K = 576) with the
+// unpacked panel overflow L1. The layers' matrices, read from cache (SmolLM2-135M's: under 1 MiB a thread), gained
+// nothing; at K = 2048 (SmolLM2-1.7B's shape) a pass does not fit L1, and two passes cost 18% more.
+constexpr int64_t kPassRows = 32;
+constexpr int64_t kPassL1 = 32 * 1024;
+constexpr int64_t kPassBytes = int64_t(1) << 20;
+
 template <int BITS, int ZERO, bool MIN, bool SUB, bool KQ>
 void matmul_fmt(const Q8Args& a, int64_t rows) {
   const int64_t blocks = a.K / kBlock;
+  constexpr int per = KQ ? 8 : 1;
   std::vector<uint8_t> tiles(static_cast<size_t>(std::max<int64_t>(blocks, 4)) * 512);
   std::vector<BlockScales> scales(static_cast<size_t>(std::max<int64_t>(blocks, 4)));
   configure(SUB ? 16 : kBlock);
-  for (int64_t p = a.p_begin; p < a.p_end; ++p) {
-    if (rows == kRows) {
-      panel_one_group<BITS, ZERO, MIN, SUB, KQ>(a, p, tiles.data(), scales.data());
-    } else {
-      panel<BITS, ZERO, MIN, SUB, KQ>(a, p, rows, tiles.data(), scales.data());
+  const int64_t bytes = (a.p_end - a.p_begin) * (blocks / per) * a.lay.record;  // this thread's weights
+  const bool fits = kPassRows * a.K + blocks * 512 <= kPassL1 && rows * a.K + blocks * 512 > kPassL1;
+  const int64_t pass = fits && bytes > kPassBytes ? kPassRows : rows;
+  for (int64_t r0 = 0; r0 < rows; r0 += pass) {
+    const Q8Args part = rows_from(a, r0);
+    const int64_t n = std::min(pass, rows - r0);
+    for (int64_t p = a.p_begin; p < a.p_end; ++p) {
+      if (n == kRows) {
+        panel_one_group<BITS, ZERO, MIN, SUB, KQ>(part, p, tiles.data(), scales.data());
+      } else {
+        panel<BITS, ZERO, MIN, SUB, KQ>(part, p, n, tiles.data(), scales.data());
+      }
     }
   }
   _tile_release();  // the tile state is the thread's only while it is in use
@@ -288,18 +317,7 @@ void matmul(const Q8Args& a) {
       default: break;  // q8linear.cpp refuses other formats before calling
     }
   }
-  if (rows < a.M) {  // the last M mod 16 rows: the same chain in the VNNI build
-    const int64_t blocks = a.K / kBlock;
-    Q8Args rest = a;
-    rest.xq += rows * a.K;
-    rest.dx += rows * blocks;
-    rest.sxd += rows * blocks;
-    rest.sx += rows * blocks;
-    rest.sx16 += rows * 2 * blocks;
-    rest.y += rows * a.y_stride;
-    rest.M = a.M - rows;
-    avx512::matmul(rest);
-  }
+  if (rows < a.M) avx512::matmul(rows_from(a, rows));  // the last M mod 16 rows: the same chain in the VNNI build
 }
 
 }  // namespace amx
