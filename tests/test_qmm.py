@@ -212,3 +212,38 @@ def test_in_place_log_softmax_is_bitwise_the_out_of_place_one(width):
         y = x.clone()
         OPS.qlog_softmax_(y, isa)
         assert torch.equal(y, OPS.qlog_softmax(x, isa)), isa
+
+
+@pytest.mark.parametrize("width", [1, 15, 16, 200, 49152])  # a tail alone; one vector; a tail of 8; the vocabulary
+def test_argmax_is_numpys_first_maximum_with_nan_the_largest(width):
+    """The engine picks each step's greedy tokens with qargmax: for every build and thread count, the index NumPy's
+    argmax gives (the first maximum; the first NaN where a row has one), on ties, -inf, -0.0 and NaN."""
+    g = torch.Generator().manual_seed(10)
+    x = torch.log_softmax(torch.randn(40, width, generator=g) * 4, dim=-1)
+    x[1] = x[1].max()  # a row of equal values: the first
+    x[2, width // 2:] = x[2].max() + 1  # the maximum repeated from the middle on
+    x[3] = -torch.inf  # every value -inf
+    x[4, -1] = torch.nan  # a NaN at the end beats an earlier maximum
+    x[5, width // 3] = torch.nan  # two NaNs: the first
+    x[5, -1] = torch.nan
+    x[6] = 0.0  # +0.0 and -0.0 are equal: the first
+    x[6, ::2] = -0.0
+    x[7, -1] = 5.0  # the maximum in the tail lanes
+    x[8, 0] = 5.0  # ... and in the first lane
+    want = torch.from_numpy(x.numpy().argmax(axis=1))
+    threads = torch.get_num_threads()
+    try:
+        for isa in BUILDS:
+            for n_threads in sorted({1, threads}):
+                torch.set_num_threads(n_threads)
+                assert torch.equal(OPS.qargmax(x, isa), want), (isa, n_threads)
+                assert torch.equal(OPS.qargmax(x[9:10], isa), want[9:10]), (isa, n_threads)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_argmax_refuses_what_it_cannot_read():
+    with pytest.raises(RuntimeError, match="qargmax: x must be contiguous"):
+        OPS.qargmax(torch.zeros(4, 8, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="qargmax: x must be contiguous"):
+        OPS.qargmax(torch.zeros(8, 4).t())

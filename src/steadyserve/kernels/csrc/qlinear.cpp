@@ -6,6 +6,7 @@
 //   qrms_norm(x, weight, eps, isa), qsilu_mul(gate_up, isa), qgelu_tanh_mul(gate_up, isa), qlog_softmax(x, isa)
 //   qlog_softmax_(x, isa)               the same, in place: each output element is written after its row's
 //                                       max and sum were read, from the input element at the same index
+//   qargmax(x, isa)                     (T,) int64: each row's first NaN, else its first maximum (NumPy's argmax)
 //
 // `isa` picks the build: -1 the best this CPU has (by CPUID), 0 scalar, 1 AVX2, 2 AVX-512;
 // the tests run all three and compare bits. Work is split over threads by output columns
@@ -62,14 +63,15 @@ struct Build {
   decltype(&scalar::log_softmax) log_softmax;
   decltype(&scalar::gelu_tanh_mul) gelu_tanh_mul;
   decltype(&scalar::register_rows) register_rows;
+  decltype(&scalar::argmax) argmax;
 };
 const Build kBuilds[3] = {
     {scalar::matmul, scalar::dequant_rows, scalar::rms_norm, scalar::silu_mul, scalar::log_softmax, scalar::gelu_tanh_mul,
-     scalar::register_rows},
+     scalar::register_rows, scalar::argmax},
     {avx2::matmul, avx2::dequant_rows, avx2::rms_norm, avx2::silu_mul, avx2::log_softmax, avx2::gelu_tanh_mul,
-     avx2::register_rows},
+     avx2::register_rows, avx2::argmax},
     {avx512::matmul, avx512::dequant_rows, avx512::rms_norm, avx512::silu_mul, avx512::log_softmax, avx512::gelu_tanh_mul,
-     avx512::register_rows},
+     avx512::register_rows, avx512::argmax},
 };
 
 // Rows up to which the best build's matmul dequantizes each weight once in registers for all of them: a
@@ -178,6 +180,17 @@ at::Tensor qlog_softmax(const at::Tensor& x, int64_t isa) {
   return y;
 }
 
+at::Tensor qargmax(const at::Tensor& x, int64_t isa) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "qargmax: x must be contiguous (T, V) float32");
+  const int64_t T = x.size(0), V = x.size(1);
+  at::Tensor out = at::empty({T}, x.options().dtype(at::kLong));
+  const int use = pick_isa(isa);
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) { kBuilds[use].argmax(xp, V, op, t0, t1); });
+  return out;
+}
+
 void qlog_softmax_(at::Tensor& x, int64_t isa) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "qlog_softmax_: x must be contiguous (T, V) float32");
   const int64_t T = x.size(0), V = x.size(1);
@@ -198,6 +211,7 @@ TORCH_LIBRARY_FRAGMENT(steadyserve, m) {
   m.def("qlog_softmax(Tensor x, int isa=-1) -> Tensor");
   m.def("qlog_softmax_(Tensor(a!) x, int isa=-1) -> ()");
   m.def("qgelu_tanh_mul(Tensor gate_up, int isa=-1) -> Tensor");
+  m.def("qargmax(Tensor x, int isa=-1) -> Tensor");
   m.def("qmm_isa() -> int", TORCH_FN(qmm_isa));
   m.def("qmm_register_rows() -> int", TORCH_FN(qmm_register_rows));
   m.impl("qmatmul_", c10::DispatchKey::CPU, TORCH_FN(qmatmul_));
@@ -207,6 +221,7 @@ TORCH_LIBRARY_FRAGMENT(steadyserve, m) {
   m.impl("qlog_softmax", c10::DispatchKey::CPU, TORCH_FN(qlog_softmax));
   m.impl("qlog_softmax_", c10::DispatchKey::CPU, TORCH_FN(qlog_softmax_));
   m.impl("qgelu_tanh_mul", c10::DispatchKey::CPU, TORCH_FN(qgelu_tanh_mul));
+  m.impl("qargmax", c10::DispatchKey::CPU, TORCH_FN(qargmax));
 }
 
 namespace steady_ops {  // ops.h: the same functions, for native compositions (forward.cpp)

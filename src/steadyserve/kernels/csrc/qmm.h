@@ -87,6 +87,9 @@ constexpr int64_t kScratchRows = 8;  // dequantized weight rows a thread keeps a
   /* y[t] = (x[t] - max) - log(sum exp(x[t] - max)), rows [t0, t1); y may be x (each y[k] is written after */ \
   /* the row's max and sum were read, from x[k] alone) */                                                  \
   void log_softmax(const float* x, int64_t V, float* y, int64_t t0, int64_t t1);                     \
+  /* out[t] = the index of row t's first NaN if it has one, else of its first maximum (NumPy's argmax), */ \
+  /* rows [t0, t1): comparisons only, so exact */                                                        \
+  void argmax(const float* x, int64_t V, int64_t* out, int64_t t0, int64_t t1);                        \
   }
 
 STEADY_QMM_DECLARE(scalar)

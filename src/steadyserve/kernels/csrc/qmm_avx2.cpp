@@ -60,6 +60,14 @@ inline float hmax(F v) {
   const __m128 m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
   return _mm_cvtss_f32(_mm_max_ss(m2, _mm_shuffle_ps(m2, m2, 1)));
 }
+inline uint32_t fmask_eq(F x, F y) {  // lane i -> bit i
+  return uint32_t(_mm256_movemask_ps(_mm256_cmp_ps(x.a, y.a, _CMP_EQ_OQ))) |
+         uint32_t(_mm256_movemask_ps(_mm256_cmp_ps(x.b, y.b, _CMP_EQ_OQ))) << 8;
+}
+inline uint32_t fmask_nan(F x) {
+  return uint32_t(_mm256_movemask_ps(_mm256_cmp_ps(x.a, x.a, _CMP_UNORD_Q))) |
+         uint32_t(_mm256_movemask_ps(_mm256_cmp_ps(x.b, x.b, _CMP_UNORD_Q))) << 8;
+}
 inline I iset1(int32_t v) { return {_mm256_set1_epi32(v), _mm256_set1_epi32(v)}; }
 inline I ilanes() { return {_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15)}; }
 inline __m128i load8(const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }

@@ -64,6 +64,8 @@ inline void hsum4(F a, F b, F c, F d, float* out) {
   out[0] = lanes[0], out[1] = lanes[4], out[2] = lanes[8], out[3] = lanes[12];
 }
 inline float hmax(F v) { return _mm512_reduce_max_ps(v); }  // exact in any order
+inline uint32_t fmask_eq(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }  // lane i -> bit i
+inline uint32_t fmask_nan(F a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q); }
 inline I iset1(int32_t v) { return _mm512_set1_epi32(v); }
 inline I ilanes() { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
 inline I iload_u8(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }

@@ -364,6 +364,47 @@ void gelu_tanh_mul(const float* gu, int64_t I_, float* y, int64_t t0, int64_t t1
   }
 }
 
+// One pass for the row's maximum and whether it has a NaN, a second up to the maximum's first lane. A row with a
+// NaN (never one log_softmax wrote from finite logits) takes the scalar loop, which is NumPy's definition.
+void argmax(const float* x, int64_t V, int64_t* out, int64_t t0, int64_t t1) {
+  const int64_t full = V - V % 16;
+  for (int64_t t = t0; t < t1; ++t) {
+    const float* xr = x + t * V;
+    uint32_t nan = 0;
+    float mx = -INFINITY;
+    if (full) {
+      F mv = fload(xr);
+      nan |= fmask_nan(mv);
+      for (int64_t k = 16; k < full; k += 16) {
+        const F v = fload(xr + k);
+        nan |= fmask_nan(v);
+        mv = fmax(mv, v);
+      }
+      mx = hmax(mv);
+    }
+    for (int64_t k = full; k < V; ++k) {
+      nan |= xr[k] != xr[k];
+      mx = xr[k] > mx ? xr[k] : mx;
+    }
+    int64_t best = -1;
+    if (nan) {
+      best = 0;
+      for (int64_t k = 0; k < V; ++k) {
+        if (xr[k] != xr[k]) { best = k; break; }
+        if (xr[k] > xr[best]) best = k;
+      }
+    } else {
+      const F M = fset1(mx);
+      for (int64_t k = 0; k < full && best < 0; k += 16) {
+        const uint32_t hit = fmask_eq(fload(xr + k), M);
+        if (hit) best = k + __builtin_ctz(hit);
+      }
+      for (int64_t k = full; k < V && best < 0; ++k) best = xr[k] == mx ? k : -1;
+    }
+    out[t] = best < 0 ? 0 : best;  // V = 0 has no maximum: 0, as an empty row's defined answer
+  }
+}
+
 void log_softmax(const float* x, int64_t V, float* y, int64_t t0, int64_t t1) {
   const int64_t full = V - V % 16;
   for (int64_t t = t0; t < t1; ++t) {

@@ -60,6 +60,8 @@ inline void hsum4(F a, F b, F c, F d, float* out) {  // four of hsum's trees
   out[0] = hsum(a), out[1] = hsum(b), out[2] = hsum(c), out[3] = hsum(d);
 }
 inline float hmax(F x) { float m = x.v[0]; for (int i = 1; i < 16; ++i) m = x.v[i] > m ? x.v[i] : m; return m; }
+inline uint32_t fmask_eq(F a, F b) { uint32_t r = 0; LANES r |= uint32_t(a.v[i] == b.v[i]) << i; return r; }
+inline uint32_t fmask_nan(F a) { uint32_t r = 0; LANES r |= uint32_t(a.v[i] != a.v[i]) << i; return r; }
 inline I iset1(int32_t x) { I r; LANES r.v[i] = x; return r; }
 inline I ilanes() { I r; LANES r.v[i] = i; return r; }
 inline I iload_u8(const uint8_t* p) { I r; LANES r.v[i] = p[i]; return r; }
