@@ -144,7 +144,7 @@ class ModelRunner:
             # the first maximum, a NaN counting as the largest (so a row with a NaN picks one, and the value
             # there says so). NumPy's argmax defines it; the native kernel computes the same on every thread,
             # where NumPy ran on the engine thread alone while the other waited (64 rows of 49152, Intel Xeon:
-            # about 1 ms of a 50 ms step, 2% of its samples).
+            # 0.49 ms on the engine thread, 0.28-0.31 ms on two; one row 2.8 against 7.3 us).
             lp = sample_lp.numpy()  # (S, V), the same memory
             if self.model.native:
                 best_ids = torch.ops.steadyserve.qargmax(sample_lp, -1).numpy()  # (S,)

@@ -124,11 +124,12 @@ inline NextPanel next_panel(const Q8Args& a, int64_t p, int64_t records) {
   return {a.w + (p + 1) * records * a.lay.record, p + 1 < a.p_end ? records * a.lay.record / 64 : 0};
 }
 
-// The next panel's records, requested into L2 while a group of rows runs: the share of blocks [b0, b1) of `blocks`. The VNNI build requests its stream ahead as it unpacks (q8_unpack.h's
-// prefetch_ahead); here the unpack is a short loop of loads and stores before many products, and its hints, issued
-// there in a burst of about ten a block, filled the line-fill buffers and stalled it (the hint loop held 14% of a
-// c=64 decode step's panel samples). Spread over the products instead: Q4_1 at M = 64 (SmolLM2's four matrices,
-// 2 threads, Intel Xeon) 8-10% less time; M = 512 and the LM head unchanged. A hint never changes a value.
+// The next panel's records, requested into L2 while a group of rows runs: the share of blocks [b0, b1) of `blocks`.
+// The VNNI build requests its stream ahead as it unpacks (q8_unpack.h's prefetch_ahead); here the unpack is a short
+// loop of loads and stores before many products, and its hints, issued there in a burst of about ten a block, filled
+// the line-fill buffers and stalled it (the hint loop held 14% of a c=64 decode step's panel samples). Spread over
+// the products instead: Q4_1 at M = 64 (SmolLM2's four matrices, 2 threads, Intel Xeon) 8-10% less time; M = 512 and
+// the LM head unchanged. A hint never changes a value.
 inline void prefetch_share(const NextPanel& next, int64_t b0, int64_t b1, int64_t blocks) {
   for (int64_t l = next.lines * b0 / blocks; l < next.lines * b1 / blocks; ++l)
     _mm_prefetch(reinterpret_cast<const char*>(next.rec + 64 * l), _MM_HINT_T1);
@@ -165,7 +166,8 @@ void panel_one_group(const Q8Args& a, int64_t p, uint8_t* ring, BlockScales* sca
   constexpr bool SIGNED = BITS == 8;
   const uint8_t* rec0 = a.w + p * (blocks / per) * a.lay.record;
   auto unpack_at = [&](int64_t c) {
-    unpack_block<BITS, MIN, SUB, KQ>(rec0 + (c / per) * a.lay.record, int(c % per), ring + 512 * (c & 3), scales[c & 3]);
+    unpack_block<BITS, MIN, SUB, KQ>(rec0 + (c / per) * a.lay.record, int(c % per), ring + 512 * (c & 3),
+                                     scales[c & 3]);
   };
   const NextPanel next = next_panel(a, p, blocks / per);
   alignas(64) int32_t c[2][2][kRows * 16];  // [block parity][half (Q6_K)]
