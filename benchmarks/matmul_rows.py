@@ -85,6 +85,7 @@ def main() -> None:
     print(f"M=1 streams {nbytes / 1e9:.3f} GB in {times[1] * 1e3:.2f} ms: {nbytes / times[1] / 1e9:.1f} GB/s, "
           f"{nbytes / times[1] / bw:.2f} of torch.sum's {bw / 1e9:.1f} GB/s on {a.threads} threads")
     if a.numerics == "int8":  # the slope below sizes the float32 path's register rows; int8's bound is VNNI's
+        against_plain_reads(mats, inputs[1])
         int8_against_vnni_peak(mats, a.threads)
         return
     # the register rows of the build that ran (kSmallM of kernels/csrc/qmm_{scalar,avx2,avx512}.cpp)
@@ -162,6 +163,30 @@ double vnni_peak_gmacs(int64_t threads) {
   return double(threads) * n * 12 * 64 / s / 1e9;
 }
 """
+
+
+def against_plain_reads(mats: list[QMatrix], one_row: tuple[list[torch.Tensor], list[torch.Tensor]]) -> None:
+    """The M = 1 pass against the plainest read of the same bytes in the same calls: one torch.sum per packed
+    matrix, in the pass's order (best of 7 each, alternating). torch.sum over one 1 GiB buffer (the line above)
+    reads in one call per thread; a step reads every matrix (97 of 2-83 MB at the 1.7B shape), each split over the threads, and pays
+    each call's start and join (on the AMD EPYC the per-matrix read ran at 0.77-0.80 of the one-buffer read)."""
+    bufs = [p.data.view(-1)[: p.data.numel() // 4 * 4].view(torch.float32) for q in mats for p in q.parts]
+    nbytes = sum(b.numel() * 4 for b in bufs)
+    xs, ys = one_row
+    best = {"sum": float("inf"), "mm": float("inf")}
+    for rep in range(8):
+        for kind in best:
+            t0 = time.perf_counter()
+            if kind == "sum":
+                for b in bufs:
+                    b.sum()
+            else:
+                for q, x, y in zip(mats, xs, ys):
+                    q(x, -1, y)
+            if rep:
+                best[kind] = min(best[kind], time.perf_counter() - t0)
+    print(f"one torch.sum per packed matrix: {best['sum'] * 1e3:.2f} ms ({nbytes / best['sum'] / 1e9:.1f} GB/s); "
+          f"the M = 1 pass beside it {best['mm'] * 1e3:.2f} ms: {best['sum'] / best['mm']:.2f} of that read")
 
 
 def int8_against_vnni_peak(mats: list[QMatrix], threads: int) -> None:
