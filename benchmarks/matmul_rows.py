@@ -169,8 +169,7 @@ def against_plain_reads(mats: list[QMatrix], one_row: tuple[list[torch.Tensor], 
     """The M = 1 pass against the plainest read of the same bytes in the same calls: one torch.sum per packed
     matrix, in the pass's order (best of 7 each, alternating). torch.sum over one 1 GiB buffer (the line above)
     reads in one call per thread; a step reads every matrix (97 of 2-83 MB at the 1.7B shape), each split over
-    the threads, and pays each call's start and join (on the AMD EPYC the per-matrix read ran at 0.77-0.80 of
-    the one-buffer read)."""
+    the threads, and pays each call's start and join."""
     bufs = [p.data.view(-1)[: p.data.numel() // 4 * 4].view(torch.float32) for q in mats for p in q.parts]
     nbytes = sum(b.numel() * 4 for b in bufs)
     xs, ys = one_row
