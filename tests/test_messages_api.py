@@ -189,12 +189,21 @@ def test_forced_tool_use_whole_and_streamed(srv, client) -> None:
     with client.messages.stream(model="", messages=USER, extra_body={"temperature": 0}, **kw) as s:
         final = s.get_final_message()
     assert [(b.type, b.name, b.input) for b in final.content] == [("tool_use", "get_time", use.input)]
-    # any: a call of one of the tools, held to its schema whatever the sampling.
+    # any: a call of one of the tools, held to its schema whatever the sampling. Sampled, one call: its length is
+    # bounded (a name and an enum, at most about 62 tokens however the sampler splits the text). With parallel calls
+    # the grammar admits any number, and at temperature 1 (no seed in this API) 300 requests gave 1-4 calls of up
+    # to 62 tokens each, so now and then more than max_tokens: an honest "max_tokens" stop, which failed a suite run.
     for _ in range(3):
-        m = create(client, max_tokens=200, temperature=1.0, tools=TOOLS, tool_choice={"type": "any"})
-        assert m.stop_reason == "tool_use" and m.content and all(b.type == "tool_use" for b in m.content)
-        for b in m.content:
-            jsonschema.validate(b.input, WEATHER if b.name == "get_weather" else TIME)
+        m = create(client, max_tokens=200, temperature=1.0, tools=TOOLS,
+                   tool_choice={"type": "any", "disable_parallel_tool_use": True})
+        assert m.stop_reason == "tool_use" and len(m.content) == 1 and m.content[0].type == "tool_use", m
+        b = m.content[0]
+        jsonschema.validate(b.input, WEATHER if b.name == "get_weather" else TIME)
+    # Parallel calls allowed, greedy (the same output every run): calls only, each held to its schema.
+    m = create(client, max_tokens=200, tools=TOOLS, tool_choice={"type": "any"})
+    assert m.stop_reason == "tool_use" and m.content and all(b.type == "tool_use" for b in m.content), m
+    for b in m.content:
+        jsonschema.validate(b.input, WEATHER if b.name == "get_weather" else TIME)
 
 
 def test_tool_choice_none_leaves_the_tools_out(client) -> None:
