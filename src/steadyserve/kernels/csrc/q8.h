@@ -65,6 +65,13 @@ struct PackedLayout {
 // A packed matrix is as large as the GGUF's (K-quants: 2-3% more, the 6-bit scales as bytes).
 bool packed_layout(int32_t ggml_type, PackedLayout* out);
 
+// How far ahead of its reads a thread asks for its weight stream (q8_unpack.h's prefetch_ahead), in bytes; 0: no
+// hint of that kind. A hint never changes a value: the distances are chosen per CPU vendor (q8linear.cpp).
+struct Prefetch {
+  int32_t l1;  // _MM_HINT_T0, into L1
+  int32_t l2;  // _MM_HINT_T1, into L2
+};
+
 // The operands of one packed matmul, for the panels [p_begin, p_end) of one thread.
 struct Q8Args {
   int32_t fmt;            // the GGML type that was packed
@@ -79,6 +86,7 @@ struct Q8Args {
   float* y;               // (M, >= 16 p_end), row stride y_stride floats
   int64_t y_stride;
   int64_t p_begin, p_end;
+  Prefetch ahead;         // this CPU's prefetch distances
 };
 
 // Repacks N rows (N a multiple of 16) of a GGUF matrix into panels (q8_pack.cpp).

@@ -82,13 +82,14 @@ inline void panel_tile(const Q8Args& a, int64_t p, int64_t m0) {
   F acc[MM];
   for (int m = 0; m < MM; ++m) acc[m] = fzero();
   const uint8_t* rec = a.w + p * (blocks / per) * a.lay.record;
+  const Prefetch ahead = a.ahead;  // a copy: the loop's stores to y cannot change it
   for (int64_t c0 = 0; c0 < blocks; c0 += per, rec += a.lay.record) {
     const uint8_t* sc = rec + per * qbytes;  // q8.h's scale fields
     const F d = h2f16(sc);
     const F d2 = MIN ? h2f16(sc + 32) : fzero();  // Q4_1's m, or the K-quants' dmin
     for (int i = 0; i < per; ++i) {
       const int64_t c = c0 + i;
-      if (m0 == 0) prefetch_ahead(rec, a.lay.record, per, i);  // later tiles of rows find the panel in cache
+      if (m0 == 0) prefetch_ahead(rec, a.lay.record, per, i, ahead);  // later tiles of rows find the panel in cache
       W w[8];
       unpack<BITS>(rec + i * qbytes, w);
       F wa = d, wb = d2;

@@ -2,21 +2,23 @@
 // Included by q8_body.h (the VNNI and AVX2 builds) and q8_amx.cpp (which stores the operands as an AMX B tile:
 // operand j is tile row j, 16 columns of 4 bytes), inside the build's namespace after its lane definitions.
 
-// Weights stream from memory once per call, and the hardware prefetcher alone leaves that stream latency-bound.
-// Intel Xeon (2 cores, 2 threads, Q4_K 2048 x 2048 matrices cycled through 470 MB): 16 rows 0.31-0.36 ms and 1 row
-// 0.12-0.14 ms without hints; 0.21-0.23 and 0.10 ms with the L1 hint 2 KiB ahead (1 KiB less or more was slower);
-// 1 row 0.09 ms (26 GB/s, torch.sum reads 29) with the L2 hint 12 KiB ahead beside it. So each block asks for
-// its share of the bytes that far ahead in the stream (records are contiguous, panel after panel). A prefetch is a
-// hint: it never faults, even past the end, and never changes a value.
-constexpr int64_t kPrefetchAhead = 2048;     // into L1
-constexpr int64_t kPrefetchL2Ahead = 12288;  // into L2
+// Weights stream from memory once per call, and the hardware prefetcher alone leaves that stream latency-bound, by
+// how much and with which hint depending on the CPU; q8linear.cpp's prefetch_plan holds the measurements and the
+// distances. Each block asks for its share of the bytes that far ahead in the stream (records are contiguous,
+// panel after panel). A prefetch is a hint: it never faults, even past the end, and never changes a value.
+// One hint, in an asm statement: GCC 12 deletes a loop of __builtin_prefetch (and _mm_prefetch) whose running
+// depends on a value read at run time, as it would a loop with no effect (checked in its assembly: no prefetch left).
+inline void prefetch_t0(const uint8_t* p) { asm volatile("prefetcht0 %0" : : "m"(*p)); }
+inline void prefetch_t1(const uint8_t* p) { asm volatile("prefetcht1 %0" : : "m"(*p)); }
 
-// Block i's share of the record's cache lines (spread over its `per` blocks), that far after rec.
-inline void prefetch_ahead(const uint8_t* rec, int32_t record, int per, int i) {
-  const int32_t lines = (record + 63) / 64;
-  for (int32_t l = lines * i / per; l < lines * (i + 1) / per; ++l) {
-    _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetchAhead + 64 * l), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetchL2Ahead + 64 * l), _MM_HINT_T1);
+// Block i's share of the record's cache lines (spread over its `per` blocks), pf.l1 and pf.l2 bytes after rec.
+inline void prefetch_ahead(const uint8_t* rec, int32_t record, int per, int i, const Prefetch& pf) {
+  const int32_t lines = (record + 63) / 64, l0 = lines * i / per, l1 = lines * (i + 1) / per;
+  if (pf.l1 != 0) {
+    for (int32_t l = l0; l < l1; ++l) prefetch_t0(rec + pf.l1 + 64 * l);
+  }
+  if (pf.l2 != 0) {
+    for (int32_t l = l0; l < l1; ++l) prefetch_t1(rec + pf.l2 + 64 * l);
   }
 }
 
