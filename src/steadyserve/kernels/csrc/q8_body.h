@@ -82,7 +82,7 @@ inline void panel_tile(const Q8Args& a, int64_t p, int64_t m0) {
   F acc[MM];
   for (int m = 0; m < MM; ++m) acc[m] = fzero();
   const uint8_t* rec = a.w + p * (blocks / per) * a.lay.record;
-  const Prefetch ahead = a.ahead;  // a copy: the loop's stores to y cannot change it
+  const Prefetch ahead = a.ahead;  // held in registers for the whole panel
   for (int64_t c0 = 0; c0 < blocks; c0 += per, rec += a.lay.record) {
     const uint8_t* sc = rec + per * qbytes;  // q8.h's scale fields
     const F d = h2f16(sc);

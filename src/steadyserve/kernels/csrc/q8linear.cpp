@@ -47,8 +47,8 @@ bool amx_granted() {
 //   AMD EPYC (family 25 model 17, Zen 4, 2 cores; every packed matrix of a 1.7B-shaped Q4_K_M model, 1.05 GB, at
 //   1 row; the settings alternated in one process, median GB/s of 35-40 rounds in the host's fast minutes): L1 2 KiB
 //   + L2 12 KiB 42.1-43.3; no hint 39.6; the L2 hint alone at 5 KiB 40.7, 6 KiB 44.1-45.4, 6.5 KiB 45.8, 7 KiB
-//   45.2-45.3, 8 KiB 42.7-43.9, 10 KiB 40.5, 12 KiB 42.4; L1 0.5 KiB + L2 6 KiB 42.9. The L1 hint slowed every
-//   shape there (alone, 1 thread: 18-22 GB/s against 17-28 with none).
+//   45.2-45.3, 8 KiB 42.7-43.9, 10 KiB 40.5, 12 KiB 42.4; L1 0.5 KiB + L2 6 KiB 42.9. One thread, the L1 hint
+//   alone: K = 8192 matrices 18.0 GB/s (none 17.3, L2 alone at 12 KiB 26.0), gate|up 22.0 (none 28.2, that 24.6).
 // So AMD CPUs take the L2 hint alone, 7 KiB ahead; others the Xeon's pair.
 Prefetch prefetch_plan() {
   static const Prefetch plan = [] {
