@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -33,10 +34,35 @@ BIN = Path(sys.executable).parent  # ray and serve come with the venv's `steadys
 ENV = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
 
 
+_HANDED_OUT: set[int] = set()  # ports free_port gave this process: never twice
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range, for a Ray process that binds it later.
+
+    A port that bind(0) handed out and took back can be handed to any process that binds port 0 before Ray binds
+    it: a test server on the other pytest worker, or one of Ray's own processes. It happened (one `make test`
+    run in three on an AMD EPYC): the deploy's PUT reached a gRPC server instead of the dashboard and failed with
+    BadStatusLine. Below the ephemeral range (ip_local_port_range) only an explicit bind takes a port, and Ray's
+    worker ports (10002-19999 by default) stay below 20000."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, low) if low > 20100 else 0  # no room below the range: the kernel's choice
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            port = s.getsockname()[1]
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError("no free port below the ephemeral range after 200 tries")
 
 
 def render_config(http_port: int, grpc_port: int, serve_args: list[str], replicas: int | None,
