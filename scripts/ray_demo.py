@@ -49,9 +49,8 @@ def free_port() -> int:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         low = 32768  # Linux's default
-    rng = random.Random()
     for _ in range(200):
-        port = rng.randrange(20000, low) if low > 20100 else 0  # no room below the range: the kernel's choice
+        port = random.randrange(20000, low) if low > 20100 else 0  # no room below the range: the kernel's choice
         if port in _HANDED_OUT:
             continue
         with socket.socket() as s:
