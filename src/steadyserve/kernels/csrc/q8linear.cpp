@@ -16,9 +16,11 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <cstdint>
 #include <cstdlib>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "isa.h"
 #include "q8.h"
@@ -93,27 +95,54 @@ int pick(int64_t isa) {
   return isa < 0 ? best : int(isa);
 }
 
-// Quantized activations of one call (q8.h), owned by the call.
+// Quantized activations of one call (q8.h): (M, K) int8 and per-block (M, K / 32) dx, sxd, sx, (M, K / 16) sx16.
 struct Quantized {
-  at::Tensor xq, dx, sxd, sx, sx16;
+  int8_t* xq;
+  float *dx, *sxd;
+  int32_t *sx, *sx16;
 };
 
-Quantized quantize(const at::Tensor& x, int use) {
-  const int64_t M = x.size(0), K = x.size(1), blocks = K / kBlock;
-  Quantized q{at::empty({M, K}, x.options().dtype(at::kChar)), at::empty({M, blocks}, x.options()),
-              at::empty({M, blocks}, x.options()), at::empty({M, blocks}, x.options().dtype(at::kInt)),
-              at::empty({M, 2 * blocks}, x.options().dtype(at::kInt))};
-  const float* xp = x.data_ptr<float>();
-  int8_t* xq = q.xq.data_ptr<int8_t>();
-  float *dx = q.dx.data_ptr<float>(), *sxd = q.sxd.data_ptr<float>();
-  int32_t *sx = q.sx.data_ptr<int32_t>(), *sx16 = q.sx16.data_ptr<int32_t>();
-  const int64_t stride = x.stride(0);
-  // Rows are independent (each row's blocks alone, q8.h): threads split them, 4 rows at least (a decode step's
-  // 16 rows are two threads' work, not one's while the other waits).
-  at::parallel_for(0, M, 4, [&](int64_t m0, int64_t m1) {
-    kBuilds[use].quantize_rows(xp, stride, K, m0, m1, xq, dx, sxd, sx, sx16);
-  });
+// Bytes of each array of Quantized for M rows of K, in its order, each rounded up to whole cache lines.
+void quantized_sizes(int64_t M, int64_t K, int64_t (&bytes)[5]) {
+  const int64_t blocks = K / kBlock;
+  const int64_t raw[5] = {M * K, 4 * M * blocks, 4 * M * blocks, 4 * M * blocks, 8 * M * blocks};
+  for (int i = 0; i < 5; ++i) bytes[i] = (raw[i] + 63) / 64 * 64;
+}
+
+// The arrays carved from one 64-byte-aligned buffer of at least the sizes' sum.
+Quantized carve(uint8_t* p, const int64_t (&bytes)[5]) {
+  Quantized q{};
+  q.xq = reinterpret_cast<int8_t*>(p);
+  q.dx = reinterpret_cast<float*>(p += bytes[0]);
+  q.sxd = reinterpret_cast<float*>(p += bytes[1]);
+  q.sx = reinterpret_cast<int32_t*>(p += bytes[2]);
+  q.sx16 = reinterpret_cast<int32_t*>(p += bytes[3]);
   return q;
+}
+
+// The calling thread's quantization workspace, reused call after call: a decode step of a 1.7B-shaped model makes
+// about 120 matmul calls, and five at::empty per call (and, for a long prefill, fresh pages from mmap each time)
+// were time outside the weight stream (forward.cpp has the measurement). It grows to the largest call this thread has made (about M * K * 1.6 bytes:
+// the same peak five at::empty reached) and lives as long as the thread.
+Quantized workspace(int64_t M, int64_t K) {
+  thread_local std::vector<uint8_t> ws;
+  int64_t bytes[5];
+  quantized_sizes(M, K, bytes);
+  const size_t need = size_t(bytes[0] + bytes[1] + bytes[2] + bytes[3] + bytes[4] + 64);
+  if (ws.size() < need) ws.resize(need);
+  const auto base = reinterpret_cast<std::uintptr_t>(ws.data());
+  return carve(reinterpret_cast<uint8_t*>((base + 63) & ~std::uintptr_t(63)), bytes);
+}
+
+// Rows are independent (each row's blocks alone, q8.h): threads split them, 4 rows at least (a decode step's
+// 16 rows are two threads' work, not one's while the other waits).
+void quantize(const at::Tensor& x, int use, const Quantized& q) {
+  const int64_t M = x.size(0), K = x.size(1);
+  const float* xp = x.data_ptr<float>();
+  const int64_t stride = x.stride(0);
+  at::parallel_for(0, M, 4, [&](int64_t m0, int64_t m1) {
+    kBuilds[use].quantize_rows(xp, stride, K, m0, m1, q.xq, q.dx, q.sxd, q.sx, q.sx16);
+  });
 }
 
 at::Tensor q8pack(const at::Tensor& w, int64_t fmt, int64_t K) {
@@ -137,8 +166,15 @@ at::Tensor q8pack(const at::Tensor& w, int64_t fmt, int64_t K) {
 std::tuple<at::Tensor, at::Tensor> q8quantize(const at::Tensor& x, int64_t isa) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1 && x.size(1) % kBlock == 0,
               "q8quantize: x must be (M, K) float32 with K a multiple of 32");
-  Quantized q = quantize(x, pick(isa));
-  return {q.xq, q.dx};
+  const int64_t M = x.size(0), K = x.size(1);
+  int64_t bytes[5];
+  quantized_sizes(M, K, bytes);
+  at::Tensor buf = at::empty({bytes[0] + bytes[1] + bytes[2] + bytes[3] + bytes[4]}, x.options().dtype(at::kByte));
+  const Quantized q = carve(buf.data_ptr<uint8_t>(), bytes);  // at::empty's buffers are 64-byte aligned
+  quantize(x, pick(isa), q);
+  at::Tensor xq = buf.narrow(0, 0, M * K).view({M, K}).view(at::kChar);
+  at::Tensor dx = buf.narrow(0, bytes[0], 4 * M * (K / kBlock)).view(at::kFloat).view({M, K / kBlock});
+  return {xq, dx};
 }
 
 int64_t q8_isa() { return best_q8_isa(); }
@@ -160,9 +196,9 @@ void matmul_packed(const at::Tensor& x, const at::Tensor& w, int64_t packed_fmt,
   TORCH_CHECK(y.size(0) == M && col0 >= 0 && col0 + N <= y.size(1), "qmatmul_: y is too small");
   const int use = pick(isa);
   if (M == 0 || N == 0) return;
-  const Quantized q = quantize(x, use);
-  Q8Args base{fmt, lay, q.xq.data_ptr<int8_t>(), q.dx.data_ptr<float>(), q.sxd.data_ptr<float>(),
-              q.sx.data_ptr<int32_t>(), q.sx16.data_ptr<int32_t>(), M, K, w.data_ptr<uint8_t>(),
+  const Quantized q = workspace(M, K);
+  quantize(x, use, q);
+  Q8Args base{fmt, lay, q.xq, q.dx, q.sxd, q.sx, q.sx16, M, K, w.data_ptr<uint8_t>(),
               y.data_ptr<float>() + col0, y.stride(0), 0, 0, prefetch_plan()};
   at::parallel_for(0, N / kPanel, 1, [&](int64_t p0, int64_t p1) {
     Q8Args a = base;

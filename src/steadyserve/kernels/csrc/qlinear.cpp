@@ -131,35 +131,57 @@ at::Tensor qdequant(const at::Tensor& w, int64_t fmt, int64_t K, const at::Tenso
   return out;
 }
 
-at::Tensor qrms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, int64_t isa) {
+// y = rms_norm(x) row by row; y (T, D) float32 with unit column stride, and may be x itself (each row is read
+// whole for its sum of squares before any of it is written).
+void qrms_norm_into(const at::Tensor& x, const at::Tensor& weight, double eps, int64_t isa, at::Tensor& y) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1, "qrms_norm: x must be (T, D) float32");
   const int64_t T = x.size(0), D = x.size(1);
   TORCH_CHECK(D % 16 == 0, "qrms_norm: D must be a multiple of 16");
   TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == D, "qrms_norm: weight must be (D,) float32");
-  at::Tensor y = at::empty({T, D}, x.options());
+  TORCH_CHECK(y.scalar_type() == at::kFloat && y.dim() == 2 && y.size(0) == T && y.size(1) == D && y.stride(1) == 1,
+              "qrms_norm: y must be (T, D) float32");
   const int use = pick_isa(isa);
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const float e = float(eps);
+  const int64_t x_stride = x.stride(0), y_stride = y.stride(0);
   at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
-    kBuilds[use].rms_norm(xp, x.stride(0), wp, e, D, yp, t0, t1);
+    if (y_stride == D) {
+      kBuilds[use].rms_norm(xp, x_stride, wp, e, D, yp, t0, t1);
+    } else {  // a row at a time into a strided y (the kernel writes rows D apart)
+      for (int64_t t = t0; t < t1; ++t) kBuilds[use].rms_norm(xp + t * x_stride, x_stride, wp, e, D, yp + t * y_stride, 0, 1);
+    }
   });
+}
+
+at::Tensor qrms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, int64_t isa) {
+  TORCH_CHECK(x.dim() == 2, "qrms_norm: x must be (T, D) float32");
+  at::Tensor y = at::empty({x.size(0), x.size(1)}, x.options());
+  qrms_norm_into(x, weight, eps, isa, y);
   return y;
 }
 
-at::Tensor gated_act(const at::Tensor& gate_up, int64_t isa, bool gelu) {
+// y = act(gate) * up; y (T, I) contiguous float32.
+void gated_act_into(const at::Tensor& gate_up, int64_t isa, bool gelu, at::Tensor& y) {
   const char* name = gelu ? "qgelu_tanh_mul" : "qsilu_mul";
   TORCH_CHECK(gate_up.scalar_type() == at::kFloat && gate_up.dim() == 2 && gate_up.is_contiguous(),
               name, ": gate_up must be contiguous (T, 2 * I) float32");
   const int64_t T = gate_up.size(0), I2 = gate_up.size(1);
   TORCH_CHECK(I2 % 32 == 0, name, ": I (half the width) must be a multiple of 16");
-  at::Tensor y = at::empty({T, I2 / 2}, gate_up.options());
+  TORCH_CHECK(y.scalar_type() == at::kFloat && y.is_contiguous() && y.dim() == 2 && y.size(0) == T && y.size(1) == I2 / 2,
+              name, ": y must be contiguous (T, I) float32");
   const int use = pick_isa(isa);
   const float* gp = gate_up.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const auto fn = gelu ? kBuilds[use].gelu_tanh_mul : kBuilds[use].silu_mul;
   at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) { fn(gp, I2 / 2, yp, t0, t1); });
+}
+
+at::Tensor gated_act(const at::Tensor& gate_up, int64_t isa, bool gelu) {
+  TORCH_CHECK(gate_up.dim() == 2, gelu ? "qgelu_tanh_mul" : "qsilu_mul", ": gate_up must be contiguous (T, 2 * I) float32");
+  at::Tensor y = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  gated_act_into(gate_up, isa, gelu, y);
   return y;
 }
 
@@ -231,6 +253,12 @@ void qmatmul_into(const at::Tensor& x, const at::Tensor& w, int64_t fmt, at::Ten
 at::Tensor qrms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, int64_t isa) {
   return ::qrms_norm(x, weight, eps, isa);
 }
+void qrms_norm_into(const at::Tensor& x, const at::Tensor& weight, double eps, int64_t isa, at::Tensor& y) {
+  ::qrms_norm_into(x, weight, eps, isa, y);
+}
 at::Tensor qsilu_mul(const at::Tensor& gate_up, int64_t isa) { return ::qsilu_mul(gate_up, isa); }
 at::Tensor qgelu_tanh_mul(const at::Tensor& gate_up, int64_t isa) { return ::qgelu_tanh_mul(gate_up, isa); }
+void gated_act_into(const at::Tensor& gate_up, bool gelu, int64_t isa, at::Tensor& y) {
+  ::gated_act_into(gate_up, isa, gelu, y);
+}
 }  // namespace steady_ops
