@@ -311,11 +311,14 @@ def _sse_thread(url: str, body: dict, out: dict, key: int) -> threading.Thread:
     return t
 
 
-def test_sigterm_drains_20_streams_refuses_new_and_exits_0(tiny_model: str):
-    with ServerProcess(tiny_model, "--grpc-port", "-1", "--max-num-seqs", "8", "--max-queue", "16",
+def test_sigterm_drains_20_streams_refuses_new_and_exits_0(long_model: str):
+    # The checks below run while the server drains, so the drain must outlast them: 20 streams of 500 tokens, 8 at
+    # a time, are 1,500 engine steps (2.0-2.2 s here, AMD EPYC; the checks take tens of ms). With 100 tokens the
+    # drain took 0.6 s, and once, under make test's load, the server had exited before the last check.
+    with ServerProcess(long_model, "--grpc-port", "-1", "--max-num-seqs", "8", "--max-queue", "16",
                        "--drain-timeout", "60", threads=1) as srv:
         results: dict[int, tuple] = {}
-        body = {"prompt": "drain me", "max_tokens": 100, "ignore_eos": True,
+        body = {"prompt": "drain me", "max_tokens": 500, "ignore_eos": True,
                 "stream_options": {"include_usage": True}}
         threads = [_sse_thread(srv.http_url, {**body, "seed": i}, results, i) for i in range(20)]
         wait_for(lambda: srv.metric("steadyserve_requests_admitted_total", transport="http") >= 20, 30,
@@ -346,7 +349,7 @@ def test_sigterm_drains_20_streams_refuses_new_and_exits_0(tiny_model: str):
             assert status == 200 and done, (i, status, chunks)
             final = [c for c in chunks if c["choices"]][-1]
             assert final["choices"][0]["finish_reason"] == "length", i
-            assert chunks[-1]["usage"]["completion_tokens"] == 100, i
+            assert chunks[-1]["usage"]["completion_tokens"] == 500, i
             assert not any("error" in c for c in chunks), i
 
 
