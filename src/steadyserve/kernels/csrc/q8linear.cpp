@@ -122,8 +122,8 @@ Quantized carve(uint8_t* p, const int64_t (&bytes)[5]) {
 
 // The calling thread's quantization workspace, reused call after call: a decode step of a 1.7B-shaped model makes
 // about 120 matmul calls, and five at::empty per call (and, for a long prefill, fresh pages from mmap each time)
-// were time outside the weight stream (forward.cpp has the measurement). It grows to the largest call this thread has made (about M * K * 1.6 bytes:
-// the same peak five at::empty reached) and lives as long as the thread.
+// were time outside the weight stream (forward.cpp has the measurement). It grows to the largest call this thread
+// has made (1.625 M K bytes: the peak the five at::empty reached) and lives as long as the thread.
 Quantized workspace(int64_t M, int64_t K) {
   thread_local std::vector<uint8_t> ws;
   int64_t bytes[5];

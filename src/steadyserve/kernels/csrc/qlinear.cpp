@@ -131,27 +131,22 @@ at::Tensor qdequant(const at::Tensor& w, int64_t fmt, int64_t K, const at::Tenso
   return out;
 }
 
-// y = rms_norm(x) row by row; y (T, D) float32 with unit column stride, and may be x itself (each row is read
-// whole for its sum of squares before any of it is written).
+// y = rms_norm(x) row by row into y (T, D) contiguous float32, which may be x itself: the kernel reads a row whole
+// for its sum of squares before it writes any of it, then each element once.
 void qrms_norm_into(const at::Tensor& x, const at::Tensor& weight, double eps, int64_t isa, at::Tensor& y) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1, "qrms_norm: x must be (T, D) float32");
   const int64_t T = x.size(0), D = x.size(1);
   TORCH_CHECK(D % 16 == 0, "qrms_norm: D must be a multiple of 16");
   TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == D, "qrms_norm: weight must be (D,) float32");
-  TORCH_CHECK(y.scalar_type() == at::kFloat && y.dim() == 2 && y.size(0) == T && y.size(1) == D && y.stride(1) == 1,
-              "qrms_norm: y must be (T, D) float32");
+  TORCH_CHECK(y.scalar_type() == at::kFloat && y.dim() == 2 && y.size(0) == T && y.size(1) == D && y.is_contiguous(),
+              "qrms_norm: y must be contiguous (T, D) float32");
   const int use = pick_isa(isa);
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const float e = float(eps);
-  const int64_t x_stride = x.stride(0), y_stride = y.stride(0);
   at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
-    if (y_stride == D) {
-      kBuilds[use].rms_norm(xp, x_stride, wp, e, D, yp, t0, t1);
-    } else {  // a row at a time into a strided y (the kernel writes rows D apart)
-      for (int64_t t = t0; t < t1; ++t) kBuilds[use].rms_norm(xp + t * x_stride, x_stride, wp, e, D, yp + t * y_stride, 0, 1);
-    }
+    kBuilds[use].rms_norm(xp, x.stride(0), wp, e, D, yp, t0, t1);
   });
 }
 
