@@ -184,7 +184,7 @@ class NativeLayers : public torch::CustomClassHolder {
         at::Tensor rows = x.narrow(0, r0, n), normed_rows = normed.narrow(0, r0, n), down = out.narrow(0, r0, n);
         at::Tensor gu = rows_of(gate_up, n, L.w_gate_up.n), a = rows_of(act, n, L.w_gate_up.n / 2);
         linear_into(L.w_gate_up, pre_norm_ ? norm_into(rows, L.post_norm, normed_rows) : rows, gu);
-        steady_ops::gated_act_into(gu, gelu_, -1, a);
+        steady_ops::gated_act_into(gu, -1, gelu_, a);
         linear_into(L.w_down, a, down);  // (n, hidden)
         add_residual(rows, down, L.mlp_out_norm);
       }

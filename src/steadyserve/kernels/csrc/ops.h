@@ -15,12 +15,9 @@ void qmatmul_into(const at::Tensor& x, const at::Tensor& w, int64_t fmt, at::Ten
 at::Tensor qrms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, int64_t isa);
 // The same into y (T, D) contiguous, which may be x itself.
 void qrms_norm_into(const at::Tensor& x, const at::Tensor& weight, double eps, int64_t isa, at::Tensor& y);
-// (T, 2I) -> (T, I): silu(gate) * up (steadyserve::qsilu_mul).
-at::Tensor qsilu_mul(const at::Tensor& gate_up, int64_t isa);
-// (T, 2I) -> (T, I): gelu_tanh(gate) * up (steadyserve::qgelu_tanh_mul).
-at::Tensor qgelu_tanh_mul(const at::Tensor& gate_up, int64_t isa);
-// Either of the two into y (T, I) contiguous: gelu_tanh when `gelu`, else silu.
-void gated_act_into(const at::Tensor& gate_up, bool gelu, int64_t isa, at::Tensor& y);
+// (T, 2I) -> y (T, I) contiguous: gelu_tanh(gate) * up when `gelu` (steadyserve::qgelu_tanh_mul), else
+// silu(gate) * up (steadyserve::qsilu_mul).
+void gated_act_into(const at::Tensor& gate_up, int64_t isa, bool gelu, at::Tensor& y);
 // RoPE in place on heads [0, num_heads) of each row (steadyserve::rope_).
 void rope_inplace(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads);
 // Causal attention over the paged cache (steadyserve::paged_attention); softcap 0 for none.

@@ -166,14 +166,12 @@ at::Tensor q8pack(const at::Tensor& w, int64_t fmt, int64_t K) {
 std::tuple<at::Tensor, at::Tensor> q8quantize(const at::Tensor& x, int64_t isa) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1 && x.size(1) % kBlock == 0,
               "q8quantize: x must be (M, K) float32 with K a multiple of 32");
-  const int64_t M = x.size(0), K = x.size(1);
-  int64_t bytes[5];
-  quantized_sizes(M, K, bytes);
-  at::Tensor buf = at::empty({bytes[0] + bytes[1] + bytes[2] + bytes[3] + bytes[4]}, x.options().dtype(at::kByte));
-  const Quantized q = carve(buf.data_ptr<uint8_t>(), bytes);  // at::empty's buffers are 64-byte aligned
-  quantize(x, pick(isa), q);
-  at::Tensor xq = buf.narrow(0, 0, M * K).view({M, K}).view(at::kChar);
-  at::Tensor dx = buf.narrow(0, bytes[0], 4 * M * (K / kBlock)).view(at::kFloat).view({M, K / kBlock});
+  const int64_t M = x.size(0), K = x.size(1), blocks = K / kBlock;
+  at::Tensor xq = at::empty({M, K}, x.options().dtype(at::kChar)), dx = at::empty({M, blocks}, x.options());
+  at::Tensor sxd = at::empty({M, blocks}, x.options()), sx = at::empty({M, blocks}, x.options().dtype(at::kInt));
+  at::Tensor sx16 = at::empty({M, 2 * blocks}, x.options().dtype(at::kInt));
+  quantize(x, pick(isa), Quantized{xq.data_ptr<int8_t>(), dx.data_ptr<float>(), sxd.data_ptr<float>(),
+                                   sx.data_ptr<int32_t>(), sx16.data_ptr<int32_t>()});
   return {xq, dx};
 }
 

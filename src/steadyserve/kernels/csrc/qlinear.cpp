@@ -251,9 +251,7 @@ at::Tensor qrms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, 
 void qrms_norm_into(const at::Tensor& x, const at::Tensor& weight, double eps, int64_t isa, at::Tensor& y) {
   ::qrms_norm_into(x, weight, eps, isa, y);
 }
-at::Tensor qsilu_mul(const at::Tensor& gate_up, int64_t isa) { return ::qsilu_mul(gate_up, isa); }
-at::Tensor qgelu_tanh_mul(const at::Tensor& gate_up, int64_t isa) { return ::qgelu_tanh_mul(gate_up, isa); }
-void gated_act_into(const at::Tensor& gate_up, bool gelu, int64_t isa, at::Tensor& y) {
+void gated_act_into(const at::Tensor& gate_up, int64_t isa, bool gelu, at::Tensor& y) {
   ::gated_act_into(gate_up, isa, gelu, y);
 }
 }  // namespace steady_ops
