@@ -3,7 +3,8 @@
 build_app's arguments (the one config tree: `steadyserve serve` flags, validated before deploying),
 the Ray options derived from them, the gRPC messages pickling (Ray's gRPC proxy pickles each request
 to its replica), the ingress ending a stream whose replica is lost with an explicit error event, and the
-replica grouping the gRPC messages that wait for Ray into one.
+replica grouping the gRPC messages that wait for Ray into one, and the replica's connections to its child
+server expiring before the server closes them.
 """
 
 from __future__ import annotations
@@ -11,13 +12,16 @@ from __future__ import annotations
 import asyncio
 import json
 import pickle
+import socket
+import time
 
 import pytest
 
 from steadyserve.api.protos.steadyserve.v1 import inference_pb2
 from steadyserve.ray.app import RayAppArgs, build_app, engine_options, parse_serve_args
 from steadyserve.ray.ingress import relay_events
-from steadyserve.ray.replica import _arrived, merge_batches
+from steadyserve.limits import HTTP_KEEP_ALIVE_S, POOLED_IDLE_S
+from steadyserve.ray.replica import _arrived, child_client, merge_batches
 from steadyserve.tools.sse_client import StreamResult, _on_event
 
 
@@ -179,3 +183,46 @@ def test_a_consumer_that_leaves_cancels_the_call() -> None:
     call = _Call([(0, b"a"), (10, b"never")])
     asyncio.run(leave(call))
     assert call.cancelled
+
+
+def _idle_until_closed(host: str, port: int) -> float:
+    """Seconds a kept-alive connection stays open after one answered request, until the server closes it."""
+    with socket.create_connection((host, port), timeout=HTTP_KEEP_ALIVE_S + 10) as s:
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: test\r\n\r\n")
+        got = b""
+        while b"\r\n\r\n" not in got:
+            got += s.recv(65536)
+        head, body = got.split(b"\r\n\r\n", 1)
+        length = int(next(line.split(b":", 1)[1] for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length:")))
+        while len(body) < length:
+            body += s.recv(65536)
+        start = time.monotonic()
+        assert s.recv(1) == b"", "the server sent more than one answer"
+        return time.monotonic() - start
+
+
+def test_the_replica_drops_idle_connections_before_its_child_server_closes_them(server) -> None:
+    """The child (`steadyserve serve`) closes a connection idle HTTP_KEEP_ALIVE_S; the replica's client drops its
+    own after POOLED_IDLE_S, so it never sends a request on one the server is closing. With both at 5 s, CI's Ray
+    test saw httpx.ReadError on a pooled connection, twice in a row, and a 503 replica_lost."""
+    host, port = server.http_url.removeprefix("http://").rsplit(":", 1)
+    closed = _idle_until_closed(host, int(port))
+    assert 2 * POOLED_IDLE_S < HTTP_KEEP_ALIVE_S - 0.5 < closed < HTTP_KEEP_ALIVE_S + 2, closed
+
+    async def local_ports(pause: float) -> tuple[int, int]:
+        async with child_client(server.http_url) as client:
+            ports = []
+            for wait in (0, pause):
+                await asyncio.sleep(wait)
+                async with client.stream("GET", "/healthz") as r:
+                    assert r.status_code == 200
+                    ports.append(r.extensions["network_stream"].get_extra_info("client_addr")[1])
+                    await r.aread()
+            return ports[0], ports[1]
+
+    reused = asyncio.run(local_ports(0.0))
+    assert reused[0] == reused[1], reused  # kept alive: the test can tell a reused connection
+    # Idle longer than POOLED_IDLE_S but well inside the server's keep-alive: a new connection all the same.
+    expired = asyncio.run(local_ports(2 * POOLED_IDLE_S))
+    assert expired[0] != expired[1], expired

@@ -26,6 +26,14 @@ CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")  # who may spe
 # Tokens generated when the request names no max_tokens (never more than --max-tokens-cap or the context leaves).
 DEFAULT_MAX_TOKENS = {"completion": 16, "chat": 512}
 
+# ---- connection limits ------------------------------------------------------------------------------------------
+# The HTTP server closes a kept-alive connection idle this long. A client that pools connections to it (the Ray
+# replica's, to its child server) drops its own idle ones after POOLED_IDLE_S, well before: at equal timeouts the
+# client reuses a connection in the instant the server closes it, and the request fails (httpx.ReadError) before
+# the server read it.
+HTTP_KEEP_ALIVE_S = 5.0
+POOLED_IDLE_S = 1.0
+
 # The metrics' labels of steadyserve_requests_rejected_total. A refusal whose reason is not one of them
 # (invalid_value, model_not_found, invalid_json, ...) is counted as "invalid".
 REJECT_REASONS = ("overloaded", "too_long", "invalid", "draining", "dead", "unauthenticated")

@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterator
 import uvicorn
 
 from ..config import Config
+from ..limits import HTTP_KEEP_ALIVE_S
 from ..metrics import sample_loop_lag
 from ..ready_file import write_ready_file
 from .console import mount_console
@@ -140,7 +141,7 @@ class Server:
         ucfg = uvicorn.Config(Envelope(app, state), log_config=None, access_log=False,
                               lifespan="off", ws_max_size=sc.max_request_bytes, timeout_graceful_shutdown=3,
                               ssl_certfile=sc.tls_cert or None, ssl_keyfile=sc.tls_key or None,
-                              timeout_keep_alive=5)
+                              timeout_keep_alive=HTTP_KEEP_ALIVE_S)
         self._http = _Uvicorn(ucfg)
         self._http_task = asyncio.create_task(self._http.serve(sockets=[sock]))
         grpc_port = -1

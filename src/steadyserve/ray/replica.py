@@ -23,6 +23,7 @@ import websockets
 
 from ..api.grpc import SERVICE
 from ..api.protos.steadyserve.v1.inference_pb2 import GenerateResponse
+from ..limits import POOLED_IDLE_S
 from .child import ChildServer
 
 log = logging.getLogger("steadyserve.ray")
@@ -43,6 +44,15 @@ def _replica_id() -> str:
         return "local"
 
 
+def child_client(url: str) -> httpx.AsyncClient:
+    """The replica's HTTP client to its child server. No timeouts: the child bounds every request itself (stall
+    and drain timeouts, deadlines). Idle connections are dropped after POOLED_IDLE_S, before the server's own
+    keep-alive timeout closes them under a request."""
+    return httpx.AsyncClient(base_url=url, timeout=None,
+                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64,
+                                                 keepalive_expiry=POOLED_IDLE_S))
+
+
 class EngineReplica:
     """One engine: its child server, and the forwarding of HTTP, WebSocket and gRPC calls to it."""
 
@@ -60,9 +70,7 @@ class EngineReplica:
 
     def _client(self) -> httpx.AsyncClient:
         if self._http is None:
-            # No timeouts: the child bounds every request itself (stall and drain timeouts, deadlines).
-            self._http = httpx.AsyncClient(base_url=self.address.http_url, timeout=None,
-                                           limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+            self._http = child_client(self.address.http_url)
         return self._http
 
     async def http_request(self, method: str, path: str, query: str, headers: list[tuple[str, str]],
