@@ -53,8 +53,9 @@ nginx:
 # TEST_WORKERS processes (pytest-xdist), each running whole test files (a file's servers stay in its process):
 # most tests wait on a server, so 2 fill a 2-core CI machine (16.4 -> 10.4 min on one); 0 runs in one process.
 TEST_WORKERS ?= 2
+# --durations: the slowest tests, printed at the end, show where the run's time goes on the machine at hand.
 test: install browser nginx
-	STEADYSERVE_STRICT_SKIPS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(ARGS)
+	STEADYSERVE_STRICT_SKIPS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=25 $(ARGS)
 
 test-fast: install
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not slow" $(ARGS)
