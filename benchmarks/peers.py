@@ -88,8 +88,9 @@ class Peer:
                 return
             except OSError:
                 time.sleep(0.25)
+        tail = self.log_tail()  # stop() removes the log
         self.stop()
-        raise RuntimeError(f"{name} did not answer {health} in {startup_timeout:.0f} s:\n{self.log_tail()}")
+        raise RuntimeError(f"{name} did not answer {health} in {startup_timeout:.0f} s:\n{tail}")
 
     @property
     def pid(self) -> int:

@@ -18,7 +18,7 @@ import torch
 from test_qmm import _qweight, _reference_values
 
 from steadyserve.kernels import load
-from steadyserve.kernels.quant import FORMAT_IDS, PACKABLE, PACKED, QMatrix
+from steadyserve.kernels.quant import FORMAT_IDS, FORMATS, PACKABLE, PACKED, QMatrix
 
 pytestmark = pytest.mark.skipif(not load().available, reason="native kernels not built")
 OPS = torch.ops.steadyserve
@@ -119,6 +119,34 @@ def test_the_integer_sums_are_exact_dot_products_of_the_quantized_operands(name)
     got = _mm(packed, fmt, x).double()
     scale = (x_dq.abs() @ _reference_values(qw).double().abs().T)  # the sum of |terms|: the rounding's scale
     assert ((got - ref).abs() <= 1e-6 * scale + 1e-30).all(), name
+
+
+# Each format's stored-integer bytes within its GGUF block: set to EXTREME, every stored integer is its largest
+# (15, 31, 63), or for Q8_0 -128 (|w| = 128, the sign trick's largest operand). The scale fields stay sane.
+QUANT_BYTES = {"Q4_0": (2, 18), "Q4_1": (4, 20), "Q5_0": (2, 22), "Q8_0": (2, 34), "Q4_K": (16, 144),
+               "Q5_K": (16, 176), "Q6_K": (0, 192)}
+EXTREME = {"Q8_0": 0x80}
+
+
+@pytest.mark.parametrize("name", PACKABLE_NAMES)
+def test_the_largest_integer_sums_do_not_overflow_a_builds_partial_sums(name):
+    """A build may add integer products in lanes narrower than int32 (AVX2: int16, up to kSumRun quads before
+    widening; q8_avx2.cpp shows the bounds). With every stored integer at its largest and every activation at +-127,
+    each sum is its format's bound; a run one quad too long wraps and the row differs from the scalar build's."""
+    fmt = FORMAT_IDS[name]
+    qw = _qweight(fmt, 32, 512, seed=14)
+    start, end = QUANT_BYTES[name]
+    blocks = qw.data.view(qw.n, qw.k // FORMATS[fmt][1], FORMATS[fmt][2])
+    blocks[..., start:end] = EXTREME.get(name, 0xFF)
+    packed = OPS.q8pack(qw.data, fmt, qw.k)
+    x = torch.ones(8, qw.k)
+    x[1::2] = -1.0  # every q = +127, or -127: the products all of one sign
+    x[2, :256] = -1.0  # and a row of both
+    want = _mm(packed, fmt, x, 0)
+    assert torch.isfinite(want).all()
+    for isa in BUILDS[1:]:
+        for rows in (1, 3, 8):  # decode's one row and the tiles' heights
+            assert torch.equal(_bits(_mm(packed, fmt, x[:rows], isa)), _bits(want[:rows])), (name, isa, rows)
 
 
 @pytest.mark.parametrize("name", PACKABLE_NAMES)

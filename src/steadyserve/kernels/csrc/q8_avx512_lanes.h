@@ -18,10 +18,17 @@ inline W wsrl16(W w, int n) { return _mm512_srli_epi16(w, unsigned(n)); }
 inline W wsll16(W w, int n) { return _mm512_slli_epi16(w, unsigned(n)); }
 inline W wor(W a, W b) { return _mm512_or_si512(a, b); }
 inline I izero() { return _mm512_setzero_si512(); }
-inline I dot(I acc, W w, int32_t x4) { return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(x4)); }
-inline I dot_signed(I acc, W w, int32_t x4) {
+// vpdpbusd sums straight into int32 lanes: the partial sums S are int32 already, all 8 quads of a block go into one,
+// and widen is a plain add (of the tile's zero, which the compiler drops).
+using S = __m512i;
+template <int BITS>
+constexpr int kSumRun = 8;
+inline S szero() { return _mm512_setzero_si512(); }
+inline S sdot(S acc, W w, int32_t x4) { return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(x4)); }
+inline S sdot_signed(S acc, W w, int32_t x4) {
   return _mm512_dpbusd_epi32(acc, _mm512_xor_si512(w, _mm512_set1_epi8(char(0x80))), _mm512_set1_epi32(x4));
 }
+inline I widen(I acc, S s) { return _mm512_add_epi32(acc, s); }
 inline I isub_bcast(I a, int32_t v) { return _mm512_sub_epi32(a, _mm512_set1_epi32(v)); }
 inline I i8load(const uint8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline F f_of_i(I a) { return _mm512_cvtepi32_ps(a); }  // round to nearest even, as float(int) in C++

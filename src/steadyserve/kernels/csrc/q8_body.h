@@ -2,13 +2,17 @@
 //
 // Included by q8_avx2.cpp and q8_avx512.cpp inside their namespace, after each has defined:
 //   W (64 bytes: 16 panel rows x 4 values), I (16 int32), F (16 float) and
-//   wload wand wsrl16 wsll16 wor | dot dot_signed kSignedBias izero isub_bcast i8load | f_of_i fmul_bcast fzero
-//   fmul fneg h2f16 (16 binary16, exactly) u8f (16 bytes as floats) ffma ffma_bcast fstore, and the tile height kMM.
-// dot(acc, w, x4) adds to each lane r the sum of w's 4 unsigned bytes of row r times the 4 signed bytes
-// of x4; dot_signed does the same with w's bytes signed (Q8_0), plus kSignedBias times the sum of x4 (a
-// build may add 128 to each byte to use an unsigned product; tile_dots takes it off). Both are exact integer sums: how a build
-// forms them (vpdpbusd, maddubs/madd) never changes a value. The float part is q8.h's chain, one
-// IEEE operation per lane per step, in the scalar build's order.
+//   wload wand wsrl16 wsll16 wor | S szero sdot sdot_signed widen kSumRun kSignedBias izero isub_bcast i8load |
+//   f_of_i fmul_bcast fzero fmul fneg h2f16 (16 binary16, exactly) u8f (16 bytes as floats) ffma ffma_bcast fstore,
+//   and the tile height kMM.
+// sdot(s, w, x4) adds to the partial sums s, for each panel row r, the 4 unsigned bytes of w's row r times the 4
+// signed bytes of x4; sdot_signed does the same with w's bytes signed (Q8_0), plus kSignedBias times the sum of x4 (a
+// build may add 128 to each byte to use an unsigned product; tile_dots takes it off). widen(acc, s) adds each row's
+// partial sums into its int32 lane of acc. A build may keep partial sums narrower than int32 (AVX2: int16 lanes, so
+// one madd widens kSumRun<BITS> maddubs results, not one each); kSumRun<BITS> quads at most go into one S, the count
+// whose sum the build shows cannot overflow S. All are exact integer sums: how a build forms them (vpdpbusd,
+// maddubs/madd, in any grouping) never changes a value. The float part is q8.h's chain, one IEEE operation per lane
+// per step, in the scalar build's order.
 
 #include "q8_unpack.h"
 
@@ -24,19 +28,28 @@ inline void sub_block_floats(const W (&w)[8], const int8_t* x, int64_t K, const 
   constexpr int R = MM < 4 ? MM : 4;  // rows per pass: 2 R chains, the 8 operands and the tile's accumulators fit
 #pragma GCC unroll 2
   for (int m0 = 0; m0 < MM; m0 += R) {
+    constexpr int run = kSumRun<6> < 4 ? kSumRun<6> : 4;  // quads per partial sum (4 in each half)
     I lo[R], hi[R];
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) lo[r] = izero(), hi[r] = izero();
 #pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) {
+    for (int j0 = 0; j0 < 4; j0 += run) {
+      S slo[R], shi[R];
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        if (m0 + r < MM) {
-          const int8_t* xr = x + (m0 + r) * K;
-          lo[r] = dot(lo[r], w[j], x4_at(xr + 4 * j));
-          hi[r] = dot(hi[r], w[j + 4], x4_at(xr + 16 + 4 * j));
+      for (int r = 0; r < R; ++r) slo[r] = szero(), shi[r] = szero();
+#pragma GCC unroll 4
+      for (int j = j0; j < j0 + run; ++j) {
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          if (m0 + r < MM) {
+            const int8_t* xr = x + (m0 + r) * K;
+            slo[r] = sdot(slo[r], w[j], x4_at(xr + 4 * j));
+            shi[r] = sdot(shi[r], w[j + 4], x4_at(xr + 16 + 4 * j));
+          }
         }
       }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) lo[r] = widen(lo[r], slo[r]), hi[r] = widen(hi[r], shi[r]);
     }
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
@@ -53,15 +66,24 @@ inline void sub_block_floats(const W (&w)[8], const int8_t* x, int64_t K, const 
 // while the 8 operands, the chains and the float accumulators stay in registers. sx: row m's sum at sx[m * blocks].
 template <int BITS, int ZERO, int MM>
 inline void tile_dots(const W (&w)[8], const int8_t* x, int64_t K, const int32_t* sx, int64_t blocks, I (&out)[MM]) {
+  constexpr int run = kSumRun<BITS> < 8 ? kSumRun<BITS> : 8;  // quads per partial sum
 #pragma GCC unroll 16
   for (int m = 0; m < MM; ++m) out[m] = izero();
 #pragma GCC unroll 8
-  for (int j = 0; j < 8; ++j) {
+  for (int j0 = 0; j0 < 8; j0 += run) {
+    S s[MM];
 #pragma GCC unroll 16
-    for (int m = 0; m < MM; ++m) {
-      const int32_t x4 = x4_at(x + m * K + 4 * j);
-      out[m] = BITS == 8 ? dot_signed(out[m], w[j], x4) : dot(out[m], w[j], x4);
+    for (int m = 0; m < MM; ++m) s[m] = szero();
+#pragma GCC unroll 8
+    for (int j = j0; j < j0 + run; ++j) {
+#pragma GCC unroll 16
+      for (int m = 0; m < MM; ++m) {
+        const int32_t x4 = x4_at(x + m * K + 4 * j);
+        s[m] = BITS == 8 ? sdot_signed(s[m], w[j], x4) : sdot(s[m], w[j], x4);
+      }
     }
+#pragma GCC unroll 16
+    for (int m = 0; m < MM; ++m) out[m] = widen(out[m], s[m]);
   }
 #pragma GCC unroll 16
   for (int m = 0; m < MM; ++m) {

@@ -4,7 +4,8 @@
 // Bounds of I_c (q8.h), |q| <= 127: 4-bit u - z: 32 * 15 * 127 = 60960; 5-bit: 32 * 31 * 127 = 125984;
 // Q8_0: 32 * 128 * 127 = 520192; Q6_K: 2 * 128 * 16 * 32 * 127 = 16646144 < 2^25. The AVX2 build's int16
 // pair sums (maddubs): 2 * 63 * 127 = 16002 for the unsigned formats, 2 * 128 * 127 = 32512 for Q8_0 through
-// the sign trick (|w| times x with w's sign): below 32767, so nothing saturates.
+// the sign trick (|w| times x with w's sign): below 32767, so nothing saturates; it adds up to kSumRun of them in
+// int16 before widening (8, 4, 2 for 4, 5, 6 bits: at most 30480, 31496, 32004; q8_avx2.cpp).
 #include <cmath>
 #include <cstdint>
 #include <cstring>
