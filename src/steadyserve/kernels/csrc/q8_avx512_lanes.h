@@ -24,6 +24,7 @@ using S = __m512i;
 template <int BITS>
 constexpr int kSumRun = 8;
 inline S szero() { return _mm512_setzero_si512(); }
+template <int BITS>  // the weights' bits: a build may add differently per format (AVX2 does)
 inline S sdot(S acc, W w, int32_t x4) { return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(x4)); }
 inline S sdot_signed(S acc, W w, int32_t x4) {
   return _mm512_dpbusd_epi32(acc, _mm512_xor_si512(w, _mm512_set1_epi8(char(0x80))), _mm512_set1_epi32(x4));

@@ -5,7 +5,7 @@
 //   wload wand wsrl16 wsll16 wor | S szero sdot sdot_signed widen kSumRun kSignedBias izero isub_bcast i8load |
 //   f_of_i fmul_bcast fzero fmul fneg h2f16 (16 binary16, exactly) u8f (16 bytes as floats) ffma ffma_bcast fstore,
 //   and the tile height kMM.
-// sdot(s, w, x4) adds to the partial sums s, for each panel row r, the 4 unsigned bytes of w's row r times the 4
+// sdot<BITS>(s, w, x4) adds to the partial sums s, for each panel row r, the 4 unsigned bytes of w's row r times the 4
 // signed bytes of x4; sdot_signed does the same with w's bytes signed (Q8_0), plus kSignedBias times the sum of x4 (a
 // build may add 128 to each byte to use an unsigned product; tile_dots takes it off). widen(acc, s) adds each row's
 // partial sums into its int32 lane of acc. A build may keep partial sums narrower than int32 (AVX2: int16 lanes, so
@@ -43,8 +43,8 @@ inline void sub_block_floats(const W (&w)[8], const int8_t* x, int64_t K, const 
         for (int r = 0; r < R; ++r) {
           if (m0 + r < MM) {
             const int8_t* xr = x + (m0 + r) * K;
-            slo[r] = sdot(slo[r], w[j], x4_at(xr + 4 * j));
-            shi[r] = sdot(shi[r], w[j + 4], x4_at(xr + 16 + 4 * j));
+            slo[r] = sdot<6>(slo[r], w[j], x4_at(xr + 4 * j));
+            shi[r] = sdot<6>(shi[r], w[j + 4], x4_at(xr + 16 + 4 * j));
           }
         }
       }
@@ -79,7 +79,7 @@ inline void tile_dots(const W (&w)[8], const int8_t* x, int64_t K, const int32_t
 #pragma GCC unroll 16
       for (int m = 0; m < MM; ++m) {
         const int32_t x4 = x4_at(x + m * K + 4 * j);
-        s[m] = BITS == 8 ? sdot_signed(s[m], w[j], x4) : sdot(s[m], w[j], x4);
+        s[m] = BITS == 8 ? sdot_signed(s[m], w[j], x4) : sdot<BITS>(s[m], w[j], x4);
       }
     }
 #pragma GCC unroll 16
