@@ -11,7 +11,8 @@ Per server: tok/s at each concurrency level (20-40-word prompts), peak RSS, and 
 --long-prompt-token prompt at c=1 (the mean of 3, after one warm-up; llama-server's 64 slots hold 256 tokens each,
 so it gets a one-slot server of 4096 tokens for that). Also the read bandwidth (torch.sum over 1 GiB), which bounds
 one stream: every weight byte read once per token; read right before and after int8's lowest level, and at the
-end. Ratios against the issue's targets are in the JSON.
+end. Ratios against the issue's targets are in the JSON. A peer that does not start (vLLM's warm-up past
+--vllm-startup-s on a slow CPU) is recorded under not_measured, and the other rows still run.
 
     .venv/bin/python benchmarks/int8_serving.py --model PATH.gguf [--levels 1,16] [--output-tokens 32]
         [--kv-cache-memory 1GiB] [--kv-cache-dtype auto] [--llama-cpp DIR] [--vllm VENV] [--out FILE]

@@ -59,7 +59,7 @@ inline S szero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
 // One vpaddw that GCC cannot reassociate. Written as +, a run of 8 quads' sums over a tile's 4 rows becomes a tree
 // whose 64 products are spilled to the stack first (16 ymm registers), and a ymm store costs Zen 1 two cycles: the
 // 4-bit tile ran 12% faster in sequence (AMD EPYC Zen 1, one core, a 1024 x 2048 Q4_K matrix at M = 4 and 16). Q6_K's
-// runs of 2 were 12% slower so, so they keep the + (integer sums: either way the same value).
+// runs of 2 were 12% slower that way, so they keep the + (integer sums: either way the same value).
 inline __m256i add16_in_order(__m256i a, __m256i b) {
   __m256i r;
   asm("vpaddw %2, %1, %0" : "=x"(r) : "x"(a), "xm"(b));
