@@ -29,6 +29,7 @@ inline void sub_block_floats(const W (&w)[8], const int8_t* x, int64_t K, const 
 #pragma GCC unroll 2
   for (int m0 = 0; m0 < MM; m0 += R) {
     constexpr int run = kSumRun<6> < 4 ? kSumRun<6> : 4;  // quads per partial sum (4 in each half)
+    static_assert(4 % run == 0, "a run may not cross a half's 4 quads");
     I lo[R], hi[R];
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) lo[r] = izero(), hi[r] = izero();
@@ -67,6 +68,7 @@ inline void sub_block_floats(const W (&w)[8], const int8_t* x, int64_t K, const 
 template <int BITS, int ZERO, int MM>
 inline void tile_dots(const W (&w)[8], const int8_t* x, int64_t K, const int32_t* sx, int64_t blocks, I (&out)[MM]) {
   constexpr int run = kSumRun<BITS> < 8 ? kSumRun<BITS> : 8;  // quads per partial sum
+  static_assert(8 % run == 0, "runs tile a block's 8 quads exactly");
 #pragma GCC unroll 16
   for (int m = 0; m < MM; ++m) out[m] = izero();
 #pragma GCC unroll 8
