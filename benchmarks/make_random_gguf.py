@@ -84,12 +84,14 @@ def main() -> None:
     a.out.mkdir(parents=True, exist_ok=True)
     hf, f16 = a.out / f"{stem}-hf", a.out / f"{stem}-F16.gguf"
     if not f16.exists():
-        if not (hf / "model.safetensors").exists():
+        made_here = not (hf / "model.safetensors").exists()  # one --hf-dir wrote for vLLM stays
+        if made_here:
             random_hf_model(hf, a.layers)
         env = {**os.environ, "PYTHONPATH": str(src / "gguf-py")}  # the converter's own gguf-py, not PyPI's
         subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(hf), "--outtype", "f16",
                         "--outfile", str(f16)], check=True, env=env)
-        shutil.rmtree(hf)  # 6.9 GB of float32 that the F16 file now holds
+        if made_here:
+            shutil.rmtree(hf)  # 6.9 GB of float32 that the F16 file now holds
     for t, f in wanted.items():
         if not f.exists():
             subprocess.run([str(quantize), str(f16), str(f), t, "2"], check=True)
