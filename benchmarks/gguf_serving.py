@@ -193,8 +193,11 @@ def main() -> int:
             stop()
         time.sleep(2)
     print("prefill and llama-bench", file=sys.stderr)
+    # "steadyserve" here is the float32-activation path (`portable`), as in every earlier run of this file; the
+    # default numerics (`auto`: int8 since 2026-12-04) is its own row beside it.
     res["prefill_512_tok_s"] = {"steadyserve": engine_prefill("portable", a.threads),
-                                "steadyserve --numerics host": engine_prefill("host", a.threads)}
+                                "steadyserve --numerics host": engine_prefill("host", a.threads),
+                                "steadyserve default numerics": engine_prefill("auto", a.threads)}
     res["llama_bench"] = llama_bench(a.llama_cpp, gguf, a.threads)
     print("engine c=1 decode, read bandwidth", file=sys.stderr)
     res["engine_decode_c1_tok_s"] = {"native layers": engine_decode(a.threads),
@@ -212,6 +215,10 @@ def main() -> int:
         f"c{lo} steadyserve / llama-server": tps(int(lo), ss) / tps(int(lo), lcpp),
         "prefill 512 steadyserve / fp32 path (target >= 1.0)":
             res["prefill_512_tok_s"][ss] / res["prefill_512_tok_s"][host],
+        "prefill 512 default numerics / fp32 path (reported)":
+            res["prefill_512_tok_s"]["steadyserve default numerics"] / res["prefill_512_tok_s"][host],
+        "prefill 512 default numerics / llama-bench pp512 (reported)":
+            res["prefill_512_tok_s"]["steadyserve default numerics"] / res["llama_bench"]["pp512"],
         f"c{lo} default / fastest mode (target >= 0.95)": tps(int(lo), ss) / max(tps(int(lo), ss), tps(int(lo), host)),
         f"c{hi} default / fastest mode (target >= 0.95)": tps(int(hi), ss) / max(tps(int(hi), ss), tps(int(hi), host)),
     }
