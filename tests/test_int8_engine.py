@@ -36,7 +36,7 @@ def int8(sw_q4_1):
     loaded = load_model(sw_q4_1, numerics="int8")
     engine = engine_for(loaded)
     result = run_selftest(engine)
-    assert result.passed and "int8 matmul q8a1" in result.detail, result.detail
+    assert result.passed and "int8 matmul q8a2" in result.detail, result.detail
     return engine
 
 
@@ -62,7 +62,7 @@ def test_the_matrices_run_packed_and_the_fingerprint_names_the_path(int8, sw_q4_
     portable = load_model(sw_q4_1, numerics="portable")
     assert portable.numerics.numerics_id.startswith("p")
     assert portable.numerics.numerics_id != int8.loaded.numerics.numerics_id
-    assert "q8a1" in int8.loaded.numerics.facts["kernels"]
+    assert "q8a2" in int8.loaded.numerics.facts["kernels"]
 
 
 def test_its_cache_is_f16_by_default_and_the_served_fingerprint_names_it(int8, sw_q4_1):

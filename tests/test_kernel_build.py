@@ -84,7 +84,9 @@ def _is_the_stale_lock(path: Path) -> bool:
 def test_a_finished_build_loads_without_ninja_or_a_write(tmp_path: Path) -> None:
     built = _copy_of_the_built_cache(tmp_path)
     for name in os.listdir(built):  # keep only the library and its mark: nothing a build could reuse
-        if name not in (build.LIBRARY, build.BUILT_MARK):
+        if (built / name).is_dir():
+            shutil.rmtree(built / name)  # the test-only ops' library (build.load_test_ops)
+        elif name not in (build.LIBRARY, build.BUILT_MARK):
             os.remove(built / name)
     before = sorted(os.listdir(built))
     done = _build_in(tmp_path, timeout=120)
@@ -101,6 +103,26 @@ def test_each_checkout_builds_in_its_own_directory(tmp_path: Path, monkeypatch) 
     monkeypatch.setattr(build, "SOURCES", [other / s.name for s in build.SOURCES])
     monkeypatch.setattr(build, "HEADERS", [other / h.name for h in build.HEADERS])
     assert build._cache_dir() != here
+
+
+def test_another_compiler_is_another_build(monkeypatch) -> None:
+    """The compiler (and its version) keys the cache: objects from one are never loaded as another's."""
+    here = build._cache_dir()
+    monkeypatch.setenv("CXX", "clang++-not-installed")
+    assert build._cache_dir() != here
+    monkeypatch.setenv("CXX", "c++")
+    assert build._cache_dir() == here
+
+
+def test_the_production_library_registers_no_test_only_op() -> None:
+    """Test-only ops live in their own library (csrc/testing, build.load_test_ops): a server process has none."""
+    code = ("import torch; from steadyserve.kernels import load; assert load().available\n"
+            "ops = torch.ops.steadyserve\n"
+            "print(hasattr(ops, 'qmatmul_'), hasattr(ops, 'q8quantize'), hasattr(ops, 'qlog_softmax'))\n"
+            "from steadyserve.kernels.build import load_test_ops; load_test_ops()\n"
+            "print(hasattr(ops, 'q8quantize'), hasattr(ops, 'kv_floats_to_halves'))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert r.stdout.split() == ["True", "False", "False", "True", "True"], r.stdout + r.stderr
 
 
 def test_every_source_and_header_is_in_the_build_and_its_cache_key() -> None:

@@ -28,6 +28,7 @@ FORMATS = ["f16", "bf16", "q8_0"]
 def native_built() -> None:
     st = kernels.load()
     assert st.available, f"the native kernels must build on this machine: {st.detail}"
+    kernels.build.load_test_ops()  # kv_halves_to_floats, kv_floats_to_halves: test-only ops
 
 
 def args(head_dim: int = D, layers: int = 2) -> ModelArgs:

@@ -15,14 +15,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cpu_builds import INT8_BUILDS, NAMES
 from test_qmm import _qweight, _reference_values
 
 from steadyserve.kernels import load
+from steadyserve.kernels.build import load_test_ops
 from steadyserve.kernels.quant import FORMAT_IDS, FORMATS, PACKABLE, PACKED, QMatrix
 
 pytestmark = pytest.mark.skipif(not load().available, reason="native kernels not built")
 OPS = torch.ops.steadyserve
-BUILDS = [b for b in (0, 1, 2, 3) if b <= (OPS.q8_isa() if load().available else 0)]
+if load().available:
+    load_test_ops()  # q8quantize, qlog_softmax, kv_*: the test-only ops' own library
+BUILDS = INT8_BUILDS  # from /proc/cpuinfo, not from the kernels' own detection (cpu_builds.py)
 PACKABLE_NAMES = sorted(n for n, f in FORMAT_IDS.items() if f in PACKABLE)
 
 
@@ -61,8 +65,9 @@ def test_activation_quantization_follows_the_documented_rule_bitwise():
         assert xq[4, 1] == 2 and xq[4, 2] == -4  # half-even, not half away from zero
 
 
+@pytest.mark.parametrize("isa", BUILDS, ids=[NAMES[b] for b in BUILDS])  # each build its own case in the report
 @pytest.mark.parametrize("name", PACKABLE_NAMES)
-def test_a_rows_bits_do_not_depend_on_m_threads_or_the_build(name):
+def test_a_rows_bits_do_not_depend_on_m_threads_or_the_build(name, isa):
     fmt = FORMAT_IDS[name]
     threads = torch.get_num_threads()
     # K = 96: an odd count of blocks (AMX takes them two at a time), K = 32 one block; K-quants need super-blocks of 256
@@ -72,13 +77,12 @@ def test_a_rows_bits_do_not_depend_on_m_threads_or_the_build(name):
         x = torch.randn(70, qw.k, generator=torch.Generator().manual_seed(3))
         full = _mm(packed, fmt, x, 0)  # the scalar reference, all rows at once
         try:
-            for isa in BUILDS:
-                for n_threads in sorted({1, threads}):
-                    torch.set_num_threads(n_threads)
-                    assert torch.equal(_bits(_mm(packed, fmt, x, isa)), _bits(full)), (name, k, isa, n_threads)
-                    for rows in (*range(1, 35), 47, 48, 49, 64):  # each tile height, its tails, AMX's threshold
-                        got = _mm(packed, fmt, x[5:5 + rows], isa)
-                        assert torch.equal(_bits(got), _bits(full[5:5 + rows])), (name, k, isa, n_threads, rows)
+            for n_threads in sorted({1, threads}):
+                torch.set_num_threads(n_threads)
+                assert torch.equal(_bits(_mm(packed, fmt, x, isa)), _bits(full)), (name, k, isa, n_threads)
+                for rows in (*range(1, 35), 47, 48, 49, 64):  # each tile height, its tails, AMX's threshold
+                    got = _mm(packed, fmt, x[5:5 + rows], isa)
+                    assert torch.equal(_bits(got), _bits(full[5:5 + rows])), (name, k, isa, n_threads, rows)
         finally:
             torch.set_num_threads(threads)
 

@@ -12,7 +12,10 @@ from __future__ import annotations
 KERNELS: dict[str, str] = {
     "attention": "nat1",  # csrc/paged_attention.cpp: fma dot products, 16-lane exp sums
     "matmul": "qmm1",  # csrc/qmm.h: float32 activations, 16 fma lanes over K, one fixed lane tree
-    "int8": "q8a1",  # csrc/q8.h: int8 activations per 32, exact integer block sums, one float chain per output
+    # csrc/q8.h: int8 activations per 32, exact integer block sums, one float chain per output. q8a2: a block whose
+    # amax is below 2^-64 is scaled by 2^64 before 127 / amax (which overflowed below ~3.7e-37, and each build then
+    # stored its own garbage); every other block keeps q8a1's bits.
+    "int8": "q8a2",
 }
 
 # KV cache storage format (--kv-cache-dtype) -> version of its rounding on write and of the attention kernel's

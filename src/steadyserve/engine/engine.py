@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from ..config import ConfigError, EngineConfig
-from ..kernels.build import NATIVE_KERNEL_ID
+from ..kernels import register_rows
 from ..kernel_versions import kv_format_id
 from ..models.loader import Fingerprint, LoadedModel
 from .admission import ModelLimits
@@ -65,11 +65,11 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.grammars = Grammars(loaded.tokenizer, loaded.args.vocab_size)  # structured output
         self.max_model_len = loaded.max_model_len
-        if loaded.model.kernel_id == NATIVE_KERNEL_ID and cfg.block_size % 16:
+        if loaded.model.native_attention and cfg.block_size % 16:
             raise ConfigError("--block-size must be a multiple of 16 for the native attention kernel "
                               "(or use --attention python)")
         kv_fmt = resolve_kv_dtype(cfg.kv_cache_dtype, loaded.dtype, loaded.numerics.mode if loaded.numerics else "")
-        check_kv_dtype(kv_fmt, loaded.args, loaded.model.kernel_id == NATIVE_KERNEL_ID)
+        check_kv_dtype(kv_fmt, loaded.args, loaded.model.native_attention)
         self.kv = allocate_kv_cache(loaded.args, cfg.kv_cache_memory, cfg.block_size, kv_fmt, loaded.device)
         # The prefix cache's hashes start from what determines a block's contents besides its tokens.
         root = f"{loaded.weights_hash}-{loaded.dtype}-{loaded.model.kernel_id}-{cfg.batch_invariant}-{kv_fmt}"
@@ -215,7 +215,7 @@ def _cheap_rows(model) -> int:  # noqa: ANN001 - a Transformer
     kernels/csrc/qmm_scalar.cpp, qmm_avx2.cpp, qmm_avx512.cpp: 1, 4, 8); MKL's and CUDA's kernels are
     memory-bound for a few rows more."""
     if model.native:
-        return int(torch.ops.steadyserve.qmm_register_rows())
+        return register_rows()
     return 16 if model.device.type == "cuda" else 4
 
 

@@ -7,6 +7,6 @@ at start-up, and the fingerprint names the kernel in use, since the two paths
 differ bitwise.
 """
 
-from .build import KernelStatus, float_build, int8_build, kernel_status, load
+from .build import KernelStatus, float_build, int8_build, kernel_status, load, register_rows
 
-__all__ = ["KernelStatus", "float_build", "int8_build", "kernel_status", "load"]
+__all__ = ["KernelStatus", "float_build", "int8_build", "kernel_status", "load", "register_rows"]

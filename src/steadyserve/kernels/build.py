@@ -15,6 +15,7 @@ import fcntl
 import hashlib
 import logging
 import os
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -27,12 +28,10 @@ from ..kernel_versions import KERNELS
 log = logging.getLogger("steadyserve.kernels")
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / name for name in ("paged_attention.cpp", "rope.cpp", "qlinear.cpp", "qmm_scalar.cpp",
-                                    "qmm_avx2.cpp", "qmm_avx512.cpp", "forward.cpp", "q8_pack.cpp", "q8_scalar.cpp",
-                                    "q8_avx2.cpp", "q8_avx512.cpp", "q8_amx.cpp", "q8linear.cpp", "kv_write.cpp")]
-HEADERS = [CSRC / name for name in ("qmm.h", "qmm_body.h", "ops.h", "half.h", "isa.h", "q8.h", "q8_body.h",
-                                    "q8_unpack.h", "q8_avx512_lanes.h", "q8_quantize.h", "kv_format.h",
-                                    "attention_rows.h")]
+# Every source and header in the folder: a file added there is built and keys the cache with no list to update.
+# paged_attention.cpp stays first: tests/test_attention_kernel.py builds it alone at each vector width.
+SOURCES = sorted(CSRC.glob("*.cpp"), key=lambda p: (p.name != "paged_attention.cpp", p.name))
+HEADERS = sorted(CSRC.glob("*.h"))
 CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-fast-math", "-fno-unsafe-math-optimizations"]
 # The kernels' versions have one owner, kernel_versions.KERNELS, from which the numerics ids derive.
 NATIVE_KERNEL_ID = KERNELS["attention"]  # the attention kernel's id in the fingerprint
@@ -51,12 +50,24 @@ class KernelStatus:
 _status: KernelStatus | None = None
 
 
+def _compiler_identity() -> str:
+    """The compiler torch's cpp_extension will call ($CXX, else c++) and its version line: another compiler (or
+    version) may schedule or vectorize differently, so its objects are a different build, not this one reused."""
+    cxx = os.environ.get("CXX", "c++")
+    try:
+        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"{cxx}: {type(e).__name__}"
+    return f"{cxx}: {out.splitlines()[0] if out else ''}"
+
+
 def _cache_dir() -> Path:
     root = os.environ.get("STEADYSERVE_CACHE") or os.path.join(Path.home(), ".cache", "steadyserve")
     h = hashlib.sha256()
     for src in SOURCES + HEADERS:
         h.update(src.read_bytes())
     h.update(" ".join(CFLAGS).encode())
+    h.update(_compiler_identity().encode())
     h.update(torch.__version__.encode())
     h.update(sys.version.encode())
     # ninja's build file names the sources' and torch's absolute paths: two checkouts or venvs sharing one
@@ -71,19 +82,34 @@ LIBRARY = "steadyserve_kernels.so"
 TORCH_BATON = "lock"  # torch.utils.cpp_extension's lock file: left behind by a killed build, it blocks forever
 
 
-def _load_built(build_dir: Path) -> bool:
-    """Register an extension a finished build left in `build_dir`; no ninja, no lock, read-only is fine."""
+@dataclass(frozen=True)
+class _Library:
+    """One shared library of ops: the production kernels, or the test-only ops beside them."""
+
+    name: str  # the .so's name without the suffix
+    sources: tuple[Path, ...]
+    ldflags: tuple[str, ...]
+    probe: str  # an op it registers: present once registration worked
+
+
+def _production() -> _Library:
+    return _Library(LIBRARY.removesuffix(".so"), tuple(SOURCES), ("-fopenmp",), "paged_attention")
+
+
+def _load_built(build_dir: Path, lib: _Library | None = None) -> bool:
+    """Register a library a finished build left in `build_dir`; no ninja, no lock, read-only is fine."""
+    lib = lib or _production()
     if not (build_dir / BUILT_MARK).exists():
         return False
     try:
-        torch.ops.load_library(str(build_dir / LIBRARY))
-        torch.ops.steadyserve.paged_attention  # noqa: B018 - raises if registration failed
+        torch.ops.load_library(str(build_dir / f"{lib.name}.so"))
+        getattr(torch.ops.steadyserve, lib.probe)  # raises if registration failed
     except (OSError, RuntimeError, AttributeError):
         return False
     return True
 
 
-def _build(build_dir: Path) -> None:
+def _build(build_dir: Path, lib: _Library | None = None) -> None:
     """Compile with torch's cpp_extension under an flock, which the kernel drops when its holder dies.
 
     torch's own lock is a file that marks a build in progress: a build that is killed (a CI timeout, a
@@ -91,6 +117,7 @@ def _build(build_dir: Path) -> None:
     Under our flock no other build of this directory runs, so such a file is stale and is removed."""
     from torch.utils.cpp_extension import load as cpp_load
 
+    lib = lib or _production()
     try:  # the ninja wheel's binary, when the venv's bin is not on PATH
         import ninja
 
@@ -101,13 +128,14 @@ def _build(build_dir: Path) -> None:
     with open(build_dir / "build.flock", "a") as flock:
         fcntl.flock(flock, fcntl.LOCK_EX)  # waits for a live build of the same sources, never for a dead one
         try:
-            if _load_built(build_dir):  # built by the process we waited for
+            if _load_built(build_dir, lib):  # built by the process we waited for
                 return
             (build_dir / TORCH_BATON).unlink(missing_ok=True)
             (build_dir / BUILT_MARK).unlink(missing_ok=True)
-            cpp_load(name="steadyserve_kernels", sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
-                     extra_ldflags=["-fopenmp"], build_directory=str(build_dir), is_python_module=False, verbose=False)
-            torch.ops.steadyserve.paged_attention  # noqa: B018 - raises if registration failed
+            cpp_load(name=lib.name, sources=[str(s) for s in lib.sources], extra_cflags=CFLAGS,
+                     extra_ldflags=list(lib.ldflags), build_directory=str(build_dir), is_python_module=False,
+                     verbose=False)
+            getattr(torch.ops.steadyserve, lib.probe)  # raises if registration failed
             (build_dir / BUILT_MARK).touch()
         finally:
             fcntl.flock(flock, fcntl.LOCK_UN)
@@ -133,6 +161,27 @@ def load() -> KernelStatus:
     return _status
 
 
+# The test-only ops (csrc/testing): each runs one kernel alone against a reference. Not in the production library.
+TEST_SOURCES = (CSRC / "testing" / "test_ops.cpp",)
+
+
+def load_test_ops() -> None:
+    """Register the test-only ops (for tests): a library of their own that links the production one, built once per
+    source version beside it. Raises where the production kernels are unavailable or the build fails."""
+    status = load()
+    if not status.available:
+        raise RuntimeError(status.detail)
+    if hasattr(torch.ops.steadyserve, "q8quantize"):
+        return
+    prod = _cache_dir()
+    h = hashlib.sha256(b"".join(p.read_bytes() for p in TEST_SOURCES)).hexdigest()[:12]
+    lib = _Library("steadyserve_test_ops", TEST_SOURCES,
+                   ("-fopenmp", f"-L{prod}", f"-l:{LIBRARY}", f"-Wl,-rpath,{prod}"), "q8quantize")
+    build_dir = prod / f"test_ops-{h}"
+    if not _load_built(build_dir, lib):
+        _build(build_dir, lib)
+
+
 def kernel_status() -> KernelStatus | None:
     """The result of `load()` if it ran in this process, else None."""
     return _status
@@ -154,3 +203,9 @@ def int8_build() -> str:
     """The int8 family's build this process runs: AMX tiles where CPUID reports them and the OS grants the tile
     state (for 16 rows or more; fewer rows run AVX-512 VNNI), else the widest vector build."""
     return INT8_BUILDS[torch.ops.steadyserve.q8_isa()]
+
+
+def register_rows() -> int:
+    """Rows up to which the float32 family's matmul dequantizes each weight once in registers for all of them (1, 4
+    or 8 by build): a step of that many rows costs little more than one, so speculation sizes its drafts by it."""
+    return int(torch.ops.steadyserve.qmm_register_rows())

@@ -22,7 +22,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..kernels.build import NATIVE_KERNEL_ID
 from ..kernels.quant import QMatrix, QWeight
 from .args import ModelArgs
 from .attention import AttentionFn
@@ -83,7 +82,7 @@ class ExtendedTransformer(Transformer):
         else:
             logits = torch.cat([F.linear(hidden, part) for part in self.lm_head_parts], dim=1).float()  # (R, V)
         if cap:
-            if self.kernel_id == NATIVE_KERNEL_ID:  # the attention extension's deterministic tanh, elementwise
+            if self.native_attention:  # the attention extension's deterministic tanh, elementwise
                 torch.ops.steadyserve.softcap_(logits, cap)
             else:
                 logits = torch.tanh(logits / cap) * cap

@@ -94,9 +94,12 @@ class Transformer:
         self.head_tiler = RowTiler(min(tiler.max_tile, MAX_HEAD_TILE), tiler.enabled)  # LM head + log-softmax
         self.attention = attention
         self.kernel_id = kernel_id  # names the attention kernel in the fingerprint: its bits differ per kernel
+        # Whether this model runs the native extension's attention (and so has its other ops: softcap_, rope_): the
+        # one place the kernel id is compared; the engine and the model variants ask this, not the id.
+        self.native_attention = kernel_id == NATIVE_KERNEL_ID
         # The native extension's in-place RoPE (kernels/csrc/rope.cpp) where it is loaded: bitwise equal to
         # apply_rope, five tensor ops in one pass. float32 on the CPU only.
-        self.native_rope = kernel_id == NATIVE_KERNEL_ID and dtype == torch.float32 and device.type == "cpu"
+        self.native_rope = self.native_attention and dtype == torch.float32 and device.type == "cpu"
 
         # Loaded weights may be views of the safetensors file's mmap: pages touched through it stay
         # in RSS as long as any view lives. Every weight is taken out of `weights` and copied into

@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "fp_env.h"
 #include "ops.h"
 
 namespace {
@@ -64,7 +65,7 @@ struct Layer {
 void linear_into(const Matrix& w, const at::Tensor& x, at::Tensor& y) {
   int64_t col = 0;
   for (size_t i = 0; i < w.parts.size(); ++i) {
-    steady_ops::qmatmul_into(x, w.parts[i], w.fmts[i], y, col, -1);
+    steady_ops::qmatmul_(x, w.parts[i], w.fmts[i], y, col, -1);
     col += w.parts[i].size(0);
   }
   if (w.bias.defined()) y.add_(w.bias);
@@ -139,6 +140,7 @@ class NativeLayers : public torch::CustomClassHolder {
   at::Tensor forward(at::Tensor x, std::vector<at::Tensor> cos, std::vector<at::Tensor> sin, at::Tensor k_cache,
                      at::Tensor v_cache, at::Tensor slot_blocks, at::Tensor slot_offsets, at::Tensor block_tables,
                      at::Tensor seq_of, at::Tensor positions) {
+    const steady_fp::Scope fp;  // a method of a class, not an op: bindings.cpp's wrapper does not reach it
     TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "NativeLayers.forward: x must be (T, hidden) float32");
     TORCH_CHECK(cos.size() == sin.size(), "NativeLayers.forward: one sin table per cos table");
     TORCH_CHECK(k_cache.dim() == 5 && v_cache.dim() == 5 && k_cache.size(0) == num_layers() &&
@@ -172,7 +174,7 @@ class NativeLayers : public torch::CustomClassHolder {
         qk_norm(qkv, 0, h_, per_head, L.q_norm);
         qk_norm(qkv, qd, hkv_, per_head, L.k_norm);
       }
-      if (L.rope >= 0) steady_ops::rope_inplace(qkv, cos[size_t(L.rope)], sin[size_t(L.rope)], h_ + hkv_);
+      if (L.rope >= 0) steady_ops::rope_(qkv, cos[size_t(L.rope)], sin[size_t(L.rope)], h_ + hkv_);
       const float* row = qkv.data_ptr<float>();  // k at column qd, v at qd + kvd of each row
       steady_ops::kv_write_rows(kc, vc, row + qd, row + qd + kvd, qkv.stride(0), T, hkv_, d_, blocks, offsets);
       at::Tensor q = qkv.narrow(1, 0, qd).contiguous().view({T, h_, d_});  // (T, H, D): a view at one row
@@ -228,10 +230,12 @@ class NativeLayers : public torch::CustomClassHolder {
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(steadyserve, m) {
+namespace steady_ops {  // ops.h
+void register_native_layers(torch::Library& m) {
   m.class_<NativeLayers>("NativeLayers")
       .def(torch::init<int64_t, int64_t, int64_t, double, double, double, bool, int64_t, bool, double>())
       .def("add_layer", &NativeLayers::add_layer)
       .def("num_layers", &NativeLayers::num_layers)
       .def("forward", &NativeLayers::forward);
 }
+}  // namespace steady_ops

@@ -1,30 +1,99 @@
-// The cap on the native kernels' vector build from STEADYSERVE_ISA (scalar | avx2 | avx512 | amx): a speed knob only,
-// since every build computes the same bits (it lets one machine check them all). Read by both families'
-// dispatch (qlinear.cpp, q8linear.cpp), so one setting caps both.
+// The one owner of what the CPU can run: CPU detection, the OS grants, and the STEADYSERVE_ISA cap.
+//
+// Builds, by index (the value q8_isa() / qmm_isa() report and every `isa` argument takes):
+//   0 scalar   plain C++: the reference every other build is tested against, bitwise
+//   1 avx2     AVX2 + FMA + F16C (x86-64-v3)
+//   2 avx512   AVX-512 F/BW/DQ/VL; the int8 family also needs AVX512_VNNI for it
+//   3 amx      the int8 family only: AMX-TILE + AMX-INT8 beside build 2, with the tile state granted by the OS
+// Every build of a family computes the same bits, so the choice is speed only; STEADYSERVE_ISA=scalar|avx2|avx512|amx
+// caps it (one machine can then check them all), and any other value is an error naming these.
+//
+// CPUID comes from libgcc's __builtin_cpu_supports, which also checks XGETBV: a feature whose register state the
+// OS does not save (YMM, ZMM) is reported absent. AMX's tile data is granted per process on request (Linux
+// arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); a refusal (an old kernel, a sandbox) leaves build 2.
+// Nothing else in the kernels asks the CPU or reads the variable (tests/test_kernel_library.py checks the sources).
 #pragma once
+
+#include <c10/util/Exception.h>
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <string>
 
 namespace steady_isa {
 
-// 0 scalar, 1 AVX2, 2 AVX-512, 3 AMX (the int8 family's tiles): the widest build STEADYSERVE_ISA allows (3 when
-// unset). The float32 family has no AMX build: its own best caps it at 2.
-inline int env_cap() {
-  const char* env = std::getenv("STEADYSERVE_ISA");
-  if (!env) return 3;
-  const std::string v(env);
-  return v == "scalar" ? 0 : v == "avx2" ? 1 : v == "avx512" ? 2 : 3;
+enum Build : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAmx = 3 };
+inline const char* build_name(int b) {
+  static const char* const names[] = {"scalar", "avx2", "avx512", "amx"};
+  return b >= 0 && b <= kAmx ? names[b] : "?";
 }
 
-// F16C (with AVX), by CPUID. The f16 KV cache's conversions use it: reading (attention_rows.h) and writing
-// (kv_write.cpp), each beside a portable conversion with the same bits.
-inline bool cpu_has_f16c() { return __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c"); }
+// What CPUID (and the OS, through XGETBV) reports, read once.
+struct Cpu {
+  bool f16c;    // AVX + F16C: the f16 KV cache's conversions
+  bool avx2;    // AVX2 + FMA + F16C
+  bool avx512;  // AVX-512 F, BW, DQ, VL
+  bool vnni;    // AVX512_VNNI
+  bool amx;     // AMX-TILE + AMX-INT8 (CPUID leaf 7, EDX bits 24 and 25); the OS grant is amx_granted()
+  bool amd;     // the vendor is AMD: only prefetch distances depend on it (q8linear.cpp), never a value
+};
 
-// Whether those conversions take F16C: the CPU has it and STEADYSERVE_ISA allows AVX2.
-inline bool use_f16c() {
-  static const bool ok = cpu_has_f16c() && env_cap() >= 1;
+inline const Cpu& cpu() {
+  static const Cpu c = [] {
+    __builtin_cpu_init();
+    Cpu r{};
+    r.f16c = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+    r.avx2 = r.f16c && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    r.avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+    r.vnni = r.avx512 && __builtin_cpu_supports("avx512vnni");
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    r.amd = __builtin_cpu_is("amd");
+    r.amx = r.vnni && __get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) && ((edx >> 24) & 1) && ((edx >> 25) & 1);
+    return r;
+  }();
+  return c;
+}
+
+// The widest build STEADYSERVE_ISA allows (kAmx when unset); an unknown value is an error naming the allowed ones.
+inline int cap() {
+  static const int c = [] {
+    const char* env = std::getenv("STEADYSERVE_ISA");
+    if (!env || !*env) return int(kAmx);
+    const std::string v(env);
+    for (int b = kScalar; b <= kAmx; ++b)
+      if (v == build_name(b)) return b;
+    TORCH_CHECK(false, "STEADYSERVE_ISA=", v, " is not a build: use scalar, avx2, avx512 or amx (or leave it unset)");
+    return 0;
+  }();
+  return c;
+}
+
+// Asks the OS for the tile state once; only where the CPU has AMX and the cap allows its use.
+inline bool amx_granted() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
+    return cpu().amx && cap() >= kAmx && syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+  }();
   return ok;
 }
+
+// The float32 family's widest build (qlinear.cpp): it has no AMX build.
+inline int best_float() {
+  const int have = cpu().avx512 ? kAvx512 : cpu().avx2 ? kAvx2 : kScalar;
+  return have < cap() ? have : cap();
+}
+
+// The int8 family's widest build (q8linear.cpp).
+inline int best_int8() {
+  const int have = cpu().vnni ? (amx_granted() ? kAmx : kAvx512) : cpu().avx2 ? kAvx2 : kScalar;
+  return have < cap() ? have : cap();
+}
+
+// Whether the f16 cache's conversions take F16C (attention_rows.h, kv_write.cpp): the CPU has it and the cap allows
+// AVX2. Each has a portable conversion beside it with the same bits.
+inline bool use_f16c() { return cpu().f16c && cap() >= kAvx2; }
 
 }  // namespace steady_isa

@@ -21,6 +21,7 @@
 //         each token's D int8 values, then its D/32 f16 scales. 34 bytes per 32 values, against 128 in float32.
 #pragma once
 
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -96,7 +97,10 @@ inline uint16_t quantize_q8_0(const float* x, int8_t* q, int64_t q_stride) {
     return 0x7e00u;  // NaN
   }
   const float d = amax / 127.0f;
-  const float id = d != 0.0f ? 1.0f / d : 0.0f;
+  // 1 / d overflows for d below 2^-128 (amax under about 3.7e-37), and x * inf converts to int8 as undefined
+  // behaviour; such a d is 0 as an f16 anyway, so the block reads back as zeros whatever q holds: store 0s.
+  const float inv = d != 0.0f ? 1.0f / d : 0.0f;
+  const float id = inv <= FLT_MAX ? inv : 0.0f;
   for (int64_t i = 0; i < kQBlock; ++i) q[i * q_stride] = int8_t(std::roundf(x[i] * id));
   return f32_to_f16(d);
 }

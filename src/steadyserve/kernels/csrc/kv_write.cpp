@@ -6,7 +6,7 @@
 // steadyserve::kv_write, forward.cpp through steady_ops::kv_write_rows), so both store the same bytes.
 // A float32 cache is a plain copy. Threads split the (token, head) pairs: O(T x Hkv x D) per layer. The f16
 // conversion runs on F16C where the CPU has it (below); everything else is scalar code.
-#include <ATen/Parallel.h>
+#include "fp_env.h"
 #include <ATen/Functions.h>
 #include <ATen/core/Tensor.h>
 #include <immintrin.h>
@@ -105,7 +105,7 @@ void kv_write_rows(at::Tensor& k_cache, at::Tensor& v_cache, const float* k, con
   // Each (token, head) writes its own slots: threads split them, and nothing read depends on who wrote it. Split,
   // because a float32 K column is D strided stores (one cache line each): serial, a c=16 decode step of a 1.7B
   // model spent 3.4% of its time here while the other thread waited.
-  at::parallel_for(0, T * hkv, 16, [&](int64_t i0, int64_t i1) {
+  steady_fp::parallel_for(0, T * hkv, 16, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t t = i / hkv, h = i % hkv, b = blocks[t], o = offsets[t];
       const float* kx = k + t * row_stride + h * d;
@@ -130,10 +130,6 @@ void kv_write_rows(at::Tensor& k_cache, at::Tensor& v_cache, const float* k, con
   });
 }
 
-}  // namespace steady_ops
-
-namespace {
-
 // k, v: (T, Hkv, D) float32 (views of the fused q|k|v rows are fine: rows may be strided, heads not).
 void kv_write(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const at::Tensor& v,
               const at::Tensor& slot_blocks, const at::Tensor& slot_offsets) {
@@ -152,19 +148,11 @@ void kv_write(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const
 // The f16 cache's conversion on its own (tests: every build gives every float the same half): x float32, any shape.
 at::Tensor kv_floats_to_halves(const at::Tensor& x, int64_t isa) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "kv_floats_to_halves: a contiguous float32 tensor");
-  TORCH_CHECK(isa <= 0 || steady_isa::cpu_has_f16c(),
+  TORCH_CHECK(isa <= 0 || steady_isa::cpu().f16c,
               "kv_floats_to_halves: this CPU has no F16C");
   at::Tensor out = at::empty(x.sizes(), x.options().dtype(at::kHalf));
   halves_fn(isa)(x.data_ptr<float>(), static_cast<uint16_t*>(out.data_ptr()), x.numel());
   return out;
 }
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(steadyserve, m) {
-  m.def("kv_floats_to_halves(Tensor x, int isa=-1) -> Tensor");
-  m.impl("kv_floats_to_halves", c10::DispatchKey::CPU, TORCH_FN(kv_floats_to_halves));
-  m.def("kv_write(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slot_blocks, "
-        "Tensor slot_offsets) -> ()");
-  m.impl("kv_write", c10::DispatchKey::CPU, TORCH_FN(kv_write));
-}
+}  // namespace steady_ops

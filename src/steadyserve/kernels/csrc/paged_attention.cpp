@@ -39,7 +39,7 @@
 // alone (decode: a tile of one takes the untiled loop, attend_one) or in any batch;
 // the tile size is a speed knob, not part of the numerics.
 
-#include <ATen/Parallel.h>
+#include "fp_env.h"
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -321,6 +321,30 @@ int kv_fmt(const at::Tensor& cache) {
   }
 }
 
+}  // namespace
+
+namespace steady_ops {  // ops.h; registered in bindings.cpp
+
+namespace {
+
+// Every index the call will follow, checked before any is: token t reads row seq_of[t] of the block tables, at
+// positions [first_key, pos[t]], so entries first_key / bs to pos[t] / bs of that row, each a block of the cache.
+void check_indices(const Problem& P, int64_t T, int64_t S, int64_t NB, const int64_t* seq_of, const int64_t* pos,
+                   const int64_t* tables) {
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(seq_of[t] >= 0 && seq_of[t] < S, "paged_attention: seq_of[", t, "] = ", seq_of[t],
+                " is not a row of block_tables (", S, " rows)");
+    TORCH_CHECK(pos[t] >= 0 && pos[t] / P.bs < P.nb_max, "paged_attention: positions[", t, "] = ", pos[t],
+                " is outside the ", P.nb_max, " blocks of ", P.bs, " a block_tables row holds");
+    const int64_t* row = tables + seq_of[t] * P.nb_max;
+    for (int64_t b = first_key(P, pos[t]) / P.bs; b <= pos[t] / P.bs; ++b)
+      TORCH_CHECK(row[b] >= 0 && row[b] < NB, "paged_attention: block_tables[", seq_of[t], ", ", b, "] = ", row[b],
+                  " is not a block of the cache (", NB, " blocks)");
+  }
+}
+
+}  // namespace
+
 void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_of, const at::Tensor& positions,
                      at::Tensor& out, double scale, int64_t window, double softcap) {
@@ -351,6 +375,12 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   TORCH_CHECK(P.bs % kLanes == 0 && P.d % kLanes == 0, "paged_attention: block size and head dim must be multiples of 16");
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.sizes() == q.sizes(),
               "paged_attention: out must be a contiguous float32 tensor shaped like q");
+  TORCH_CHECK(block_tables.dim() == 2 && seq_of.dim() == 1 && positions.dim() == 1 && seq_of.numel() == T &&
+                  positions.numel() == T,
+              "paged_attention: block_tables must be (S, NBmax), seq_of and positions (T,) for T = ", T, " queries");
+  P.window = window;
+  check_indices(P, T, block_tables.size(0), k_cache.size(0), seq_of.data_ptr<int64_t>(), positions.data_ptr<int64_t>(),
+                block_tables.data_ptr<int64_t>());
   P.q = q.data_ptr<float>();
   P.k = static_cast<const uint8_t*>(k_cache.data_ptr());
   P.v = static_cast<const uint8_t*>(v_cache.data_ptr());
@@ -360,7 +390,6 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   P.pos = positions.data_ptr<int64_t>();
   P.out = out.data_ptr<float>();
   P.scale = static_cast<float>(scale);
-  P.window = window;
   P.softcap = static_cast<float>(softcap);
   const int64_t group = P.h / P.hkv;
   const Kernels kern = attend_for_shape(fmt, group, P.bs, P.d);
@@ -380,7 +409,7 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   // 512 tokens: 4.4 -> 2.8 ms per layer). Which thread runs a unit never changes its bits.
   const int64_t n_units = n_tiles * P.hkv;
   const int64_t n_workers = std::min<int64_t>(threads, n_units);
-  at::parallel_for(0, n_workers, 1, [&](int64_t begin, int64_t end) {
+  steady_fp::parallel_for(0, n_workers, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch, acc, kvf;
     for (int64_t worker = begin; worker < end; ++worker) {
       for (int64_t i = worker; i < n_units; i += n_workers) {
@@ -412,7 +441,7 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
 // The f16 cache's block conversion on its own (tests: every build gives every half's float): h float16, any shape.
 at::Tensor kv_halves_to_floats(const at::Tensor& h, int64_t isa) {
   TORCH_CHECK(h.scalar_type() == at::kHalf && h.is_contiguous(), "kv_halves_to_floats: a contiguous float16 tensor");
-  TORCH_CHECK(isa <= 0 || steady_isa::cpu_has_f16c(),
+  TORCH_CHECK(isa <= 0 || steady_isa::cpu().f16c,
               "kv_halves_to_floats: this CPU has no F16C");
   at::Tensor out = at::empty(h.sizes(), h.options().dtype(at::kFloat));
   halves_fn(isa)(static_cast<const uint16_t*>(h.data_ptr()), out.data_ptr<float>(), h.numel(), nullptr);
@@ -421,6 +450,7 @@ at::Tensor kv_halves_to_floats(const at::Tensor& h, int64_t isa) {
 
 // x = tanh(x / cap) * cap in place (Gemma 2's final-logit soft-capping), with softcap16: the same
 // bits for an element wherever it sits, so a row's bits do not depend on the rows around it.
+namespace {
 STEADY_CLONES
 void softcap_rows(float* x, int64_t n, float cap) {
   int64_t i = 0;
@@ -432,33 +462,16 @@ void softcap_rows(float* x, int64_t n, float cap) {
     std::memcpy(x + i, tail, sizeof(float) * (n - i));
   }
 }
+}  // namespace
 
 void softcap_(at::Tensor& x, double cap) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "softcap_: x must be contiguous (T, V) float32");
   TORCH_CHECK(cap > 0, "softcap_: cap must be positive");
   const int64_t T = x.size(0), V = x.size(1);
   float* xp = x.data_ptr<float>();
-  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+  steady_fp::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) softcap_rows(xp + t * V, V, static_cast<float>(cap));
   });
 }
 
-}  // namespace
-
-TORCH_LIBRARY(steadyserve, m) {
-  m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_of, "
-        "Tensor positions, Tensor(a!) out, float scale, int window, float softcap=0.0) -> ()");
-  m.impl("paged_attention", c10::DispatchKey::CPU, TORCH_FN(paged_attention));
-  m.def("kv_halves_to_floats(Tensor h, int isa=-1) -> Tensor");
-  m.impl("kv_halves_to_floats", c10::DispatchKey::CPU, TORCH_FN(kv_halves_to_floats));
-  m.def("softcap_(Tensor(a!) x, float cap) -> ()");
-  m.impl("softcap_", c10::DispatchKey::CPU, TORCH_FN(softcap_));
-}
-
-namespace steady_ops {  // ops.h
-void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                     const at::Tensor& block_tables, const at::Tensor& seq_of, const at::Tensor& positions,
-                     at::Tensor& out, double scale, int64_t window, double softcap) {
-  ::paged_attention(q, k_cache, v_cache, block_tables, seq_of, positions, out, scale, window, softcap);
-}
 }  // namespace steady_ops

@@ -32,6 +32,8 @@
 
 #include <cstdint>
 
+#include "formats.h"
+
 namespace steady_q8 {
 
 constexpr int64_t kPanel = 16;     // weight rows per panel: the lanes of one AVX-512 register

@@ -38,9 +38,8 @@ namespace {
 constexpr int kRows = 16;  // activation rows per tile: AMX's 16 tile rows
 // Below 16 rows the VNNI build runs: a tile of fewer rows would still cost a whole product and store. A call of
 // 16-31 rows has one group of rows, which reuses no unpacked block, so it takes panel_one_group; from 32 rows the
-// panel's blocks are unpacked once and every group reuses them (panel). SmolLM2-1.7B's shape, M = 16, 2 threads,
-// Intel Xeon: Q4_K gate|up 1.72-1.91 ms in the VNNI build, 2.05 through panel, 1.39-1.56 through panel_one_group;
-// Q6_K down 1.23-1.26 either way, level with VNNI's; SmolLM2-135M's Q8_0 LM head 1.75 -> 1.23 ms.
+// panel's blocks are unpacked once and every group reuses them (panel). (Measurements: benchmarks/RESULTS.md,
+// "Kernel tuning measurements".)
 constexpr int64_t kMinRows = 16;
 
 // Tiles, set once per call. Two halves (0-2 and 3-5), each an A (activations), a B (weights) and a C (int32):
@@ -96,13 +95,23 @@ inline void epilogue(const Q8Args& a, const BlockScales& s, const int32_t* c0, c
   }
 }
 
+// tileloadd with a "memory" clobber. GCC 12's _tile_loadd is an asm with the address as a register and no memory
+// operand or clobber, so nothing tells the compiler the instruction reads the B buffer unpack_block has just
+// written: it may keep those stores in registers or sink them past the load (the class of bug the config's "m"
+// operand above works around). The clobber orders every memory access around the load. (_tile_stored has one.)
+#define STEADY_TILE_LOADD(T, BASE, STRIDE)                                                         \
+  asm volatile("{tileloadd\t(%0,%1,1), %%tmm" #T "|tileloadd\t%%tmm" #T ", [%0+%1*1]}"           \
+               :                                                                                  \
+               : "r"(static_cast<const void*>(BASE)), "r"(static_cast<long>(STRIDE))             \
+               : "memory")
+
 // The products of one half: C = A (activations at x, row stride K) . B (tile rows at w), in tiles A, B, C. GCC's
 // tile intrinsics paste their tile numbers into the instruction text, so each half is spelled out by this macro.
 #define STEADY_AMX_PRODUCT(NAME, A, B, C)                                              \
   template <bool SIGNED>                                                               \
   inline void NAME(const int8_t* x, int64_t stride, const uint8_t* w) {                \
-    _tile_loadd(A, x, stride);                                                         \
-    _tile_loadd(B, w, 64);                                                             \
+    STEADY_TILE_LOADD(A, x, stride);                                                   \
+    STEADY_TILE_LOADD(B, w, 64);                                                       \
     _tile_zero(C);                                                                     \
     if constexpr (SIGNED) {                                                            \
       _tile_dpbssd(C, A, B);                                                           \
@@ -127,9 +136,8 @@ inline NextPanel next_panel(const Q8Args& a, int64_t p, int64_t records) {
 // The next panel's records, requested into L2 while a group of rows runs: the share of blocks [b0, b1) of `blocks`.
 // The VNNI build requests its stream ahead as it unpacks (q8_unpack.h's prefetch_ahead); here the unpack is a short
 // loop of loads and stores before many products, and its hints, issued there in a burst of about ten a block, filled
-// the line-fill buffers and stalled it (the hint loop held 14% of a c=64 decode step's panel samples). Spread over
-// the products instead: Q4_1 at M = 64 (SmolLM2's four matrices, 2 threads, Intel Xeon) 8-10% less time; M = 512 and
-// the LM head unchanged. A hint never changes a value.
+// the line-fill buffers and stalled it. So the hints are spread over the products instead. A hint never changes a
+// value.
 inline void prefetch_share(const NextPanel& next, int64_t b0, int64_t b1, int64_t blocks) {
   for (int64_t l = next.lines * b0 / blocks; l < next.lines * b1 / blocks; ++l)
     _mm_prefetch(reinterpret_cast<const char*>(next.rec + 64 * l), _MM_HINT_T1);
@@ -139,22 +147,22 @@ inline void prefetch_share(const NextPanel& next, int64_t b0, int64_t b1, int64_
 template <int BITS, bool MIN, bool SUB, bool KQ>
 inline void unpack_block(const uint8_t* rec, int i, uint8_t* tile, BlockScales& s) {
   constexpr int per = KQ ? 8 : 1;
-  constexpr int qbytes = BITS == 8 ? 512 : BITS == 4 ? 256 : BITS == 5 ? 320 : 384;
+  constexpr int qbytes = steady_fmt::qbytes(BITS);
   const uint8_t* sc = rec + per * qbytes;
   const F d = h2f16(sc);
-  const F d2 = MIN ? h2f16(sc + 32) : fzero();
+  const F d2 = MIN ? h2f16(sc + steady_fmt::kScaleM) : fzero();
   W w[8];
   unpack<BITS>(rec + i * qbytes, w);
   for (int j = 0; j < 8; ++j) _mm512_storeu_si512(tile + 64 * j, w[j]);
   F wa = d, wb = d2;
   if constexpr (KQ && MIN) {  // a = d * sc, b = -(dmin * mn), as the VNNI build
-    wa = fmul(d, u8f(sc + 64 + 16 * i));
-    wb = fneg(fmul(d2, u8f(sc + 192 + 16 * i)));
+    wa = fmul(d, u8f(sc + steady_fmt::kScaleSc + 16 * i));
+    wb = fneg(fmul(d2, u8f(sc + steady_fmt::kScaleMn + 16 * i)));
   }
   _mm512_storeu_ps(s.a, wa);
   _mm512_storeu_ps(s.b, wb);
-  _mm512_storeu_si512(s.sc_lo, SUB ? i8load(sc + 32 + 32 * i) : izero());
-  _mm512_storeu_si512(s.sc_hi, SUB ? i8load(sc + 48 + 32 * i) : izero());
+  _mm512_storeu_si512(s.sc_lo, SUB ? i8load(sc + steady_fmt::kScaleSub + 32 * i) : izero());
+  _mm512_storeu_si512(s.sc_hi, SUB ? i8load(sc + steady_fmt::kScaleSub + 16 + 32 * i) : izero());
 }
 
 // One group of 16 rows (M = 16..31): nothing is reused across groups, so each block is unpacked two blocks ahead of
@@ -229,8 +237,7 @@ void panel(const Q8Args& a, int64_t p, int64_t rows, uint8_t* tiles, BlockScales
   // Each block's products are stored one step before its epilogue reads them, and a tile's store is issued after
   // the previous block's epilogue, not before: the store waits for its product, and an epilogue issued behind that
   // waiting store did not start until it was done. Issued first, the epilogue of block b - 1 runs while block b's
-  // product is formed (Q4_1, M = 512, K = 576, N = 3072, one thread, Xeon with AMX: 3.63 -> 3.19-3.39 ms; K = 1536,
-  // N = 576: 1.73 -> 1.51 ms). The epilogues still run in ascending block order.
+  // product is formed. The epilogues still run in ascending block order.
   alignas(64) int32_t c[2][2][kRows * 16];
   // The next panel's records, over the first group of rows' blocks (prefetch_share).
   const NextPanel next = next_panel(a, p, blocks / per);
@@ -274,11 +281,10 @@ void panel(const Q8Args& a, int64_t p, int64_t rows, uint8_t* tiles, BlockScales
 }
 
 // Rows per pass over a thread's panels, where a pass's activations and one unpacked panel fit in L1 (kPassL1 bytes)
-// but all rows' do not, and the thread reads more than kPassBytes of weights. SmolLM2-135M's Q8_0 LM head (49152 x
-// 576, 2 threads, Intel Xeon): M = 64 6.6-6.8 -> 4.7-4.75 ms, though each pass reads and unpacks the weights again.
-// In one pass each panel walks all groups of rows, and their activations (37 KiB at M = 64, K = 576) with the
-// unpacked panel overflow L1. The layers' matrices, read from cache (SmolLM2-135M's: under 1 MiB a thread), gained
-// nothing; at K = 2048 (SmolLM2-1.7B's shape) a pass does not fit L1, and two passes cost 18% more.
+// but all rows' do not, and the thread reads more than kPassBytes of weights (an LM head streaming from memory): in
+// one pass each panel walks all groups of rows, and their activations with the unpacked panel overflow L1, which
+// costs more than reading and unpacking the weights again per pass. Matrices read from cache gain nothing, and
+// where a pass does not fit L1 either (large K) passes cost more; hence both bounds.
 constexpr int64_t kPassRows = 32;
 constexpr int64_t kPassL1 = 32 * 1024;
 constexpr int64_t kPassBytes = int64_t(1) << 20;

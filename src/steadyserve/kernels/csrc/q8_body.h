@@ -102,7 +102,7 @@ template <int BITS, int ZERO, bool MIN, bool SUB, bool KQ, int MM>
 inline void panel_tile(const Q8Args& a, int64_t p, int64_t m0) {
   const int64_t blocks = a.K / kBlock;
   constexpr int per = KQ ? 8 : 1;
-  constexpr int qbytes = BITS == 8 ? 512 : BITS == 4 ? 256 : BITS == 5 ? 320 : 384;
+  constexpr int qbytes = steady_fmt::qbytes(BITS);
   F acc[MM];
   for (int m = 0; m < MM; ++m) acc[m] = fzero();
   const uint8_t* rec = a.w + p * (blocks / per) * a.lay.record;
@@ -110,7 +110,7 @@ inline void panel_tile(const Q8Args& a, int64_t p, int64_t m0) {
   for (int64_t c0 = 0; c0 < blocks; c0 += per, rec += a.lay.record) {
     const uint8_t* sc = rec + per * qbytes;  // q8.h's scale fields
     const F d = h2f16(sc);
-    const F d2 = MIN ? h2f16(sc + 32) : fzero();  // Q4_1's m, or the K-quants' dmin
+    const F d2 = MIN ? h2f16(sc + steady_fmt::kScaleM) : fzero();  // Q4_1's m, or the K-quants' dmin
     for (int i = 0; i < per; ++i) {
       const int64_t c = c0 + i;
       if (m0 == 0) prefetch_ahead(rec, a.lay.record, per, i, ahead);  // later tiles of rows find the panel in cache
@@ -118,14 +118,15 @@ inline void panel_tile(const Q8Args& a, int64_t p, int64_t m0) {
       unpack<BITS>(rec + i * qbytes, w);
       F wa = d, wb = d2;
       if constexpr (KQ && MIN) {  // a = d * sc, b = -(dmin * mn)
-        wa = fmul(d, u8f(sc + 64 + 16 * i));
-        wb = fneg(fmul(d2, u8f(sc + 192 + 16 * i)));
+        wa = fmul(d, u8f(sc + steady_fmt::kScaleSc + 16 * i));
+        wb = fneg(fmul(d2, u8f(sc + steady_fmt::kScaleMn + 16 * i)));
       }
       F fdot[MM];  // float(I_c) per row
       if constexpr (SUB) {
         static_assert(ZERO == 32, "Q6_K's zero point");
         sub_block_floats<MM>(w, a.xq + m0 * a.K + c * kBlock, a.K, a.sx16 + 2 * (m0 * blocks + c), blocks,
-                             f_of_i(i8load(sc + 32 + 32 * i)), f_of_i(i8load(sc + 48 + 32 * i)), fdot);
+                             f_of_i(i8load(sc + steady_fmt::kScaleSub + 32 * i)),
+                             f_of_i(i8load(sc + steady_fmt::kScaleSub + 16 + 32 * i)), fdot);
       } else {
         I dotv[MM];
         tile_dots<BITS, ZERO, MM>(w, a.xq + m0 * a.K + c * kBlock, a.K, a.sx + m0 * blocks + c, blocks, dotv);

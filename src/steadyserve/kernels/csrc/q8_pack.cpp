@@ -10,12 +10,13 @@
 #include <cstdint>
 #include <cstring>
 
+#include "formats.h"
 #include "q8.h"
 
 namespace steady_q8 {
 namespace {
 
-enum Ggml : int32_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+using namespace steady_fmt::ids;
 
 uint16_t u16_at(const uint8_t* p) {
   uint16_t h;
@@ -95,37 +96,18 @@ Block read_block(int32_t fmt, const uint8_t* row, int64_t c) {
   return k;
 }
 
-int64_t gguf_row_bytes(int32_t fmt, int64_t K) {
-  switch (fmt) {
-    case Q4_0: return K / 32 * 18;
-    case Q4_1: return K / 32 * 20;
-    case Q5_0: return K / 32 * 22;
-    case Q8_0: return K / 32 * 34;
-    case Q4_K: return K / 256 * 144;
-    case Q5_K: return K / 256 * 176;
-    case Q6_K: return K / 256 * 210;
-    default: return -1;
-  }
-}
-
 }  // namespace
 
 bool packed_layout(int32_t ggml_type, PackedLayout* out) {
-  switch (ggml_type) {
-    case Q4_0: *out = {4, 8, false, false, false, 256, 256 + 32}; return true;
-    case Q4_1: *out = {4, 0, true, false, false, 256, 256 + 64}; return true;
-    case Q5_0: *out = {5, 16, false, false, false, 320, 320 + 32}; return true;
-    case Q8_0: *out = {8, 0, false, false, false, 512, 512 + 32}; return true;
-    case Q4_K: *out = {4, 0, true, false, true, 256, 8 * 256 + 320}; return true;
-    case Q5_K: *out = {5, 0, true, false, true, 320, 8 * 320 + 320}; return true;
-    case Q6_K: *out = {6, 32, false, true, true, 384, 8 * 384 + 32 + 256}; return true;
-    default: return false;
-  }
+  const steady_fmt::Traits* t = steady_fmt::traits(ggml_type);
+  if (!t || t->bits == 0) return false;
+  *out = {t->bits, t->zero, t->has_min, t->sub_scales, t->k_quant, steady_fmt::qbytes(t->bits), steady_fmt::record_bytes(*t)};
+  return true;
 }
 
 void pack(int32_t fmt, const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, uint8_t* out) {
   PackedLayout lay;
-  if (!packed_layout(fmt, &lay) || gguf_row_bytes(fmt, K) != row_bytes) return;  // the caller checked
+  if (!packed_layout(fmt, &lay) || steady_fmt::row_bytes(fmt, K) != row_bytes) return;  // the caller checked
   const int per = lay.k_quant ? 8 : 1;  // blocks per record
   const int64_t records = K / kBlock / per;
   for (int64_t p = 0; p < N / kPanel; ++p) {
@@ -138,11 +120,12 @@ void pack(int32_t fmt, const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K
           const Block k = read_block(fmt, w + (p * kPanel + r) * row_bytes, t * per + i);
           uint8_t* q = rec + i * lay.qbytes;
           std::memcpy(scales + 2 * r, &k.d, 2);  // the same in every block of a super-block
-          if (lay.has_min) std::memcpy(scales + 32 + 2 * r, &k.m, 2);
-          if (lay.k_quant && lay.has_min) scales[64 + 16 * i + r] = k.sc, scales[192 + 16 * i + r] = k.mn;
+          if (lay.has_min) std::memcpy(scales + steady_fmt::kScaleM + 2 * r, &k.m, 2);
+          if (lay.k_quant && lay.has_min)
+            scales[steady_fmt::kScaleSc + 16 * i + r] = k.sc, scales[steady_fmt::kScaleMn + 16 * i + r] = k.mn;
           if (lay.sub_scales) {
-            scales[32 + 16 * (2 * i) + r] = uint8_t(k.sc_lo);
-            scales[32 + 16 * (2 * i + 1) + r] = uint8_t(k.sc_hi);
+            scales[steady_fmt::kScaleSub + 16 * (2 * i) + r] = uint8_t(k.sc_lo);
+            scales[steady_fmt::kScaleSub + 16 * (2 * i + 1) + r] = uint8_t(k.sc_hi);
           }
           for (int kk = 0; kk < 32; ++kk) {
             const int j = kk / 4, ii = kk % 4;

@@ -5,6 +5,16 @@
 // through the same IEEE operations in every build: amax is exact in any order, the scale is computed once
 // per block as a scalar, x * s is one multiply, and the rounding is half to even (cvtps2dq under MXCSR's
 // default, std::nearbyint in the scalar build); the sums are integers. So every build gives the same bits.
+//
+// Tiny blocks. For 0 < amax < 127 / FLT_MAX (about 3.7e-37: a block whose values are all subnormal or nearly),
+// 127 / amax overflows to +inf and x * s is inf or NaN, whose conversion each build handled its own way (and the
+// scalar build's was undefined). Blocks with amax below kTinyAmax = 2^-64 are therefore first multiplied by
+// 2^64, exactly (a power of two, the results normal): q = round(x 2^64 * (127 / (amax 2^64))). Where the old
+// formula was finite (amax >= 3.7e-37) this is the same float product, so the same q, as the old one: 2^64 and
+// 2^-64 cancel exactly in both the scale and the product; below it, it is the q the formula means. dx stays
+// amax / 127, subnormal or not: MXCSR is pinned (fp_env.h), so no build or thread flushes it.
+constexpr float kTinyAmax = 0x1p-64f;
+constexpr float kTinyScale = 0x1p64f;
 
 void quantize_rows(const float* x, int64_t x_stride, int64_t K, int64_t m0, int64_t m1, int8_t* xq, float* dx,
                    float* sxd, int32_t* sx, int32_t* sx16) {
@@ -12,11 +22,18 @@ void quantize_rows(const float* x, int64_t x_stride, int64_t K, int64_t m0, int6
   for (int64_t m = m0; m < m1; ++m) {
     for (int64_t c = 0; c < blocks; ++c) {
       const float* v = x + m * x_stride + c * kBlock;
-      const QF lo = qload(v), hi = qload(v + 16);
+      QF lo = qload(v), hi = qload(v + 16);
       const bool finite = qall_finite(lo) && qall_finite(hi);
       const float amax = qhmax_abs(lo, hi);
       const float d = finite ? amax / 127.0f : NAN;
-      const float s = finite && amax > 0.0f ? 127.0f / amax : 0.0f;
+      float s = finite && amax > 0.0f ? 127.0f / amax : 0.0f;
+      if (finite && amax > 0.0f && amax < kTinyAmax) {  // 127 / amax could overflow: scale up first (see above)
+        float up[kBlock];
+        for (int k = 0; k < kBlock; ++k) up[k] = v[k] * kTinyScale;
+        lo = qload(up);
+        hi = qload(up + 16);
+        s = 127.0f / (amax * kTinyScale);
+      }
       int32_t sum_lo = 0, sum_hi = 0;
       int8_t* q = xq + m * K + c * kBlock;
       if (finite) {

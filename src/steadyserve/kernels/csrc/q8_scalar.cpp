@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "half.h"
+#include "formats.h"
 #include "q8.h"
 
 namespace steady_q8 {
@@ -40,14 +41,14 @@ Consts consts(const uint8_t* scales, const PackedLayout& lay, int r, int i) {
   Consts k;
   k.a = half_at(scales + 2 * r);
   if (lay.k_quant && lay.has_min) {  // Q4_K, Q5_K
-    k.a = k.a * float(scales[64 + 16 * i + r]);
-    k.b = -(half_at(scales + 32 + 2 * r) * float(scales[192 + 16 * i + r]));
+    k.a = k.a * float(scales[steady_fmt::kScaleSc + 16 * i + r]);
+    k.b = -(half_at(scales + steady_fmt::kScaleM + 2 * r) * float(scales[steady_fmt::kScaleMn + 16 * i + r]));
   } else if (lay.has_min) {  // Q4_1
-    k.b = half_at(scales + 32 + 2 * r);
+    k.b = half_at(scales + steady_fmt::kScaleM + 2 * r);
   }
   if (lay.sub_scales) {  // Q6_K
-    k.sc_lo = int8_t(scales[32 + 16 * (2 * i) + r]);
-    k.sc_hi = int8_t(scales[32 + 16 * (2 * i + 1) + r]);
+    k.sc_lo = int8_t(scales[steady_fmt::kScaleSub + 16 * (2 * i) + r]);
+    k.sc_hi = int8_t(scales[steady_fmt::kScaleSub + 16 * (2 * i + 1) + r]);
   }
   return k;
 }

@@ -9,12 +9,9 @@
 // `isa` picks the build: -1 the best this CPU has (by CPUID), 0 scalar, 1 AVX2, 2 AVX-512 VNNI, 3 AMX; the tests
 // run every one the machine has and compare bits. Threads split panels of 16 output columns, never a sum.
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
+#include "fp_env.h"
 #include <torch/library.h>
 
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <cstdint>
 #include <cstdlib>
@@ -23,7 +20,9 @@
 #include <vector>
 
 #include "isa.h"
+#include "ops.h"
 #include "q8.h"
+#include "qmm.h"
 
 namespace steady_q8_ops {
 
@@ -31,53 +30,16 @@ using namespace steady_q8;
 
 namespace {
 
-// AMX-TILE and AMX-INT8 by CPUID (leaf 7, EDX bits 24 and 25), and the tile state granted by the OS: Linux hands
-// it to a process only on request (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); a refusal (an old
-// kernel, a sandbox) leaves the VNNI build, with the same bits.
-bool amx_granted() {
-  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
-  if (!((edx >> 24) & 1) || !((edx >> 25) & 1)) return false;
-  constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
-  return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
-}
-
-// How far ahead each thread asks for its weight stream (q8.h's Prefetch), at 2 threads, weights read from memory:
-//   Intel Xeon (2 cores; Q4_K 2048 x 2048 matrices cycled through 470 MB): 1 row 0.12-0.14 ms with no hint, 0.10 ms
-//   with the L1 hint 2 KiB ahead (1 KiB less or more was slower), 0.09 ms (26 GB/s; torch.sum reads 29) with the L2
-//   hint 12 KiB ahead beside it.
-//   AMD EPYC (family 25 model 17, Zen 4, 2 cores; every packed matrix of a 1.7B-shaped Q4_K_M model, 1.05 GB, at
-//   1 row; the settings alternated in one process, median GB/s of 35-40 rounds in the host's fast minutes): L1 2 KiB
-//   + L2 12 KiB 42.1-43.3; no hint 39.6; the L2 hint alone at 5 KiB 40.7, 6 KiB 44.1-45.4, 6.5 KiB 45.8, 7 KiB
-//   45.2-45.3, 8 KiB 42.7-43.9, 10 KiB 40.5, 12 KiB 42.4; L1 0.5 KiB + L2 6 KiB 42.9. One thread, the L1 hint
-//   alone: K = 8192 matrices 18.0 GB/s (none 17.3, L2 alone at 12 KiB 26.0), gate|up 22.0 (none 28.2, that 24.6).
-// So AMD CPUs take the L2 hint alone, 7 KiB ahead; others the Xeon's pair.
+// How far ahead each thread asks for its weight stream (q8.h's Prefetch), chosen by measuring weights read from
+// memory at 2 threads on each vendor's CPU (benchmarks/RESULTS.md, "Kernel tuning measurements"): AMD CPUs take the
+// L2 hint alone, 7 KiB ahead; others an L1 hint 2 KiB and an L2 hint 12 KiB ahead. A hint never changes a value.
 Prefetch prefetch_plan() {
-  static const Prefetch plan = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_is("amd") ? Prefetch{0, 7168} : Prefetch{2048, 12288};
-  }();
-  return plan;
+  return steady_isa::cpu().amd ? Prefetch{0, 7168} : Prefetch{2048, 12288};
 }
 
 }  // namespace
 
-// The widest int8 build this CPU runs, capped by STEADYSERVE_ISA (scalar | avx2 | avx512 | amx) as qlinear.cpp's.
-int best_q8_isa() {
-  static const int best = [] {
-    const int cap = steady_isa::env_cap();
-    __builtin_cpu_init();
-    int have = 0;
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
-        __builtin_cpu_supports("avx512vnni"))
-      have = cap >= 3 && amx_granted() ? 3 : 2;  // the grant is asked only when the cap allows its use
-    else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
-      have = 1;
-    return have < cap ? have : cap;
-  }();
-  return best;
-}
+int best_q8_isa() { return steady_isa::best_int8(); }
 
 namespace {
 
@@ -140,10 +102,12 @@ void quantize(const at::Tensor& x, int use, const Quantized& q) {
   const int64_t M = x.size(0), K = x.size(1);
   const float* xp = x.data_ptr<float>();
   const int64_t stride = x.stride(0);
-  at::parallel_for(0, M, 4, [&](int64_t m0, int64_t m1) {
+  steady_fp::parallel_for(0, M, 4, [&](int64_t m0, int64_t m1) {
     kBuilds[use].quantize_rows(xp, stride, K, m0, m1, q.xq, q.dx, q.sxd, q.sx, q.sx16);
   });
 }
+
+}  // namespace
 
 at::Tensor q8pack(const at::Tensor& w, int64_t fmt, int64_t K) {
   PackedLayout lay;
@@ -151,13 +115,16 @@ at::Tensor q8pack(const at::Tensor& w, int64_t fmt, int64_t K) {
   TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(), "q8pack: w must be contiguous (N, row_bytes) uint8");
   const int64_t N = w.size(0);
   TORCH_CHECK(N % kPanel == 0, "q8pack: N = ", N, " is not a multiple of ", kPanel);
-  TORCH_CHECK(K % (lay.k_quant ? 256 : kBlock) == 0, "q8pack: K = ", K, " does not fit the format");
+  TORCH_CHECK(K > 0 && K % (lay.k_quant ? 256 : kBlock) == 0, "q8pack: K = ", K, " does not fit the format");
+  steady_qmm::Layout gguf;
+  TORCH_CHECK(steady_qmm::layout_of(int32_t(fmt), &gguf) && w.size(1) == K / gguf.block * gguf.bytes, "q8pack: w has ",
+              w.size(1), " bytes per row, GGML type ", fmt, " stores K = ", K, " in ", K / gguf.block * gguf.bytes);
   const int64_t panel_bytes = K / kBlock / (lay.k_quant ? 8 : 1) * lay.record;
   at::Tensor out = at::empty({N, panel_bytes / kPanel}, w.options());
   const int64_t row_bytes = w.size(1);
   const uint8_t* src = w.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, N / kPanel, 8, [&](int64_t p0, int64_t p1) {
+  steady_fp::parallel_for(0, N / kPanel, 8, [&](int64_t p0, int64_t p1) {
     pack(int32_t(fmt), src + p0 * kPanel * row_bytes, row_bytes, (p1 - p0) * kPanel, K, dst + p0 * panel_bytes);
   });
   return out;
@@ -177,8 +144,6 @@ std::tuple<at::Tensor, at::Tensor> q8quantize(const at::Tensor& x, int64_t isa) 
 
 int64_t q8_isa() { return best_q8_isa(); }
 
-}  // namespace
-
 void matmul_packed(const at::Tensor& x, const at::Tensor& w, int64_t packed_fmt, at::Tensor& y, int64_t col0,
                    int64_t isa) {
   const int32_t fmt = int32_t(packed_fmt - kPacked);
@@ -188,7 +153,7 @@ void matmul_packed(const at::Tensor& x, const at::Tensor& w, int64_t packed_fmt,
   TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(), "qmatmul_: w must be contiguous packed panels");
   TORCH_CHECK(y.scalar_type() == at::kFloat && y.dim() == 2 && y.stride(1) == 1, "qmatmul_: y must be (M, >= N) float32");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(K % (lay.k_quant ? 256 : kBlock) == 0 && N % kPanel == 0 &&
+  TORCH_CHECK(K > 0 && K % (lay.k_quant ? 256 : kBlock) == 0 && N % kPanel == 0 &&
                   w.size(1) * kPanel == K / kBlock / (lay.k_quant ? 8 : 1) * lay.record,
               "qmatmul_: K = ", K, " does not match the packed panels (", w.size(1), " bytes per row)");
   TORCH_CHECK(y.size(0) == M && col0 >= 0 && col0 + N <= y.size(1), "qmatmul_: y is too small");
@@ -198,7 +163,7 @@ void matmul_packed(const at::Tensor& x, const at::Tensor& w, int64_t packed_fmt,
   quantize(x, use, q);
   Q8Args base{fmt, lay, q.xq, q.dx, q.sxd, q.sx, q.sx16, M, K, w.data_ptr<uint8_t>(),
               y.data_ptr<float>() + col0, y.stride(0), 0, 0, prefetch_plan()};
-  at::parallel_for(0, N / kPanel, 1, [&](int64_t p0, int64_t p1) {
+  steady_fp::parallel_for(0, N / kPanel, 1, [&](int64_t p0, int64_t p1) {
     Q8Args a = base;
     a.p_begin = p0;
     a.p_end = p1;
@@ -207,11 +172,3 @@ void matmul_packed(const at::Tensor& x, const at::Tensor& w, int64_t packed_fmt,
 }
 
 }  // namespace steady_q8_ops
-
-TORCH_LIBRARY_FRAGMENT(steadyserve, m) {
-  m.def("q8pack(Tensor w, int fmt, int K) -> Tensor");
-  m.def("q8quantize(Tensor x, int isa=-1) -> (Tensor, Tensor)");
-  m.def("q8_isa() -> int", TORCH_FN(steady_q8_ops::q8_isa));
-  m.impl("q8pack", c10::DispatchKey::CPU, TORCH_FN(steady_q8_ops::q8pack));
-  m.impl("q8quantize", c10::DispatchKey::CPU, TORCH_FN(steady_q8_ops::q8quantize));
-}

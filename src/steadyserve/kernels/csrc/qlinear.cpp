@@ -11,7 +11,7 @@
 // `isa` picks the build: -1 the best this CPU has (by CPUID), 0 scalar, 1 AVX2, 2 AVX-512;
 // the tests run all three and compare bits. Work is split over threads by output columns
 // (matmul) or rows (the row-wise ops) only, so the thread count never changes a value.
-#include <ATen/Parallel.h>
+#include "fp_env.h"
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -28,22 +28,7 @@ namespace {
 
 using namespace steady_qmm;
 
-// The widest build this CPU runs, capped by STEADYSERVE_ISA (scalar | avx2 | avx512) when set: a
-// speed knob only, since every build computes the same bits (it lets one machine check them all).
-int best_isa() {
-  static const int best = [] {
-    const int cap = steady_isa::env_cap();
-    __builtin_cpu_init();
-    int have = 0;
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl"))
-      have = 2;
-    else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
-      have = 1;
-    return have < cap ? have : cap;
-  }();
-  return best;
-}
+int best_isa() { return steady_isa::best_float(); }
 
 int pick_isa(int64_t isa) {
   const int best = best_isa();
@@ -51,8 +36,6 @@ int pick_isa(int64_t isa) {
   TORCH_CHECK(isa <= best, "this CPU cannot run ISA build ", isa, " (best: ", best, ")");
   return isa < 0 ? best : int(isa);
 }
-
-int64_t qmm_isa() { return best_isa(); }
 
 // One build's entry points (qmm.h), indexed by ISA: 0 scalar, 1 AVX2, 2 AVX-512.
 struct Build {
@@ -74,13 +57,19 @@ const Build kBuilds[3] = {
      avx512::register_rows, avx512::argmax},
 };
 
-// Rows up to which the best build's matmul dequantizes each weight once in registers for all of them: a
-// step of up to this many rows costs little more than one (speculative verification sizes itself by it).
-int64_t qmm_register_rows() { return kBuilds[best_isa()].register_rows(); }
-
 // Output columns per task: a multiple of every build's panel width, so a task boundary never
 // splits a panel (it would not change bits, only speed).
 constexpr int64_t kColumnsPerTask = 16;
+
+}  // namespace
+
+namespace steady_ops {  // ops.h; registered in bindings.cpp
+
+int64_t qmm_isa() { return best_isa(); }
+
+// Rows up to which the best build's matmul dequantizes each weight once in registers for all of them: a
+// step of up to this many rows costs little more than one (speculative verification sizes itself by it).
+int64_t qmm_register_rows() { return kBuilds[best_isa()].register_rows(); }
 
 void qmatmul_(const at::Tensor& x, const at::Tensor& w, int64_t fmt, at::Tensor& y, int64_t col0, int64_t isa) {
   if (fmt >= steady_q8::kPacked) {  // weights packed for the int8 family (q8.h): activations go to int8
@@ -101,7 +90,7 @@ void qmatmul_(const at::Tensor& x, const at::Tensor& w, int64_t fmt, at::Tensor&
   MatmulArgs base{int32_t(fmt), x.data_ptr<float>(), x.stride(0), M, K, w.data_ptr<uint8_t>(), w.size(1),
                   y.data_ptr<float>() + col0, y.stride(0), 0, 0, nullptr};
   const int64_t tasks = (N + kColumnsPerTask - 1) / kColumnsPerTask;
-  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
+  steady_fp::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> scratch(M > 1 ? size_t(kScratchRows * K) : 0);
     MatmulArgs a = base;
     a.n_begin = t0 * kColumnsPerTask;
@@ -125,7 +114,7 @@ at::Tensor qdequant(const at::Tensor& w, int64_t fmt, int64_t K, const at::Tenso
   const int use = pick_isa(isa);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, R, 16, [&](int64_t i0, int64_t i1) {
+  steady_fp::parallel_for(0, R, 16, [&](int64_t i0, int64_t i1) {
     kBuilds[use].dequant_rows(int32_t(fmt), wp, w.size(1), K, rp + i0, i1 - i0, op + i0 * K);
   });
   return out;
@@ -145,7 +134,7 @@ void qrms_norm_into(const at::Tensor& x, const at::Tensor& weight, double eps, i
   const float* wp = weight.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const float e = float(eps);
-  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+  steady_fp::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
     kBuilds[use].rms_norm(xp, x.stride(0), wp, e, D, yp, t0, t1);
   });
 }
@@ -170,15 +159,17 @@ void gated_act_into(const at::Tensor& gate_up, int64_t isa, bool gelu, at::Tenso
   const float* gp = gate_up.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const auto fn = gelu ? kBuilds[use].gelu_tanh_mul : kBuilds[use].silu_mul;
-  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) { fn(gp, I2 / 2, yp, t0, t1); });
+  steady_fp::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) { fn(gp, I2 / 2, yp, t0, t1); });
 }
 
+namespace {
 at::Tensor gated_act(const at::Tensor& gate_up, int64_t isa, bool gelu) {
   TORCH_CHECK(gate_up.dim() == 2, gelu ? "qgelu_tanh_mul" : "qsilu_mul", ": gate_up must be contiguous (T, 2 * I) float32");
   at::Tensor y = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
   gated_act_into(gate_up, isa, gelu, y);
   return y;
 }
+}  // namespace
 
 at::Tensor qsilu_mul(const at::Tensor& gate_up, int64_t isa) { return gated_act(gate_up, isa, false); }
 
@@ -191,7 +182,7 @@ at::Tensor qlog_softmax(const at::Tensor& x, int64_t isa) {
   const int use = pick_isa(isa);
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+  steady_fp::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
     kBuilds[use].log_softmax(xp, V, yp, t0, t1);
   });
   return y;
@@ -204,7 +195,7 @@ at::Tensor qargmax(const at::Tensor& x, int64_t isa) {
   const int use = pick_isa(isa);
   const float* xp = x.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
-  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) { kBuilds[use].argmax(xp, V, op, t0, t1); });
+  steady_fp::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) { kBuilds[use].argmax(xp, V, op, t0, t1); });
   return out;
 }
 
@@ -213,45 +204,9 @@ void qlog_softmax_(at::Tensor& x, int64_t isa) {
   const int64_t T = x.size(0), V = x.size(1);
   const int use = pick_isa(isa);
   float* xp = x.data_ptr<float>();
-  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+  steady_fp::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
     kBuilds[use].log_softmax(xp, V, xp, t0, t1);
   });
 }
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(steadyserve, m) {
-  m.def("qmatmul_(Tensor x, Tensor w, int fmt, Tensor(a!) y, int col0, int isa=-1) -> ()");
-  m.def("qdequant(Tensor w, int fmt, int K, Tensor rows, int isa=-1) -> Tensor");
-  m.def("qrms_norm(Tensor x, Tensor weight, float eps, int isa=-1) -> Tensor");
-  m.def("qsilu_mul(Tensor gate_up, int isa=-1) -> Tensor");
-  m.def("qlog_softmax(Tensor x, int isa=-1) -> Tensor");
-  m.def("qlog_softmax_(Tensor(a!) x, int isa=-1) -> ()");
-  m.def("qgelu_tanh_mul(Tensor gate_up, int isa=-1) -> Tensor");
-  m.def("qargmax(Tensor x, int isa=-1) -> Tensor");
-  m.def("qmm_isa() -> int", TORCH_FN(qmm_isa));
-  m.def("qmm_register_rows() -> int", TORCH_FN(qmm_register_rows));
-  m.impl("qmatmul_", c10::DispatchKey::CPU, TORCH_FN(qmatmul_));
-  m.impl("qdequant", c10::DispatchKey::CPU, TORCH_FN(qdequant));
-  m.impl("qrms_norm", c10::DispatchKey::CPU, TORCH_FN(qrms_norm));
-  m.impl("qsilu_mul", c10::DispatchKey::CPU, TORCH_FN(qsilu_mul));
-  m.impl("qlog_softmax", c10::DispatchKey::CPU, TORCH_FN(qlog_softmax));
-  m.impl("qlog_softmax_", c10::DispatchKey::CPU, TORCH_FN(qlog_softmax_));
-  m.impl("qgelu_tanh_mul", c10::DispatchKey::CPU, TORCH_FN(qgelu_tanh_mul));
-  m.impl("qargmax", c10::DispatchKey::CPU, TORCH_FN(qargmax));
-}
-
-namespace steady_ops {  // ops.h: the same functions, for native compositions (forward.cpp)
-void qmatmul_into(const at::Tensor& x, const at::Tensor& w, int64_t fmt, at::Tensor& y, int64_t col0, int64_t isa) {
-  ::qmatmul_(x, w, fmt, y, col0, isa);
-}
-at::Tensor qrms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, int64_t isa) {
-  return ::qrms_norm(x, weight, eps, isa);
-}
-void qrms_norm_into(const at::Tensor& x, const at::Tensor& weight, double eps, int64_t isa, at::Tensor& y) {
-  ::qrms_norm_into(x, weight, eps, isa, y);
-}
-void gated_act_into(const at::Tensor& gate_up, int64_t isa, bool gelu, at::Tensor& y) {
-  ::gated_act_into(gate_up, isa, gelu, y);
-}
 }  // namespace steady_ops

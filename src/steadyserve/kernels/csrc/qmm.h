@@ -23,33 +23,22 @@
 
 #include <cstdint>
 
+#include "formats.h"
+
 namespace steady_qmm {
 
-// GGML tensor type ids (ggml.h), the formats with a kernel.
-enum Format : int32_t {
-  F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30,
-};
+using namespace steady_fmt::ids;  // the GGML type ids (formats.h)
 
-// Bytes that hold `block` consecutive weights of one row, per format.
+// Bytes that hold `block` consecutive weights of one row, per format (formats.h's traits).
 struct Layout {
   int32_t block;  // weights per block
   int32_t bytes;  // bytes per block
 };
 
 inline bool layout_of(int32_t fmt, Layout* out) {
-  switch (fmt) {
-    case F32: *out = {32, 128}; return true;
-    case F16: *out = {32, 64}; return true;
-    case BF16: *out = {32, 64}; return true;
-    case Q8_0: *out = {32, 34}; return true;
-    case Q4_0: *out = {32, 18}; return true;
-    case Q4_1: *out = {32, 20}; return true;
-    case Q5_0: *out = {32, 22}; return true;
-    case Q4_K: *out = {256, 144}; return true;
-    case Q5_K: *out = {256, 176}; return true;
-    case Q6_K: *out = {256, 210}; return true;
-    default: return false;
-  }
+  const steady_fmt::Traits* t = steady_fmt::traits(fmt);
+  if (t) *out = {t->block, t->bytes};
+  return t != nullptr;
 }
 
 // One matmul call's operands, for the panel range [n_begin, n_end) of one thread.

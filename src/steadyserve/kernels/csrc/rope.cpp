@@ -11,7 +11,7 @@
 // so the vector width chosen by target_clones changes speed, never bits. tests/
 // test_attention_kernel.py checks it against the PyTorch expression, bitwise.
 
-#include <ATen/Parallel.h>
+#include "fp_env.h"
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
@@ -44,6 +44,10 @@ void rope_rows(float* x, int64_t row_stride, const float* cos, const float* sin,
   }
 }
 
+}  // namespace
+
+namespace steady_ops {  // ops.h; registered in bindings.cpp
+
 void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
               "rope_: float32 only");
@@ -57,18 +61,7 @@ void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t 
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   const int64_t row_stride = x.stride(0);
-  at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) { rope_rows(xp, row_stride, cp, sp, begin, end, num_heads, D); });
+  steady_fp::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) { rope_rows(xp, row_stride, cp, sp, begin, end, num_heads, D); });
 }
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(steadyserve, m) {
-  m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin, int num_heads) -> ()");
-  m.impl("rope_", c10::DispatchKey::CPU, TORCH_FN(rope_));
-}
-
-namespace steady_ops {  // ops.h
-void rope_inplace(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads) {
-  ::rope_(x, cos, sin, num_heads);
-}
 }  // namespace steady_ops
