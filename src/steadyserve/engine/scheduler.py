@@ -4,7 +4,8 @@ Each step gets a token budget (`max_num_batched_tokens`). Running sequences go
 first, in admission order, each taking what it still has to compute (1 token
 when decoding, a chunk of its prompt while prefilling), so a long prompt is
 spread over several steps and never stalls running decodes. Waiting sequences
-are admitted into what budget and cache are left; a prompt's cached prefix
+are admitted into what budget and cache are left, picked across tenants by weight (deficit round-robin over
+tokens, fair_share.py; one tenant: first come, first served); a prompt's cached prefix
 blocks (see block_manager.py) cost neither budget nor new blocks. When the cache runs out,
 the most recently admitted running sequence is preempted: its blocks are freed
 and it is recomputed later (batch-invariant numerics make the recomputed K/V
@@ -24,6 +25,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
+from .fair_share import FairShare
 from .sequence import RequestOutput, Sequence, SequenceStatus
 from .speculation import Speculator
 
@@ -58,6 +60,8 @@ class Scheduler:
         # accepted (speculation.py); None or disabled: no drafts.
         self.speculator = speculator
         self.waiting: deque[Sequence] = deque()
+        # Which waiting sequence goes next when several tenants wait (fair_share.py), in quanta of one step's budget.
+        self.fair_share = FairShare(max_num_batched_tokens)
         self.running: list[Sequence] = []
         self.num_preemptions = 0  # total, for metrics
 
@@ -210,16 +214,22 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, n))
             scheduled_ids.add(id(seq))
             budget -= n
-        # 2. Admit waiting sequences, first come first served, while budget, seats and blocks last.
+        # 2. Admit waiting sequences while budget, seats and blocks last: first come first served within a
+        # tenant, tenants by weight (fair_share.py).
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
-            seq = self.waiting[0]
+            seq = self.fair_share.pick(self.waiting)
+            assert seq is not None
             hits = self.block_manager.match_prefix(seq)
             if self._twin_in_prefill(seq, len(hits)):
                 break  # wait for the twin's blocks rather than compute them twice
             n = min(seq.num_tokens - len(hits) * self.block_manager.block_size, budget)
             if not self.block_manager.can_admit(seq, hits, n):
                 break
-            self.waiting.popleft()
+            if seq is self.waiting[0]:
+                self.waiting.popleft()
+            else:
+                self.waiting.remove(seq)
+            self.fair_share.charge(seq)
             self.block_manager.admit(seq, hits, n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
