@@ -1,0 +1,240 @@
+"""Keys as tenants (issue 61) against a real server: --api-keys FILE on 127.0.0.1, the real engine, real sockets.
+
+One server (with --metrics-auth and the TEST-ONLY slow-request fault, so a request stays in flight on any CPU)
+and a keys file of five tenants:
+  alpha:  admin, every endpoint                 beta:   max_concurrent 1
+  scorer: endpoints score, tokenize and models  meter:  output_tokens_per_minute 20
+  gamma:  added by the reload test, removed again
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+from websockets.sync.client import connect
+
+from http_util import sse_events, wait_for
+from steadyserve.client import Client
+from steadyserve.tenants import hash_key
+from steadyserve.testing.faults import SLOW_REQUEST_MARKER
+from steadyserve.testing.server import ServerProcess
+
+KEYS = {name: f"key-{name}-" + "z" * 20 for name in ("alpha", "beta", "scorer", "meter", "gamma")}
+C = "/v1/completions"
+BODY = {"prompt": "hello there", "max_tokens": 2, "temperature": 0}
+
+
+def keys_file(*names: str) -> str:
+    entries = {
+        "alpha": 'roles = ["admin"]\nweight = 2',
+        "beta": "max_concurrent = 1",
+        "scorer": 'endpoints = ["score", "tokenize", "models"]',
+        "meter": "output_tokens_per_minute = 20",
+        "gamma": 'priority = "batch"',
+    }
+    return "".join(f'[[tenant]]\nname = "{n}"\nkeys = ["{hash_key(KEYS[n])}"]\n{entries[n]}\n\n' for n in names)
+
+
+def auth(name: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {KEYS[name]}"}
+
+
+@pytest.fixture(scope="module")
+def keys_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("keys") / "keys.toml"
+    path.write_text(keys_file("alpha", "beta", "scorer", "meter"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model: str, keys_path: Path):
+    with ServerProcess(tiny_model, "--api-keys", str(keys_path), "--metrics-auth", threads=1,
+                       test_faults=True) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.http_url, timeout=60) as c:
+        yield c
+
+
+def slow_stream(server, name: str, started: threading.Event, result: dict, max_tokens: int = 300) -> None:
+    """A streamed completion that stays in flight >= max_tokens x 5 ms (the slow-request fault)."""
+    body = {"prompt": f"{SLOW_REQUEST_MARKER} go", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.http_url + C, json=body, headers=auth(name), timeout=120) as r:
+        result["status"] = r.status_code
+        raw = b""
+        for chunk in r.iter_bytes():
+            raw += chunk
+            started.set()
+        result["events"] = sse_events(raw)
+    started.set()
+
+
+def finish_reason(events: list[str]) -> str | None:
+    chunks = [json.loads(e) for e in events if e != "[DONE]"]
+    return next((c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and
+                 c["choices"][0]["finish_reason"]), None)
+
+
+# ---- identity over every transport ------------------------------------------------------------------------
+
+def test_a_tenant_key_works_over_http_anthropic_websocket_and_grpc(server, http) -> None:
+    assert http.post(C, json=BODY, headers=auth("alpha")).status_code == 200
+    r = http.post("/v1/messages", headers={"x-api-key": KEYS["alpha"], "anthropic-version": "2023-06-01"},
+                  json={"model": "x", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code in (200, 404), r.text  # 404: model name; the key itself got through
+    if r.status_code == 404:
+        assert r.json()["type"] == "error" and r.json()["error"]["type"] == "not_found_error"
+    with connect(f"ws://127.0.0.1:{server.http_port}/v1/stream", additional_headers=auth("alpha"),
+                 open_timeout=30) as ws:
+        ws.send(json.dumps(BODY))
+        msgs = [json.loads(ws.recv(timeout=30))]
+        while msgs[-1]["type"] not in ("final", "error"):
+            msgs.append(json.loads(ws.recv(timeout=30)))
+        assert msgs[-1]["type"] == "final"
+    with Client(server.grpc_addr, api_key=KEYS["alpha"], timeout=30, retries=False) as c:
+        assert c.score("with a tenant key").usage.prompt_tokens > 0
+    for bad in ({}, {"Authorization": "Bearer " + KEYS["alpha"][:-1]}, {"x-api-key": "nope"}):
+        r = http.post(C, json=BODY, headers=bad)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", bad
+    with Client(server.grpc_addr, api_key="nope", timeout=30, retries=False) as c:
+        with pytest.raises(grpc.RpcError) as e:
+            c.score("x")
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_endpoints_and_the_admin_role_are_enforced_with_403(server, http) -> None:
+    r = http.post(C, json=BODY, headers=auth("scorer"))
+    assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden", r.text
+    assert "scorer" in r.json()["error"]["message"] and KEYS["scorer"] not in r.text
+    r = http.post("/v1/messages", headers={"x-api-key": KEYS["scorer"]},
+                  json={"model": "x", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
+    assert http.post("/tokenize", json={"prompt": "a b"}, headers=auth("scorer")).status_code == 200
+    assert http.get("/v1/models", headers=auth("scorer")).status_code == 200
+    with Client(server.grpc_addr, api_key=KEYS["scorer"], timeout=30, retries=False) as c:
+        assert c.score("scoring is allowed").usage.prompt_tokens > 0
+        with pytest.raises(grpc.RpcError) as e:
+            list(c.generate("generating is not", max_tokens=2))
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    # the console's API and /metrics (--metrics-auth) need the admin role
+    assert http.get("/v1/console/stats", headers=auth("beta")).status_code == 403
+    assert http.get("/v1/console/stats", headers=auth("alpha")).status_code == 200
+    assert http.get("/metrics", headers=auth("beta")).status_code == 403
+    assert http.get("/metrics", headers=auth("alpha")).status_code == 200
+    assert http.get("/metrics").status_code == 401
+
+
+# ---- each tenant's own limits -------------------------------------------------------------------------------
+
+def test_a_tenant_over_its_concurrency_gets_429_while_others_are_admitted(server, http) -> None:
+    started, result = threading.Event(), {}
+    t = threading.Thread(target=slow_stream, args=(server, "beta", started, result))
+    t.start()
+    try:
+        assert started.wait(60)
+        r = http.post(C, json=BODY, headers=auth("beta"))
+        assert r.status_code == 429, r.text
+        err = r.json()["error"]
+        assert err["code"] == "tenant_concurrency" and "max_concurrent is 1" in err["message"]
+        assert int(r.headers["retry-after"]) >= 1
+        with Client(server.grpc_addr, api_key=KEYS["beta"], timeout=30, retries=False) as c:
+            with pytest.raises(grpc.RpcError) as e:
+                c.score("over its limit")
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert dict(e.value.trailing_metadata())["steadyserve-error-code"] == "tenant_concurrency"
+        assert http.post(C, json=BODY, headers=auth("alpha")).status_code == 200  # another tenant: admitted
+        assert result.get("status") is None or t.is_alive(), "the slow stream ended before the checks"
+    finally:
+        t.join(120)
+    assert result["status"] == 200 and finish_reason(result["events"]) == "length"
+    assert http.post(C, json=BODY, headers=auth("beta")).status_code == 200  # its seat is free again
+    line = next(x for x in server.metrics_text(auth("alpha")).splitlines()
+                if x.startswith('steadyserve_tenant_requests_rejected_total{reason="tenant_concurrency",tenant="beta"}'))
+    assert float(line.split()[-1]) >= 2.0, line
+
+
+def test_a_tenant_over_its_tokens_per_minute_gets_429_from_its_own_refill(server, http) -> None:
+    body = {"prompt": "count", "max_tokens": 30, "ignore_eos": True}
+    assert http.post(C, json=body, headers=auth("meter")).status_code == 200  # admitted full; 30 > 20: in debt
+    r = http.post(C, json=body, headers=auth("meter"))
+    assert r.status_code == 429 and r.json()["error"]["code"] == "tenant_output_tokens", r.text
+    assert "output_tokens_per_minute (20)" in r.json()["error"]["message"]
+    # the debt (10 tokens) and one token more, at 20 a minute: about 33 s
+    assert 20 <= int(r.headers["retry-after"]) <= 40, r.headers["retry-after"]
+    assert http.post(C, json=body, headers=auth("alpha")).status_code == 200
+
+
+# ---- isolation --------------------------------------------------------------------------------------------
+
+def test_a_stored_response_is_404_to_another_tenant(http) -> None:
+    r = http.post("/v1/responses", headers=auth("alpha"), json={"input": "hi", "max_output_tokens": 2})
+    assert r.status_code == 200, r.text
+    rid = r.json()["id"]
+    assert http.get(f"/v1/responses/{rid}", headers=auth("alpha")).status_code == 200
+    theirs = http.get(f"/v1/responses/{rid}", headers=auth("beta"))
+    never = http.get("/v1/responses/resp_never_made", headers=auth("beta"))
+    assert theirs.status_code == never.status_code == 404
+    assert theirs.json()["error"]["message"].replace(rid, "X") == never.json()["error"]["message"].replace(
+        "resp_never_made", "X")  # the same answer as an id never stored: no oracle
+    r = http.post("/v1/responses", headers=auth("beta"),
+                  json={"input": "and then", "max_output_tokens": 2, "previous_response_id": rid})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
+    assert http.delete(f"/v1/responses/{rid}", headers=auth("beta")).status_code == 404
+    assert http.get(f"/v1/responses/{rid}", headers=auth("alpha")).status_code == 200
+
+
+def test_per_tenant_metrics_and_no_key_in_clear_anywhere(server, http) -> None:
+    http.post(C, json=BODY, headers=auth("alpha"))
+    http.post(C, json=BODY, headers={"Authorization": "Bearer " + KEYS["alpha"] + "-wrong"})
+    text = server.metrics_text(auth("alpha"))
+    for metric in ("steadyserve_tenant_requests_admitted_total", "steadyserve_tenant_tokens_total",
+                   "steadyserve_tenant_time_to_first_token_seconds_bucket", "steadyserve_tenant_queue_wait_seconds"):
+        assert f'{metric}{{' in text and 'tenant="alpha"' in text, metric
+    tenants = {line.split('tenant="')[1].split('"')[0] for line in text.splitlines() if 'tenant="' in line}
+    assert tenants <= {"alpha", "beta", "scorer", "meter", "gamma"}, tenants  # bounded by the keys file
+    logs = server.logs()
+    assert '"tenant": "alpha"' in logs or "tenant=alpha" in logs
+    for key in KEYS.values():
+        assert key not in text and key not in logs
+
+
+# ---- reload -----------------------------------------------------------------------------------------------
+
+def test_sighup_reload_finishes_a_removed_keys_streams_and_refuses_it_then(server, http, keys_path) -> None:
+    original = keys_path.read_text()
+    started, result = threading.Event(), {}
+    t = threading.Thread(target=slow_stream, args=(server, "beta", started, result, 400))
+    try:
+        t.start()
+        assert started.wait(60)
+        keys_path.write_text(keys_file("alpha", "scorer", "meter", "gamma"))  # beta removed, gamma added
+        server.signal(signal.SIGHUP)
+        wait_for(lambda: http.post(C, json=BODY, headers=auth("gamma")).status_code == 200, 30,
+                 what="the reloaded keys")
+        assert t.is_alive(), "the stream ended before the reload: slow it down"
+        r = http.post(C, json=BODY, headers=auth("beta"))
+        assert r.status_code == 401
+        t.join(120)
+        assert result["status"] == 200 and finish_reason(result["events"]) == "length"  # it finished
+        keys_path.write_text("[[tenant]]\nname = 'broken'\nkeys = ['not-a-digest']\n")
+        server.signal(signal.SIGHUP)
+        time.sleep(1.0)
+        assert http.post(C, json=BODY, headers=auth("gamma")).status_code == 200  # a bad file: old keys stay
+        assert "keys file not reloaded" in server.logs() and "keys[0]" in server.logs()
+    finally:
+        t.join(120) if t.is_alive() else None
+        keys_path.write_text(original)
+        server.signal(signal.SIGHUP)
+        wait_for(lambda: http.post(C, json=BODY, headers=auth("beta")).status_code == 200, 30,
+                 what="the original keys back")
+    assert server.proc.poll() is None
