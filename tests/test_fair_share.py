@@ -152,3 +152,20 @@ def test_an_idle_tenant_forfeits_its_credit() -> None:
     assert fs.deficit[s.request.tenant] == 1000 - cost(s)
     other = b if s is a else a
     assert fs.pick([other]) is other and s.request.tenant not in fs.deficit
+
+
+def test_out_of_kv_space_a_batch_sequence_is_preempted_before_a_newer_interactive_one() -> None:
+    """The cache fills up with an interactive, a batch and a newer interactive sequence; when they need a block
+    each to go on, the batch one is preempted. (Without priorities it would be the newest, the interactive c.)"""
+    sched = Scheduler(BlockManager(6, 4, prefix_caching=False), max_num_seqs=3, max_num_batched_tokens=64)
+    a, b = seq("chat", prompt_len=7, max_tokens=8), seq("evals", prompt_len=7, max_tokens=8, batch=True)
+    sched.add(a)
+    sched.add(b)
+    step(sched)
+    c = seq("chat", prompt_len=8, max_tokens=8)
+    sched.add(c)
+    step(sched)  # a and b decode into their second block; c's prompt takes two: the cache is full
+    assert sched.block_manager.num_free_blocks == 0 and sched.running == [a, b, c]
+    out, _ = step(sched)  # each now needs a third block
+    assert out.preempted == [b] and b in sched.waiting
+    assert {i.seq.request_id for i in out.scheduled} == {a.request_id, c.request_id}

@@ -7,7 +7,7 @@ spread over several steps and never stalls running decodes. Waiting sequences
 are admitted into what budget and cache are left, picked across tenants by weight (deficit round-robin over
 tokens, fair_share.py; one tenant: first come, first served); a prompt's cached prefix
 blocks (see block_manager.py) cost neither budget nor new blocks. When the cache runs out,
-the most recently admitted running sequence is preempted: its blocks are freed
+the most recently admitted running sequence is preempted (a `batch`-priority one first, if any): its blocks are freed
 and it is recomputed later (batch-invariant numerics make the recomputed K/V
 bitwise identical, so preemption cannot change a result). A decoding sequence
 with a speculative draft (speculation.py) computes the draft after its last
@@ -129,6 +129,15 @@ class Scheduler:
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
 
+    def _victim(self, scheduled_ids: set[int]) -> Sequence:
+        """Whom to preempt for KV space: the most recently admitted `batch`-priority sequence not yet planned
+        this step (Request.batch: an interactive request is never the one to wait while batch work could),
+        else the most recently admitted one."""
+        for seq in reversed(self.running):
+            if seq.request.batch and id(seq) not in scheduled_ids:
+                return seq
+        return self.running[-1]
+
     def _twin_in_prefill(self, seq: Sequence, num_hits: int) -> bool:
         """Whether a running sequence is still computing prompt blocks that `seq` could take from the prefix cache
         once they are done (n samples of one prompt, or requests sharing a system prompt that arrive together).
@@ -200,7 +209,7 @@ class Scheduler:
                 continue
             n = min(seq.num_uncomputed_tokens, budget)
             while not self.block_manager.can_grow(seq, n):
-                victim = self.running[-1]
+                victim = self._victim(scheduled_ids)
                 if id(victim) in scheduled_ids:  # never undo work already planned this step
                     victim = seq
                 self._preempt(victim, out)
