@@ -128,7 +128,11 @@ def test_endpoints_and_the_admin_role_are_enforced_with_403(server, http) -> Non
         assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
     # the console's API and /metrics (--metrics-auth) need the admin role
     assert http.get("/v1/console/stats", headers=auth("beta")).status_code == 403
-    assert http.get("/v1/console/stats", headers=auth("alpha")).status_code == 200
+    stats = http.get("/v1/console/stats", headers=auth("alpha"))
+    assert stats.status_code == 200
+    by_name = {t["name"]: t for t in stats.json()["tenants"]}  # the console's capacity by tenant
+    assert {"alpha", "scorer"} <= set(by_name) and by_name["alpha"]["weight"] == 2.0
+    assert by_name["scorer"]["admitted"] >= 1 and by_name["beta"]["max_concurrent"] == 1
     assert http.get("/metrics", headers=auth("beta")).status_code == 403
     assert http.get("/metrics", headers=auth("alpha")).status_code == 200
     assert http.get("/metrics").status_code == 401
@@ -238,3 +242,28 @@ def test_sighup_reload_finishes_a_removed_keys_streams_and_refuses_it_then(serve
         wait_for(lambda: http.post(C, json=BODY, headers=auth("beta")).status_code == 200, 30,
                  what="the original keys back")
     assert server.proc.poll() is None
+
+
+def test_a_tenants_bits_do_not_depend_on_who_else_is_served(server, http) -> None:
+    """The same greedy request of one tenant, alone and while other tenants (another share, another priority)
+    stream and score beside it: bitwise the same logprobs."""
+    body = {"prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0, "logprobs": 3}
+
+    def lps() -> list:
+        r = http.post(C, json=body, headers=auth("alpha"))
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["logprobs"]["top_logprobs"]
+
+    alone = lps()
+    started, result = threading.Event(), {}
+    t = threading.Thread(target=slow_stream, args=(server, "beta", started, result, 200))
+    t.start()
+    try:
+        assert started.wait(60)
+        with Client(server.grpc_addr, api_key=KEYS["scorer"], timeout=30, retries=False) as c:
+            for i in range(3):
+                c.score(f"scored beside it {i}")
+                assert lps() == alone
+    finally:
+        t.join(120)
+    assert result["status"] == 200
