@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from steadyserve.api.quotas import TenantQuotas
+from steadyserve.api.quotas import Load, TenantQuotas
 from steadyserve.cli import build_parser, config_from_args
 from steadyserve.config import ConfigError
 from steadyserve.limits import Refused
@@ -150,3 +150,20 @@ def test_token_buckets_admit_until_empty_and_say_when_they_refill() -> None:
     q.admit(other, 1, 1)  # not another tenant's bucket
     clock.t += 2.5
     q.admit(t, 1, 1)
+
+
+def test_past_three_quarters_of_capacity_a_tenant_gets_only_its_weighted_share() -> None:
+    """Capacity 8, weights 3 (flood) and 1 (other): a lone flood fills 6 seats (75%), then gets tenant_share;
+    the other tenant is still admitted up to the whole capacity."""
+    q = TenantQuotas(Clock())
+    flood, other = Tenant("flood", weight=3.0), Tenant("other")
+    total = 0
+    for _ in range(6):
+        q.admit(flood, 1, 1, Load(total, 8, 4.0))
+        total += 1
+    with pytest.raises(Refused) as e:
+        q.admit(flood, 1, 1, Load(total, 8, 4.0))  # share 8 * 3/4 = 6: it holds 6
+    assert e.value.reason == "tenant_share" and "share (6.0, by weight)" in str(e.value)
+    q.admit(other, 1, 1, Load(total, 8, 4.0))
+    q.admit(other, 1, 1, Load(total + 1, 8, 4.0))  # 2 = its share, the server full
+    q.admit(flood, 1, 1, Load(2, 8, 4.0))  # below three quarters: whatever is free

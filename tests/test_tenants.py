@@ -1,7 +1,7 @@
 """Keys as tenants (issue 61) against a real server: --api-keys FILE on 127.0.0.1, the real engine, real sockets.
 
-One server (with --metrics-auth and the TEST-ONLY slow-request fault, so a request stays in flight on any CPU)
-and a keys file of five tenants:
+One server (with --metrics-auth, the TEST-ONLY slow-request fault, so a request stays in flight on any CPU, and
+a capacity of 8: 2 running + 6 waiting) and a keys file of five tenants:
   alpha:  admin, every endpoint                 beta:   max_concurrent 1
   scorer: endpoints score, tokenize and models  meter:  output_tokens_per_minute 20
   gamma:  added by the reload test, removed again
@@ -55,8 +55,8 @@ def keys_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tiny_model: str, keys_path: Path):
-    with ServerProcess(tiny_model, "--api-keys", str(keys_path), "--metrics-auth", threads=1,
-                       test_faults=True) as s:
+    with ServerProcess(tiny_model, "--api-keys", str(keys_path), "--metrics-auth", "--max-num-seqs", "2",
+                       "--max-queue", "6", threads=1, test_faults=True) as s:
         yield s
 
 
@@ -75,7 +75,8 @@ def slow_stream(server, name: str, started: threading.Event, result: dict, max_t
         for chunk in r.iter_bytes():
             raw += chunk
             started.set()
-        result["events"] = sse_events(raw)
+        result["events"] = sse_events(raw) if r.status_code == 200 else []
+        result["body"] = raw
     started.set()
 
 
@@ -176,6 +177,27 @@ def test_a_tenant_over_its_tokens_per_minute_gets_429_from_its_own_refill(server
     # the debt (10 tokens) and one token more, at 20 a minute: about 33 s
     assert 20 <= int(r.headers["retry-after"]) <= 40, r.headers["retry-after"]
     assert http.post(C, json=body, headers=auth("alpha")).status_code == 200
+
+
+def test_a_flood_past_three_quarters_of_capacity_leaves_the_rest_to_other_tenants(server, http) -> None:
+    """alpha (weight 2 of 5) sends 8 slow streams at once to a server that admits 8: it gets 6 (three
+    quarters: any tenant takes what is free up to there), then 429 tenant_share, while beta is admitted."""
+    results = [({}, threading.Event()) for _ in range(8)]
+    threads = [threading.Thread(target=slow_stream, args=(server, "alpha", ev, res)) for res, ev in results]
+    for t in threads:
+        t.start()
+    try:
+        assert all(ev.wait(60) for _, ev in results)
+        r = http.post(C, json=BODY, headers=auth("beta"))
+        assert r.status_code == 200, r.text  # another tenant: admitted
+    finally:
+        for t in threads:
+            t.join(120)
+    statuses = sorted(res["status"] for res, _ in results)
+    assert statuses == [200] * 6 + [429] * 2, statuses
+    refused = [json.loads(res["body"]) for res, _ in results if res["status"] == 429]
+    assert all(b["error"]["code"] == "tenant_share" and "alpha" in b["error"]["message"] for b in refused)
+    assert all(finish_reason(res["events"]) == "length" for res, _ in results if res["status"] == 200)
 
 
 # ---- isolation --------------------------------------------------------------------------------------------

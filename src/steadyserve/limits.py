@@ -36,7 +36,8 @@ POOLED_IDLE_S = 1.0
 
 # A tenant's own limits (--api-keys, steadyserve/tenants.py; counted by api/quotas.py): a tenant past one is refused
 # with its name (429 / RESOURCE_EXHAUSTED and a Retry-After from its own refill) while other tenants are admitted.
-TENANT_LIMIT_REASONS = ("tenant_concurrency", "tenant_prompt_tokens", "tenant_output_tokens")
+# tenant_share: the server is nearly full and the tenant holds more than its weighted share of it (api/quotas.py).
+TENANT_LIMIT_REASONS = ("tenant_concurrency", "tenant_prompt_tokens", "tenant_output_tokens", "tenant_share")
 
 # The metrics' labels of steadyserve_requests_rejected_total. A refusal whose reason is not one of them
 # (invalid_value, model_not_found, invalid_json, ...) is counted as "invalid".

@@ -9,7 +9,12 @@ max_concurrent and the tokens-per-minute limits of a keys file (steadyserve/tena
   it comes); the tenant then waits out the debt. Over any window its use is at most the rate plus one minute's
   worth plus the requests it had in flight.
 
-A refusal names the limit (reason tenant_concurrency, tenant_prompt_tokens, tenant_output_tokens: 429 /
+* the share of a nearly full server: past RESERVE_FROM of the server's capacity (--max-num-seqs + --max-queue)
+  a tenant is admitted only while it holds less than its weighted share of that capacity (weight / the sum of
+  the keys file's weights). Below it a lone tenant may use what is free; the rest is kept for the others, so a
+  flood of one cannot take every seat from a tenant that sends one request a second.
+
+A refusal names the limit (reason tenant_concurrency, tenant_prompt_tokens, tenant_output_tokens, tenant_share: 429 /
 RESOURCE_EXHAUSTED) and carries the Retry-After of the tenant's own refill: when its bucket is back above zero,
 or, for concurrency, when its own recent finish rate frees a seat. Other tenants' counters are untouched, so
 they are still admitted. A tenant that a reload removed keeps its counters until its requests finish.
@@ -28,6 +33,16 @@ from ..tenants import Tenant
 
 RECENT_FINISHES = 64  # a tenant's finish times kept, for its concurrency Retry-After
 MIN_RETRY_S, MAX_RETRY_S = 1.0, 60.0  # the bounds of a Retry-After this module gives
+RESERVE_FROM = 0.75  # the fraction of the server's capacity past which tenants get only their weighted share
+
+
+@dataclass(frozen=True)
+class Load:
+    """The whole server's load at an admission, for the share of a nearly full server."""
+
+    in_flight: int  # engine requests in flight, every tenant's
+    capacity: int  # the most it admits: --max-num-seqs + --max-queue
+    total_weight: float  # the sum of the weights of the tenants in force
 
 
 @dataclass
@@ -72,9 +87,10 @@ class TenantQuotas:
         c.output = _bucket(c.output, tenant.output_tokens_per_minute, now)
         return c
 
-    def admit(self, tenant: Tenant, num_requests: int, prompt_tokens: int) -> None:
+    def admit(self, tenant: Tenant, num_requests: int, prompt_tokens: int, load: Load | None = None) -> None:
         """Count `num_requests` engine requests with `prompt_tokens` in all for `tenant`, or raise Refused
-        naming the limit it is past (nothing counted then)."""
+        naming the limit it is past (nothing counted then). `load`: the server's, for the share of a nearly
+        full server (None: not checked)."""
         now = self.clock()
         with self._lock:
             c = self._of(tenant, now)
@@ -84,6 +100,14 @@ class TenantQuotas:
                 raise Refused("tenant_concurrency", f"tenant {tenant.name!r} has {c.in_flight} requests in flight, "
                               f"its max_concurrent is {limit}{asked}; retry later",
                               retry_after=self._seat_wait(c, num_requests - (limit - c.in_flight), now))
+            if load is not None and load.in_flight + num_requests > RESERVE_FROM * load.capacity:
+                share = load.capacity * tenant.weight / max(load.total_weight, tenant.weight)
+                if c.in_flight + num_requests > share:
+                    raise Refused("tenant_share", f"the server is nearly full ({load.in_flight} of {load.capacity} "
+                                  f"requests in flight) and tenant {tenant.name!r} has {c.in_flight}, more than its "
+                                  f"share ({share:.1f}, by weight); retry later",
+                                  retry_after=self._seat_wait(c, max(1, round(c.in_flight + num_requests - share)),
+                                                              now))
             for bucket, reason, what in ((c.prompt, "tenant_prompt_tokens", "prompt_tokens_per_minute"),
                                          (c.output, "tenant_output_tokens", "output_tokens_per_minute")):
                 if bucket is not None and bucket.refill(now) <= 0:

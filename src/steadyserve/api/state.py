@@ -21,7 +21,7 @@ from ..engine.sequence import Request, RequestOutput, SamplingParams
 from ..limits import Refused
 from ..models.loader import Fingerprint, LoadedModel
 from ..tenants import Tenant
-from .quotas import TenantQuotas
+from .quotas import Load, TenantQuotas
 from .streams import OpenChannels
 from .tenancy import Gate, current as current_tenant
 
@@ -99,7 +99,8 @@ class ServerState:
         prompt_tokens = sum(len(ids) for _, ids, _ in items)
         try:
             if tenant is not None:
-                self.quotas.admit(tenant, len(requests), prompt_tokens)
+                load = Load(self.engine.num_in_flight, self.engine.capacity, self.gate.total_weight)
+                self.quotas.admit(tenant, len(requests), prompt_tokens, load)
             try:
                 channel = self.engine.submit_all(requests)
             except Refused:

@@ -87,6 +87,11 @@ class Gate:
         """The names of the tenants in force (the bound on the metrics' tenant label)."""
         return list(self.keyring.tenants) if self.keyring is not None else []
 
+    @property
+    def total_weight(self) -> float:
+        """The sum of the weights of the tenants in force (what a tenant's share of a full server is out of)."""
+        return sum(t.weight for t in self.keyring.tenants.values()) if self.keyring is not None else 1.0
+
     def reload(self) -> Keyring | None:
         """Read the keys file again and put it in force. Raises KeysFileError (the old keys stay in force)."""
         if not self.keys_file:

@@ -15,6 +15,7 @@ REFUSAL_STATUS = {
     "tenant_concurrency": (429, "rate_limit_error"),
     "tenant_prompt_tokens": (429, "rate_limit_error"),
     "tenant_output_tokens": (429, "rate_limit_error"),
+    "tenant_share": (429, "rate_limit_error"),
     "forbidden": (403, "permission_error"),  # a tenant calling an endpoint its keys-file entry does not allow
     "draining": (503, "unavailable"),
     "dead": (503, "unavailable"),
