@@ -187,9 +187,10 @@ def test_a_flood_past_three_quarters_of_capacity_leaves_the_rest_to_other_tenant
     for t in threads:
         t.start()
     try:
-        assert all(ev.wait(60) for _, ev in results)
+        wait_for(lambda: sum(res.get("status") == 429 for res, _ in results) == 2, 60, what="alpha's refusals")
+        assert sum(t.is_alive() for t in threads) == 6, "alpha's streams ended early: slow them down"
         r = http.post(C, json=BODY, headers=auth("beta"))
-        assert r.status_code == 200, r.text  # another tenant: admitted
+        assert r.status_code == 200, r.text  # another tenant, while alpha holds 6 of 8: admitted
     finally:
         for t in threads:
             t.join(120)
@@ -224,7 +225,8 @@ def test_per_tenant_metrics_and_no_key_in_clear_anywhere(server, http) -> None:
     http.post(C, json=BODY, headers={"Authorization": "Bearer " + KEYS["alpha"] + "-wrong"})
     text = server.metrics_text(auth("alpha"))
     for metric in ("steadyserve_tenant_requests_admitted_total", "steadyserve_tenant_tokens_total",
-                   "steadyserve_tenant_time_to_first_token_seconds_bucket", "steadyserve_tenant_queue_wait_seconds"):
+                   "steadyserve_tenant_time_to_first_token_seconds_bucket",
+                   "steadyserve_tenant_queue_wait_seconds_count"):
         assert f'{metric}{{' in text and 'tenant="alpha"' in text, metric
     tenants = {line.split('tenant="')[1].split('"')[0] for line in text.splitlines() if 'tenant="' in line}
     assert tenants <= {"alpha", "beta", "scorer", "meter", "gamma"}, tenants  # bounded by the keys file
