@@ -167,3 +167,6 @@ def test_past_three_quarters_of_capacity_a_tenant_gets_only_its_weighted_share()
     q.admit(other, 1, 1, Load(total, 8, 4.0))
     q.admit(other, 1, 1, Load(total + 1, 8, 4.0))  # 2 = its share, the server full
     q.admit(flood, 1, 1, Load(2, 8, 4.0))  # below three quarters: whatever is free
+    sole = TenantQuotas(Clock())
+    for n in range(8):  # one tenant (--api-key): nothing kept back, the engine's own capacity refuses
+        sole.admit(Tenant("default"), 1, 1, Load(n, 8, 1.0))

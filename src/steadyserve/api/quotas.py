@@ -12,7 +12,8 @@ max_concurrent and the tokens-per-minute limits of a keys file (steadyserve/tena
 * the share of a nearly full server: past RESERVE_FROM of the server's capacity (--max-num-seqs + --max-queue)
   a tenant is admitted only while it holds less than its weighted share of that capacity (weight / the sum of
   the keys file's weights). Below it a lone tenant may use what is free; the rest is kept for the others, so a
-  flood of one cannot take every seat from a tenant that sends one request a second.
+  flood of one cannot take every seat from a tenant that sends one request a second. A server with one tenant
+  (--api-key) keeps nothing back: at capacity it refuses with `overloaded`, as it always has.
 
 A refusal names the limit (reason tenant_concurrency, tenant_prompt_tokens, tenant_output_tokens, tenant_share: 429 /
 RESOURCE_EXHAUSTED) and carries the Retry-After of the tenant's own refill: when its bucket is back above zero,
@@ -100,8 +101,9 @@ class TenantQuotas:
                 raise Refused("tenant_concurrency", f"tenant {tenant.name!r} has {c.in_flight} requests in flight, "
                               f"its max_concurrent is {limit}{asked}; retry later",
                               retry_after=self._seat_wait(c, num_requests - (limit - c.in_flight), now))
-            if load is not None and load.in_flight + num_requests > RESERVE_FROM * load.capacity:
-                share = load.capacity * tenant.weight / max(load.total_weight, tenant.weight)
+            if load is not None and load.total_weight > tenant.weight and \
+                    load.in_flight + num_requests > RESERVE_FROM * load.capacity:  # a sole tenant: no one to keep for
+                share = load.capacity * tenant.weight / load.total_weight
                 if c.in_flight + num_requests > share:
                     raise Refused("tenant_share", f"the server is nearly full ({load.in_flight} of {load.capacity} "
                                   f"requests in flight) and tenant {tenant.name!r} has {c.in_flight}, more than its "
