@@ -18,6 +18,7 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
+from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
 from http_util import sse_events, wait_for
@@ -104,6 +105,11 @@ def test_a_tenant_key_works_over_http_anthropic_websocket_and_grpc(server, http)
         assert msgs[-1]["type"] == "final"
     with Client(server.grpc_addr, api_key=KEYS["alpha"], timeout=30, retries=False) as c:
         assert c.score("with a tenant key").usage.prompt_tokens > 0
+    with grpc.insecure_channel(server.grpc_addr) as ch:  # gRPC metadata x-api-key, as over HTTP
+        from steadyserve.api.protos.steadyserve.v1 import inference_pb2 as pb, inference_pb2_grpc as pb_grpc
+        r = pb_grpc.InferenceStub(ch).Score(pb.ScoreRequest(text="x-api-key metadata"),
+                                            metadata=(("x-api-key", KEYS["alpha"]),), timeout=30)
+        assert r.usage.prompt_tokens > 0
     for bad in ({}, {"Authorization": "Bearer " + KEYS["alpha"][:-1]}, {"x-api-key": "nope"}):
         r = http.post(C, json=BODY, headers=bad)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", bad
@@ -120,6 +126,11 @@ def test_endpoints_and_the_admin_role_are_enforced_with_403(server, http) -> Non
     r = http.post("/v1/messages", headers={"x-api-key": KEYS["scorer"]},
                   json={"model": "x", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
+    with pytest.raises(InvalidStatus) as ws_refused:  # the WebSocket (endpoint stream): refused at the handshake
+        with connect(f"ws://127.0.0.1:{server.http_port}/v1/stream", additional_headers=auth("scorer"),
+                     open_timeout=30):
+            pass
+    assert ws_refused.value.response.status_code == 403
     assert http.post("/tokenize", json={"prompt": "a b"}, headers=auth("scorer")).status_code == 200
     assert http.get("/v1/models", headers=auth("scorer")).status_code == 200
     with Client(server.grpc_addr, api_key=KEYS["scorer"], timeout=30, retries=False) as c:
@@ -291,3 +302,16 @@ def test_a_tenants_bits_do_not_depend_on_who_else_is_served(server, http) -> Non
     finally:
         t.join(120)
     assert result["status"] == 200
+
+
+def test_saving_the_keys_file_puts_it_in_force_without_a_signal(server, http, keys_path) -> None:
+    original = keys_path.read_text()
+    try:
+        assert http.post(C, json=BODY, headers=auth("gamma")).status_code == 401
+        keys_path.write_text(original + keys_file("gamma"))
+        wait_for(lambda: http.post(C, json=BODY, headers=auth("gamma")).status_code == 200, 20,
+                 interval=0.5, what="the changed file to be read (polled every 2 s)")
+    finally:
+        keys_path.write_text(original)
+        wait_for(lambda: http.post(C, json=BODY, headers=auth("gamma")).status_code == 401, 20,
+                 interval=0.5, what="the original file back")
