@@ -67,10 +67,12 @@ def http(server):
         yield c
 
 
-def slow_stream(server, name: str, started: threading.Event, result: dict, max_tokens: int = 300) -> None:
+def slow_stream(server, name: str, started: threading.Event, result: dict, max_tokens: int = 300,
+                request_id: str = "") -> None:
     """A streamed completion that stays in flight >= max_tokens x 5 ms (the slow-request fault)."""
     body = {"prompt": f"{SLOW_REQUEST_MARKER} go", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", server.http_url + C, json=body, headers=auth(name), timeout=120) as r:
+    headers = {**auth(name), **({"x-request-id": request_id} if request_id else {})}
+    with httpx.stream("POST", server.http_url + C, json=body, headers=headers, timeout=120) as r:
         result["status"] = r.status_code
         raw = b""
         for chunk in r.iter_bytes():
@@ -229,6 +231,22 @@ def test_a_stored_response_is_404_to_another_tenant(http) -> None:
     assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
     assert http.delete(f"/v1/responses/{rid}", headers=auth("beta")).status_code == 404
     assert http.get(f"/v1/responses/{rid}", headers=auth("alpha")).status_code == 200
+
+
+def test_a_request_id_in_flight_for_one_tenant_is_free_to_another(server, http) -> None:
+    """Another tenant's in-flight request id is neither refused nor shared: the request runs as if the id were
+    free (no oracle for ids), and gets its own output."""
+    started, result = threading.Event(), {}
+    t = threading.Thread(target=slow_stream, args=(server, "beta", started, result, 200, "shared-id-1"))
+    t.start()
+    try:
+        assert started.wait(60)
+        r = http.post(C, json={**BODY, "max_tokens": 3}, headers={**auth("alpha"), "x-request-id": "shared-id-1"})
+        assert r.status_code == 200 and r.headers["x-request-id"] == "shared-id-1", r.text
+        assert r.json()["usage"]["completion_tokens"] == 3
+    finally:
+        t.join(120)
+    assert result["status"] == 200 and finish_reason(result["events"]) == "length"
 
 
 def test_per_tenant_metrics_and_no_key_in_clear_anywhere(server, http) -> None:
