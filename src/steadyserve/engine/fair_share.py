@@ -13,12 +13,14 @@ credit cannot be spent in a burst later.
 
 Over any stretch where tenants keep sequences waiting, the tokens admitted for each differ from its weight's
 share of the total by at most one sequence's cost plus one quantum (times its weight ratio); so shares 3:1 admit
-3:1, and the smallest share is served at least once every round: no tenant starves behind a flood.
+3:1, and the smallest share gains a whole quantum every round, so its next sequence is admitted within
+cost / quantum rounds however many others wait: no tenant starves behind a flood.
 
-Two exceptions come first, as before tenants existed: a preempted sequence waiting to be recomputed was already
-charged and is re-admitted ahead of everything (it holds the head of the queue); and priority is strict between
-classes: while any `interactive` sequence waits, only interactive tenants take turns (Request.batch). With one
-tenant (the case of every server without a keys file) the pick is the queue's head: first come, first served.
+Two rules come first. A preempted sequence waiting to be recomputed was already charged and is re-admitted
+ahead of everything (it holds the head of the queue), as before tenants existed. Priority is strict between
+classes: while any `interactive` sequence waits, only interactive tenants take turns (Request.batch); batch
+tenants keep their place and credit meanwhile. With one tenant (every server without a keys file) the pick is
+the queue's head: first come, first served.
 """
 
 from __future__ import annotations
