@@ -29,7 +29,7 @@ sys.path.insert(0, str(DOCS))  # docgen.py is a build script there, outside the 
 import docgen  # noqa: E402
 from docgen import Undocumented  # noqa: E402
 GUIDES = ["quickstart.md", "concepts.md", "operations.md", "deploy.md", "benchmarks.md", "troubleshooting.md",
-          "runbooks.md", "tracing.md", "embeddings.md", "messages.md"]
+          "runbooks.md", "tracing.md", "embeddings.md", "messages.md", "tenants.md"]
 # Commands that start servers, take minutes, need Docker or Kubernetes, or fetch tasks from a hub.
 ALLOWED_UNRUN = ("make ", "docker ", "kubectl ", "serve ", "ray ", ".venv/bin/python benchmarks/", ".venv/bin/pip ", "lm_eval ",
                  "benchmarks/build_llama_cpp.sh")

@@ -156,37 +156,45 @@ def test_grpc_api_key_metadata(plain):
 
 
 def test_key_comparison_is_constant_time(monkeypatch):
-    """Both front ends let hmac.compare_digest (constant-time) alone decide whether a key matches, never ==:
-    with compare_digest made to answer True for every key, a wrong key gets in; made to answer False, the right
-    key does not. An extra == before or beside it would change one of those answers."""
+    """Both front ends ask the one owner of identity (api/tenancy.py's gate, steadyserve/tenants.py's Keyring),
+    and hmac.compare_digest (constant-time) alone decides whether a key matches, never ==, over the sha256
+    digests (the key itself is never compared or held): with compare_digest made to answer True for every key,
+    a wrong key gets in; made to answer False, the right key does not. An extra == before or beside it would
+    change one of those answers."""
+    from steadyserve import tenants
     from steadyserve.api.grpc import interceptor as gi
     from steadyserve.api.http import envelope as http_app
+    from steadyserve.api.tenancy import Gate
 
     calls = []
-    state = SimpleNamespace(config=SimpleNamespace(server=SimpleNamespace(api_key="secret", metrics_public=True)),
-                            fingerprint="fp", metrics=None)
+    state = SimpleNamespace(gate=Gate(tenants.single_key("secret")), fingerprint="fp", metrics=None)
 
     def http_ok(key: bytes | None) -> bool:
         headers = [(b"authorization", b"Bearer " + key)] if key is not None else []
-        return http_app.Envelope(None, state)._authorized({"type": "http", "path": "/v1/completions",
-                                                          "headers": headers})
+        access = http_app.Envelope(None, state)._access({"type": "http", "path": "/v1/completions",
+                                                         "headers": headers})
+        return access.refusal is None
 
     def grpc_ok(key: str | None) -> bool:
         md = (("authorization", f"Bearer {key}"),) if key is not None else ()
-        return gi.ServerInterceptor(state)._authorized(SimpleNamespace(invocation_metadata=md),
-                                                       "steadyserve.v1.Inference")
+        access = gi.ServerInterceptor(state)._access(SimpleNamespace(invocation_metadata=md),
+                                                     "steadyserve.v1.Inference", "Score")
+        return access.refusal is None
 
     for verdict in (True, False):
         def spy(a, b, verdict=verdict):
             calls.append((a, b))
             return verdict
 
-        monkeypatch.setattr(http_app.hmac, "compare_digest", spy)
-        monkeypatch.setattr(gi.hmac, "compare_digest", spy)
+        monkeypatch.setattr(tenants.hmac, "compare_digest", spy)
         for key in ("secret", "secreT", "wrong key"):
             assert http_ok(key.encode()) is verdict, (key, verdict)
             assert grpc_ok(key) is verdict, (key, verdict)
-    assert len(calls) == 12 and all(b == b"secret" for _, b in calls)
+    digest = tenants.hash_key("secret").encode()
+    assert len(calls) == 12 and all(b == digest for _, b in calls)
+    assert all(a == tenants.hash_key(k).encode() for (a, _), k in
+               zip(calls, [k for _ in range(2) for k in ("secret", "secret", "secreT", "secreT", "wrong key",
+                                                          "wrong key")]))
     monkeypatch.undo()  # the real compare_digest: the right key only
     assert http_ok(b"secret") and grpc_ok("secret")
     assert not http_ok(None) and not http_ok(b"") and not http_ok(b"secreT")

@@ -240,8 +240,12 @@ class ServerConfig:
                                help="largest max_tokens accepted")
     api_key: str = flag("", name="--api-key", env="STEADYSERVE_API_KEY",  # bearer token (or STEADYSERVE_API_KEY); empty = open
                         help="require this bearer token (or set STEADYSERVE_API_KEY)")
-    metrics_public: bool = flag(True, name="--metrics-auth", sets_false=True,  # sets this false, and /metrics then needs the API key too
-                                help="/metrics requires the API key too")
+    api_keys: str = flag("", name="--api-keys",  # TOML keys file of tenants (steadyserve/tenants.py): key digests, share, limits, priority, endpoints; reloaded on SIGHUP; empty = --api-key or open
+        help="TOML file of tenants: each a name, sha256 digests of its keys (steadyserve hash-key), a weight, "
+             "its own limits (max_concurrent, prompt/output tokens per minute), a priority (interactive, batch) "
+             "and the endpoints it may call; reloaded on SIGHUP or when it changes (docs: tenants)")
+    metrics_public: bool = flag(True, name="--metrics-auth", sets_false=True,  # sets this false, and /metrics then needs the API key too (an admin tenant's, with --api-keys)
+                                help="/metrics requires the API key too (with --api-keys: an admin tenant's)")
     log_format: str = flag("text", name="--log-format", choices=("text", "json"),  # text | json
                            help="log lines as text or as one JSON object each (default: %(default)s)")
     tls_cert: str = flag("", name="--tls-cert",  # PEM certificate for HTTP and gRPC
@@ -277,6 +281,9 @@ class ServerConfig:
         if self.otlp_traces_endpoint and not re.match(r"^https?://[^/\s:]+", self.otlp_traces_endpoint):
             raise ConfigError("--otlp-traces-endpoint must be an http:// or https:// URL of an OTLP/HTTP collector "
                               f"(e.g. http://127.0.0.1:4318), not {self.otlp_traces_endpoint!r}")
+        if self.api_keys and self.api_key:
+            raise ConfigError("--api-key (or STEADYSERVE_API_KEY) and --api-keys cannot be used together: list the "
+                              "key's digest in the keys file as a tenant of its own")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("--tls-cert and --tls-key must be given together")
 

@@ -34,12 +34,21 @@ DEFAULT_MAX_TOKENS = {"completion": 16, "chat": 512}
 HTTP_KEEP_ALIVE_S = 5.0
 POOLED_IDLE_S = 1.0
 
+# A tenant's own limits (--api-keys, steadyserve/tenants.py; counted by api/quotas.py): a tenant past one is refused
+# with its name (429 / RESOURCE_EXHAUSTED and a Retry-After from its own refill) while other tenants are admitted.
+# tenant_share: the server is nearly full and the tenant holds more than its weighted share of it (api/quotas.py).
+TENANT_LIMIT_REASONS = ("tenant_concurrency", "tenant_prompt_tokens", "tenant_output_tokens", "tenant_share")
+
 # The metrics' labels of steadyserve_requests_rejected_total. A refusal whose reason is not one of them
 # (invalid_value, model_not_found, invalid_json, ...) is counted as "invalid".
-REJECT_REASONS = ("overloaded", "too_long", "invalid", "draining", "dead", "unauthenticated")
+REJECT_REASONS = ("overloaded", "too_long", "invalid", "draining", "dead", "unauthenticated", "forbidden",
+                  *TENANT_LIMIT_REASONS)
 
 # The refusals that say "not now" rather than "not this": a client retries them later or elsewhere.
-RETRY_REASONS = ("overloaded", "draining", "dead")
+RETRY_REASONS = ("overloaded", "draining", "dead", *TENANT_LIMIT_REASONS)
+
+# The refusals that say "too much from you, or from everyone, right now": HTTP 429, gRPC RESOURCE_EXHAUSTED.
+RATE_REASONS = ("overloaded", *TENANT_LIMIT_REASONS)
 
 
 class Refused(ValueError):

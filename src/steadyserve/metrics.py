@@ -158,6 +158,21 @@ class Metrics:
                                            "for: queue_full (the export queue, OTEL_BSP_MAX_QUEUE_SIZE, was full) "
                                            "or export_failed (the collector did not take the batch in time, "
                                            "retries included).", ["reason"], registry=r)
+        # Per tenant (--api-keys): the label is a tenant's name from the keys file, so its values are bounded by it.
+        self.tenant_admitted = Counter(p + "tenant_requests_admitted_total", "Engine requests admitted, by tenant "
+                                       "(--api-keys).", ["tenant"], registry=r)
+        self.tenant_rejected = Counter(p + "tenant_requests_rejected_total", "Requests of a known tenant refused, "
+                                       "by tenant and reason: its own limits (tenant_concurrency, "
+                                       "tenant_prompt_tokens, tenant_output_tokens), overloaded, forbidden.",
+                                       ["tenant", "reason"], registry=r)
+        self.tenant_tokens = Counter(p + "tenant_tokens_total", "Tokens by tenant: kind prompt (admitted) or output "
+                                     "(generated).", ["tenant", "kind"], registry=r)
+        self.tenant_in_flight = Gauge(p + "tenant_requests_in_flight", "Engine requests in flight, by tenant "
+                                      "(what max_concurrent counts).", ["tenant"], registry=r)
+        self.tenant_ttft = Histogram(p + "tenant_time_to_first_token_seconds", "Admission to first token, by "
+                                     "tenant.", ["tenant"], buckets=LATENCY_BUCKETS, registry=r)
+        self.tenant_queue_wait = Histogram(p + "tenant_queue_wait_seconds", "Admission to first scheduled step, by "
+                                           "tenant.", ["tenant"], buckets=LATENCY_BUCKETS, registry=r)
         self._process = _ProcessCollector(device)
         r.register(self._process)
         self.model_info.labels(model, fingerprint, device, dtype, str(batch_invariant).lower()).set(1)
@@ -244,6 +259,35 @@ class Metrics:
 
     def on_admitted(self, transport: str) -> None:
         self.admitted.labels(transport).inc()
+
+    # ---- per tenant (called on the event loop; `tenant` is a keys-file name) ----
+    def add_tenants(self, names: list[str]) -> None:
+        """Show every tenant of the keys file from the start (zeros), so a rate over it is defined."""
+        for name in names:
+            self.tenant_admitted.labels(name)
+            self.tenant_in_flight.labels(name)
+            for kind in ("prompt", "output"):
+                self.tenant_tokens.labels(name, kind)
+
+    def on_tenant_admitted(self, tenant: str, num_requests: int, prompt_tokens: int, in_flight: int) -> None:
+        self.tenant_admitted.labels(tenant).inc(num_requests)
+        self.tenant_tokens.labels(tenant, "prompt").inc(prompt_tokens)
+        self.tenant_in_flight.labels(tenant).set(in_flight)
+
+    def on_tenant_refused(self, tenant: str, reason: str) -> None:
+        self.tenant_rejected.labels(tenant, reason).inc()
+
+    def on_tenant_output(self, tenant: str, out: RequestOutput, arrival: float, first: bool,
+                         in_flight: int) -> None:
+        """One output of a tenant's request: its tokens, its queue wait and TTFT (`first`: its first token)."""
+        if out.new_token_ids:
+            self.tenant_tokens.labels(tenant, "output").inc(len(out.new_token_ids))
+            if first:
+                self.tenant_ttft.labels(tenant).observe(time.monotonic() - arrival)
+        if out.queue_wait is not None:
+            self.tenant_queue_wait.labels(tenant).observe(out.queue_wait)
+        if out.finished:
+            self.tenant_in_flight.labels(tenant).set(in_flight)
 
     def render(self) -> bytes:
         self.backlog.set(sum(fn() for fn in list(self.backlog_sources.values())))  # type: ignore[operator]

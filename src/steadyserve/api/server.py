@@ -3,8 +3,8 @@
 load(): load the model, size the KV cache, run the batch-invariance
 self-test. startup(): start the engine thread, bind HTTP (uvicorn) and gRPC on
 one event loop, over one engine. main_loop(): wait for a signal or engine
-death. shutdown(): drain, stop gRPC, HTTP and the engine. On SIGTERM: go unready at once, refuse new work
-with 503 / UNAVAILABLE, let in-flight streams finish for up to
+death (SIGHUP only reloads the keys file of --api-keys). shutdown(): drain, stop gRPC, HTTP and the engine.
+On SIGTERM: go unready at once, refuse new work with 503 / UNAVAILABLE, let in-flight streams finish for up to
 --drain-timeout, then exit 0. A second signal exits at once. If the engine
 loop dies, health goes NOT_SERVING, open streams get error events, and the
 process exits non-zero within seconds.
@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator
 
 import uvicorn
 
-from ..config import Config
+from ..config import Config, ConfigError
 from ..limits import HTTP_KEEP_ALIVE_S
 from ..metrics import sample_loop_lag
 from ..ready_file import write_ready_file
@@ -41,6 +41,7 @@ EXIT_OK, EXIT_ENGINE_DEAD, EXIT_SELFTEST_FAILED, EXIT_FORCED = 0, 3, 4, 1
 # How long stopping gRPC, and then HTTP, may take (the drain has --drain-timeout, the engine's join its own
 # 10 s). HTTP's graceful shutdown takes 3 s; past this bound the step is logged as failed and shutdown goes on.
 SHUTDOWN_STEP_TIMEOUT_S = 10.0
+KEYS_POLL_S = 2.0  # how often the keys file (--api-keys) is checked for a change
 
 
 class _Uvicorn(uvicorn.Server):
@@ -88,6 +89,7 @@ class Server:
         self._http: _Uvicorn | None = None
         self._http_task: asyncio.Task | None = None
         self._lag_task: asyncio.Task | None = None
+        self._keys_task: asyncio.Task | None = None  # polls the keys file (--api-keys) for a change
         self._traces_endpoint = ""  # the OTLP/HTTP URL traces go to (otel.traces_endpoint); "" = off
 
     def load(self) -> ServerState:
@@ -127,6 +129,9 @@ class Server:
         state.metrics.engine_alive.set(1)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
+        if state.gate.keys_file:  # --api-keys: SIGHUP, or the file changing, puts it in force again
+            loop.add_signal_handler(signal.SIGHUP, self.reload_keys, "SIGHUP")
+            self._keys_task = asyncio.create_task(self._watch_keys())
         self._lag_task = asyncio.create_task(sample_loop_lag(state.metrics))
         if self._traces_endpoint:
             from .otel import Tracing
@@ -177,8 +182,9 @@ class Server:
         if self._http_task is not None:
             task = self._http_task
             await self._step("http", lambda: task, self.step_timeout_s)
-        if self._lag_task is not None:
-            self._lag_task.cancel()
+        for task in (self._lag_task, self._keys_task):
+            if task is not None:
+                task.cancel()
         if self.state is not None:
             # On the loop, not in a worker thread: asyncio.run would wait for a stuck worker at exit. The
             # engine's join has its own timeout.
@@ -219,6 +225,30 @@ class Server:
         while state.streams.open and time.monotonic() - t1 < 5:  # let final events reach the sockets
             await asyncio.sleep(0.02)
         log.info("drained", extra={"fields": {"seconds": round(time.monotonic() - t0, 2)}})
+
+    def reload_keys(self, why: str) -> bool:
+        """Put the keys file in force again (api/tenancy.py Gate.reload): admitted requests and open streams go
+        on as the tenant they were admitted as; a removed key gets 401 from its next request. A file that does
+        not load is logged, and the keys in force stay. Returns whether it loaded."""
+        state = self.state
+        assert state is not None
+        try:
+            state.gate.reload()
+        except ConfigError as e:
+            log.error("keys file not reloaded; the keys in force stay", extra={"fields": {"why": why,
+                                                                                          "error": str(e)}})
+            return False
+        if state.metrics is not None:
+            state.metrics.add_tenants(state.gate.tenant_names)
+        return True
+
+    async def _watch_keys(self) -> None:
+        """Reload the keys file when its modification time changes (polled every KEYS_POLL_S)."""
+        assert self.state is not None
+        while True:
+            await asyncio.sleep(KEYS_POLL_S)
+            if self.state.gate.changed_on_disk():
+                self.reload_keys("file changed")
 
     def _begin_drain(self) -> None:
         assert self.state is not None

@@ -26,6 +26,7 @@ from ..metrics import Metrics
 from ..models.loader import LoadedModel, load_model
 from ..numerics import activate as activate_numerics
 from .state import ServerState
+from .tenancy import Gate
 from .streams import OpenChannels
 
 log = logging.getLogger("steadyserve.server")
@@ -119,6 +120,7 @@ def build_state(config: Config, hooks: EngineHooks | None = None) -> ServerState
     """Load the model and self-test it on the model thread that will run the engine (see model_thread.py)."""
     hooks = hooks or EngineHooks()
     ec = config.engine
+    gate = Gate.from_config(config.server)  # a bad keys file fails here, before the model loads
     # Read before loading: MemAvailable + our RSS is what the machine can give us in all, weights included.
     limit = read_memory_limit(ec.memory_limit)
     log.debug("memory limit", extra={"fields": {
@@ -143,7 +145,8 @@ def build_state(config: Config, hooks: EngineHooks | None = None) -> ServerState
     metrics.set_cpu_budget(cpu.threads, cpu.quota)
     state = ServerState(config=config, loaded=loaded, engine=async_engine, fingerprint=fp,
                         selftest=selftest if ec.batch_invariant else None, limits=engine.limits, metrics=metrics,
-                        streams=OpenChannels(metrics), memory=plan, cpu=cpu)
+                        streams=OpenChannels(metrics), memory=plan, cpu=cpu, gate=gate)
+    metrics.add_tenants(gate.tenant_names)
     metrics.backlog_sources[0] = state.streams.backlog_bytes
     return state
 

@@ -20,7 +20,10 @@ from ..engine.selftest import SelfTestResult
 from ..engine.sequence import Request, RequestOutput, SamplingParams
 from ..limits import Refused
 from ..models.loader import Fingerprint, LoadedModel
+from ..tenants import Tenant
+from .quotas import Load, TenantQuotas
 from .streams import OpenChannels
+from .tenancy import Gate, current as current_tenant
 
 reqlog = logging.getLogger("steadyserve.request")
 T = TypeVar("T")
@@ -53,6 +56,9 @@ class ServerState:
     # Tokenizing and chat-template rendering take time proportional to the input (seconds for a megabyte):
     # every transport runs them here (the tokenizer releases the GIL), never on the event loop.
     tokenizer_pool: ThreadPoolExecutor = field(default_factory=_tokenizer_pool)
+    # Who may call (--api-keys / --api-key; api/tenancy.py) and each tenant's own limits, counted at admission.
+    gate: Gate = field(default_factory=lambda: Gate(None))
+    quotas: TenantQuotas = field(default_factory=TenantQuotas)
 
     @property
     def model_name(self) -> str:
@@ -83,28 +89,59 @@ class ServerState:
                    embed: bool = False, receipt: bool = False) -> RequestChannel:
         """Admit all of (request id, prompt ids, params), one client call, or none (Refused); returns their
         RequestChannel (choice i is items[i]). `embed`: embedding requests (Request.embed); `receipt`: their
-        final outputs carry what a receipt needs."""
+        final outputs carry what a receipt needs. The calling task's tenant (api/tenancy.py) is checked against
+        its own limits first (api/quotas.py), then the engine's capacity."""
         self.refuse_if_closed()  # again: the server may have begun draining while the request was tokenized
-        requests = [Request(rid, ids, params, transport, embed=embed, receipt=receipt) for rid, ids, params in items]
-        channel = self.engine.submit_all(requests)
+        tenant = current_tenant()
+        name, share, batch = (tenant.name, tenant.weight, tenant.priority == "batch") if tenant else ("", 1.0, False)
+        requests = [Request(rid, ids, params, transport, embed=embed, receipt=receipt, tenant=name, share=share,
+                            batch=batch) for rid, ids, params in items]
+        prompt_tokens = sum(len(ids) for _, ids, _ in items)
+        try:
+            if tenant is not None:
+                load = Load(self.engine.num_in_flight, self.engine.capacity, self.gate.total_weight)
+                self.quotas.admit(tenant, len(requests), prompt_tokens, load)
+            try:
+                channel = self.engine.submit_all(requests)
+            except Refused:
+                if tenant is not None:
+                    self.quotas.undo(tenant, len(requests), prompt_tokens)
+                raise
+        except Refused as e:
+            if tenant is not None and self.metrics is not None and e.reason != "invalid":
+                self.metrics.on_tenant_refused(name, e.reason)
+            raise
+        if tenant is not None and self.metrics is not None:
+            self.metrics.on_tenant_admitted(name, len(requests), prompt_tokens, self.quotas.in_flight(name))
         for i, request in enumerate(requests):
-            self._observe(request, channel, i)
+            self._observe(request, channel, i, tenant)
         return channel
 
-    def _observe(self, request: Request, channel: RequestChannel, index: int) -> None:
-        """Count the admission; log the request and record it for the console when it finishes."""
+    def _observe(self, request: Request, channel: RequestChannel, index: int, tenant: Tenant | None) -> None:
+        """Count the admission; log the request and record it for the console when it finishes; count a
+        tenant's output tokens and its finish (api/quotas.py)."""
         request_id, transport = request.request_id, request.transport
         metrics = self.metrics
         if metrics is not None:
             metrics.on_admitted(transport)
         first_token: list[float] = []
         fingerprint = str(self.fingerprint)
+        quotas = self.quotas
 
         def on_output(out: RequestOutput) -> None:
+            first = bool(out.new_token_ids) and not first_token
             if metrics is not None:
                 metrics.on_output(out, request.arrival_time)
             if out.new_token_ids and not first_token:
                 first_token.append(time.monotonic())
+            if tenant is not None:
+                if out.new_token_ids:
+                    quotas.generated(tenant.name, len(out.new_token_ids))
+                if out.finished:
+                    quotas.finished(tenant.name)
+                if metrics is not None:
+                    metrics.on_tenant_output(tenant.name, out, request.arrival_time, first,
+                                             quotas.in_flight(tenant.name))
             if out.finished:
                 now = time.monotonic()
                 ttft = first_token[0] - request.arrival_time if first_token else None
@@ -114,6 +151,8 @@ class ServerState:
                     "ttft_s": None if ttft is None else round(ttft, 4),
                     "total_s": round(now - request.arrival_time, 4), "finish_reason": out.finish_reason,
                     "error": out.error, "fingerprint": fingerprint}
+                if tenant is not None:
+                    fields["tenant"] = tenant.name
                 reqlog.info("request done", extra={"fields": fields})
                 self.recent.append({**fields, "finished_at": time.time()})
 

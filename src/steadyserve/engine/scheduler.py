@@ -4,9 +4,10 @@ Each step gets a token budget (`max_num_batched_tokens`). Running sequences go
 first, in admission order, each taking what it still has to compute (1 token
 when decoding, a chunk of its prompt while prefilling), so a long prompt is
 spread over several steps and never stalls running decodes. Waiting sequences
-are admitted into what budget and cache are left; a prompt's cached prefix
+are admitted into what budget and cache are left, picked across tenants by weight (deficit round-robin over
+tokens, fair_share.py; one tenant: first come, first served); a prompt's cached prefix
 blocks (see block_manager.py) cost neither budget nor new blocks. When the cache runs out,
-the most recently admitted running sequence is preempted: its blocks are freed
+the most recently admitted running sequence is preempted (a `batch`-priority one first, if any): its blocks are freed
 and it is recomputed later (batch-invariant numerics make the recomputed K/V
 bitwise identical, so preemption cannot change a result). A decoding sequence
 with a speculative draft (speculation.py) computes the draft after its last
@@ -24,6 +25,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
+from .fair_share import FairShare
 from .sequence import RequestOutput, Sequence, SequenceStatus
 from .speculation import Speculator
 
@@ -58,6 +60,8 @@ class Scheduler:
         # accepted (speculation.py); None or disabled: no drafts.
         self.speculator = speculator
         self.waiting: deque[Sequence] = deque()
+        # Which waiting sequence goes next when several tenants wait (fair_share.py), in quanta of one step's budget.
+        self.fair_share = FairShare(max_num_batched_tokens)
         self.running: list[Sequence] = []
         self.num_preemptions = 0  # total, for metrics
 
@@ -124,6 +128,15 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
+
+    def _victim(self, scheduled_ids: set[int]) -> Sequence:
+        """Whom to preempt for KV space: the most recently admitted `batch`-priority sequence not yet planned
+        this step (Request.batch: an interactive request is never the one to wait while batch work could),
+        else the most recently admitted one."""
+        for seq in reversed(self.running):
+            if seq.request.batch and id(seq) not in scheduled_ids:
+                return seq
+        return self.running[-1]
 
     def _twin_in_prefill(self, seq: Sequence, num_hits: int) -> bool:
         """Whether a running sequence is still computing prompt blocks that `seq` could take from the prefix cache
@@ -196,7 +209,7 @@ class Scheduler:
                 continue
             n = min(seq.num_uncomputed_tokens, budget)
             while not self.block_manager.can_grow(seq, n):
-                victim = self.running[-1]
+                victim = self._victim(scheduled_ids)
                 if id(victim) in scheduled_ids:  # never undo work already planned this step
                     victim = seq
                 self._preempt(victim, out)
@@ -210,16 +223,22 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, n))
             scheduled_ids.add(id(seq))
             budget -= n
-        # 2. Admit waiting sequences, first come first served, while budget, seats and blocks last.
+        # 2. Admit waiting sequences while budget, seats and blocks last: first come first served within a
+        # tenant, tenants by weight (fair_share.py).
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
-            seq = self.waiting[0]
+            seq = self.fair_share.pick(self.waiting)
+            assert seq is not None
             hits = self.block_manager.match_prefix(seq)
             if self._twin_in_prefill(seq, len(hits)):
                 break  # wait for the twin's blocks rather than compute them twice
             n = min(seq.num_tokens - len(hits) * self.block_manager.block_size, budget)
             if not self.block_manager.can_admit(seq, hits, n):
                 break
-            self.waiting.popleft()
+            if seq is self.waiting[0]:
+                self.waiting.popleft()
+            else:
+                self.waiting.remove(seq)
+            self.fair_share.charge(seq)
             self.block_manager.admit(seq, hits, n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

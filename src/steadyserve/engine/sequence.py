@@ -112,6 +112,11 @@ class Request:
     # A receipt was asked for (api/receipts.py): the finishing output carries the seed the sampler ran with.
     # Off, the engine does nothing more than without receipts.
     receipt: bool = False
+    # Whose request it is (--api-keys): the scheduler shares the engine between tenants by weight
+    # (engine/fair_share.py). "" is one shared tenant (a server without a keys file).
+    tenant: str = ""
+    share: float = 1.0  # the tenant's weight: its share of admissions against other waiting tenants
+    batch: bool = False  # a batch-priority tenant's: picked only when no interactive request is waiting
 
 
 @dataclass

@@ -101,7 +101,7 @@ class EngineReplica:
         """Opens the child's WebSocket, sends the client's request frame, yields {"text"|"bytes": ...} per
         frame the server sends, then {"close": code, "reason": ...}."""
         url = self.address.http_url.replace("http://", "ws://", 1) + path + ("?" + query if query else "")
-        keep = {"authorization", "x-request-id", "sec-websocket-protocol"}
+        keep = {"authorization", "x-api-key", "x-request-id", "sec-websocket-protocol"}  # the tenant key
         sent = [(k, v) for k, v in headers if k.lower() in keep and k.lower() != "sec-websocket-protocol"]
         protocols = [p.strip() for k, v in headers if k.lower() == "sec-websocket-protocol" for p in v.split(",")]
         async with websockets.connect(url, additional_headers=sent, subprotocols=protocols or None,

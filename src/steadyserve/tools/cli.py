@@ -1,4 +1,4 @@
-"""Sub-commands `validate`, `bench` and `verify` of the `steadyserve` command."""
+"""Sub-commands `validate`, `bench`, `verify` and `hash-key` of the `steadyserve` command."""
 
 from __future__ import annotations
 
@@ -59,6 +59,12 @@ def add_tool_commands(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--json", action="store_true", help="print the verdicts as JSON")
     r.set_defaults(fn=_verify)
 
+    h = sub.add_parser("hash-key", help="print the sha256 digest of an API key, as a keys file (--api-keys) "
+                       "stores it; the key is read from stdin")
+    h.add_argument("--new", action="store_true", help="make a new random key instead, and print it and its "
+                   "digest (the key is shown once: give it to the tenant, store only the digest)")
+    h.set_defaults(fn=_hash_key)
+
 
 def _validate(a: argparse.Namespace) -> int:
     from .validate import DEFAULT_PROMPT, main
@@ -77,3 +83,21 @@ def _bench(a: argparse.Namespace) -> int:
     from .bench import main
 
     return main(a)
+
+
+def _hash_key(a: argparse.Namespace) -> int:
+    import getpass
+    import sys
+
+    from ..tenants import hash_key, new_key
+
+    if a.new:
+        key = new_key()
+        print(f"key     {key}\nsha256  {hash_key(key)}")
+        return 0
+    key = getpass.getpass("API key: ") if sys.stdin.isatty() else sys.stdin.readline().rstrip("\r\n")
+    if not key:
+        print("steadyserve: error: no key on stdin (or use --new)", file=sys.stderr)
+        return 2
+    print(hash_key(key))
+    return 0

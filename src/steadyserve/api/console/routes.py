@@ -179,7 +179,26 @@ class Stats:
                              "in_flight": in_flight, "kv_cache_usage": getattr(last, "kv_usage", 0.0)}
         recent = list(getattr(st, "recent", ()))
         out["recent"] = recent[::-1][:50]
+        out["tenants"] = _tenants(st)
         return out
+
+
+def _tenants(st: Any) -> list[dict[str, Any]]:
+    """Capacity by tenant (--api-keys): each tenant in force with its share, limits and use so far."""
+    gate, m = getattr(st, "gate", None), st.metrics
+    if gate is None or gate.keyring is None:
+        return []
+    admitted = _by_label(m.tenant_admitted, "tenant") if m is not None else {}
+    tokens = {(s.labels["tenant"], s.labels["kind"]): s.value for s in (_samples(m.tenant_tokens) if m else ())
+              if s.name.endswith("_total")}
+    refused: dict[str, float] = {}
+    for s in _samples(m.tenant_rejected) if m is not None else ():
+        if s.name.endswith("_total"):
+            refused[s.labels["tenant"]] = refused.get(s.labels["tenant"], 0.0) + s.value
+    return [{"name": t.name, "weight": t.weight, "priority": t.priority, "max_concurrent": t.max_concurrent,
+             "in_flight": st.quotas.in_flight(t.name), "admitted": admitted.get(t.name, 0.0),
+             "prompt_tokens": tokens.get((t.name, "prompt"), 0.0), "output_tokens": tokens.get((t.name, "output"), 0.0),
+             "refused": refused.get(t.name, 0.0)} for t in gate.keyring.tenants.values()]
 
 
 def _numerics_text() -> dict[str, Any]:

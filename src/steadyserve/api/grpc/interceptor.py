@@ -1,4 +1,5 @@
-"""One server interceptor for every RPC: API-key check, fingerprint trailer, and the grpc_server_* metrics.
+"""One server interceptor for every RPC: the tenant gate (api/tenancy.py), fingerprint trailer, and the
+grpc_server_* metrics.
 
 The metrics follow go-grpc-prometheus: started, handled by status code, and
 handling time, labelled with grpc_type (unary, server_stream, ...), service
@@ -9,7 +10,6 @@ deadline or a client cancel is counted as what the client saw.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import inspect
 import logging
 import time
@@ -18,15 +18,13 @@ from typing import Any, Awaitable, Callable
 import grpc
 
 from ..state import ServerState
+from ..tenancy import OPEN_SERVICES, Access, bind, unbind
 from ..tracing import RequestTrace
 from . import ERROR_CODE_KEY, FINGERPRINT_KEY
 from .servicer import deadline_passed
 
 log = logging.getLogger("steadyserve.grpc")
 
-# Services reachable without the API key: health probes and schema listing carry no model data.
-OPEN_SERVICES = ("grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection",
-                 "grpc.reflection.v1.ServerReflection")
 
 # The RPCs a trace is recorded for, and their gen_ai.operation.name before the request is parsed.
 TRACED_RPCS = {"Generate": "text_completion", "Score": "score", "Embed": "embeddings"}
@@ -67,14 +65,9 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, state: ServerState) -> None:
         self.state = state
         self.fingerprint = str(state.fingerprint)
-        self.api_key = state.config.server.api_key
 
-    def _authorized(self, details: grpc.HandlerCallDetails, service: str) -> bool:
-        if not self.api_key or service in OPEN_SERVICES:
-            return True
-        auth = dict(details.invocation_metadata or ()).get("authorization", "")
-        token = auth[7:] if isinstance(auth, str) and auth.lower().startswith("bearer ") else ""
-        return hmac.compare_digest(token.encode(), self.api_key.encode())
+    def _access(self, details: grpc.HandlerCallDetails, service: str, method: str) -> Access:
+        return self.state.gate.grpc(service, method, details.invocation_metadata)
 
     async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
                                 details: grpc.HandlerCallDetails) -> Any:
@@ -82,11 +75,11 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:  # unknown method: gRPC answers UNIMPLEMENTED itself
             return None
         service, _, method = details.method.lstrip("/").rpartition("/")
-        authorized = self._authorized(details, service)
+        access = self._access(details, service, method)
         for attr, grpc_type, factory in _KINDS:
             behavior = getattr(handler, attr)
             if behavior is not None:
-                wrapped = self._wrap(behavior, (grpc_type, service, method), authorized, details)
+                wrapped = self._wrap(behavior, (grpc_type, service, method), access, details)
                 deserializer = handler.request_deserializer
                 if deserializer is not None and attr in ("unary_unary", "unary_stream"):
                     deserializer = _tolerant(deserializer)
@@ -105,7 +98,7 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
         return tracing.begin("grpc", operation, carrier, **{"rpc.system": "grpc", "rpc.service": labels[1],
                                                              "rpc.method": labels[2]})
 
-    def _wrap(self, behavior: Callable, labels: tuple[str, str, str], authorized: bool,
+    def _wrap(self, behavior: Callable, labels: tuple[str, str, str], access: Access,
               details: grpc.HandlerCallDetails) -> Callable:
         metrics = self.state.metrics
         trailer = ((FINGERPRINT_KEY, self.fingerprint),)
@@ -126,8 +119,14 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
                                 trailer + ((ERROR_CODE_KEY, "invalid"),))
 
         async def refuse(context: grpc.aio.ServicerContext) -> None:
+            reason = access.refusal or "unauthenticated"
             if metrics is not None:
-                metrics.rejected.labels("unauthenticated").inc()
+                metrics.rejected.labels(reason).inc()
+                if access.tenant is not None:
+                    metrics.on_tenant_refused(access.tenant.name, reason)
+            if reason == "forbidden":
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED, access.message,
+                                    trailer + ((ERROR_CODE_KEY, "forbidden"),))
             await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                                 "missing or invalid API key (metadata authorization: Bearer ...)", trailer)
 
@@ -146,14 +145,14 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
 
         async def admit(request: Any, context: grpc.aio.ServicerContext) -> None:
             """Abort before the handler runs: no key, or a message that did not decode."""
-            if not authorized:
+            if access.refusal is not None:
                 await refuse(context)
             if isinstance(request, _Malformed):
                 await malformed(context, request)
 
         if inspect.isasyncgenfunction(behavior):  # a streaming handler written as an async generator
             async def stream_wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                t0, exc = begin(context), None
+                t0, exc, bound = begin(context), None, bind(access.tenant)
                 try:
                     await admit(request, context)
                     async for item in behavior(request, context):
@@ -162,11 +161,12 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
                     exc = e
                     raise
                 finally:
+                    unbind(bound)
                     end(context, t0, exc)
             return stream_wrapper
 
         async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            t0, exc = begin(context), None
+            t0, exc, bound = begin(context), None, bind(access.tenant)
             try:
                 await admit(request, context)
                 return await behavior(request, context)
@@ -174,6 +174,7 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
                 exc = e
                 raise
             finally:
+                unbind(bound)
                 end(context, t0, exc)
         return wrapper
 

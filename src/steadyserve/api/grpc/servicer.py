@@ -19,7 +19,7 @@ from typing import Any, Callable, NoReturn
 import grpc
 
 from ...engine.sequence import TokenLogprob
-from ...limits import MAX_LOGPROBS, RETRY_REASONS, Refused
+from ...limits import MAX_LOGPROBS, RATE_REASONS, RETRY_REASONS, Refused
 from ...platform_info import platform_info, row_tiles_of
 from ..embeddings import admit_embed, build_embed, vectors
 from ..events import RequestChannel, StreamStalled, end_status
@@ -101,17 +101,17 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             await self._refuse(call, e, msg)
 
     async def _refuse(self, call: _Call, e: Refused, msg: Any = None) -> NoReturn:
-        """A refusal as a status: RESOURCE_EXHAUSTED (overloaded), UNAVAILABLE (draining, dead) or
-        INVALID_ARGUMENT naming the proto field, with the HTTP API's message."""
+        """A refusal as a status: RESOURCE_EXHAUSTED (overloaded, a tenant's own limit), UNAVAILABLE (draining,
+        dead) or INVALID_ARGUMENT naming the proto field, with the HTTP API's message."""
         if self.state.metrics is not None:
             self.state.metrics.rejected.labels(e.metric_reason).inc()
         note_refusal(e)
         if e.reason in RETRY_REASONS:
             ms = str(max(1, math.ceil((e.retry_after or 1.0) * 1000)))
             trailers = {ERROR_CODE_KEY: e.reason, RETRY_AFTER_KEY: ms}
-            if e.reason == "overloaded":  # a retry policy waits this long; draining: retry elsewhere now
+            if e.reason in RATE_REASONS:  # a retry policy waits this long; draining: retry elsewhere now
                 trailers[PUSHBACK_KEY] = ms
-            code = Code.RESOURCE_EXHAUSTED if e.reason == "overloaded" else Code.UNAVAILABLE
+            code = Code.RESOURCE_EXHAUSTED if e.reason in RATE_REASONS else Code.UNAVAILABLE
             await call.abort(code, str(e), trailers)
         if isinstance(msg, pb.EmbedRequest):
             field = embed_field_name(e.param, msg)

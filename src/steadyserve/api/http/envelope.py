@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import hmac
 import time
 from typing import Any
 
 from ...limits import valid_request_id
 from ..state import ServerState
+from ..tenancy import Access, bind, unbind
 from ..tracing import RequestTrace
 from .errors import error_response
 from .messages_errors import anthropic_error, is_messages_path
@@ -34,37 +34,22 @@ def trace_end(scope: dict, status: int | None) -> tuple[str, str] | None:
 class Envelope:
     """Outermost ASGI layer: request ids, fingerprint headers, auth, body-size precheck, metrics.
 
-    The API key is taken from `Authorization: Bearer`, else `x-api-key` (as Anthropic's clients send it).
+    Who the caller is, and whether it may call the route, is the gate's (api/tenancy.py: the key from
+    `Authorization: Bearer`, else `x-api-key` as Anthropic's clients send it); the tenant it answers is the
+    current one while the route runs.
 
     It also keeps the connection's transport (uvicorn's) in scope["state"], so
     streams can measure their send backlog and abort a stalled connection.
     """
-
-    OPEN_PATHS = ("/healthz", "/readyz")
 
     def __init__(self, app: Any, state: ServerState) -> None:
         self.app = app
         self.state = state
         self.fingerprint = str(state.fingerprint).encode()
 
-    def _authorized(self, scope: dict) -> bool:
-        key = self.state.config.server.api_key
-        path = scope.get("path", "")
-        if not key or path in self.OPEN_PATHS or (path == "/metrics" and self.state.config.server.metrics_public):
-            return True
-        if not (path.startswith("/v1/") or path in ("/metrics", "/tokenize", "/detokenize")):
-            return True  # the console's static files carry no data; its API calls need the key
+    def _access(self, scope: dict) -> Access:
         headers = dict(scope.get("headers") or [])
-        auth = headers.get(b"authorization", b"").decode("latin-1")
-        token = auth[7:] if auth.lower().startswith("bearer ") else ""
-        if not token:  # Anthropic's clients send the key as x-api-key
-            token = headers.get(b"x-api-key", b"").decode("latin-1")
-        if not token and scope["type"] == "websocket":  # browsers cannot set headers on WebSockets
-            for proto in headers.get(b"sec-websocket-protocol", b"").decode("latin-1").split(","):
-                proto = proto.strip()
-                if proto.startswith("bearer."):
-                    token = proto[7:]
-        return hmac.compare_digest(token.encode(), key.encode())
+        return self.state.gate.http(scope.get("path", ""), headers, scope["type"] == "websocket")
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] not in ("http", "websocket"):
@@ -79,18 +64,23 @@ class Envelope:
         st["request_id"] = rid
         st["transport"] = getattr(getattr(send, "__self__", None), "transport", None)
         extra = [(b"x-request-id", rid.encode("latin-1")), (b"x-steadyserve-fingerprint", self.fingerprint)]
+        access = self._access(scope)
+        bound = bind(access.tenant)
         trace = self._trace(scope, headers)
-        if trace is not None:
-            try:
-                return await self._serve(scope, receive, send, headers, extra, trace)
-            finally:
-                attrs: dict[str, Any] = {}
-                if scope["type"] == "http":
-                    attrs["http.route"] = _route(scope)
-                    if trace.status is not None:
-                        attrs["http.response.status_code"] = trace.status
-                trace.ended(trace_end(scope, trace.status), **attrs)
-        return await self._serve(scope, receive, send, headers, extra, None)
+        try:
+            if trace is not None:
+                try:
+                    return await self._serve(scope, receive, send, headers, extra, trace, access)
+                finally:
+                    attrs: dict[str, Any] = {}
+                    if scope["type"] == "http":
+                        attrs["http.route"] = _route(scope)
+                        if trace.status is not None:
+                            attrs["http.response.status_code"] = trace.status
+                    trace.ended(trace_end(scope, trace.status), **attrs)
+            return await self._serve(scope, receive, send, headers, extra, None, access)
+        finally:
+            unbind(bound)
 
     def _trace(self, scope: dict, headers: dict) -> RequestTrace | None:
         """Open the request's trace record when tracing is on and this is an inference route."""
@@ -105,14 +95,22 @@ class Envelope:
         return tracing.begin(transport, ROUTE_OPERATIONS.get(path, path), carrier,
                              **{"http.request.method": scope.get("method", "GET"), "url.path": path})
 
+    def _count_refusal(self, access: Access) -> None:
+        m = self.state.metrics
+        if m is not None and access.refusal is not None:
+            m.rejected.labels(access.refusal).inc()
+            if access.tenant is not None:
+                m.on_tenant_refused(access.tenant.name, access.refusal)
+
     async def _serve(self, scope: dict, receive: Any, send: Any, headers: dict, extra: list,
-                     trace: RequestTrace | None) -> None:
+                     trace: RequestTrace | None, access: Access) -> None:
         if scope["type"] == "websocket":
-            if not self._authorized(scope):
+            if access.refusal is not None:
+                self._count_refusal(access)
                 await receive()
                 if trace is not None:
                     trace.status = 1008
-                await send({"type": "websocket.close", "code": 1008, "reason": "missing or invalid API key"})
+                await send({"type": "websocket.close", "code": 1008, "reason": access.message[:120]})
                 return
 
             offered = [p.strip() for p in headers.get(b"sec-websocket-protocol", b"").decode("latin-1").split(",")]
@@ -140,12 +138,16 @@ class Envelope:
             await send(message)
 
         try:
-            if not self._authorized(scope):
-                if self.state.metrics is not None:
-                    self.state.metrics.rejected.labels("unauthenticated").inc()
-                why = "missing or invalid API key (Authorization: Bearer ... or x-api-key)"
-                resp = anthropic_error(401, why) if is_messages_path(scope.get("path", "")) else \
-                    error_response(401, why, "authentication_error", None, "invalid_api_key")
+            if access.refusal is not None:
+                self._count_refusal(access)
+                messages = is_messages_path(scope.get("path", ""))
+                if access.refusal == "forbidden":
+                    resp = anthropic_error(403, access.message) if messages else \
+                        error_response(403, access.message, "permission_error", None, "forbidden")
+                else:
+                    why = "missing or invalid API key (Authorization: Bearer ... or x-api-key)"
+                    resp = anthropic_error(401, why) if messages else \
+                        error_response(401, why, "authentication_error", None, "invalid_api_key")
                 return await resp(scope, receive, send_wrapper)
             length = headers.get(b"content-length")
             limit = self.state.config.server.max_request_bytes

@@ -11,6 +11,12 @@ from ...limits import RETRY_REASONS, Refused
 # Refused.reason -> (HTTP status, OpenAI error type); every other reason is a 400 invalid_request_error.
 REFUSAL_STATUS = {
     "overloaded": (429, "overloaded"),
+    # A tenant past its own limit (--api-keys): the code names the limit.
+    "tenant_concurrency": (429, "rate_limit_error"),
+    "tenant_prompt_tokens": (429, "rate_limit_error"),
+    "tenant_output_tokens": (429, "rate_limit_error"),
+    "tenant_share": (429, "rate_limit_error"),
+    "forbidden": (403, "permission_error"),  # a tenant calling an endpoint its keys-file entry does not allow
     "draining": (503, "unavailable"),
     "dead": (503, "unavailable"),
     "model_not_found": (404, "invalid_request_error"),

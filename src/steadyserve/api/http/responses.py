@@ -165,12 +165,13 @@ def tools_of(req: ResponsesRequest) -> ToolRequest | None:
     return tool_request(tools, choice, req.parallel_tool_calls, schema_param="tools[{i}].parameters")
 
 
-def responses_spec(store: ResponseStore, body: Any, request_id: str,
-                   parsed: ResponsesRequest) -> tuple[RequestSpec, list[dict[str, Any]]]:
+def responses_spec(store: ResponseStore, body: Any, request_id: str, parsed: ResponsesRequest,
+                   owner: str = "") -> tuple[RequestSpec, list[dict[str, Any]]]:
     """The chat RequestSpec of a Responses body, and the conversation it continues plus its input (without
-    the instructions), which a stored response keeps. Raises Refused (a missing previous response: 404)."""
+    the instructions), which a stored response keeps. Raises Refused (a previous response missing, or
+    another tenant's than `owner`: 404)."""
     refuse_unsupported(body)
-    before = store.get(parsed.previous_response_id, "previous_response_id").conversation \
+    before = store.get(parsed.previous_response_id, "previous_response_id", owner).conversation \
         if parsed.previous_response_id else []
     conversation = [*before, *input_messages(parsed.input)]
     messages = ([{"role": "system", "content": parsed.instructions}] if parsed.instructions else []) + conversation

@@ -20,22 +20,24 @@ from ..receipts import HEADER as RECEIPT_HEADER, header_asks, receipts_of
 from ..requests import ValidatedRequest, admit, build
 from ..responses_store import ResponseStore
 from ..state import ServerState
+from ..tenancy import current as current_tenant
 from .inputs import client_request_id, find_surrogate, read_json, validated
 from .responses import ResponsesRequest, responses_spec
 from .responses_format import EventWriter, ResponseBuilder, conversation_output, sse
 from .sse import SSEStream, collect_events, joined
 
 
-def prepare(state: ServerState, store: ResponseStore, body: Any, request_id: str, receipt_header: bool = False
-            ) -> tuple[ValidatedRequest, ResponsesRequest, list[dict[str, Any]]]:
-    """Parse and validate (requests.build), for the tokenizer thread. Raises Refused, named as this API names
-    its fields (text.format, input)."""
+def prepare(state: ServerState, store: ResponseStore, body: Any, request_id: str, receipt_header: bool = False,
+            owner: str = "") -> tuple[ValidatedRequest, ResponsesRequest, list[dict[str, Any]]]:
+    """Parse and validate (requests.build), for the tokenizer thread; `owner` is the caller's tenant, whose
+    stored responses alone it may continue. Raises Refused, named as this API names its fields (text.format,
+    input)."""
     bad = find_surrogate(body)
     if bad is not None:
         raise Refused("invalid_unicode", f"{bad}: contains an unpaired UTF-16 surrogate escape; not valid Unicode",
                       bad)
     parsed = validated(ResponsesRequest, body)
-    spec, conversation = responses_spec(store, body, request_id, parsed)
+    spec, conversation = responses_spec(store, body, request_id, parsed, owner)
     spec.receipt = spec.receipt or receipt_header
     try:
         return build(state, spec), parsed, conversation
@@ -58,16 +60,19 @@ def add_responses_routes(app: FastAPI, state: ServerState, store: ResponseStore)
         documented events with `stream: true`. Stored responses live in a bounded in-memory store (the last
         --responses-store-size, at most 64 MiB, oldest evicted first); an id not there is a 404."""
         body = await read_json(request, cfg.max_request_bytes)
+        owner = tenant_name()
         req, parsed, conversation = await state.run_tokenizer(prepare, state, store, body,
                                                               client_request_id(request.scope),
-                                                              header_asks(request.headers.get(RECEIPT_HEADER)))
+                                                              header_asks(request.headers.get(RECEIPT_HEADER)),
+                                                              owner)
         channel = admit(state, req)
         builder = ResponseBuilder("resp_" + uuid.uuid4().hex, req.request_id, state.model_name,
                                   str(state.fingerprint), parsed, req.tool_format)
         keep = store if parsed.store else None
         receipt = receipts_of(state, req)
         if parsed.stream:
-            return SSEStream(channel, ResponsesEncoder(builder, keep, conversation, receipt), cfg.stall_timeout)
+            return SSEStream(channel, ResponsesEncoder(builder, keep, conversation, receipt, owner),
+                             cfg.stall_timeout)
         events = await collect_events(request.receive, channel)
         if isinstance(events, Response):
             return events
@@ -75,19 +80,26 @@ def add_responses_routes(app: FastAPI, state: ServerState, store: ResponseStore)
         if receipt is not None:
             out["receipt"] = receipt(0, events.accs[0])
         if keep is not None:
-            keep.put(out, conversation + conversation_output(out))
+            keep.put(out, conversation + conversation_output(out), owner)
         return JSONResponse(out)
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str) -> Response:
-        """A stored response, as POST /v1/responses returned it; 404 when it is not (or no longer) stored."""
-        return JSONResponse(store.get(response_id).response)
+        """A stored response, as POST /v1/responses returned it; 404 when it is not (or no longer) stored, or
+        another tenant made it."""
+        return JSONResponse(store.get(response_id, None, tenant_name()).response)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> Response:
         """Forget a stored response: `{"id", "object": "response", "deleted": true}`; 404 when it is not stored."""
-        store.delete(response_id)
+        store.delete(response_id, tenant_name())
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+
+def tenant_name() -> str:
+    """The caller's tenant (api/tenancy.py), whose stored responses it sees; "" on a server without keys."""
+    tenant = current_tenant()
+    return tenant.name if tenant is not None else ""
 
 
 class ResponsesEncoder:
@@ -95,8 +107,9 @@ class ResponsesEncoder:
     finished response is kept in the store (with store: true)."""
 
     def __init__(self, builder: ResponseBuilder, store: ResponseStore | None, conversation: list[dict[str, Any]],
-                 receipt: Callable[[int, Accumulated], dict[str, Any]] | None = None) -> None:
+                 receipt: Callable[[int, Accumulated], dict[str, Any]] | None = None, owner: str = "") -> None:
         self.writer = EventWriter(builder)
+        self.owner = owner  # the tenant the stored response belongs to
         self.store = store  # where the finished response is kept; None with store: false
         self.conversation = conversation
         self.receipt = receipt  # api/receipts.py: set when the request asked for one
@@ -121,5 +134,5 @@ class ResponsesEncoder:
         if self.receipt is not None:  # in response.completed's response object (the same dict)
             body["receipt"] = self.receipt(0, channel.accs[0])
         if self.store is not None:
-            self.store.put(body, self.conversation + conversation_output(body))
+            self.store.put(body, self.conversation + conversation_output(body), self.owner)
         return self._sse(closing)

@@ -95,6 +95,7 @@ function update(s) {
     charts.refusals.push(t, vals);
   }
   totals(s);
+  tenants(s.tenants);
   recent(s.recent);
   prev = s;
 }
@@ -120,6 +121,21 @@ function totals(s) {
   rows.push(["Capacity", `${s.capacity.max_num_seqs} running + ${s.capacity.max_queue} queued`]);
   rows.push(["Uptime", fmtSeconds(s.uptime_s)]);
   dl.replaceChildren(...rows.map(([k, v]) => el("div", {}, el("dt", { text: k }), el("dd", { text: String(v) }))));
+}
+
+function tenants(items) {
+  $("#tenants-section").hidden = !items || !items.length;
+  if (!items || !items.length) return;
+  $("#tenants tbody").replaceChildren(...items.map((t) => el("tr", {},
+    el("td", { text: t.name }),
+    el("td", { class: "num", text: String(t.weight) }),
+    el("td", { text: t.priority }),
+    el("td", { class: "num", text: t.in_flight + (t.max_concurrent ? ` / ${t.max_concurrent}` : "") }),
+    el("td", { class: "num", text: fmtNum(t.admitted, 0) }),
+    el("td", { class: "num", text: fmtNum(t.prompt_tokens, 0) }),
+    el("td", { class: "num", text: fmtNum(t.output_tokens, 0) }),
+    el("td", { class: "num", text: fmtNum(t.refused, 0) }),
+  )));
 }
 
 function recent(items) {
