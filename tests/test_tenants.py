@@ -1,7 +1,7 @@
 """Keys as tenants (issue 61) against a real server: --api-keys FILE on 127.0.0.1, the real engine, real sockets.
 
-One server (with --metrics-auth, the TEST-ONLY slow-request fault, so a request stays in flight on any CPU, and
-a capacity of 8: 2 running + 6 waiting) and a keys file of five tenants:
+One server (without --metrics-auth: a keys file guards /metrics anyway; with the TEST-ONLY slow-request fault, so a
+request stays in flight on any CPU, and a capacity of 8: 2 running + 6 waiting) and a keys file of five tenants:
   alpha:  admin, every endpoint                 beta:   max_concurrent 1
   scorer: endpoints score, tokenize and models  meter:  output_tokens_per_minute 20
   gamma:  added by the reload test, removed again
@@ -56,7 +56,7 @@ def keys_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tiny_model: str, keys_path: Path):
-    with ServerProcess(tiny_model, "--api-keys", str(keys_path), "--metrics-auth", "--max-num-seqs", "2",
+    with ServerProcess(tiny_model, "--api-keys", str(keys_path), "--max-num-seqs", "2",
                        "--max-queue", "6", threads=1, test_faults=True) as s:
         yield s
 
@@ -140,7 +140,7 @@ def test_endpoints_and_the_admin_role_are_enforced_with_403(server, http) -> Non
         with pytest.raises(grpc.RpcError) as e:
             list(c.generate("generating is not", max_tokens=2))
         assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
-    # the console's API and /metrics (--metrics-auth) need the admin role
+    # the console's API and /metrics need the admin role (a keys file guards /metrics without --metrics-auth)
     assert http.get("/v1/console/stats", headers=auth("beta")).status_code == 403
     stats = http.get("/v1/console/stats", headers=auth("alpha"))
     assert stats.status_code == 200

@@ -11,7 +11,7 @@ A keys file is TOML (docs/tenants.md):
     output_tokens_per_minute = 50000       # optional
     priority = "interactive"               # interactive (default) | batch
     endpoints = ["chat", "completions"]    # default: every endpoint but the admin ones
-    roles = ["admin"]                      # admin: the console and /metrics (with --metrics-auth)
+    roles = ["admin"]                      # admin: the console and /metrics
 
 `--api-key KEY` is one tenant, `default`, with every endpoint and the admin role. A key is compared as its
 sha256 digest against every stored digest with hmac.compare_digest (constant time, no early exit), so
@@ -35,7 +35,7 @@ from typing import Any
 from .config import ConfigError
 
 PRIORITIES = ("interactive", "batch")  # queue classes: interactive requests are picked first
-ROLES = ("admin",)  # admin: the console's API and /metrics (when --metrics-auth guards it)
+ROLES = ("admin",)  # admin: the console's API and /metrics (which a keys file always guards)
 # Endpoint names a tenant may be allowed, and what each covers (HTTP routes, gRPC methods): ENDPOINT_OF.
 ENDPOINTS = ("completions", "chat", "responses", "messages", "embeddings", "stream", "tokenize", "models",
              "generate", "score")

@@ -78,8 +78,8 @@ class Gate:
     def from_config(cls, sc: ServerConfig) -> "Gate":
         """The gate of --api-keys (read now: a bad file fails start-up, naming the file and field), or of
         --api-key, or an open one."""
-        if sc.api_keys:
-            return cls(load_keys_file(sc.api_keys), sc.api_keys, sc.metrics_public)
+        if sc.api_keys:  # /metrics names the tenants: with a keys file it always needs the admin role
+            return cls(load_keys_file(sc.api_keys), sc.api_keys, metrics_public=False)
         return cls(single_key(sc.api_key) if sc.api_key else None, "", sc.metrics_public)
 
     @property
