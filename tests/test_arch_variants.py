@@ -274,11 +274,12 @@ def test_prefix_cache_gives_the_uncached_bits(bi_engine, broken, monkeypatch):
 @pytest.mark.parametrize("numerics", ["portable", "host"])
 def test_qwen3_head_dim_comes_from_key_length(tiny, numerics, monkeypatch, tmp_path):
     """Without taking head_dim from qwen3.attention.key_length (transformers' map ignores it: 128), the head_dim-48
-    file does not load; with it, it is at parity (test_tiny_parity_from_gguf)."""
+    file does not load (its tensors disagree with the config: models/gguf_check.py); with it, it is at parity
+    (test_tiny_parity_from_gguf)."""
     from steadyserve.models.loader import LoadError
 
     monkeypatch.setattr(gguf_config, "fix_transformers_config", lambda md, cfg: cfg)
-    with pytest.raises(LoadError, match="weights do not match config.json"):
+    with pytest.raises(LoadError, match=r"has shape \(48,\), expected \(128,\) for head_dim 128 \(the config's"):
         load_model(tiny["qwen3-hd48-gguf"], max_model_len=512, cache_dir=str(tmp_path), numerics=numerics)
 
 

@@ -46,7 +46,7 @@ def _assert_same(path: Path) -> None:
 
 def _written(path: Path) -> Path:
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_uint32("general.alignment", 64)
+    w.add_custom_alignment(64)  # the key and the layout: gguf-py lays tensors out by its own data_alignment
     w.add_string("x.text", "façade 日本語")
     w.add_bool("x.flag", True)
     w.add_int8("x.i8", -3)

@@ -21,8 +21,9 @@ import numpy as np
 import torch
 
 from ..kernels.quant import FORMATS, QWeight, UnsupportedFormat
+from .args import ModelArgs
 from .gguf_config import GGUF_ARCHITECTURES
-from .gguf_file import read_gguf
+from .gguf_file import GgufFile, GgufTensor, read_gguf
 
 # GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.").
 _LAYER_NAMES = {
@@ -83,44 +84,50 @@ def unpermute_order(n_rows: int, n_head: int) -> torch.Tensor:
     return torch.arange(n_rows).view(n_head, dim, 2).transpose(1, 2).reshape(-1)
 
 
-def read_tensors(path: Path, num_heads: int, num_kv_heads: int) -> tuple[dict[str, QWeight | torch.Tensor], Any]:
-    """The file's tensors under HF names, and the file's memory mapping (the tensors are views of it).
+def stored_tensor(t: GgufTensor) -> QWeight | torch.Tensor:
+    """One tensor as the native path holds it: a vector (norm, bias) as a float32 copy, a matrix as a QWeight over
+    the mapping (no copy). Raises UnsupportedFormat naming the tensor and type when no kernel reads it."""
+    fmt = int(t.tensor_type)
+    dims = [int(d) for d in t.shape]  # ggml order: dims[0] is the row length K
+    if len(dims) == 1 or (len(dims) == 2 and dims[1] == 1):
+        if fmt != 0:
+            raise UnsupportedFormat(f"{t.name}: 1-D tensors must be F32, not {t.tensor_type.name}")
+        return torch.from_numpy(np.array(t.data, dtype=np.float32).reshape(-1))
+    if fmt not in FORMATS:
+        raise UnsupportedFormat(f"{t.name}: GGUF type {t.tensor_type.name} has no native kernel "
+                                f"(supported: {', '.join(sorted(v[0] for v in FORMATS.values()))}); "
+                                "--numerics host dequantizes it to float32 instead")
+    k, n = dims[0], int(np.prod(dims[1:]))
+    raw = np.asarray(t.data).view(np.uint8).reshape(n, -1)
+    with np.errstate(all="ignore"):
+        data = torch.from_numpy(raw) if raw.flags.writeable else _readonly_view(raw)
+    qw = QWeight(data, fmt, k, t.name)
+    qw.check()
+    return qw
+
+
+def read_tensors(reader: GgufFile, args: ModelArgs) -> tuple[dict[str, QWeight | torch.Tensor], Any]:
+    """The file's tensors under HF names, and the file's memory mapping (the tensors are views of it), for a file
+    whose tensors passed gguf_check.check_tensors against `args` (gguf_check.read_stored reads and checks).
 
     Only the mapping is kept: the config and tokenizer come from the cached HF directory, so the
     vocabulary in the file's metadata is skipped, not parsed (gguf_file.py).
 
     Raises UnsupportedFormat naming the tensor and type when a tensor has no kernel."""
-    reader = read_gguf(path)
     arch = str(reader.metadata["general.architecture"])
+    num_heads, num_kv_heads = args.num_heads, args.num_kv_heads
     out: dict[str, QWeight | torch.Tensor] = {}
     for t in reader.tensors:
         name = hf_name(t.name, arch)
         if name is None:
             continue
-        fmt = int(t.tensor_type)
-        dims = [int(d) for d in t.shape]  # ggml order: dims[0] is the row length K
-        if len(dims) == 1 or (len(dims) == 2 and dims[1] == 1):
-            if fmt != 0:
-                raise UnsupportedFormat(f"{t.name}: 1-D tensors must be F32, not {t.tensor_type.name}")
-            out[name] = torch.from_numpy(np.array(t.data, dtype=np.float32).reshape(-1))
+        w = stored_tensor(t)
+        if isinstance(w, torch.Tensor):
             if arch in _NORM_SHIFTED_ARCHS and t.name.endswith("norm.weight"):
-                out[name] = out[name] - 1.0  # float32, as transformers' loader (see _NORM_SHIFTED_ARCHS)
-            continue
-        if fmt not in FORMATS:
-            raise UnsupportedFormat(f"{t.name}: GGUF type {t.tensor_type.name} has no native kernel "
-                                    f"(supported: {', '.join(sorted(v[0] for v in FORMATS.values()))}); "
-                                    "--numerics host dequantizes it to float32 instead")
-        k, n = dims[0], int(np.prod(dims[1:]))
-        raw = np.asarray(t.data).view(np.uint8).reshape(n, -1)
-        with np.errstate(all="ignore"):
-            data = torch.from_numpy(raw) if raw.flags.writeable else _readonly_view(raw)
-        qw = QWeight(data, fmt, k, t.name)
-        qw.check()
-        if arch in _PERMUTED_ARCHS and (".attn_q." in t.name or ".attn_k." in t.name):
-            heads = num_heads if ".attn_q." in t.name else num_kv_heads
-            if t.name.endswith(".weight"):
-                qw = qw.permute_rows(unpermute_order(n, heads))
-        out[name] = qw
+                w = w - 1.0  # float32, as transformers' loader (see _NORM_SHIFTED_ARCHS)
+        elif arch in _PERMUTED_ARCHS and t.name.endswith(".weight") and (".attn_q." in t.name or ".attn_k." in t.name):
+            w = w.permute_rows(unpermute_order(w.n, num_heads if ".attn_q." in t.name else num_kv_heads))
+        out[name] = w
     for name in list(out):  # q/k biases of permuted architectures move with their rows
         t = out[name]
         if arch in _PERMUTED_ARCHS and isinstance(t, torch.Tensor) and re.search(r"\.(q|k)_proj\.bias$", name):

@@ -12,16 +12,12 @@ tokenizers come from transformers.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import logging
 import os
 import shutil
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +34,7 @@ from ..platform_info import numerics_for
 from . import known
 from .args import ModelArgs
 from .attention import AttentionFn, attention_invariant, attention_native, attention_plain
+from .gguf_convert import one_gguf_reader  # noqa: F401  (tests and benchmarks import it from here)
 from .layers import RowTiler
 from .pooling import Pooling, PoolingError, resolve_pooling
 from .registry import model_args, model_class
@@ -141,10 +138,11 @@ def _sha256_files(paths: list[Path]) -> str:
 CONVERTER_VERSION = 3
 
 
-def convert_gguf(path: Path, cache_dir: str = "", with_weights: bool = True) -> tuple[Path, bool]:
+def convert_gguf(path: Path, cache_dir: str = "", with_weights: bool = True, native: bool = False) -> tuple[Path, bool]:
     """A GGUF file's config and tokenizer, and with_weights its tensors dequantized to float32 safetensors, in a
-    cached HF directory. Returns (dir, was_cached). The config comes from transformers' GGUF loader, or from
-    gguf_config.py where transformers has no map; a file of any other architecture is refused by name."""
+    cached HF directory. Returns (dir, was_cached). gguf_convert.convert checks the file before it converts
+    anything (with `native`, the tensor types the native kernels read too), so a damaged or refused file leaves
+    no cache entry; a file of an architecture steadyserve does not serve is refused by name."""
     digest = _sha256_files([path])[:16]
     kind = "" if with_weights else "-meta"
     out = cache_root(cache_dir) / "gguf" / f"{path.stem}-{digest}-c{CONVERTER_VERSION}{kind}"
@@ -152,105 +150,44 @@ def convert_gguf(path: Path, cache_dir: str = "", with_weights: bool = True) -> 
         return out, True
     from safetensors.torch import save_file
 
-    from .gguf_config import GgufConfigError, gguf_arch, read_metadata
+    from .gguf_convert import convert
 
     try:
-        metadata, names = read_metadata(path)
-        entry = gguf_arch(str(metadata.get("general.architecture", "?")))  # refused here, before any tensor
-        convert = _convert_own if entry.own_map else _convert_with_transformers
-        hf_config, tensors, tokenizer = convert(path, metadata, names, with_weights)
-    except GgufConfigError as e:
-        raise LoadError(f"{path}: {e}") from None
-    except LoadError:
-        raise
-    except Exception as e:  # truncated or foreign files fail deep inside the readers
-        why = str(e).splitlines()[0] if str(e) else ""
-        raise LoadError(f"{path}: not a readable GGUF model ({type(e).__name__}: {why})") from None
+        hf_config, tensors, tokenizer = convert(path, with_weights, native)
+    except Exception as e:
+        raise _gguf_error(path, e) from None
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    hf_config.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    _keep_tokenizer_pipeline(tokenizer, tmp, path)
-    if with_weights:
-        save_file({k: v.float().contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"))
-    (tmp / "steadyserve.json").write_text(json.dumps({"source": str(path), "source_sha256_16": digest}))
+    try:  # a refusal here (the tokenizer probe) must not leave a half-written directory behind either
+        tmp.mkdir(parents=True)
+        hf_config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        _keep_tokenizer_pipeline(tokenizer, tmp, path)
+        if with_weights:
+            save_file({k: v.float().contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"))
+        (tmp / "steadyserve.json").write_text(json.dumps({"source": str(path), "source_sha256_16": digest}))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     return out, False
 
 
-_READER_SWAP = threading.Lock()
+def _gguf_error(path: Path, e: Exception) -> LoadError:
+    """One line naming the file and the problem: the checks' own words (they name the field or tensor), or the
+    exception of a reader that failed deeper (foreign files)."""
+    from .gguf_config import GgufConfigError
+    from .gguf_file import GgufFormatError
 
-
-@contextmanager
-def one_gguf_reader() -> Iterator[None]:
-    """While it lasts, gguf-py's GGUFReader is an lru_cache(maxsize=1) of the real class: transformers parses a
-    file with it at each call (a conversion's config, tensors and tokenizer; a from_pretrained(gguf_file=...)
-    twice), ~17 s each over Gemma 3's 262k-token vocabulary, and imports it from gguf at each call, so one
-    reader object, which none of the calls changes, serves them all. Nested uses share the outermost one.
-    `gguf.GGUFReader.cache_clear()` frees the reader early. Only the swap is locked: a conversion in another
-    thread meanwhile shares the cache (keyed by the file) or, once it is restored, parses for itself."""
-    import gguf
-
-    with _READER_SWAP:
-        real = gguf.GGUFReader
-        outermost = not hasattr(real, "cache_clear")
-        if outermost:
-            gguf.GGUFReader = functools.lru_cache(maxsize=1)(real)
-    try:
-        yield
-    finally:
-        if outermost:
-            with _READER_SWAP:
-                gguf.GGUFReader = real
-
-
-def _convert_with_transformers(path: Path, metadata: dict[str, Any], names: tuple[str, ...],
-                               with_weights: bool) -> tuple[Any, dict[str, torch.Tensor], Any]:
-    """Config, tensors and tokenizer as transformers' GGUF loader reads them, plus what it drops
-    (gguf_config.fix_transformers_config)."""
-    with one_gguf_reader():
-        return _convert_with_transformers_once(path, metadata, with_weights)
-
-
-def _convert_with_transformers_once(path: Path, metadata: dict[str, Any],
-                                    with_weights: bool) -> tuple[Any, dict[str, torch.Tensor], Any]:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    from .gguf_config import fix_transformers_config
-
-    meta = load_gguf_checkpoint(str(path), return_tensors=False)
-    cfg_dict = fix_transformers_config(metadata, dict(meta["config"]))
-    hf_config = AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
-    with torch.device("meta"):  # only for transformers' tensor-name map; no weights
-        skeleton = AutoModelForCausalLM.from_config(hf_config)
-    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"] \
-        if with_weights else {}
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    hf_config.architectures = [type(skeleton).__name__]
-    return hf_config, tensors, tokenizer
-
-
-def _convert_own(path: Path, metadata: dict[str, Any], names: tuple[str, ...],
-                 with_weights: bool) -> tuple[Any, dict[str, torch.Tensor], Any]:
-    """Config from gguf_config.py, tensors dequantized by our own reader (gguf.read_float32), and the tokenizer
-    as transformers converts a GGUF vocabulary (whatever the architecture), in the generic class (transformers
-    picks no class for a file it cannot read)."""
-    import transformers
-    from transformers import AutoConfig
-
-    from .gguf import read_float32
-    from .gguf_config import own_config
-
-    cfg_dict = own_config(metadata, names)
-    heads = (cfg_dict["num_attention_heads"], cfg_dict["num_key_value_heads"])
-    tensors = read_float32(path, *heads) if with_weights else {}
-    hf_config = AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
-    generic = getattr(transformers, "TokenizersBackend", None) or transformers.PreTrainedTokenizerFast  # v5, v4
-    tokenizer = generic.from_pretrained(str(path.parent), gguf_file=path.name)
-    return hf_config, tensors, tokenizer
+    if isinstance(e, LoadError):
+        return e
+    if isinstance(e, GgufFormatError):
+        return LoadError(f"{path}: not a readable GGUF model: {e}")
+    if isinstance(e, (GgufConfigError, UnsupportedFormat)):
+        return LoadError(f"{path}: {e}")
+    why = str(e).splitlines()[0] if str(e) else ""
+    return LoadError(f"{path}: not a readable GGUF model ({type(e).__name__}: {why})")
 
 
 def _written_by_this_transformers(model_dir: Path) -> bool:
@@ -418,7 +355,7 @@ def load_model(path: str, device: str = "cpu", dtype: str = "auto", *, batch_inv
     if src.is_file():
         if src.suffix != ".gguf":
             raise LoadError(f"{src}: expected a .gguf file or a Hugging Face model directory")
-        model_dir, from_cache = convert_gguf(src, cache_dir, with_weights=not native)
+        model_dir, from_cache = convert_gguf(src, cache_dir, with_weights=not native, native=native)
     else:
         model_dir = src
     if not (model_dir / "config.json").is_file():
@@ -438,12 +375,12 @@ def load_model(path: str, device: str = "cpu", dtype: str = "auto", *, batch_inv
         raise LoadError(f"{model_dir / 'config.json'}: {e}") from None
     keepalive = None
     if native and src.is_file():
-        from .gguf import read_tensors
+        from .gguf_check import read_stored
 
         try:
-            weights, keepalive = read_tensors(src, args.num_heads, args.num_kv_heads)
-        except UnsupportedFormat as e:
-            raise LoadError(f"{src}: {e}") from None
+            weights, keepalive = read_stored(src, args)
+        except ValueError as e:  # UnsupportedFormat and the checks' errors (gguf_check.py) are ValueErrors
+            raise _gguf_error(src, e) from None
         files = [src]
     else:
         weights, files = _read_weights(model_dir)  # type: ignore[assignment]
@@ -465,8 +402,10 @@ def load_model(path: str, device: str = "cpu", dtype: str = "auto", *, batch_inv
         weights.clear()  # what the model did not take (e.g. rotary buffers) must not pin the file mapping
     except UnsupportedFormat as e:
         raise LoadError(f"{src}: {e}") from None
-    except (KeyError, RuntimeError, ValueError) as e:
-        raise LoadError(f"{model_dir}: weights do not match config.json ({e})") from None
+    except (KeyError, RuntimeError, ValueError) as e:  # a GGUF's checks (gguf_check.py) should leave none
+        where = f"{src}: the model its metadata describes cannot be built" if src.is_file() else \
+            f"{model_dir}: weights do not match config.json"
+        raise LoadError(f"{where} ({e})") from None
     return LoadedModel(model=model, args=args, tokenizer=tokenizer,
                        name=name or (src.stem if src.is_file() else src.name),
                        weights_hash=_sha256_files(files), device=dev, dtype=dt, max_model_len=max_len,
