@@ -6,12 +6,13 @@ machines have a compiler): a missing kernel fails here rather than skipping.
 
 from __future__ import annotations
 
-import shutil
+import os
 import subprocess
 import sys
 
 import pytest
 import torch
+from cpu_builds import FLOAT_BUILDS, NAMES
 
 from steadyserve import kernels
 from steadyserve.models.attention import attention_invariant, attention_native, attention_plain
@@ -260,9 +261,6 @@ def test_f16_block_conversion_gives_every_half_its_float_on_each_build() -> None
         assert torch.equal(got, want), (isa, int((got != want).sum()))
 
 
-# The AVX-512 subsets x86-64-v4 requires (besides v3's): a CPU with them all runs the v4 clone of a target_clones
-# function.
-X86_64_V4 = {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
 # The outputs over one random cache in each KV storage format (kv_format.h): float32, f16, bf16 and q8_0 (random
 # int8 values with random f16 scales, laid out as kv_cache.py allocates them), hashed together.
 VECTOR_WIDTH_CASE = r"""
@@ -276,6 +274,13 @@ def caches():
     kq, vq = (torch.randint(-127, 128, s, generator=g, dtype=torch.int8) for s in ((20, 3, 64, 32), (20, 3, 32, 64)))
     ks, vs = (torch.rand(s, generator=g).half().view(torch.int8) for s in ((20, 3, 2, 32), (20, 3, 32, 2)))
     yield torch.cat([kq, ks.reshape(20, 3, 4, 32)], 2), torch.cat([vq, vs], 3)
+def extras():  # RoPE's and the soft-cap's outputs (their loops are compiled per build beside attention's), hashed
+    g = torch.Generator().manual_seed(2)
+    x, cos, sin = torch.randn(70, 9 * 64, generator=g), torch.randn(70, 64, generator=g), torch.randn(70, 64, generator=g)
+    torch.ops.steadyserve.rope_(x, cos, sin, 9)
+    y = torch.randn(5, 1000, generator=g) * 40
+    torch.ops.steadyserve.softcap_(y, 30.0)
+    return hashlib.sha256(x.numpy().tobytes() + y.numpy().tobytes()).hexdigest()
 def digest(attend):
     g = torch.Generator().manual_seed(1)
     tables = torch.randperm(20, generator=g)[:10].view(1, 10)
@@ -294,72 +299,35 @@ def digest(attend):
     return h.hexdigest()
 """
 VECTOR_WIDTH_SCRIPT = VECTOR_WIDTH_CASE + r"""
-import sys
-from torch.utils.cpp_extension import load
-src, flags, build = sys.argv[1], sys.argv[2].split(), sys.argv[3]
-load(name="steadyserve_kernels", sources=[src], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-     build_directory=build, is_python_module=False)
+import sys, torch
+from steadyserve.kernels import load
+assert load().available
 def attend(q, k, v, tables, seq_of, pos, window):
     out = torch.empty_like(q)
     torch.ops.steadyserve.paged_attention(q, k, v, tables, seq_of, pos, out, 0.125, window)
     return out
-print(digest(attend))
+print(torch.ops.steadyserve.qmm_isa(), digest(attend), extras())
 """
 
 
-# bindings.cpp registers every op; the attention source built alone registers just its own, the same way.
-ATTENTION_ALONE_REGISTRATION = """
-TORCH_LIBRARY(steadyserve, m) {
-  m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_of, "
-        "Tensor positions, Tensor(a!) out, float scale, int window, float softcap=0.0) -> ()");
-  m.impl("paged_attention", c10::DispatchKey::CPU, TORCH_FN(steady_ops::paged_attention));
-}
-"""
-
-
-def test_vector_width_does_not_change_the_bits(tmp_path) -> None:
-    """The kernel's target_clones pick the baseline, AVX2 or AVX-512 build at run time; build
-    each alone (no clones) and compare the outputs' hashes, and the shipped build's. On a CPU with all of
-    x86-64-v4's AVX-512 subsets the shipped build runs its AVX-512 clone, so that width is compared there
-    (a third build of ~16 s of one core would compute it again); elsewhere AVX-512 is built alone.
-    Every KV storage format is compared (VECTOR_WIDTH_CASE), and within each build, rows computed in tiles (300
-    at once) against the same rows alone (the untiled loop)."""
-    from steadyserve.kernels.build import CFLAGS, SOURCES
-
-    src = SOURCES[0].read_text().replace(
-        '__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))', "")
-    assert src != SOURCES[0].read_text(), "the kernel no longer uses target_clones: update this test"
-    plain_src = tmp_path / "paged_attention.cpp"
-    plain_src.write_text(src + ATTENTION_ALONE_REGISTRATION)  # built alone: it registers its own op
-    for header in SOURCES[0].parent.glob("*.h"):
-        shutil.copy(header, tmp_path)
-    have = set(open("/proc/cpuinfo").read().split())
-    # The baseline build computes each fma with libm's fmaf; AVX2 and AVX-512 builds with the instruction.
-    # STEADY_TEST_GROUP=3: each builds only the 3-query-heads-per-kv-head kernels the case runs (every format).
-    variants = {"default": [], "avx2+fma": ["-march=x86-64-v3"]}
-    shipped_runs_avx512 = X86_64_V4 <= have  # GCC's target_clones resolver picks arch=x86-64-v4 on these
-    if "avx512f" in have and not shipped_runs_avx512:
-        variants["avx512"] = ["-march=x86-64-v4"]
-    procs = {}
-    for name, extra in variants.items():  # the builds are independent: compile them side by side
-        build = tmp_path / name
-        build.mkdir()
-        procs[name] = subprocess.Popen([sys.executable, "-c", VECTOR_WIDTH_SCRIPT, str(plain_src),
-                                        " ".join(CFLAGS + extra + ["-DSTEADY_TEST_GROUP=3"]), str(build)],
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    hashes = {}
-    for name, proc in procs.items():
-        out, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0, err[-2000:]
-        hashes[name] = out.strip().splitlines()[-1]
-    assert len(set(hashes.values())) == 1, f"vector widths disagree: {hashes}"
-    # And the shipped build (clones dispatched at run time) gives the same bits.
+@pytest.mark.parametrize("isa", FLOAT_BUILDS, ids=[NAMES[b] for b in FLOAT_BUILDS])
+def test_each_vector_width_gives_the_same_bits(isa: int) -> None:
+    """attention_body.h is compiled once per build (scalar, AVX2, AVX-512) and isa.h picks one; each build the CPU has
+    (from /proc/cpuinfo, cpu_builds.py), run under STEADYSERVE_ISA in its own process, gives the bits of the build
+    this process runs, for every KV storage format (VECTOR_WIDTH_CASE), and within each build rows computed in tiles
+    (300 at once) equal the same rows alone (the untiled loop)."""
     case: dict = {}
     exec(VECTOR_WIDTH_CASE, case)
-    got = case["digest"](lambda q, k, v, tables, seq_of, pos, window:
-                         attention_native(q, k, v, tables, seq_of, pos, 0.125, window))
-    shipped = "avx512 (the shipped build's x86-64-v4 clone)" if shipped_runs_avx512 else "shipped"
-    assert got == hashes["default"], f"{shipped} differs: {hashes}"
+    here = case["digest"](lambda q, k, v, tables, seq_of, pos, window:
+                          attention_native(q, k, v, tables, seq_of, pos, 0.125, window))
+    r = subprocess.run([sys.executable, "-c", VECTOR_WIDTH_SCRIPT], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "STEADYSERVE_ISA": NAMES[isa]})
+    assert r.returncode == 0, r.stderr[-3000:]
+    ran, digest, extras = r.stdout.split()
+    assert int(ran) == isa, f"STEADYSERVE_ISA={NAMES[isa]} ran build {ran}"
+    mine = NAMES[torch.ops.steadyserve.qmm_isa()]
+    assert digest == here, f"attention: the {NAMES[isa]} build differs from this process's ({mine})"
+    assert extras == case["extras"](), f"RoPE or soft-cap: the {NAMES[isa]} build differs from this process's ({mine})"
 
 
 def test_native_rope_equals_the_pytorch_expression_bitwise() -> None:

@@ -71,10 +71,11 @@ def test_an_unknown_isa_cap_is_an_error_naming_the_allowed_values():
     assert r.stdout.split() == [str(min(1, int8_best())), str(min(1, float_best()))], r.stdout + r.stderr
 
 
-def test_only_isa_h_asks_the_cpu_and_only_fp_env_h_runs_a_bare_parallel_loop():
+def test_only_isa_h_picks_a_build_and_only_fp_env_h_runs_a_bare_parallel_loop():
     """One owner for the CPU's features and the cap, and every parallel chunk under the pinned environment."""
     for src in sorted(CSRC.glob("*.[ch]*")):
         text = src.read_text()
+        assert "target_clones" not in text, f"{src.name}: a build is a translation unit isa.h picks, not a clone"
         if src.name != "isa.h":
             for probe in ("__builtin_cpu_supports", "__builtin_cpu_is", "__get_cpuid", "getenv", "arch_prctl"):
                 assert probe not in text, f"{src.name} asks the CPU or the environment itself ({probe}): use isa.h"

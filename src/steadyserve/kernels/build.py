@@ -4,7 +4,7 @@
 
 Flags are part of the numerics: -O3 without -ffast-math and with
 -ffp-contract=off (no fused multiply-add the source does not write), and no
--march: the kernels pick their vector width at run time (target_clones) with
+-march: the kernels pick their vector width at run time (isa.h, one build per instruction set) with
 the same bits on each. -O3 over -O2 only changes speed (it halved prefill
 attention time: more of the loops vectorized), never an IEEE operation.
 """

@@ -7,8 +7,9 @@
 //     lanes (lane i: keys j % 16 == i in ascending j) closed by one fixed pairwise tree;
 //   - k_row / v_row / halves16 / k_block_floats / v_block_floats: a stored f16, bf16 or q8_0 value becomes the
 //     float it stands for exactly (kv_format.h), so no order is involved.
-// Every lane runs the same IEEE operations on one element, so the vector width never changes a bit. Included by
-// paged_attention.cpp alone: STEADY_INLINE functions are inlined into each target_clones clone there.
+// Every lane runs the same IEEE operations on one element, so the vector width never changes a bit. Included by each
+// build's translation unit after its target pragma (attention_scalar.cpp, _avx2.cpp, _avx512.cpp): everything here
+// is in an anonymous namespace, so each unit compiles its own copy for its width and no two copies meet at link time.
 #pragma once
 
 #include <cmath>
@@ -22,13 +23,14 @@
 #include "kv_format.h"
 
 namespace steady_attn {
+namespace {
 
 constexpr int kLanes = 16;  // accumulator lanes; part of the numerics, not a tuning knob
 
-#define STEADY_INLINE __attribute__((always_inline)) inline  // inlined into each clone, so built for its ISA
+#define STEADY_INLINE __attribute__((always_inline)) inline  // inlined into its caller, so built for its ISA
 
 // 16 float lanes as one value: GCC lowers it to one zmm, two ymm or four xmm registers
-// in the respective clone, with the same element-wise IEEE operations on each.
+// in the respective build, with the same element-wise IEEE operations on each.
 typedef float f16v __attribute__((vector_size(64)));
 typedef int32_t i16v __attribute__((vector_size(64)));
 typedef uint32_t u16v __attribute__((vector_size(64)));
@@ -77,7 +79,7 @@ STEADY_INLINE void halves16(const uint16_t* h, float* out) {
 
 // n binary16 values -> floats, exactly, for a whole stored block (k_block_floats, v_block_floats): F16C's
 // vcvtph2ps (exact for every half, NaNs quieted as f16_to_f32 quiets them) where the CPU has it, else halves16.
-// Not inlined into the target_clones clones: an F16C intrinsic cannot be compiled into the baseline clone, and
+// Not inlined into the builds' loops: an F16C intrinsic cannot be compiled into the baseline build, and
 // GCC 12 scalarizes _Float16 vector conversions, which made the f16 cache slower to read than float32's. Every
 // choice gives the same floats, so it is a speed choice only; tests/test_attention_kernel.py checks all 65536
 // halves on each.
@@ -277,4 +279,5 @@ STEADY_INLINE void v_block_floats(const uint8_t* vh, int64_t D, int64_t Bs, floa
     for (int64_t d0 = 0; d0 < D; d0 += kLanes) v_row<F, kLanes>(vh, row, d0, D, out + row * D + d0);
 }
 
+}  // namespace
 }  // namespace steady_attn

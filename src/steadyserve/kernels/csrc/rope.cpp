@@ -8,7 +8,7 @@
 //   out[d + half] = x[d + half] * c[d + half] + x[d] * s[d + half]
 // Negation is exact and rounding to nearest is symmetric, so -(a * b) == (-a) * b.
 // -ffp-contract=off (build.py) keeps the compiler from fusing a product into the sum,
-// so the vector width chosen by target_clones changes speed, never bits. tests/
+// so the vector width of the build isa.h picks (attention_body.h) changes speed, never bits. tests/
 // test_attention_kernel.py checks it against the PyTorch expression, bitwise.
 
 #include "fp_env.h"
@@ -17,32 +17,16 @@
 
 #include <cstdint>
 
+#include "attention.h"
+#include "isa.h"
 #include "ops.h"
 
 namespace {
 
-// Rotates heads [0, num_heads) of each row of x in place. x: (T, >= num_heads * D) with
-// unit column stride; cos, sin: (T, D) contiguous, the rows of each token's position.
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-void rope_rows(float* x, int64_t row_stride, const float* cos, const float* sin, int64_t t_begin, int64_t t_end,
-               int64_t num_heads, int64_t D) {
-  const int64_t half = D / 2;
-  for (int64_t t = t_begin; t < t_end; ++t) {
-    const float* c = cos + t * D;
-    const float* s = sin + t * D;
-    for (int64_t h = 0; h < num_heads; ++h) {
-      float* lo = x + t * row_stride + h * D;
-      float* hi = lo + half;
-      for (int64_t d = 0; d < half; ++d) {
-        const float x1 = lo[d], x2 = hi[d];
-        const float a = x1 * c[d], b = x2 * s[d];                 // rotate_half gives -x2 here
-        const float e = x2 * c[d + half], f = x1 * s[d + half];   // and x1 here
-        lo[d] = a - b;
-        hi[d] = e + f;
-      }
-    }
-  }
-}
+// rope_rows, by isa.h's float32 build index: the loop is attention_body.h's, compiled once per build.
+using RopeFn = decltype(&steady_attn::scalar::rope_rows);
+const RopeFn kRopeBuilds[3] = {steady_attn::scalar::rope_rows, steady_attn::avx2::rope_rows,
+                               steady_attn::avx512::rope_rows};
 
 }  // namespace
 
@@ -61,7 +45,10 @@ void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t 
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   const int64_t row_stride = x.stride(0);
-  steady_fp::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) { rope_rows(xp, row_stride, cp, sp, begin, end, num_heads, D); });
+  const RopeFn rope_rows = kRopeBuilds[steady_isa::best_float()];
+  steady_fp::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+    rope_rows(xp, row_stride, cp, sp, begin, end, num_heads, D);
+  });
 }
 
 }  // namespace steady_ops

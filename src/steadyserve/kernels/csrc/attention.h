@@ -1,0 +1,58 @@
+// What the per-build attention loops (attention_body.h, compiled once per instruction set) share with the op that
+// dispatches to them (paged_attention.cpp): the problem of one call, the kernel types, and each build's entry points.
+// The builds differ in vector width only, never in an operation (paged_attention.cpp's reduction order), and the
+// op picks one by isa.h's best_float(), like the matmul family: STEADYSERVE_ISA caps it, and tests run each.
+#pragma once
+
+#include <cstdint>
+
+namespace steady_attn {
+
+constexpr int64_t kTile = 16;  // most tokens per tile: a speed knob only (see the top of paged_attention.cpp)
+
+struct Problem {
+  const float* q;        // (T, H, D)
+  const uint8_t* k;      // (NB, Hkv, D, Bs) in the storage format (kv_format.h lays out q8_0)
+  const uint8_t* v;      // (NB, Hkv, Bs, D) likewise
+  int64_t head_bytes;    // bytes of one (block, kv head) region of K or of V
+  const int64_t* tables; // (S, NBmax)
+  const int64_t* seq_of; // (T,)
+  const int64_t* pos;    // (T,)
+  float* out;            // (T, H, D)
+  int64_t h, hkv, d, bs, nb_max;
+  float scale;
+  int64_t window;
+  float softcap;  // 0: none
+};
+
+// The first key the token at position p attends to: 0, or the start of its sliding window.
+inline int64_t first_key(const Problem& P, int64_t p) {
+  return P.window > 0 && p - P.window + 1 > 0 ? p - P.window + 1 : 0;
+}
+
+using AttendFn = void (*)(const Problem&, int64_t, int64_t, float*, int64_t);
+using TileFn = void (*)(const Problem&, int64_t, int64_t, int64_t, float*, int64_t, float*, float*, float*,
+                        const uint8_t*);
+
+struct Kernels {
+  AttendFn one;  // one token (attend_one); null where a lone token takes the tile path too
+  TileFn tile;   // a tile of 2 to kTile tokens of one sequence (attend_tile), or 1 where `one` is null
+};
+
+// Each build's entry points (attention_scalar.cpp, attention_avx2.cpp, attention_avx512.cpp).
+#define STEADY_ATTN_DECLARE(ns)                                                                                 \
+  namespace ns {                                                                                              \
+  /* the kernels for a cache format (kv_format.h), query heads per kv head, block size and head dim */         \
+  Kernels attend_for_shape(int fmt, int64_t group, int64_t bs, int64_t d);                                    \
+  /* x = tanh(x / cap) * cap on n values (Gemma 2's final-logit soft-capping) */                               \
+  void softcap_rows(float* x, int64_t n, float cap);                                                          \
+  /* RoPE in place on heads [0, num_heads) of rows [t_begin, t_end) (rope.cpp) */                               \
+  void rope_rows(float* x, int64_t row_stride, const float* cos, const float* sin, int64_t t_begin, int64_t t_end, \
+                 int64_t num_heads, int64_t D);                                                               \
+  }
+
+STEADY_ATTN_DECLARE(scalar)
+STEADY_ATTN_DECLARE(avx2)
+STEADY_ATTN_DECLARE(avx512)
+
+}  // namespace steady_attn

@@ -1,0 +1,245 @@
+// The attention and RoPE loops of one build, written once: attention_scalar.cpp, attention_avx2.cpp and
+// attention_avx512.cpp each include this inside namespace steady_attn::<build>, after their target pragma, so the
+// compiler vectorizes the same IEEE operations to that width (paged_attention.cpp's reduction order: every lane runs
+// one element's sequence of operations, so the width changes speed, never bits; tests/test_attention_kernel.py runs
+// every build the CPU has and compares). Every function here takes the Problem of attention.h.
+
+// The next block's region of one kv head, requested into L2 while this block is read: a block region is its own
+// page or two (4-8 KiB) wherever the block table put it, and the hardware prefetchers stop at page boundaries.
+// A prefetch changes no value. The f16 cache (the default) does not take this burst: its conversion requests the
+// next region a line per line converted (halves_fn's `next`), and a tile's last V block requests the first K block
+// of the unit its thread runs next. Issued in one burst, the 64 requests filled the core's line-fill buffers and the
+// thread stalled on them (a third of attend_tile's samples sat on the prefetch loop); streamed, a c=64 decode step's
+// attention over SmolLM2's 30 layers (96-token contexts) took 8.8-10.3 -> 7.0-8.3 ms (Intel Xeon, 2 threads).
+inline void prefetch_region(const uint8_t* p, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 2);
+}
+
+// One (token, kv head): all G query heads of that kv head share each K and V load.
+// `scores` holds G rows of `stride` floats; row r, index i is key c0 + i, where c0
+// is `first` rounded down to a multiple of 16, so lanes sit at fixed absolute positions.
+// W (wide) handles 32 keys and 64 dimensions per pass where the shapes allow; the
+// arithmetic of every element is the same either way.
+template <int F, int G, bool W>
+void attend_one(const Problem& P, int64_t t, int64_t g, float* scores, int64_t stride) {
+  const int64_t D = P.d, Bs = P.bs;
+  const int64_t p = P.pos[t];
+  const int64_t first = first_key(P, p);
+  const int64_t c0 = first - first % kLanes;
+  const int64_t* table = P.tables + P.seq_of[t] * P.nb_max;
+  const float* qg = P.q + (t * P.h + g * G) * D;  // (G, D)
+
+  // 1. Scores (a pass never straddles a block: Bs % 16 == 0).
+  for (int64_t c = c0, blk = c0 / Bs, off = c0 % Bs, fetched = -1; c <= p;) {
+    if (off == Bs) off = 0, ++blk;
+    const uint8_t* kh = P.k + (table[blk] * P.hkv + g) * P.head_bytes;  // (D, Bs) of this block and kv head
+    if (blk != fetched && (blk + 1) * Bs <= p) {  // once per block: the next one's region
+      prefetch_region(P.k + (table[blk + 1] * P.hkv + g) * P.head_bytes, P.head_bytes);
+      fetched = blk;
+    }
+    if (W && off + 2 * kLanes <= Bs && c + kLanes <= p) {
+      score_keys<F, G, 2 * kLanes>(qg, kh, off, D, Bs, c, first, p, P.scale, P.softcap, scores + (c - c0), stride);
+      c += 2 * kLanes, off += 2 * kLanes;
+    } else {
+      score_keys<F, G, kLanes>(qg, kh, off, D, Bs, c, first, p, P.scale, P.softcap, scores + (c - c0), stride);
+      c += kLanes, off += kLanes;
+    }
+  }
+  float total[G];
+  softmax_rows<G>(scores, stride, (p - c0) / kLanes + 1, total);
+  // 5. Weighted values over the attended keys, ascending, block by block; one lane per
+  //    output dimension, NV dimensions per pass.
+  constexpr int NV = W ? 4 * kLanes : kLanes;
+  for (int64_t d0 = 0; d0 < D; d0 += NV) {
+    float acc[G][NV] = {};
+    float buf[NV];
+    for (int64_t b = first / Bs; b * Bs <= p; ++b) {
+      const uint8_t* vh = P.v + (table[b] * P.hkv + g) * P.head_bytes;  // (Bs, D) of this block and kv head
+      if (d0 == 0 && (b + 1) * Bs <= p)  // the first pass over the blocks; later passes find them in cache
+        prefetch_region(P.v + (table[b + 1] * P.hkv + g) * P.head_bytes, P.head_bytes);
+      const int64_t k0 = b * Bs > first ? b * Bs : first, k1 = b * Bs + Bs - 1 < p ? b * Bs + Bs - 1 : p;
+      for (int64_t key = k0; key <= k1; ++key) {
+        const float* vr = v_row<F, NV>(vh, key - b * Bs, d0, D, buf);
+        for (int r = 0; r < G; ++r) {
+          const float e = scores[r * stride + (key - c0)];
+          for (int l = 0; l < NV; ++l) acc[r][l] = std::fmaf(e, vr[l], acc[r][l]);
+        }
+      }
+    }
+    for (int r = 0; r < G; ++r) {
+      float* o = P.out + (t * P.h + g * G + r) * D + d0;
+      for (int l = 0; l < NV; ++l) o[l] = acc[r][l] / total[r];  // a division, not a reciprocal multiply
+    }
+  }
+}
+
+
+// Tokens [t0, t1) of one sequence (a tile, t1 - t0 <= kTile) and kv head g: steps 1-5 for each token, as
+// attend_one computes them, but with the blocks outermost, so each K and V block is read (and, for a
+// stored format, turned into floats) once per tile instead of once per token. `scores`: (t1 - t0) * G rows
+// of `stride` floats (token i's row r at (i * G + r) * stride, index c - c0 of token i for key c, as
+// attend_one); `acc`: (t1 - t0) * G * D floats; kf, vf: D * Bs floats each (one converted block).
+template <int F, int G, bool W>
+void attend_tile(const Problem& P, int64_t t0, int64_t t1, int64_t g, float* scores, int64_t stride, float* acc,
+                 float* kf, float* vf, const uint8_t* after) {
+  const int64_t D = P.d, Bs = P.bs, M = t1 - t0;
+  const int64_t* table = P.tables + P.seq_of[t0] * P.nb_max;
+  int64_t first[kTile], c0[kTile], pos[kTile];
+  int64_t lo = std::numeric_limits<int64_t>::max(), hi = 0;
+  for (int64_t i = 0; i < M; ++i) {
+    const int64_t p = P.pos[t0 + i];
+    pos[i] = p;
+    first[i] = first_key(P, p);
+    c0[i] = first[i] - first[i] % kLanes;
+    lo = std::min(lo, c0[i]);
+    hi = std::max(hi, p);
+  }
+  // 1. Scores, block by block (a pass never straddles a block: Bs % 16 == 0, c0 % 16 == 0).
+  for (int64_t b = lo / Bs; b <= hi / Bs; ++b) {
+    const uint8_t* kh = P.k + (table[b] * P.hkv + g) * P.head_bytes;  // (D, Bs) of this block and kv head
+    // Read after this block: the next K block, else the tile's first V block.
+    const uint8_t* next = b < hi / Bs ? P.k + (table[b + 1] * P.hkv + g) * P.head_bytes
+                                      : P.v + (table[lo / Bs] * P.hkv + g) * P.head_bytes;
+    if (F != steady_kv::kF16) prefetch_region(next, P.head_bytes);  // f16: streamed by the conversion
+    if constexpr (F != steady_kv::kF32) {
+      k_block_floats<F>(kh, D, Bs, kf, next);
+      kh = reinterpret_cast<const uint8_t*>(kf);
+    }
+    for (int64_t i = 0; i < M; ++i) {
+      const int64_t p = pos[i];
+      int64_t c = std::max(c0[i], b * Bs);
+      const float* qg = P.q + ((t0 + i) * P.h + g * G) * D;  // (G, D)
+      float* sr = scores + i * G * stride;
+      for (int64_t off = c - b * Bs; c <= p && off < Bs;) {
+        if (W && off + 2 * kLanes <= Bs && c + kLanes <= p) {
+          score_keys<steady_kv::kF32, G, 2 * kLanes>(qg, kh, off, D, Bs, c, first[i], p, P.scale, P.softcap,
+                                                     sr + (c - c0[i]), stride);
+          c += 2 * kLanes, off += 2 * kLanes;
+        } else {
+          score_keys<steady_kv::kF32, G, kLanes>(qg, kh, off, D, Bs, c, first[i], p, P.scale, P.softcap,
+                                                 sr + (c - c0[i]), stride);
+          c += kLanes, off += kLanes;
+        }
+      }
+    }
+  }
+  // 2-4. Each token's softmax, as attend_one.
+  float total[kTile][G];
+  for (int64_t i = 0; i < M; ++i) softmax_rows<G>(scores + i * G * stride, stride, (pos[i] - c0[i]) / kLanes + 1, total[i]);
+  // 5. Weighted values: per token and output element, fma over its attended keys ascending, block by block.
+  constexpr int NV = W ? 4 * kLanes : kLanes;
+  std::fill(acc, acc + M * G * D, 0.0f);
+  for (int64_t b = lo / Bs; b <= hi / Bs; ++b) {  // c0[i] and first[i] lie in one block
+    const uint8_t* vh = P.v + (table[b] * P.hkv + g) * P.head_bytes;  // (Bs, D) of this block and kv head
+    // Read after this block: the next V block, else the first K block of the unit this thread runs next.
+    const uint8_t* next = b < hi / Bs ? P.v + (table[b + 1] * P.hkv + g) * P.head_bytes : after;
+    if (F != steady_kv::kF16 && next != nullptr) prefetch_region(next, P.head_bytes);
+    if constexpr (F != steady_kv::kF32) {
+      v_block_floats<F>(vh, D, Bs, vf, next);
+      vh = reinterpret_cast<const uint8_t*>(vf);
+    }
+    for (int64_t i = 0; i < M; ++i) {
+      const int64_t k0 = std::max(b * Bs, first[i]), k1 = std::min(b * Bs + Bs - 1, pos[i]);
+      if (k0 > k1) continue;
+      const float* si = scores + i * G * stride - c0[i];  // si[r * stride + key]: token i's row r, key `key`
+      for (int64_t d0 = 0; d0 < D; d0 += NV) {
+        float a[G][NV];
+        for (int r = 0; r < G; ++r) std::memcpy(a[r], acc + (i * G + r) * D + d0, sizeof a[r]);
+        for (int64_t key = k0; key <= k1; ++key) {
+          const float* vr = v_row<steady_kv::kF32, NV>(vh, key - b * Bs, d0, D, nullptr);
+          for (int r = 0; r < G; ++r) {
+            const float e = si[r * stride + key];
+            for (int l = 0; l < NV; ++l) a[r][l] = std::fmaf(e, vr[l], a[r][l]);
+          }
+        }
+        for (int r = 0; r < G; ++r) std::memcpy(acc + (i * G + r) * D + d0, a[r], sizeof a[r]);
+      }
+    }
+  }
+  for (int64_t i = 0; i < M; ++i)
+    for (int r = 0; r < G; ++r) {
+      float* o = P.out + ((t0 + i) * P.h + g * G + r) * D;
+      const float* a = acc + (i * G + r) * D;
+      for (int64_t dd = 0; dd < D; ++dd) o[dd] = a[dd] / total[i][r];  // a division, as attend_one
+    }
+}
+
+// A lone token from an f16 cache takes the tile path: it converts each block once with F16C (halves_fn), where
+// attend_one converts row by row on 16 lanes (the same floats either way).
+template <int F, int G, bool W>
+constexpr AttendFn one_for() {
+  if constexpr (F == steady_kv::kF16) {
+    return nullptr;
+  } else {
+    return attend_one<F, G, W>;
+  }
+}
+
+template <int F, bool W>
+Kernels attend_for(int64_t group) {
+#define STEADY_KERNELS(G) Kernels{one_for<F, G, W>(), attend_tile<F, G, W>}
+  switch (group) {
+    case 1: return STEADY_KERNELS(1);
+    case 2: return STEADY_KERNELS(2);
+    case 3: return STEADY_KERNELS(3);
+    case 4: return STEADY_KERNELS(4);
+    case 5: return STEADY_KERNELS(5);
+    case 6: return STEADY_KERNELS(6);
+    case 7: return STEADY_KERNELS(7);
+    case 8: return STEADY_KERNELS(8);
+    default: return Kernels{nullptr, nullptr};
+  }
+#undef STEADY_KERNELS
+}
+
+template <int F>
+Kernels attend_for_fmt(int64_t group, bool wide) {
+  return wide ? attend_for<F, true>(group) : attend_for<F, false>(group);
+}
+
+// Wide passes need 32-key blocks and 64-dimension heads; other shapes take 16 at a time.
+Kernels attend_for_shape(int fmt, int64_t group, int64_t bs, int64_t d) {
+  const bool wide = bs % (2 * kLanes) == 0 && d % (4 * kLanes) == 0;
+  switch (fmt) {
+    case steady_kv::kF32: return attend_for_fmt<steady_kv::kF32>(group, wide);
+    case steady_kv::kF16: return attend_for_fmt<steady_kv::kF16>(group, wide);
+    case steady_kv::kBF16: return attend_for_fmt<steady_kv::kBF16>(group, wide);
+    case steady_kv::kQ8: return attend_for_fmt<steady_kv::kQ8>(group, wide);
+    default: return Kernels{nullptr, nullptr};
+  }
+}
+
+// x = tanh(x / cap) * cap in place, with softcap16: the same bits for an element wherever it sits.
+void softcap_rows(float* x, int64_t n, float cap) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) softcap16(x + i, cap);
+  if (i < n) {
+    float tail[kLanes] = {};
+    std::memcpy(tail, x + i, sizeof(float) * (n - i));
+    softcap16(tail, cap);
+    std::memcpy(x + i, tail, sizeof(float) * (n - i));
+  }
+}
+
+// Rotates heads [0, num_heads) of each row of x in place. x: (T, >= num_heads * D) with
+// unit column stride; cos, sin: (T, D) contiguous, the rows of each token's position.
+void rope_rows(float* x, int64_t row_stride, const float* cos, const float* sin, int64_t t_begin, int64_t t_end,
+               int64_t num_heads, int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t t = t_begin; t < t_end; ++t) {
+    const float* c = cos + t * D;
+    const float* s = sin + t * D;
+    for (int64_t h = 0; h < num_heads; ++h) {
+      float* lo = x + t * row_stride + h * D;
+      float* hi = lo + half;
+      for (int64_t d = 0; d < half; ++d) {
+        const float x1 = lo[d], x2 = hi[d];
+        const float a = x1 * c[d], b = x2 * s[d];                 // rotate_half gives -x2 here
+        const float e = x2 * c[d + half], f = x1 * s[d + half];   // and x1 here
+        lo[d] = a - b;
+        hi[d] = e + f;
+      }
+    }
+  }
+}
+
