@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml requirements-model.txt requirements-test-models.txt 2>/dev/null | sha1sum | cut -c1-12)
 ARGS ?=
 
-.PHONY: install browser nginx serve test test-fast soak proto bench cluster-demo ray-demo fleet-check docs docs-serve clean
+.PHONY: install browser nginx serve test test-fast sanitize soak proto bench cluster-demo ray-demo fleet-check docs docs-serve clean
 
 $(STAMP): pyproject.toml requirements-model.txt requirements-test-models.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -62,6 +62,22 @@ test: install browser nginx
 
 test-fast: install
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not slow" $(ARGS)
+
+# The kernel tests under AddressSanitizer and UndefinedBehaviorSanitizer (not part of `make test`, over an hour on a
+# 2-core machine: the CI job for every change to src/steadyserve/kernels, .ci/sanitize; docs/design.md).
+# STEADYSERVE_SANITIZE=1 builds the kernels with -fsanitize=address,undefined into a cache directory of their own;
+# python is not instrumented, so the compiler's runtimes are preloaded. One process, no random order; leak checking
+# off (Python and torch keep memory until exit); the first error report ends the run with a failure.
+# tests/sanitize_check.py first: the process really is sanitized.
+SANITIZE_TESTS ?= tests/sanitize_check.py tests/test_kernel_library.py tests/test_q8.py tests/test_qmm.py \
+                  tests/test_attention_kernel.py tests/test_kv_dtype.py tests/test_native_forward.py
+SANITIZE_ENV := STEADYSERVE_SANITIZE=1 \
+	LD_PRELOAD="$$($${CXX:-c++} -print-file-name=libasan.so) $$($${CXX:-c++} -print-file-name=libubsan.so)" \
+	ASAN_OPTIONS=detect_leaks=0:allocator_may_return_null=1:handle_segv=1 \
+	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+sanitize: install
+	$(SANITIZE_ENV) $(PY) -m steadyserve.kernels
+	$(SANITIZE_ENV) $(PY) -m pytest -p no:xdist -p no:randomly --capture=sys --durations=10 $(SANITIZE_TESTS) $(ARGS)
 
 # Memory soak (~10 minutes, not part of `make test`): mixed traffic, RSS growth after warm-up < 5%;
 # writes benchmarks/results/soak.json. `make soak ARGS="--minutes 2"` for a shorter run.

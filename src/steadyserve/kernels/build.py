@@ -33,6 +33,17 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = sorted(CSRC.glob("*.cpp"), key=lambda p: (p.name != "paged_attention.cpp", p.name))
 HEADERS = sorted(CSRC.glob("*.h"))
 CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-fast-math", "-fno-unsafe-math-optimizations"]
+LDFLAGS = ["-fopenmp"]
+# STEADYSERVE_SANITIZE=1 (`make sanitize`; read here only): the same flags plus AddressSanitizer and
+# UndefinedBehaviorSanitizer, so another cache key and directory. float-cast-overflow (a float converted to an
+# integer type that cannot hold it) is not part of GCC's "undefined"; -g1 (line tables, no change to the code
+# GCC generates) puts file:line in ASan's reports. For tests only: the process must load the sanitizers'
+# runtimes before anything else (the Makefile's LD_PRELOAD), or ASan aborts it at load.
+SANITIZE = os.environ.get("STEADYSERVE_SANITIZE", "").strip() == "1"
+if SANITIZE:
+    CFLAGS = CFLAGS + ["-fsanitize=address,undefined,float-cast-overflow", "-fno-omit-frame-pointer",
+                       "-fno-sanitize-recover=undefined,float-cast-overflow", "-g1"]
+    LDFLAGS = LDFLAGS + ["-fsanitize=address,undefined"]
 # The kernels' versions have one owner, kernel_versions.KERNELS, from which the numerics ids derive.
 NATIVE_KERNEL_ID = KERNELS["attention"]  # the attention kernel's id in the fingerprint
 PYTHON_KERNEL_ID = "py"
@@ -93,7 +104,7 @@ class _Library:
 
 
 def _production() -> _Library:
-    return _Library(LIBRARY.removesuffix(".so"), tuple(SOURCES), ("-fopenmp",), "paged_attention")
+    return _Library(LIBRARY.removesuffix(".so"), tuple(SOURCES), tuple(LDFLAGS), "paged_attention")
 
 
 def _load_built(build_dir: Path, lib: _Library | None = None) -> bool:
@@ -176,7 +187,7 @@ def load_test_ops() -> None:
     prod = _cache_dir()
     h = hashlib.sha256(b"".join(p.read_bytes() for p in TEST_SOURCES)).hexdigest()[:12]
     lib = _Library("steadyserve_test_ops", TEST_SOURCES,
-                   ("-fopenmp", f"-L{prod}", f"-l:{LIBRARY}", f"-Wl,-rpath,{prod}"), "q8quantize")
+                   (*LDFLAGS, f"-L{prod}", f"-l:{LIBRARY}", f"-Wl,-rpath,{prod}"), "q8quantize")
     build_dir = prod / f"test_ops-{h}"
     if not _load_built(build_dir, lib):
         _build(build_dir, lib)
