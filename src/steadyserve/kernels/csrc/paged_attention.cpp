@@ -97,14 +97,22 @@ namespace {
 // positions [first_key, pos[t]], so entries first_key / bs to pos[t] / bs of that row, each a block of the cache.
 void check_indices(const Problem& P, int64_t T, int64_t S, int64_t NB, const int64_t* seq_of, const int64_t* pos,
                    const int64_t* tables) {
+  // Each row's entries are checked once over the span its tokens read (not once per token: a long prefill's
+  // tokens share most of their blocks, and the op runs once per layer).
+  std::vector<int64_t> lo(size_t(S), INT64_MAX), hi(size_t(S), -1);
   for (int64_t t = 0; t < T; ++t) {
     TORCH_CHECK(seq_of[t] >= 0 && seq_of[t] < S, "paged_attention: seq_of[", t, "] = ", seq_of[t],
                 " is not a row of block_tables (", S, " rows)");
     TORCH_CHECK(pos[t] >= 0 && pos[t] / P.bs < P.nb_max, "paged_attention: positions[", t, "] = ", pos[t],
                 " is outside the ", P.nb_max, " blocks of ", P.bs, " a block_tables row holds");
-    const int64_t* row = tables + seq_of[t] * P.nb_max;
-    for (int64_t b = first_key(P, pos[t]) / P.bs; b <= pos[t] / P.bs; ++b)
-      TORCH_CHECK(row[b] >= 0 && row[b] < NB, "paged_attention: block_tables[", seq_of[t], ", ", b, "] = ", row[b],
+    const size_t s = size_t(seq_of[t]);
+    lo[s] = std::min(lo[s], first_key(P, pos[t]) / P.bs);
+    hi[s] = std::max(hi[s], pos[t] / P.bs);
+  }
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t* row = tables + s * P.nb_max;
+    for (int64_t b = lo[size_t(s)]; b <= hi[size_t(s)]; ++b)
+      TORCH_CHECK(row[b] >= 0 && row[b] < NB, "paged_attention: block_tables[", s, ", ", b, "] = ", row[b],
                   " is not a block of the cache (", NB, " blocks)");
   }
 }
