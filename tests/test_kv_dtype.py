@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from cpu_builds import FLOAT_BUILDS
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
@@ -252,8 +253,8 @@ def test_a_server_admits_and_reports_the_tokens_its_format_holds(tiny_model: str
 
 
 def test_f16_conversion_gives_every_float_the_same_half_on_each_build() -> None:
-    """The f16 cache's write converts on F16C where the CPU has it (kv_write.cpp halves_fn), else one float at a
-    time: both give every float the same half. Every pattern of a float's top 19 bits (sign, exponent, the 10
+    """The f16 cache's write converts on each float32 build's lanes (F16C's vcvtps2ph in the vector builds, half.h's
+    float_to_half in the scalar one; a group with a NaN through float_to_half): all give every float the same half. Every pattern of a float's top 19 bits (sign, exponent, the 10
     mantissa bits a half keeps) with the rounded-off 13 bits at each side of a tie, 1M floats spread over all 2^32,
     and NaNs with payloads; each equals torch's cast (IEEE round to nearest even), NaNs the one quiet NaN."""
     top = torch.arange(2 ** 19, dtype=torch.int64) << 13
@@ -261,8 +262,7 @@ def test_f16_conversion_gives_every_float_the_same_half_on_each_build() -> None:
     bits = torch.cat([(top[:, None] | low[None, :]).flatten(), torch.arange(0, 2 ** 32, 4099, dtype=torch.int64),
                       torch.tensor([0x7F800001, 0x7FC00000, 0x7FFFFFFF, 0xFFC12345, 0xFF800001, 0x7FA00000])])
     x = bits.to(torch.int32).view(torch.float32)  # wraps to the same 32 bits
-    builds = [0] + ([1] if {"avx", "f16c"} <= set(open("/proc/cpuinfo").read().split()) else [])
-    outs = {isa: torch.ops.steadyserve.kv_floats_to_halves(x, isa).view(torch.int16) for isa in builds + [-1]}
+    outs = {isa: torch.ops.steadyserve.kv_floats_to_halves(x, isa).view(torch.int16) for isa in FLOAT_BUILDS + [-1]}
     for isa, got in outs.items():
         assert torch.equal(got, outs[0]), (isa, int((got != outs[0]).sum()))
     nan = x.isnan()

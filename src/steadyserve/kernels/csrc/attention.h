@@ -8,6 +8,7 @@
 
 namespace steady_attn {
 
+constexpr int kLanes = 16;      // accumulator lanes; part of the numerics, not a tuning knob
 constexpr int64_t kTile = 16;  // most tokens per tile: a speed knob only (see the top of paged_attention.cpp)
 
 struct Problem {
@@ -49,6 +50,9 @@ struct Kernels {
   /* RoPE in place on heads [0, num_heads) of rows [t_begin, t_end) (rope.cpp) */                               \
   void rope_rows(float* x, int64_t row_stride, const float* cos, const float* sin, int64_t t_begin, int64_t t_end, \
                  int64_t num_heads, int64_t D);                                                               \
+  /* the f16 cache's conversions (kv_write.cpp writes, the kernels read): exact, and round to nearest even */    \
+  void halves_to_floats(const uint16_t* h, float* out, int64_t n);                                            \
+  void floats_to_halves(const float* x, uint16_t* out, int64_t n);                                            \
   }
 
 STEADY_ATTN_DECLARE(scalar)

@@ -7,7 +7,7 @@
 // The next block's region of one kv head, requested into L2 while this block is read: a block region is its own
 // page or two (4-8 KiB) wherever the block table put it, and the hardware prefetchers stop at page boundaries.
 // A prefetch changes no value. The f16 cache (the default) does not take this burst: its conversion requests the
-// next region a line per line converted (halves_fn's `next`), and a tile's last V block requests the first K block
+// next region a line per line converted (halves_block's `next`), and a tile's last V block requests the first K block
 // of the unit its thread runs next. Issued in one burst, the 64 requests filled the core's line-fill buffers and the
 // thread stalled on them (a third of attend_tile's samples sat on the prefetch loop); streamed, a c=64 decode step's
 // attention over SmolLM2's 30 layers (96-token contexts) took 8.8-10.3 -> 7.0-8.3 ms (Intel Xeon, 2 threads).
@@ -164,7 +164,7 @@ void attend_tile(const Problem& P, int64_t t0, int64_t t1, int64_t g, float* sco
     }
 }
 
-// A lone token from an f16 cache takes the tile path: it converts each block once with F16C (halves_fn), where
+// A lone token from an f16 cache takes the tile path: it converts each block once, in whole lines (halves_block), where
 // attend_one converts row by row on 16 lanes (the same floats either way).
 template <int F, int G, bool W>
 constexpr AttendFn one_for() {
@@ -243,3 +243,7 @@ void rope_rows(float* x, int64_t row_stride, const float* cos, const float* sin,
   }
 }
 
+
+// The f16 cache's conversions on this build's lanes (attention_rows.h): every build gives the same bits.
+void halves_to_floats(const uint16_t* h, float* out, int64_t n) { halves_block(h, out, n, nullptr); }
+void floats_to_halves(const float* x, uint16_t* out, int64_t n) { floats_to_halves_n(x, out, n); }

@@ -7,110 +7,55 @@
 //     lanes (lane i: keys j % 16 == i in ascending j) closed by one fixed pairwise tree;
 //   - k_row / v_row / halves16 / k_block_floats / v_block_floats: a stored f16, bf16 or q8_0 value becomes the
 //     float it stands for exactly (kv_format.h), so no order is involved.
-// Every lane runs the same IEEE operations on one element, so the vector width never changes a bit. Included by each
-// build's translation unit after its target pragma (attention_scalar.cpp, _avx2.cpp, _avx512.cpp): everything here
-// is in an anonymous namespace, so each unit compiles its own copy for its width and no two copies meet at link time.
-#pragma once
+// Every lane runs the same IEEE operations on one element, so the vector width never changes a bit. Written over the
+// lanes (lanes_scalar.h names them) and included by each build's translation unit inside its namespace, after its lanes
+// header (attention_scalar.cpp, _avx2.cpp, _avx512.cpp), in an anonymous namespace: each unit compiles its own copy
+// for its width and no two copies meet at link time.
 
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <limits>
-
-#include <immintrin.h>
-
-#include "isa.h"
-#include "kv_format.h"
-
-namespace steady_attn {
-namespace {
-
-constexpr int kLanes = 16;  // accumulator lanes; part of the numerics, not a tuning knob
+#include "lanes_math.h"
 
 #define STEADY_INLINE __attribute__((always_inline)) inline  // inlined into its caller, so built for its ISA
 
-// 16 float lanes as one value: GCC lowers it to one zmm, two ymm or four xmm registers
-// in the respective build, with the same element-wise IEEE operations on each.
-typedef float f16v __attribute__((vector_size(64)));
-typedef int32_t i16v __attribute__((vector_size(64)));
-typedef uint32_t u16v __attribute__((vector_size(64)));
-typedef uint16_t h16v __attribute__((vector_size(32)));  // 16 binary16 bit patterns
-
-// x[i] = exp(x[i] - m) for 16 lanes, in place, from IEEE add/sub/mul only (Cephes expf
-// coefficients, ~1 ulp) for x - m <= 0; x - m < -87 gives 0, so a masked score (-inf)
-// contributes an exact zero.
+// x[i] = exp(x[i] - m) for 16 lanes, in place, from IEEE add/sub/mul only (lanes_math.h) for x - m <= 0;
+// x - m < -87 gives 0, so a masked score (-inf) contributes an exact zero. A NaN lane stays NaN (fmax returns its
+// second operand where either is NaN, and fzero_lt keeps it).
 STEADY_INLINE void exp_det16(float* x, float m) {
-  f16v in;
-  std::memcpy(&in, x, sizeof in);
-  in = in - m;
-  const i16v low = in < -87.0f;  // all ones where in < -87
-  const f16v xc = low ? f16v{} - 87.0f : in;
-  const f16v n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // + 1.5 * 2^23 rounds to an integer
-  const f16v r = (xc - n * 0.693359375f) - n * -2.12194440e-4f;
-  f16v p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const f16v y = (p * (r * r) + r) + 1.0f;
-  const i16v bits = (__builtin_convertvector(n, i16v) + 127) << 23;  // 2^n
-  f16v scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  const f16v e = low ? f16v{} : y * scale;
-  std::memcpy(x, &e, sizeof e);
+  const F in = fsub(fload(x), fset1(m));
+  fstore(x, fzero_lt(fexp_bounded(fmax(fset1(-87.0f), in)), in, -87.0f));
 }
 
-// 16 binary16 values -> floats, exactly: kv_format.h's f16_to_f32 written on 16 lanes, so that every build
-// vectorizes it (the scalar form ran f16 attention ~6x slower than float32's). Normal halves by moving bits,
-// subnormal ones as m * 2^-24 (an exact product), infinities and NaNs (quieted) by bits.
-STEADY_INLINE void halves16(const uint16_t* h, float* out) {
-  h16v raw;
-  std::memcpy(&raw, h, sizeof raw);
-  const u16v x = __builtin_convertvector(raw, u16v);
-  const u16v sign = (x & 0x8000u) << 16, e = (x >> 10) & 0x1fu, m = x & 0x3ffu;
-  const u16v normal = sign | (((x & 0x7fffu) + (112u << 10)) << 13);
-  const u16v special = sign | 0x7f800000u | (m << 13) | ((u16v)(m != 0u) & 0x400000u);
-  const f16v subf = __builtin_convertvector((i16v)m, f16v) * 5.9604644775390625e-8f;
-  u16v sub;
-  std::memcpy(&sub, &subf, sizeof sub);
-  const u16v bits = e == 0u ? (sub | sign) : (e == 31u ? special : normal);
-  std::memcpy(out, &bits, sizeof bits);
-}
+// 16 binary16 values -> floats, exactly (the lanes' h2f: F16C's vcvtph2ps in the vector builds, half.h's bit moves in
+// the scalar one; the same floats, NaNs quieted alike).
+STEADY_INLINE void halves16(const uint16_t* h, float* out) { fstore(out, h2f(reinterpret_cast<const uint8_t*>(h))); }
 
-// n binary16 values -> floats, exactly, for a whole stored block (k_block_floats, v_block_floats): F16C's
-// vcvtph2ps (exact for every half, NaNs quieted as f16_to_f32 quiets them) where the CPU has it, else halves16.
-// Not inlined into the builds' loops: an F16C intrinsic cannot be compiled into the baseline build, and
-// GCC 12 scalarizes _Float16 vector conversions, which made the f16 cache slower to read than float32's. Every
-// choice gives the same floats, so it is a speed choice only; tests/test_attention_kernel.py checks all 65536
-// halves on each.
-// `next` (or null): a region of at least 2 n bytes read after this one; line i of it is requested as line i of `h`
-// is read, so the next block streams in while this one converts instead of in one burst that stalls the thread.
-__attribute__((target("avx,f16c"))) inline void halves_f16c(const uint16_t* h, float* out, int64_t n,
-                                                            const uint8_t* next) {
+// n binary16 values -> floats, exactly, for a whole stored block (k_block_floats, v_block_floats). `next` (or null): a
+// region of at least 2 n bytes read after this one; line i of it is requested as line i of `h` is read, so the next
+// block streams in while this one converts instead of in one burst that stalls the thread.
+inline void halves_block(const uint16_t* h, float* out, int64_t n, const uint8_t* next) {
   int64_t i = 0;
-  for (; i + 32 <= n; i += 32) {  // one 64-byte line of halves
-    if (next != nullptr) __builtin_prefetch(next + 2 * i, 0, 2);
-    for (int j = 0; j < 32; j += 8)
-      _mm256_storeu_ps(out + i + j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i + j))));
-  }
-  for (; i < n; ++i) out[i] = steady_kv::f16_to_f32(h[i]);
-}
-
-inline void halves_lanes(const uint16_t* h, float* out, int64_t n, const uint8_t* next) {
-  int64_t i = 0;
-  for (; i + 2 * kLanes <= n; i += 2 * kLanes) {
+  for (; i + 2 * kLanes <= n; i += 2 * kLanes) {  // one 64-byte line of halves
     if (next != nullptr) __builtin_prefetch(next + 2 * i, 0, 2);
     halves16(h + i, out + i);
     halves16(h + i + kLanes, out + i + kLanes);
   }
   for (; i + kLanes <= n; i += kLanes) halves16(h + i, out + i);
-  for (; i < n; ++i) out[i] = steady_kv::f16_to_f32(h[i]);
+  for (; i < n; ++i) out[i] = steady_num::half_to_float(h[i]);
 }
 
-using HalvesFn = void (*)(const uint16_t*, float*, int64_t, const uint8_t*);
-
-// isa 0: halves16 on 16 lanes; 1: F16C; -1: F16C where the CPU has it and STEADYSERVE_ISA allows AVX2 (isa.h).
-inline HalvesFn halves_fn(int64_t isa = -1) { return (isa < 0 ? steady_isa::use_f16c() : isa >= 1) ? halves_f16c : halves_lanes; }
+// n floats -> binary16, round to nearest even (the f16 cache's write): the lanes' fstore_h, 16 at a time; a group of
+// 16 with a NaN goes through half.h's float_to_half, whose NaN is the one quiet NaN (F16C would keep the payload's top).
+inline void floats_to_halves_n(const float* x, uint16_t* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const F v = fload(x + i);
+    if (fmask_nan(v) == 0) {
+      fstore_h(out + i, v);
+    } else {
+      for (int l = 0; l < kLanes; ++l) out[i + l] = steady_num::float_to_half(x[i + l]);
+    }
+  }
+  for (; i < n; ++i) out[i] = steady_num::float_to_half(x[i]);
+}
 
 // x[i] = tanh(x[i] / cap) * cap for 16 lanes (Gemma 2's soft-capping), from IEEE operations only:
 // tanh|t| = (1 - e) / (1 + e) with e = exp(-2|t|) <= 1, the sign restored exactly. Elementwise.
@@ -197,7 +142,7 @@ STEADY_INLINE const float* v_row(const uint8_t* vh, int64_t row, int64_t d0, int
     const int8_t* qv = reinterpret_cast<const int8_t*>(vh) + row * (D + D / 16);
     const uint16_t* sc = reinterpret_cast<const uint16_t*>(qv + D);
     for (int c = 0; c < NV; c += kLanes) {  // 16 dims share one scale: d0 and NV are multiples of 16
-      const float d = f16_to_f32(sc[(d0 + c) / kQBlock]);
+      const float d = half_to_float(sc[(d0 + c) / kQBlock]);
       for (int l = 0; l < kLanes; ++l) buf[c + l] = float(qv[d0 + c + l]) * d;
     }
   } else if constexpr (F == kF16) {
@@ -217,29 +162,22 @@ STEADY_INLINE void softmax_rows(float* scores, int64_t stride, int64_t n_chunks,
   for (int r = 0; r < G; ++r) {
     float* sr = scores + r * stride;
     // 2. Max (exact in any order), as 16 lanes.
-    const f16v neg_inf = f16v{} - std::numeric_limits<float>::infinity();
-    f16v mv = neg_inf;
-    for (int64_t c = 0; c < n_chunks; ++c) {
-      f16v x;
-      std::memcpy(&x, sr + c * kLanes, sizeof x);
-      mv = x > mv ? x : mv;
-    }
+    F mv = fset1(-std::numeric_limits<float>::infinity());
+    for (int64_t c = 0; c < n_chunks; ++c) mv = fmax(fload(sr + c * kLanes), mv);  // x > mv ? x : mv
     float mlane[kLanes];
-    std::memcpy(mlane, &mv, sizeof mlane);
+    fstore(mlane, mv);
     float m = mlane[0];
     for (int l = 1; l < kLanes; ++l) m = mlane[l] > m ? mlane[l] : m;
     // 3-4. Exponentials in place (masked keys give exact zeros), summed in 16 lanes: lane l adds its keys in
-    // ascending c. Written on the vector type, because GCC left the array form as 16 scalar adds per chunk (11% of
+    // ascending c. Written on the lanes, because GCC left the array form as 16 scalar adds per chunk (11% of
     // a 2k-token prefill's attention).
-    f16v acc = {};
+    F acc = fzero();
     for (int64_t c = 0; c < n_chunks; ++c) {
       exp_det16(sr + c * kLanes, m);
-      f16v e;
-      std::memcpy(&e, sr + c * kLanes, sizeof e);
-      acc = acc + e;
+      acc = fadd(acc, fload(sr + c * kLanes));
     }
     float lane[kLanes];
-    std::memcpy(lane, &acc, sizeof lane);
+    fstore(lane, acc);
     float l8[8], l4[4], l2[2];
     for (int i = 0; i < 8; ++i) l8[i] = lane[2 * i] + lane[2 * i + 1];
     for (int i = 0; i < 4; ++i) l4[i] = l8[2 * i] + l8[2 * i + 1];
@@ -253,7 +191,7 @@ STEADY_INLINE void softmax_rows(float* scores, int64_t stride, int64_t n_chunks,
 template <int F>
 STEADY_INLINE void k_block_floats(const uint8_t* kh, int64_t D, int64_t Bs, float* out, const uint8_t* next) {
   if constexpr (F == steady_kv::kF16) {  // (D, Bs) halves in a row: one conversion of the region
-    halves_fn()(reinterpret_cast<const uint16_t*>(kh), out, D * Bs, next);
+    halves_block(reinterpret_cast<const uint16_t*>(kh), out, D * Bs, next);
     return;
   }
   float scales[kLanes];
@@ -272,12 +210,9 @@ STEADY_INLINE void k_block_floats(const uint8_t* kh, int64_t D, int64_t Bs, floa
 template <int F>
 STEADY_INLINE void v_block_floats(const uint8_t* vh, int64_t D, int64_t Bs, float* out, const uint8_t* next) {
   if constexpr (F == steady_kv::kF16) {  // (Bs, D) halves in a row
-    halves_fn()(reinterpret_cast<const uint16_t*>(vh), out, D * Bs, next);
+    halves_block(reinterpret_cast<const uint16_t*>(vh), out, D * Bs, next);
     return;
   }
   for (int64_t row = 0; row < Bs; ++row)
     for (int64_t d0 = 0; d0 < D; d0 += kLanes) v_row<F, kLanes>(vh, row, d0, D, out + row * D + d0);
 }
-
-}  // namespace
-}  // namespace steady_attn

@@ -1,22 +1,26 @@
-// The baseline (x86-64, SSE2) build of the attention and RoPE loops: attention_body.h compiled with no target pragma:
-// what every x86-64 CPU runs, and the reference the others are held to. Called only where isa.h's best_float() allows
-// it; its bits equal every other build's (paged_attention.cpp).
+// The baseline (x86-64, SSE2) build of the attention and RoPE loops: attention_rows.h and attention_body.h over
+// lanes_scalar.h, compiled with no target pragma: what every x86-64 CPU runs, and the reference the others are held
+// to. Called only where isa.h's best_float() allows it; its bits equal every other build's (paged_attention.cpp).
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cfloat>
+#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 
 #include "attention.h"
-#include "isa.h"
+#include "half.h"
 #include "kv_format.h"
-
-#include "attention_rows.h"
 
 namespace steady_attn {
 namespace scalar {
+namespace {
+#include "lanes_scalar.h"
+#include "attention_rows.h"
+}  // namespace
 
 #include "attention_body.h"
 

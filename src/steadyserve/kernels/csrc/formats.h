@@ -1,10 +1,13 @@
 // The GGUF weight formats the kernels read: one constexpr traits record per format, from which every other fact
 // about a format derives (the float32 family's row bytes in qmm.h, the int8 family's packed layout in q8.h, the
-// packer's and the builds' offsets). Adding a format means one record here, its decode (qmm_body.h's dequant and
-// q8_pack.cpp's read_block) and its tests; a format whose integers fit the int8 family's planes needs nothing else.
+// packer's and the builds' offsets, and which formats every build instantiates: with_format). Adding a format means
+// one record here, its decode (qmm_body.h's deq32 and q8_pack.cpp's read_block) and its tests; a format whose
+// integers fit the int8 family's planes needs nothing else.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <utility>
 
 namespace steady_fmt {
 
@@ -39,6 +42,28 @@ constexpr const Traits* traits(int32_t ggml) {
   for (const Traits& t : kFormats)
     if (t.ggml == ggml) return &t;
   return nullptr;
+}
+
+// Calls fn.template operator()<T>() with T the record of kFormats whose id is `ggml` (a Traits constant, so the callee
+// instantiates per format): every kernel's switch over formats is this one, so a record added to kFormats reaches every
+// family and build. kInt8Only: only the records the int8 family packs (bits != 0). False where no record matches.
+template <bool kInt8Only = false, class Fn>
+bool with_format(int32_t ggml, Fn&& fn) {
+  return [&]<std::size_t... I>(std::index_sequence<I...>) {
+    bool found = false;
+    (
+        [&] {
+          constexpr Traits t = kFormats[I];
+          if constexpr (!kInt8Only || t.bits != 0) {
+            if (!found && t.ggml == ggml) {
+              fn.template operator()<t>();
+              found = true;
+            }
+          }
+        }(),
+        ...);
+    return found;
+  }(std::make_index_sequence<sizeof(kFormats) / sizeof(kFormats[0])>{});
 }
 
 // Bytes of one GGUF row of K weights (K a multiple of the block), -1 for a type without a kernel.

@@ -3,7 +3,7 @@
 // Builds, by index (the value q8_isa() / qmm_isa() report and every `isa` argument takes):
 //   0 scalar   plain C++: the reference every other build is tested against, bitwise
 //   1 avx2     AVX2 + FMA + F16C (x86-64-v3)
-//   2 avx512   AVX-512 F/BW/DQ/VL; the int8 family also needs AVX512_VNNI for it
+//   2 avx512   AVX-512 F/BW/DQ/VL beside build 1's features; the int8 family also needs AVX512_VNNI for it
 //   3 amx      the int8 family only: AMX-TILE + AMX-INT8 beside build 2, with the tile state granted by the OS
 // Every build of a family computes the same bits, so the choice is speed only; STEADYSERVE_ISA=scalar|avx2|avx512|amx
 // caps it (one machine can then check them all), and any other value is an error naming these.
@@ -19,6 +19,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <cstdint>
 #include <cstdlib>
 #include <string>
 
@@ -32,9 +33,8 @@ inline const char* build_name(int b) {
 
 // What CPUID (and the OS, through XGETBV) reports, read once.
 struct Cpu {
-  bool f16c;    // AVX + F16C: the f16 KV cache's conversions
-  bool avx2;    // AVX2 + FMA + F16C
-  bool avx512;  // AVX-512 F, BW, DQ, VL
+  bool avx2;    // AVX2 + FMA + F16C (with AVX)
+  bool avx512;  // AVX-512 F, BW, DQ, VL, beside build 1's features
   bool vnni;    // AVX512_VNNI
   bool amx;     // AMX-TILE + AMX-INT8 (CPUID leaf 7, EDX bits 24 and 25); the OS grant is amx_granted()
   bool amd;     // the vendor is AMD: only prefetch distances depend on it (q8linear.cpp), never a value
@@ -44,9 +44,9 @@ inline const Cpu& cpu() {
   static const Cpu c = [] {
     __builtin_cpu_init();
     Cpu r{};
-    r.f16c = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
-    r.avx2 = r.f16c && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    r.avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+    r.avx2 = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx2") &&
+             __builtin_cpu_supports("fma");
+    r.avx512 = r.avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
     r.vnni = r.avx512 && __builtin_cpu_supports("avx512vnni");
     unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
@@ -92,8 +92,16 @@ inline int best_int8() {
   return have < cap() ? have : cap();
 }
 
-// Whether the f16 cache's conversions take F16C (attention_rows.h, kv_write.cpp): the CPU has it and the cap allows
-// AVX2. Each has a portable conversion beside it with the same bits.
-inline bool use_f16c() { return cpu().f16c && cap() >= kAvx2; }
+// The build an op runs for its `isa` argument (the tests pick one; -1: the widest allowed): refused, naming the op,
+// where it is not a build of the family or the CPU (or the cap) does not allow it.
+inline int pick(int64_t isa, int best, int last, const char* op) {
+  TORCH_CHECK(isa >= -1 && isa <= last, op, ": isa must be -1 (auto) or a build from 0 (scalar) to ", last, " (",
+              build_name(last), "), not ", isa);
+  TORCH_CHECK(isa <= best, op, ": this CPU cannot run the ", build_name(int(isa)), " build (best here: ",
+              build_name(best), ")");
+  return isa < 0 ? best : int(isa);
+}
+inline int float_build(int64_t isa, const char* op) { return pick(isa, best_float(), kAvx512, op); }
+inline int int8_build(int64_t isa, const char* op) { return pick(isa, best_int8(), kAmx, op); }
 
 }  // namespace steady_isa

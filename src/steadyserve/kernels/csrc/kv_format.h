@@ -26,6 +26,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "half.h"
+
 namespace steady_kv {
 
 enum Fmt : int { kF32 = 0, kF16 = 1, kBF16 = 2, kQ8 = 3 };
@@ -37,44 +39,15 @@ inline int64_t head_bytes(int fmt, int64_t d, int64_t bs) {
   return fmt == kF32 ? 4 * d * bs : fmt == kQ8 ? (d + d / 16) * bs : 2 * d * bs;
 }
 
-// binary16 bits -> float, exactly, with integer operations, selects and one exact multiply (no loop, no
-// branch: it vectorizes). Subnormal halves are m * 2^-24, a normal float. NaNs come out quiet.
-__attribute__((always_inline)) inline float f16_to_f32(uint16_t h16) {
-  const uint32_t h = h16, sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
-  const uint32_t normal = sign | (((h & 0x7fffu) + (112u << 10)) << 13);
-  const uint32_t special = sign | 0x7f800000u | (m << 13) | (m ? 0x400000u : 0u);
-  const float sub = float(int32_t(m)) * 5.9604644775390625e-8f;  // m * 2^-24
-  uint32_t sub_bits;
-  std::memcpy(&sub_bits, &sub, sizeof sub_bits);
-  const uint32_t bits = e == 0 ? (sub_bits | sign) : e == 31 ? special : normal;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+// binary16 <-> float: half.h's conversions (exact one way, round to nearest even the other).
+using steady_num::float_to_half;
+using steady_num::half_to_float;
 
 __attribute__((always_inline)) inline float bf16_to_f32(uint16_t h) {
   const uint32_t bits = uint32_t(h) << 16;
   float f;
   std::memcpy(&f, &bits, sizeof f);
   return f;
-}
-
-// float -> binary16, round to nearest even (IEEE's default), overflow to infinity, NaN kept quiet.
-inline uint16_t f32_to_f16(float f) {
-  uint32_t x;
-  std::memcpy(&x, &f, sizeof x);
-  const uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
-  if (ax >= 0x7f800000u) return uint16_t(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0u));
-  if (ax >= 0x477ff000u) return uint16_t(sign | 0x7c00u);  // >= 65520 rounds to infinity
-  if (ax < 0x38800000u) {  // below 2^-14: a subnormal half (or zero), q * 2^-24
-    float a;
-    std::memcpy(&a, &ax, sizeof a);
-    return uint16_t(sign | uint32_t(std::nearbyint(a * 16777216.0f)));  // exact scaling, then ties to even
-  }
-  uint32_t h = ((ax >> 23) - 112u) << 10 | ((ax >> 13) & 0x3ffu);
-  const uint32_t rest = ax & 0x1fffu;
-  if (rest > 0x1000u || (rest == 0x1000u && (h & 1u))) ++h;  // a carry into the exponent is right
-  return uint16_t(sign | h);
 }
 
 inline uint16_t f32_to_bf16(float f) {
@@ -102,7 +75,7 @@ inline uint16_t quantize_q8_0(const float* x, int8_t* q, int64_t q_stride) {
   const float inv = d != 0.0f ? 1.0f / d : 0.0f;
   const float id = inv <= FLT_MAX ? inv : 0.0f;
   for (int64_t i = 0; i < kQBlock; ++i) q[i * q_stride] = int8_t(std::roundf(x[i] * id));
-  return f32_to_f16(d);
+  return float_to_half(d);
 }
 
 }  // namespace steady_kv

@@ -5,16 +5,16 @@
 // any batch store the same bytes. Both forward paths store through here (the per-op path through the op
 // steadyserve::kv_write, forward.cpp through steady_ops::kv_write_rows), so both store the same bytes.
 // A float32 cache is a plain copy. Threads split the (token, head) pairs: O(T x Hkv x D) per layer. The f16
-// conversion runs on F16C where the CPU has it (below); everything else is scalar code.
+// conversion runs on the float32 build isa.h picks (attention.h's floats_to_halves); everything else is scalar code.
 #include "fp_env.h"
 #include <ATen/Functions.h>
 #include <ATen/core/Tensor.h>
-#include <immintrin.h>
 #include <torch/library.h>
 
 #include <cstdint>
 #include <cstring>
 
+#include "attention.h"
 #include "isa.h"
 #include "kv_format.h"
 #include "ops.h"
@@ -33,35 +33,10 @@ int fmt_of(const at::Tensor& cache) {
   }
 }
 
-// n floats as binary16, f32_to_f16 one at a time.
-void halves_scalar(const float* x, uint16_t* out, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) out[i] = f32_to_f16(x[i]);
-}
-
-// The same conversion by F16C's vcvtps2ph, 8 at a time: IEEE round to nearest even (the immediate asks for it,
-// whatever MXCSR says), overflow to infinity, subnormal halves, as f32_to_f16. Only a NaN differs (vcvtps2ph keeps
-// the top of its payload, f32_to_f16 stores the one quiet NaN): a group of 8 with a NaN goes through f32_to_f16.
-// The scalar conversion cost a 512-token prefill step 7% of its time (SmolLM2, f16 cache, Intel Xeon). A speed
-// choice only: tests/test_kv_dtype.py checks both conversions against each other and torch's cast.
-__attribute__((target("avx,f16c"))) void halves_f16c(const float* x, uint16_t* out, int64_t n) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 v = _mm256_loadu_ps(x + i);
-    if (_mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)) != 0) {
-      halves_scalar(x + i, out + i, 8);
-      continue;
-    }
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  }
-  halves_scalar(x + i, out + i, n - i);
-}
-
-using HalvesFn = void (*)(const float*, uint16_t*, int64_t);
-
-// isa 0: f32_to_f16; 1: F16C; -1: F16C where the CPU has it and STEADYSERVE_ISA allows AVX2 (isa.h).
-HalvesFn halves_fn(int64_t isa) {
-  return (isa < 0 ? steady_isa::use_f16c() : isa >= 1) ? halves_f16c : halves_scalar;
-}
+// n floats as binary16 (attention.h: the f16 cache's write, on each float32 build's lanes), by isa.h's index.
+using HalvesFn = decltype(&steady_attn::scalar::floats_to_halves);
+const HalvesFn kHalvesBuilds[3] = {steady_attn::scalar::floats_to_halves, steady_attn::avx2::floats_to_halves,
+                                   steady_attn::avx512::floats_to_halves};
 
 // n values (one token's head) into dst[i * stride]: stride 1 for a V row, Bs for a K column. Each value converts
 // alone, so converting 64 at a time changes no bit.
@@ -92,7 +67,7 @@ void kv_write_rows(at::Tensor& k_cache, at::Tensor& v_cache, const float* k, con
               "kv_write: K and V caches must be contiguous (NB, Hkv, ., .) of one dtype");
   const int64_t bs = k_cache.size(3), hb = head_bytes(fmt, d, bs), nb = k_cache.size(0);
   TORCH_CHECK(fmt != kQ8 || d % kQBlock == 0, "kv_write: q8_0 needs a head dim that is a multiple of 32");
-  const HalvesFn halves = halves_fn(-1);
+  const HalvesFn halves = kHalvesBuilds[steady_isa::best_float()];
   TORCH_CHECK(k_cache.size(1) == hkv && k_cache.size(2) * k_cache.size(3) * k_cache.element_size() == hb &&
                   v_cache.size(1) == hkv && v_cache.size(2) == bs &&
                   v_cache.size(2) * v_cache.size(3) * v_cache.element_size() == hb && v_cache.size(0) == nb,
@@ -145,13 +120,13 @@ void kv_write(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const
                             slot_offsets.data_ptr<int64_t>());
 }
 
-// The f16 cache's conversion on its own (tests: every build gives every float the same half): x float32, any shape.
+// The f16 cache's conversion on its own (tests: every build gives every float the same half): x float32, any shape;
+// isa: a float32 build index (isa.h; -1: best_float()), refused where the CPU cannot run it.
 at::Tensor kv_floats_to_halves(const at::Tensor& x, int64_t isa) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "kv_floats_to_halves: a contiguous float32 tensor");
-  TORCH_CHECK(isa <= 0 || steady_isa::cpu().f16c,
-              "kv_floats_to_halves: this CPU has no F16C");
+  const int b = steady_isa::float_build(isa, "kv_floats_to_halves");
   at::Tensor out = at::empty(x.sizes(), x.options().dtype(at::kHalf));
-  halves_fn(isa)(x.data_ptr<float>(), static_cast<uint16_t*>(out.data_ptr()), x.numel());
+  kHalvesBuilds[b](x.data_ptr<float>(), static_cast<uint16_t*>(out.data_ptr()), x.numel());
   return out;
 }
 

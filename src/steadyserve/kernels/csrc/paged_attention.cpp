@@ -51,22 +51,23 @@
 #include <vector>
 
 #include "attention.h"
-#include "attention_rows.h"
+#include "isa.h"
 #include "kv_format.h"
 #include "ops.h"
 
 namespace {
 
-using namespace steady_attn;  // attention.h, attention_rows.h
+using namespace steady_attn;  // attention.h
 
 // Each build's entry points, by isa.h's float32 build index (0 scalar, 1 AVX2, 2 AVX-512).
 struct AttnBuild {
   decltype(&scalar::attend_for_shape) attend_for_shape;
   decltype(&scalar::softcap_rows) softcap_rows;
+  decltype(&scalar::halves_to_floats) halves_to_floats;
 };
-const AttnBuild kAttnBuilds[3] = {{scalar::attend_for_shape, scalar::softcap_rows},
-                                  {avx2::attend_for_shape, avx2::softcap_rows},
-                                  {avx512::attend_for_shape, avx512::softcap_rows}};
+#define STEADY_ATTN_BUILD(ns) AttnBuild{ns::attend_for_shape, ns::softcap_rows, ns::halves_to_floats}
+const AttnBuild kAttnBuilds[3] = {STEADY_ATTN_BUILD(scalar), STEADY_ATTN_BUILD(avx2), STEADY_ATTN_BUILD(avx512)};
+#undef STEADY_ATTN_BUILD
 
 const AttnBuild& build() { return kAttnBuilds[steady_isa::best_float()]; }
 
@@ -212,13 +213,13 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   });
 }
 
-// The f16 cache's block conversion on its own (tests: every build gives every half's float): h float16, any shape.
+// The f16 cache's block conversion on its own (tests: every build gives every half's float): h float16, any shape;
+// isa: a float32 build index (isa.h; -1: best_float()), refused where the CPU cannot run it.
 at::Tensor kv_halves_to_floats(const at::Tensor& h, int64_t isa) {
   TORCH_CHECK(h.scalar_type() == at::kHalf && h.is_contiguous(), "kv_halves_to_floats: a contiguous float16 tensor");
-  TORCH_CHECK(isa <= 0 || steady_isa::cpu().f16c,
-              "kv_halves_to_floats: this CPU has no F16C");
+  const int b = steady_isa::float_build(isa, "kv_halves_to_floats");
   at::Tensor out = at::empty(h.sizes(), h.options().dtype(at::kFloat));
-  halves_fn(isa)(static_cast<const uint16_t*>(h.data_ptr()), out.data_ptr<float>(), h.numel(), nullptr);
+  kAttnBuilds[b].halves_to_floats(static_cast<const uint16_t*>(h.data_ptr()), out.data_ptr<float>(), h.numel());
   return out;
 }
 

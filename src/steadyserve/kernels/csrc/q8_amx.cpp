@@ -1,7 +1,7 @@
 // The AMX build of the int8 family: the integer sums of 16 activation rows against one 16-row panel come from
 // AMX tiles, one TDPBSUD (TDPBSSD for Q8_0's signed weights) per block of 32 values: 16 x 16 x 32 products in
 // one instruction. Rows left over (M mod 16), and calls of fewer than 16 rows, run the AVX-512 VNNI build.
-// Called only where CPUID reports AMX-TILE and AMX-INT8 beside AVX-512 VNNI and the OS granted the tile state
+// Called only where isa.h reports AMX-TILE and AMX-INT8 beside AVX-512 VNNI and the OS granted the tile state
 // (q8linear.cpp).
 //
 // THE REDUCTION ORDER is q8.h's, unchanged: a tile yields each I_c exactly (an integer sum; how the tile forms
@@ -24,15 +24,16 @@
 #include <cstring>
 #include <vector>
 
+#include "half.h"
 #include "q8.h"
 
-#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,amx-tile,amx-int8")
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c,avx512vnni,amx-tile,amx-int8")
 
 namespace steady_q8 {
 namespace amx {
 namespace {
 
-#include "q8_avx512_lanes.h"
+#include "lanes_avx512.h"
 #include "q8_unpack.h"
 
 constexpr int kRows = 16;  // activation rows per tile: AMX's 16 tile rows
@@ -75,23 +76,23 @@ template <int ZERO, bool MIN, bool SUB>
 inline void epilogue(const Q8Args& a, const BlockScales& s, const int32_t* c0, const int32_t* c1, int64_t m0,
                      int64_t c, F (&acc)[kRows]) {
   const int64_t blocks = a.K / kBlock;
-  const F wa = _mm512_loadu_ps(s.a), wb = _mm512_loadu_ps(s.b);
-  const F fsc_lo = f_of_i(_mm512_loadu_si512(s.sc_lo)), fsc_hi = f_of_i(_mm512_loadu_si512(s.sc_hi));
+  const F wa = fload(s.a), wb = fload(s.b);
+  const F fsc_lo = i2f(iload(s.sc_lo)), fsc_hi = i2f(iload(s.sc_hi));
 #pragma GCC unroll 16  // whole, so that acc stays in 16 registers
   for (int m = 0; m < kRows; ++m) {
     const int64_t at = (m0 + m) * blocks + c;
-    I v = _mm512_loadu_si512(c0 + 16 * m);
+    I v = iload(c0 + 16 * m);
     F fdot;  // float(I_c)
     if constexpr (SUB) {  // Q6_K: fma(sc_lo, lo - 32 sx16_lo, sc_hi (hi - 32 sx16_hi)), exact as in q8_body.h
-      fdot = ffma(fsc_lo, f_of_i(isub_bcast(v, ZERO * a.sx16[2 * at])),
-                  fmul(fsc_hi, f_of_i(isub_bcast(_mm512_loadu_si512(c1 + 16 * m), ZERO * a.sx16[2 * at + 1]))));
+      fdot = ffma(fsc_lo, i2f(isub(v, iset1(ZERO * a.sx16[2 * at]))),
+                  fmul(fsc_hi, i2f(isub(iload(c1 + 16 * m), iset1(ZERO * a.sx16[2 * at + 1])))));
     } else if constexpr (ZERO != 0) {
-      fdot = f_of_i(isub_bcast(v, ZERO * a.sx[at]));
+      fdot = i2f(isub(v, iset1(ZERO * a.sx[at])));
     } else {
-      fdot = f_of_i(v);
+      fdot = i2f(v);
     }
-    acc[m] = ffma(wa, fmul_bcast(fdot, a.dx[at]), acc[m]);  // t = float(I) * dx; acc = fma(a, t, acc)
-    if constexpr (MIN) acc[m] = ffma_bcast(wb, a.sxd[at], acc[m]);  // acc = fma(b, sxd, acc)
+    acc[m] = ffma(wa, fmul(fdot, fset1(a.dx[at])), acc[m]);  // t = float(I) * dx; acc = fma(a, t, acc)
+    if constexpr (MIN) acc[m] = ffma(wb, fset1(a.sxd[at]), acc[m]);  // acc = fma(b, sxd, acc)
   }
 }
 
@@ -149,20 +150,20 @@ inline void unpack_block(const uint8_t* rec, int i, uint8_t* tile, BlockScales& 
   constexpr int per = KQ ? 8 : 1;
   constexpr int qbytes = steady_fmt::qbytes(BITS);
   const uint8_t* sc = rec + per * qbytes;
-  const F d = h2f16(sc);
-  const F d2 = MIN ? h2f16(sc + steady_fmt::kScaleM) : fzero();
+  const F d = h2f(sc);
+  const F d2 = MIN ? h2f(sc + steady_fmt::kScaleM) : fzero();
   W w[8];
   unpack<BITS>(rec + i * qbytes, w);
   for (int j = 0; j < 8; ++j) _mm512_storeu_si512(tile + 64 * j, w[j]);
   F wa = d, wb = d2;
   if constexpr (KQ && MIN) {  // a = d * sc, b = -(dmin * mn), as the VNNI build
-    wa = fmul(d, u8f(sc + steady_fmt::kScaleSc + 16 * i));
-    wb = fneg(fmul(d2, u8f(sc + steady_fmt::kScaleMn + 16 * i)));
+    wa = fmul(d, i2f(iload_u8(sc + steady_fmt::kScaleSc + 16 * i)));
+    wb = fneg(fmul(d2, i2f(iload_u8(sc + steady_fmt::kScaleMn + 16 * i))));
   }
-  _mm512_storeu_ps(s.a, wa);
-  _mm512_storeu_ps(s.b, wb);
-  _mm512_storeu_si512(s.sc_lo, SUB ? i8load(sc + steady_fmt::kScaleSub + 32 * i) : izero());
-  _mm512_storeu_si512(s.sc_hi, SUB ? i8load(sc + steady_fmt::kScaleSub + 16 + 32 * i) : izero());
+  fstore(s.a, wa);
+  fstore(s.b, wb);
+  istore(s.sc_lo, SUB ? iload_i8(sc + steady_fmt::kScaleSub + 32 * i) : izero());
+  istore(s.sc_hi, SUB ? iload_i8(sc + steady_fmt::kScaleSub + 16 + 32 * i) : izero());
 }
 
 // One group of 16 rows (M = 16..31): nothing is reused across groups, so each block is unpacked two blocks ahead of
@@ -318,16 +319,9 @@ void matmul_fmt(const Q8Args& a, int64_t rows) {
 void matmul(const Q8Args& a) {
   const int64_t rows = a.M >= kMinRows ? a.M / kRows * kRows : 0;  // whole tiles; the rest below
   if (rows > 0) {
-    switch (a.fmt) {
-      case 2: matmul_fmt<4, 8, false, false, false>(a, rows); break;   // Q4_0
-      case 3: matmul_fmt<4, 0, true, false, false>(a, rows); break;    // Q4_1
-      case 6: matmul_fmt<5, 16, false, false, false>(a, rows); break;  // Q5_0
-      case 8: matmul_fmt<8, 0, false, false, false>(a, rows); break;   // Q8_0
-      case 12: matmul_fmt<4, 0, true, false, true>(a, rows); break;    // Q4_K
-      case 13: matmul_fmt<5, 0, true, false, true>(a, rows); break;    // Q5_K
-      case 14: matmul_fmt<6, 32, false, true, true>(a, rows); break;   // Q6_K
-      default: break;  // q8linear.cpp refuses other formats before calling
-    }
+    steady_fmt::with_format<true>(a.fmt, [&]<steady_fmt::Traits T>() {  // q8linear.cpp refuses other formats
+      matmul_fmt<T.bits, T.zero, T.has_min, T.sub_scales, T.k_quant>(a, rows);
+    });
   }
   if (rows < a.M) avx512::matmul(rows_from(a, rows));  // the last M mod 16 rows: the same chain in the VNNI build
 }

@@ -1,18 +1,15 @@
-// The body of the int8 family's vector builds, written once over a 16-lane abstraction.
+// The body of the int8 family's vector builds, written once over the lanes (lanes_scalar.h names the operations;
+// lanes_avx2.h documents the int8 products W, S, sdot, sdot_signed, widen, kSumRun and kSignedBias).
 //
-// Included by q8_avx2.cpp and q8_avx512.cpp inside their namespace, after each has defined:
-//   W (64 bytes: 16 panel rows x 4 values), I (16 int32), F (16 float) and
-//   wload wand wsrl16 wsll16 wor | S szero sdot sdot_signed widen kSumRun kSignedBias izero isub_bcast i8load |
-//   f_of_i fmul_bcast fzero fmul fneg h2f16 (16 binary16, exactly) u8f (16 bytes as floats) ffma ffma_bcast fstore,
-//   and the tile height kMM.
-// sdot<BITS>(s, w, x4) adds to the partial sums s, for each panel row r, the 4 unsigned bytes of w's row r times the 4
-// signed bytes of x4; sdot_signed does the same with w's bytes signed (Q8_0), plus kSignedBias times the sum of x4 (a
-// build may add 128 to each byte to use an unsigned product; tile_dots takes it off). widen(acc, s) adds each row's
-// partial sums into its int32 lane of acc. A build may keep partial sums narrower than int32 (AVX2: int16 lanes, so
-// one madd widens kSumRun<BITS> maddubs results, not one each); kSumRun<BITS> quads at most go into one S, the count
-// whose sum the build shows cannot overflow S. All are exact integer sums: how a build forms them (vpdpbusd,
-// maddubs/madd, in any grouping) never changes a value. The float part is q8.h's chain, one IEEE operation per lane
-// per step, in the scalar build's order.
+// Included by q8_avx2.cpp and q8_avx512.cpp inside their namespace, after the build's lanes header and its tile height
+// kMM. W is 64 bytes: 16 panel rows x 4 values. sdot<BITS>(s, w, x4) adds to the partial sums s, for each panel row r,
+// the 4 unsigned bytes of w's row r times the 4 signed bytes of x4; sdot_signed does the same with w's bytes signed
+// (Q8_0), plus kSignedBias times the sum of x4 (a build may add 128 to each byte to use an unsigned product; tile_dots
+// takes it off). widen(acc, s) adds each row's partial sums into its int32 lane of acc. A build may keep partial sums
+// narrower than int32 (AVX2: int16 lanes, so one madd widens kSumRun<BITS> maddubs results, not one each);
+// kSumRun<BITS> quads at most go into one S, the count whose sum the build shows cannot overflow S. All are exact
+// integer sums: how a build forms them (vpdpbusd, maddubs/madd, in any grouping) never changes a value. The float part
+// is q8.h's chain, one IEEE operation per lane per step, in the scalar build's order.
 
 #include "q8_unpack.h"
 
@@ -56,7 +53,7 @@ inline void sub_block_floats(const W (&w)[8], const int8_t* x, int64_t K, const 
     for (int r = 0; r < R; ++r) {
       if (m0 + r < MM) {
         const int32_t* s = sx16 + 2 * (m0 + r) * blocks;
-        out[m0 + r] = ffma(fsc_lo, f_of_i(isub_bcast(lo[r], 32 * s[0])), fmul(fsc_hi, f_of_i(isub_bcast(hi[r], 32 * s[1]))));
+        out[m0 + r] = ffma(fsc_lo, i2f(isub(lo[r], iset1(32 * s[0]))), fmul(fsc_hi, i2f(isub(hi[r], iset1(32 * s[1])))));
       }
     }
   }
@@ -90,9 +87,9 @@ inline void tile_dots(const W (&w)[8], const int8_t* x, int64_t K, const int32_t
 #pragma GCC unroll 16
   for (int m = 0; m < MM; ++m) {
     if constexpr (BITS == 8) {
-      if (kSignedBias) out[m] = isub_bcast(out[m], kSignedBias * sx[m * blocks]);
+      if (kSignedBias) out[m] = isub(out[m], iset1(kSignedBias * sx[m * blocks]));
     } else if constexpr (ZERO != 0) {
-      out[m] = isub_bcast(out[m], ZERO * sx[m * blocks]);
+      out[m] = isub(out[m], iset1(ZERO * sx[m * blocks]));
     }
   }
 }
@@ -109,8 +106,8 @@ inline void panel_tile(const Q8Args& a, int64_t p, int64_t m0) {
   const Prefetch ahead = a.ahead;  // held in registers for the whole panel
   for (int64_t c0 = 0; c0 < blocks; c0 += per, rec += a.lay.record) {
     const uint8_t* sc = rec + per * qbytes;  // q8.h's scale fields
-    const F d = h2f16(sc);
-    const F d2 = MIN ? h2f16(sc + steady_fmt::kScaleM) : fzero();  // Q4_1's m, or the K-quants' dmin
+    const F d = h2f(sc);
+    const F d2 = MIN ? h2f(sc + steady_fmt::kScaleM) : fzero();  // Q4_1's m, or the K-quants' dmin
     for (int i = 0; i < per; ++i) {
       const int64_t c = c0 + i;
       if (m0 == 0) prefetch_ahead(rec, a.lay.record, per, i, ahead);  // later tiles of rows find the panel in cache
@@ -118,26 +115,26 @@ inline void panel_tile(const Q8Args& a, int64_t p, int64_t m0) {
       unpack<BITS>(rec + i * qbytes, w);
       F wa = d, wb = d2;
       if constexpr (KQ && MIN) {  // a = d * sc, b = -(dmin * mn)
-        wa = fmul(d, u8f(sc + steady_fmt::kScaleSc + 16 * i));
-        wb = fneg(fmul(d2, u8f(sc + steady_fmt::kScaleMn + 16 * i)));
+        wa = fmul(d, i2f(iload_u8(sc + steady_fmt::kScaleSc + 16 * i)));
+        wb = fneg(fmul(d2, i2f(iload_u8(sc + steady_fmt::kScaleMn + 16 * i))));
       }
       F fdot[MM];  // float(I_c) per row
       if constexpr (SUB) {
         static_assert(ZERO == 32, "Q6_K's zero point");
         sub_block_floats<MM>(w, a.xq + m0 * a.K + c * kBlock, a.K, a.sx16 + 2 * (m0 * blocks + c), blocks,
-                             f_of_i(i8load(sc + steady_fmt::kScaleSub + 32 * i)),
-                             f_of_i(i8load(sc + steady_fmt::kScaleSub + 16 + 32 * i)), fdot);
+                             i2f(iload_i8(sc + steady_fmt::kScaleSub + 32 * i)),
+                             i2f(iload_i8(sc + steady_fmt::kScaleSub + 16 + 32 * i)), fdot);
       } else {
         I dotv[MM];
         tile_dots<BITS, ZERO, MM>(w, a.xq + m0 * a.K + c * kBlock, a.K, a.sx + m0 * blocks + c, blocks, dotv);
 #pragma GCC unroll 16
-        for (int m = 0; m < MM; ++m) fdot[m] = f_of_i(dotv[m]);
+        for (int m = 0; m < MM; ++m) fdot[m] = i2f(dotv[m]);
       }
 #pragma GCC unroll 16
       for (int m = 0; m < MM; ++m) {
         const int64_t at = (m0 + m) * blocks + c;
-        acc[m] = ffma(wa, fmul_bcast(fdot[m], a.dx[at]), acc[m]);  // t = float(I) * dx; acc = fma(a, t, acc)
-        if constexpr (MIN) acc[m] = ffma_bcast(wb, a.sxd[at], acc[m]);  // acc = fma(b, sxd, acc)
+        acc[m] = ffma(wa, fmul(fdot[m], fset1(a.dx[at])), acc[m]);  // t = float(I) * dx; acc = fma(a, t, acc)
+        if constexpr (MIN) acc[m] = ffma(wb, fset1(a.sxd[at]), acc[m]);  // acc = fma(b, sxd, acc)
       }
     }
   }
@@ -166,15 +163,8 @@ void matmul_fmt(const Q8Args& a) {
 
 }  // namespace (the build's private helpers end here)
 
-void matmul(const Q8Args& a) {
-  switch (a.fmt) {
-    case 2: matmul_fmt<4, 8, false, false, false>(a); break;   // Q4_0
-    case 3: matmul_fmt<4, 0, true, false, false>(a); break;    // Q4_1
-    case 6: matmul_fmt<5, 16, false, false, false>(a); break;  // Q5_0
-    case 8: matmul_fmt<8, 0, false, false, false>(a); break;   // Q8_0
-    case 12: matmul_fmt<4, 0, true, false, true>(a); break;    // Q4_K
-    case 13: matmul_fmt<5, 0, true, false, true>(a); break;    // Q5_K
-    case 14: matmul_fmt<6, 32, false, true, true>(a); break;   // Q6_K
-    default: break;  // q8linear.cpp refuses other formats before calling
-  }
+void matmul(const Q8Args& a) {  // q8linear.cpp refuses other formats before calling
+  steady_fmt::with_format<true>(a.fmt, [&]<steady_fmt::Traits T>() {
+    matmul_fmt<T.bits, T.zero, T.has_min, T.sub_scales, T.k_quant>(a);
+  });
 }

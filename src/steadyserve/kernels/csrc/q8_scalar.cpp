@@ -1,6 +1,8 @@
 // The scalar build of the int8 family: the reference. One output at a time, the integer sum as a
 // plain loop, the float chain of q8.h with std::fmaf (exactly rounded on any CPU); the activations'
 // quantization is q8_quantize.h over plain arrays. The vector builds are held to its bits by tests/test_q8.py.
+#include <cfloat>
+#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -13,13 +15,7 @@ namespace steady_q8 {
 namespace scalar {
 namespace {
 
-using steady_num::half_to_float;
-
-float half_at(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, sizeof h);
-  return half_to_float(h);
-}
+#include "lanes_scalar.h"  // half_at, and the lanes q8_quantize.h is written over
 
 // The stored integer of row r, value kk of a block's quant planes (q8.h's layout, read back).
 int32_t stored(const uint8_t* q, const PackedLayout& lay, int r, int kk) {
@@ -60,35 +56,6 @@ int32_t block_dot(const Q8Args& a, const uint8_t* q, const Consts& k, int r, int
   for (int kk = 0; kk < 16; ++kk) lo += (stored(q, a.lay, r, kk) - a.lay.zero) * x[kk];
   for (int kk = 16; kk < 32; ++kk) hi += (stored(q, a.lay, r, kk) - a.lay.zero) * x[kk];
   return a.lay.sub_scales ? k.sc_lo * lo + k.sc_hi * hi : lo + hi;
-}
-
-// The activation quantization's lanes (q8_quantize.h), as plain loops.
-struct QF {
-  float v[16];
-};
-inline QF qload(const float* p) {
-  QF r;
-  std::memcpy(r.v, p, sizeof r.v);
-  return r;
-}
-inline bool qall_finite(const QF& x) {
-  for (float v : x.v)
-    if (!std::isfinite(v)) return false;
-  return true;
-}
-inline float qhmax_abs(const QF& a, const QF& b) {  // a max is exact in any order
-  float m = 0.0f;
-  for (int i = 0; i < 16; ++i) m = std::fmax(m, std::fmax(std::fabs(a.v[i]), std::fabs(b.v[i])));
-  return m;
-}
-inline int32_t qround_store(const QF& x, float s, int8_t* q) {  // q = round-half-even(x * s); returns their sum
-  int32_t sum = 0;
-  for (int i = 0; i < 16; ++i) {
-    const int32_t v = int32_t(std::nearbyint(x.v[i] * s));  // the default rounding mode: half to even
-    q[i] = int8_t(v);
-    sum += v;
-  }
-  return sum;
 }
 
 }  // namespace

@@ -50,12 +50,7 @@ struct Build {
 const Build kBuilds[4] = {{scalar::matmul, scalar::quantize_rows}, {avx2::matmul, avx2::quantize_rows},
                           {avx512::matmul, avx512::quantize_rows}, {amx::matmul, avx512::quantize_rows}};
 
-int pick(int64_t isa) {
-  const int best = best_q8_isa();
-  TORCH_CHECK(isa >= -1 && isa <= 3, "isa must be -1 (auto), 0 (scalar), 1 (avx2), 2 (avx512 vnni) or 3 (amx)");
-  TORCH_CHECK(isa <= best, "this CPU cannot run int8 build ", isa, " (best: ", best, ")");
-  return isa < 0 ? best : int(isa);
-}
+int pick(int64_t isa) { return steady_isa::int8_build(isa, "steadyserve int8 op"); }
 
 // Quantized activations of one call (q8.h): (M, K) int8 and per-block (M, K / 32) dx, sxd, sx, (M, K / 16) sx16.
 struct Quantized {

@@ -30,12 +30,7 @@ using namespace steady_qmm;
 
 int best_isa() { return steady_isa::best_float(); }
 
-int pick_isa(int64_t isa) {
-  const int best = best_isa();
-  TORCH_CHECK(isa >= -1 && isa <= 2, "isa must be -1 (auto), 0 (scalar), 1 (avx2) or 2 (avx512)");
-  TORCH_CHECK(isa <= best, "this CPU cannot run ISA build ", isa, " (best: ", best, ")");
-  return isa < 0 ? best : int(isa);
-}
+int pick_isa(int64_t isa) { return steady_isa::float_build(isa, "steadyserve float32 op"); }
 
 // One build's entry points (qmm.h), indexed by ISA: 0 scalar, 1 AVX2, 2 AVX-512.
 struct Build {

@@ -1,19 +1,11 @@
-// The body of the matmul family, written once over a 16-lane vector type.
+// The body of the matmul family, written once over the lanes (lanes_scalar.h names the operations).
 //
-// Included by qmm_scalar.cpp, qmm_avx2.cpp and qmm_avx512.cpp inside their namespace, after
-// each has defined its lane types and operations:
-//   F (16 floats), I (16 int32): fzero fset1 fload fstore ffma fmul fadd fsub fdiv fmax fmin
-//   hsum hsum4 hmax | iset1 ilanes iload_u8 iload_i8 iload_u16 iand isrl isll isrlv ior isub iadd
-//   i2f f2i ibits2f h2f, half_at (one binary16 at p as a float, exactly) — and the tile sizes
-//   kSmallM fused_nr(MM) kMR kNR kMB kPrefetchTiles, and prefetch (a hint: it never faults nor changes a value).
-// Every operation is one IEEE operation per lane (ffma: one rounding), so each build computes
-// the same value in every lane; only the tile sizes, which never change a lane's sequence of
-// operations, differ between builds. The reduction order is documented in qmm.h.
+// Included by qmm_scalar.cpp, qmm_avx2.cpp and qmm_avx512.cpp inside their namespace, after the build's lanes header
+// and its tile sizes: kSmallM fused_nr(MM) kMR kNR kMB kPrefetchTiles. Every lane operation is one IEEE operation per
+// lane (ffma: one rounding), so each build computes the same value in every lane; only the tile sizes, which never
+// change a lane's sequence of operations, differ between builds. The reduction order is documented in qmm.h.
 
 // ---- scalar helpers (the same code in every build) ----
-
-using steady_num::half_to_float;  // half.h: exact, the same value as F16C's vcvtph2ps
-
 
 // Natural log for x >= 1 from IEEE mul/add/sub only (Cephes logf, ~1 ulp): libm's log may
 // differ between machines (glibc picks an FMA variant by CPU), this does not.
@@ -47,19 +39,10 @@ inline float det_log(float x) {
   return (m + y) + 0.693359375f * fe;
 }
 
-// exp(x) per lane from IEEE mul/add only (Cephes expf, ~1 ulp), x clamped to [-87, 88].
-inline F fexp(F x) {
-  x = fmin(fmax(x, fset1(-87.0f)), fset1(88.0f));
-  const F n = fsub(fadd(fmul(x, fset1(1.44269504088896341f)), fset1(12582912.0f)), fset1(12582912.0f));
-  const F r = fsub(fsub(x, fmul(n, fset1(0.693359375f))), fmul(n, fset1(-2.12194440e-4f)));
-  F p = fadd(fmul(r, fset1(1.9875691500e-4f)), fset1(1.3981999507e-3f));
-  p = fadd(fmul(p, r), fset1(8.3334519073e-3f));
-  p = fadd(fmul(p, r), fset1(4.1665795894e-2f));
-  p = fadd(fmul(p, r), fset1(1.6666665459e-1f));
-  p = fadd(fmul(p, r), fset1(5.0000001201e-1f));
-  const F y = fadd(fadd(fmul(p, fmul(r, r)), r), fset1(1.0f));
-  return fmul(y, ibits2f(isll(iadd(f2i(n), iset1(127)), 23)));
-}
+#include "lanes_math.h"
+
+// exp(x) per lane, x clamped to [-87, 88] (a NaN lane becomes -87's exp: fmax returns its second operand).
+inline F fexp(F x) { return fexp_bounded(fmin(fmax(x, fset1(-87.0f)), fset1(88.0f))); }
 
 // ---- dequantization: 32 consecutive weights (chunk c = k / 32) of one row into two vectors ----
 // Each format uses gguf-py's operations in gguf-py's order (gguf/quants.py), so the values
@@ -281,20 +264,8 @@ void matmul_fmt(const MatmulArgs& a) {
 
 }  // namespace (the build's private helpers end here: the entry points below have linkage)
 
-void matmul(const MatmulArgs& a) {
-  switch (a.fmt) {
-    case F32: matmul_fmt<F32>(a); break;
-    case F16: matmul_fmt<F16>(a); break;
-    case BF16: matmul_fmt<BF16>(a); break;
-    case Q8_0: matmul_fmt<Q8_0>(a); break;
-    case Q4_0: matmul_fmt<Q4_0>(a); break;
-    case Q4_1: matmul_fmt<Q4_1>(a); break;
-    case Q5_0: matmul_fmt<Q5_0>(a); break;
-    case Q4_K: matmul_fmt<Q4_K>(a); break;
-    case Q5_K: matmul_fmt<Q5_K>(a); break;
-    case Q6_K: matmul_fmt<Q6_K>(a); break;
-    default: break;  // qlinear.cpp refuses unknown formats before calling
-  }
+void matmul(const MatmulArgs& a) {  // qlinear.cpp refuses unknown formats before calling
+  steady_fmt::with_format(a.fmt, [&]<steady_fmt::Traits T>() { matmul_fmt<T.ggml>(a); });
 }
 
 int64_t register_rows() { return kSmallM; }
@@ -304,19 +275,7 @@ void dequant_rows(int32_t fmt, const uint8_t* w, int64_t row_bytes, int64_t K, c
   for (int64_t i = 0; i < num_rows; ++i) {
     const uint8_t* row = w + rows[i] * row_bytes;
     float* o = out + i * K;
-    switch (fmt) {
-      case F32: dequant_row<F32>(row, K, o); break;
-      case F16: dequant_row<F16>(row, K, o); break;
-      case BF16: dequant_row<BF16>(row, K, o); break;
-      case Q8_0: dequant_row<Q8_0>(row, K, o); break;
-      case Q4_0: dequant_row<Q4_0>(row, K, o); break;
-      case Q4_1: dequant_row<Q4_1>(row, K, o); break;
-      case Q5_0: dequant_row<Q5_0>(row, K, o); break;
-      case Q4_K: dequant_row<Q4_K>(row, K, o); break;
-      case Q5_K: dequant_row<Q5_K>(row, K, o); break;
-      case Q6_K: dequant_row<Q6_K>(row, K, o); break;
-      default: break;
-    }
+    steady_fmt::with_format(fmt, [&]<steady_fmt::Traits T>() { dequant_row<T.ggml>(row, K, o); });
   }
 }
 
