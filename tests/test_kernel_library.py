@@ -21,7 +21,7 @@ from test_qmm import _qweight
 
 from steadyserve.kernels import load
 from steadyserve.kernels.build import CSRC, load_test_ops
-from steadyserve.kernels.quant import FORMAT_IDS, PACKED
+from steadyserve.kernels.quant import FORMAT_IDS, FORMATS, PACKABLE, PACKED
 
 OPS = torch.ops.steadyserve
 if load().available:
@@ -122,6 +122,15 @@ def test_every_build_is_one_lanes_header_and_one_pragma():
     assert common - {"STEADY_LANES"} <= avx2 and common - {"STEADY_LANES"} <= avx512, (common - avx2, common - avx512)
     private = {"sign_bits", "load8", "load16", "bytes", "add16_in_order", "add16"}  # lanes_avx2.h's own helpers
     assert avx2 - private - int8_products == avx512 - int8_products == scalar, (avx2 ^ avx512, avx512 ^ scalar)
+
+
+def test_the_python_format_table_is_the_kernels_own():
+    """kernels/quant.py names the formats before any kernel is loaded (a model's tensors are checked against it);
+    the kernels' traits records (formats.h) own those facts, and this holds the copy to them."""
+    flat = OPS.formats()
+    records = {flat[i]: (flat[i + 1], flat[i + 2], flat[i + 3]) for i in range(0, len(flat), 4)}
+    assert {f: (blk, nb) for f, (blk, nb, _) in records.items()} == {f: (blk, nb) for f, (_, blk, nb) in FORMATS.items()}
+    assert PACKABLE == {f for f, (_, _, bits) in records.items() if bits}
 
 
 # ---- tiny blocks --------------------------------------------------------------------------------------------------
@@ -340,7 +349,7 @@ def test_every_registered_op_is_declared_in_ops_h():
     bindings = (CSRC / "bindings.cpp").read_text()
     ops_h = (CSRC / "ops.h").read_text()
     registered = re.findall(r'STEADY_IMPL\("(\w+)", (\w+)\)', bindings)
-    queries = ("qmm_isa", "q8_isa", "qmm_register_rows")  # no tensors, so defined with their function
+    queries = ("qmm_isa", "q8_isa", "qmm_register_rows", "formats")  # no tensors, so defined with their function
     assert len(registered) == len(re.findall(r'm\.def\("\w+\(', bindings)) - len(queries) >= 12
     test_only = re.findall(r'STEADY_IMPL\("(\w+)", (\w+)\)', (CSRC / "testing" / "test_ops.cpp").read_text())
     assert {n for n, _ in test_only} == {"q8quantize", "qlog_softmax", "kv_halves_to_floats", "kv_floats_to_halves"}

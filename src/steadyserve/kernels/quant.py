@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-# GGML type id -> (name, weights per block, bytes per block): the formats with a kernel.
+# GGML type id -> (name, weights per block, bytes per block): the formats with a kernel. csrc/formats.h owns these
+# facts; tests/test_kernel_library.py holds this copy (and PACKABLE) to its records.
 FORMATS: dict[int, tuple[str, int, int]] = {
     0: ("F32", 32, 128), 1: ("F16", 32, 64), 30: ("BF16", 32, 64), 8: ("Q8_0", 32, 34),
     2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),

@@ -59,4 +59,15 @@ STEADY_ATTN_DECLARE(scalar)
 STEADY_ATTN_DECLARE(avx2)
 STEADY_ATTN_DECLARE(avx512)
 
+// One build's entry points: the family's one table, by isa.h's float32 index (0 scalar, 1 avx2, 2 avx512), defined in
+// paged_attention.cpp; rope.cpp and kv_write.cpp dispatch through it too.
+struct Build {
+  decltype(&scalar::attend_for_shape) attend_for_shape;
+  decltype(&scalar::softcap_rows) softcap_rows;
+  decltype(&scalar::rope_rows) rope_rows;
+  decltype(&scalar::halves_to_floats) halves_to_floats;
+  decltype(&scalar::floats_to_halves) floats_to_halves;
+};
+const Build& build(int isa);
+
 }  // namespace steady_attn

@@ -18,6 +18,7 @@ TORCH_LIBRARY(steadyserve, m) {
   m.def("qmm_isa() -> int", TORCH_FN(qmm_isa));
   m.def("q8_isa() -> int", TORCH_FN(q8_isa));
   m.def("qmm_register_rows() -> int", TORCH_FN(qmm_register_rows));
+  m.def("formats() -> int[]", TORCH_FN(formats));  // formats.h: kernels/quant.py's table is checked against it
 
   // Matmuls: the float32 family and, for packed format ids, the int8 family.
   m.def("qmatmul_(Tensor x, Tensor w, int fmt, Tensor(a!) y, int col0, int isa=-1) -> ()");

@@ -33,10 +33,8 @@ int fmt_of(const at::Tensor& cache) {
   }
 }
 
-// n floats as binary16 (attention.h: the f16 cache's write, on each float32 build's lanes), by isa.h's index.
+// n floats as binary16: the f16 cache's write, on a float32 build's lanes (attention.h).
 using HalvesFn = decltype(&steady_attn::scalar::floats_to_halves);
-const HalvesFn kHalvesBuilds[3] = {steady_attn::scalar::floats_to_halves, steady_attn::avx2::floats_to_halves,
-                                   steady_attn::avx512::floats_to_halves};
 
 // n values (one token's head) into dst[i * stride]: stride 1 for a V row, Bs for a K column. Each value converts
 // alone, so converting 64 at a time changes no bit.
@@ -67,7 +65,7 @@ void kv_write_rows(at::Tensor& k_cache, at::Tensor& v_cache, const float* k, con
               "kv_write: K and V caches must be contiguous (NB, Hkv, ., .) of one dtype");
   const int64_t bs = k_cache.size(3), hb = head_bytes(fmt, d, bs), nb = k_cache.size(0);
   TORCH_CHECK(fmt != kQ8 || d % kQBlock == 0, "kv_write: q8_0 needs a head dim that is a multiple of 32");
-  const HalvesFn halves = kHalvesBuilds[steady_isa::best_float()];
+  const HalvesFn halves = steady_attn::build(steady_isa::best_float()).floats_to_halves;
   TORCH_CHECK(k_cache.size(1) == hkv && k_cache.size(2) * k_cache.size(3) * k_cache.element_size() == hb &&
                   v_cache.size(1) == hkv && v_cache.size(2) == bs &&
                   v_cache.size(2) * v_cache.size(3) * v_cache.element_size() == hb && v_cache.size(0) == nb,
@@ -126,7 +124,7 @@ at::Tensor kv_floats_to_halves(const at::Tensor& x, int64_t isa) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "kv_floats_to_halves: a contiguous float32 tensor");
   const int b = steady_isa::float_build(isa, "kv_floats_to_halves");
   at::Tensor out = at::empty(x.sizes(), x.options().dtype(at::kHalf));
-  kHalvesBuilds[b](x.data_ptr<float>(), static_cast<uint16_t*>(out.data_ptr()), x.numel());
+  steady_attn::build(b).floats_to_halves(x.data_ptr<float>(), static_cast<uint16_t*>(out.data_ptr()), x.numel());
   return out;
 }
 

@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <vector>
 #include <tuple>
 
 namespace steady_ops {
@@ -31,6 +32,7 @@ void qlog_softmax_(at::Tensor& x, int64_t isa);
 // (T,) int64: each row's first NaN, else its first maximum (NumPy's argmax).
 at::Tensor qargmax(const at::Tensor& x, int64_t isa);
 int64_t qmm_isa();            // the float32 family's build this process runs (isa.h)
+std::vector<int64_t> formats();  // formats.h's records, flat: (ggml id, weights and bytes per block, int8 bits or 0)
 int64_t qmm_register_rows();  // rows up to which a matmul costs little more than one (speculation sizes by it)
 
 // ---- rope.cpp, paged_attention.cpp, kv_write.cpp ----------------------------------------------------------------

@@ -59,17 +59,8 @@ namespace {
 
 using namespace steady_attn;  // attention.h
 
-// Each build's entry points, by isa.h's float32 build index (0 scalar, 1 AVX2, 2 AVX-512).
-struct AttnBuild {
-  decltype(&scalar::attend_for_shape) attend_for_shape;
-  decltype(&scalar::softcap_rows) softcap_rows;
-  decltype(&scalar::halves_to_floats) halves_to_floats;
-};
-#define STEADY_ATTN_BUILD(ns) AttnBuild{ns::attend_for_shape, ns::softcap_rows, ns::halves_to_floats}
-const AttnBuild kAttnBuilds[3] = {STEADY_ATTN_BUILD(scalar), STEADY_ATTN_BUILD(avx2), STEADY_ATTN_BUILD(avx512)};
-#undef STEADY_ATTN_BUILD
-
-const AttnBuild& build() { return kAttnBuilds[steady_isa::best_float()]; }
+// The build isa.h picks for this process.
+const Build& best() { return build(steady_isa::best_float()); }
 
 // p rounded up to a 64-byte boundary (a buffer kLanes floats longer than it needs holds it).
 inline float* align_up(float* p) {
@@ -89,6 +80,18 @@ int kv_fmt(const at::Tensor& cache) {
 }
 
 }  // namespace
+
+namespace steady_attn {
+
+const Build& build(int isa) {
+#define STEADY_ATTN_BUILD(ns) \
+  Build { ns::attend_for_shape, ns::softcap_rows, ns::rope_rows, ns::halves_to_floats, ns::floats_to_halves }
+  static const Build kBuilds[3] = {STEADY_ATTN_BUILD(scalar), STEADY_ATTN_BUILD(avx2), STEADY_ATTN_BUILD(avx512)};
+#undef STEADY_ATTN_BUILD
+  return kBuilds[isa];
+}
+
+}  // namespace steady_attn
 
 namespace steady_ops {  // ops.h; registered in bindings.cpp
 
@@ -145,7 +148,7 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   TORCH_CHECK(k_cache.size(2) == stored_d && v_cache.size(2) == P.bs && v_cache.size(3) == stored_d &&
                   v_cache.size(0) == k_cache.size(0) && v_cache.size(1) == P.hkv,
               "paged_attention: cache shapes do not match q");
-  TORCH_CHECK(P.h % P.hkv == 0 && build().attend_for_shape(fmt, P.h / P.hkv, 16, 16).tile != nullptr,
+  TORCH_CHECK(P.h % P.hkv == 0 && best().attend_for_shape(fmt, P.h / P.hkv, 16, 16).tile != nullptr,
               "paged_attention: 1 to 8 query heads per kv head");
   TORCH_CHECK(P.bs % kLanes == 0 && P.d % kLanes == 0, "paged_attention: block size and head dim must be multiples of 16");
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.sizes() == q.sizes(),
@@ -167,7 +170,7 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   P.scale = static_cast<float>(scale);
   P.softcap = static_cast<float>(softcap);
   const int64_t group = P.h / P.hkv;
-  const Kernels kern = build().attend_for_shape(fmt, group, P.bs, P.d);
+  const Kernels kern = best().attend_for_shape(fmt, group, P.bs, P.d);
   // Tiles: runs of consecutive tokens of one sequence, at most `tile` long. Tiles are at most kTile tokens, and
   // shorter where a call has few tokens, so there are units for every thread (a speed choice: bits do not
   // depend on it).
@@ -219,7 +222,7 @@ at::Tensor kv_halves_to_floats(const at::Tensor& h, int64_t isa) {
   TORCH_CHECK(h.scalar_type() == at::kHalf && h.is_contiguous(), "kv_halves_to_floats: a contiguous float16 tensor");
   const int b = steady_isa::float_build(isa, "kv_halves_to_floats");
   at::Tensor out = at::empty(h.sizes(), h.options().dtype(at::kFloat));
-  kAttnBuilds[b].halves_to_floats(static_cast<const uint16_t*>(h.data_ptr()), out.data_ptr<float>(), h.numel());
+  build(b).halves_to_floats(static_cast<const uint16_t*>(h.data_ptr()), out.data_ptr<float>(), h.numel());
   return out;
 }
 
@@ -231,7 +234,7 @@ void softcap_(at::Tensor& x, double cap) {
   const int64_t T = x.size(0), V = x.size(1);
   float* xp = x.data_ptr<float>();
   steady_fp::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) build().softcap_rows(xp + t * V, V, static_cast<float>(cap));
+    for (int64_t t = t0; t < t1; ++t) best().softcap_rows(xp + t * V, V, static_cast<float>(cap));
   });
 }
 

@@ -62,6 +62,12 @@ namespace steady_ops {  // ops.h; registered in bindings.cpp
 
 int64_t qmm_isa() { return best_isa(); }
 
+std::vector<int64_t> formats() {
+  std::vector<int64_t> out;
+  for (const steady_fmt::Traits& t : steady_fmt::kFormats) out.insert(out.end(), {t.ggml, t.block, t.bytes, t.bits});
+  return out;
+}
+
 // Rows up to which the best build's matmul dequantizes each weight once in registers for all of them: a
 // step of up to this many rows costs little more than one (speculative verification sizes itself by it).
 int64_t qmm_register_rows() { return kBuilds[best_isa()].register_rows(); }

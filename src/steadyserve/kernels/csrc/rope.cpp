@@ -21,15 +21,6 @@
 #include "isa.h"
 #include "ops.h"
 
-namespace {
-
-// rope_rows, by isa.h's float32 build index: the loop is attention_body.h's, compiled once per build.
-using RopeFn = decltype(&steady_attn::scalar::rope_rows);
-const RopeFn kRopeBuilds[3] = {steady_attn::scalar::rope_rows, steady_attn::avx2::rope_rows,
-                               steady_attn::avx512::rope_rows};
-
-}  // namespace
-
 namespace steady_ops {  // ops.h; registered in bindings.cpp
 
 void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads) {
@@ -45,7 +36,7 @@ void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t 
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   const int64_t row_stride = x.stride(0);
-  const RopeFn rope_rows = kRopeBuilds[steady_isa::best_float()];
+  const auto rope_rows = steady_attn::build(steady_isa::best_float()).rope_rows;
   steady_fp::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
     rope_rows(xp, row_stride, cp, sp, begin, end, num_heads, D);
   });
