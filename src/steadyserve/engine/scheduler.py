@@ -5,7 +5,9 @@ first, in admission order, each taking what it still has to compute (1 token
 when decoding, a chunk of its prompt while prefilling), so a long prompt is
 spread over several steps and never stalls running decodes. Waiting sequences
 are admitted into what budget and cache are left, picked across tenants by weight (deficit round-robin over
-tokens, fair_share.py; one tenant: first come, first served); a prompt's cached prefix
+tokens, fair_share.py; one tenant: first come, first served). When several tenants have prompt tokens to
+compute, the step's prompt tokens are divided among them by weight too (fair_share.split_step), and what they
+leave goes back to the running prompts in order (_top_up); a prompt's cached prefix
 blocks (see block_manager.py) cost neither budget nor new blocks. When the cache runs out,
 the most recently admitted running sequence is preempted (a `batch`-priority one first, if any): its blocks are freed
 and it is recomputed later (batch-invariant numerics make the recomputed K/V
@@ -25,7 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
-from .fair_share import FairShare
+from .fair_share import FairShare, split_step
 from .sequence import RequestOutput, Sequence, SequenceStatus
 from .speculation import Speculator
 
@@ -202,12 +204,18 @@ class Scheduler:
         scheduled_ids: set[int] = set()
         # 1. Running sequences, oldest first. Preempt from the newest end when out of blocks.
         running = list(self.running)
+        caps = self._prefill_caps(budget)  # tenant -> prompt tokens it may compute this step; None: no sharing
         for pos, seq in enumerate(running):
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
             n = min(seq.num_uncomputed_tokens, budget)
+            if caps is not None and seq.num_uncomputed_tokens > 1:  # a prompt chunk (decode rows stay out of it)
+                n = min(n, caps[seq.request.tenant])
+                if n == 0:
+                    continue  # its tenant's share is spent: it goes on next step, or with what others leave
+                caps[seq.request.tenant] -= n
             while not self.block_manager.can_grow(seq, n):
                 victim = self._victim(scheduled_ids)
                 if id(victim) in scheduled_ids:  # never undo work already planned this step
@@ -232,6 +240,9 @@ class Scheduler:
             if self._twin_in_prefill(seq, len(hits)):
                 break  # wait for the twin's blocks rather than compute them twice
             n = min(seq.num_tokens - len(hits) * self.block_manager.block_size, budget)
+            if caps is not None:  # at least a token: admitted, it holds its seat and competes in the next split
+                n = min(n, max(1, caps[seq.request.tenant]))
+                caps[seq.request.tenant] = max(0, caps[seq.request.tenant] - n)
             if not self.block_manager.can_admit(seq, hits, n):
                 break
             if seq is self.waiting[0]:
@@ -244,7 +255,50 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
+        if caps is not None and budget > 0 and not out.preempted:
+            self._top_up(out, budget)
         return out
+
+    def _prefill_caps(self, budget: int) -> dict[str, int] | None:
+        """Each tenant's share of this step's prompt tokens (fair_share.split_step) when two or more tenants have
+        prompt tokens to compute, running or waiting; None otherwise (one tenant: nothing to share, and every
+        server without a keys file schedules exactly as before)."""
+        wants: dict[str, int] = {}
+        shares: dict[str, float] = {}
+        batch: dict[str, bool] = {}
+        decode_rows = 0
+        for seq in [*self.running, *self.waiting]:
+            left = seq.num_uncomputed_tokens if seq.status is SequenceStatus.RUNNING else seq.num_tokens
+            if seq.status is SequenceStatus.RUNNING and left <= 1:
+                decode_rows += 1
+                continue
+            t = seq.request.tenant
+            wants[t] = min(budget, wants.get(t, 0) + left)
+            shares[t], batch[t] = seq.request.share, seq.request.batch
+        if len(wants) < 2:
+            return None
+        return split_step(wants, shares, batch, max(0, budget - decode_rows))
+
+    def _top_up(self, out: SchedulerOutput, budget: int) -> None:
+        """Give the budget the split left unused (a tenant short of seats or blocks, rounding) to the running
+        prompts in admission order, from free blocks only: sharing never idles budget that someone could use."""
+        planned = {id(item.seq): item for item in out.scheduled}
+        for seq in self.running:
+            if budget == 0:
+                break
+            item = planned.get(id(seq))
+            done = item.num_new_tokens if item is not None else 0
+            extra = min(seq.num_uncomputed_tokens - done, budget)
+            if extra <= 0 or seq.draft_token_ids or seq.num_uncomputed_tokens <= 1:
+                continue
+            if not self.block_manager.can_grow(seq, done + extra):
+                continue
+            self.block_manager.grow(seq, done + extra)
+            if item is not None:
+                item.num_new_tokens += extra
+            else:
+                out.scheduled.append(ScheduledSeq(seq, extra))
+            budget -= extra
 
 
 def _accepted(tokens: list[int], draft: list[int]) -> int:
