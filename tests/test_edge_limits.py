@@ -1,7 +1,7 @@
 """Abuse at the edge (issue 61, item 5) against a real server on 127.0.0.1, over real sockets.
 
 One server with small limits so that each test is quick: --max-request-bytes 4096 (bodies, WebSocket messages,
-gRPC messages), --header-timeout 2, --body-timeout 2, --max-idle-connections 4; the fixed limits are
+gRPC messages), --header-timeout 1, --body-timeout 1, --max-idle-connections 4; the fixed limits are
 steadyserve/limits.py's (16 KiB and 100 lines of headers, JSON 64 levels deep, 256 gRPC streams per connection).
 Each test refuses one limit by name, in the API's own shape, and shows the server still serves afterwards.
 """
@@ -24,7 +24,7 @@ from steadyserve.limits import GRPC_MAX_CONCURRENT_STREAMS, MAX_HEADER_BYTES, MA
 from steadyserve.testing.server import ServerProcess
 
 C = "/v1/completions"
-TIMEOUT_S = 2.0  # --header-timeout and --body-timeout of the server under test
+TIMEOUT_S = 1.0  # --header-timeout and --body-timeout of the server under test
 IDLE = 4  # --max-idle-connections
 
 
