@@ -151,6 +151,7 @@ def test_headers_over_the_size_limit_are_431(server):
     with _raw(server) as s:  # just under: served
         s.sendall(_get(f"X-Big: {'a' * (MAX_HEADER_BYTES - 200)}\r\n"))
         assert _read_response(s, 10)[0] == 200
+    assert server.metric("steadyserve_http_edge_refusals_total", reason="header_too_large") == 2
 
 
 def test_too_many_header_lines_are_431(server):
@@ -234,6 +235,7 @@ def test_idle_keep_alive_connections_past_the_bound_close_the_oldest(server):
         for s in socks[2:]:  # the newest IDLE still serve (well inside --header-timeout)
             s.sendall(_get(""))
             assert _read_response(s, 10)[0] == 200
+        assert server.metric("steadyserve_http_edge_refusals_total", reason="idle_evicted") >= 2
     finally:
         for s in socks:
             s.close()

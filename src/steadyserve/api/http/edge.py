@@ -64,11 +64,13 @@ def _idle_of(server_state: Any) -> "OrderedDict[EdgeHttpProtocol, None]":
     return idle
 
 
-def edge_protocol(limits: EdgeLimits) -> Callable[..., EdgeHttpProtocol]:
-    """The protocol factory for uvicorn.Config(http=...): uvicorn calls it with config, server_state, app_state."""
+def edge_protocol(limits: EdgeLimits, on_refusal: Callable[[str], None] | None = None
+                  ) -> Callable[..., EdgeHttpProtocol]:
+    """The protocol factory for uvicorn.Config(http=...): uvicorn calls it with config, server_state, app_state.
+    `on_refusal(reason)` is told of every refusal and idle eviction (the server counts them in its metrics)."""
 
     def make(*args: Any, **kwargs: Any) -> EdgeHttpProtocol:
-        return EdgeHttpProtocol(*args, limits=limits, **kwargs)
+        return EdgeHttpProtocol(*args, limits=limits, on_refusal=on_refusal, **kwargs)
 
     return make
 
@@ -76,9 +78,11 @@ def edge_protocol(limits: EdgeLimits) -> Callable[..., EdgeHttpProtocol]:
 class EdgeHttpProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with the limits of EdgeLimits (see the module's docstring)."""
 
-    def __init__(self, *args: Any, limits: EdgeLimits, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, limits: EdgeLimits, on_refusal: Callable[[str], None] | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.limits = limits
+        self._on_refusal = on_refusal  # told the reason of each refusal and idle eviction (metrics)
         self._idle = _idle_of(self.server_state)
         self._deadline: asyncio.TimerHandle | None = None  # the header or body deadline now running
         self._head_done = False  # the current request's headers are all in (its body, if any, is next)
@@ -106,6 +110,7 @@ class EdgeHttpProtocol(HttpToolsProtocol):
             oldest, _ = self._idle.popitem(last=False)  # the longest idle one goes; it has no request to lose
             oldest._cancel_deadline()
             oldest.transport.close()
+            self._note("idle_evicted")
 
     def on_response_complete(self) -> None:
         pipelined = bool(self.pipeline)  # the next request's head is in already
@@ -214,6 +219,7 @@ class EdgeHttpProtocol(HttpToolsProtocol):
         self._idle.pop(self, None)
         if self.transport.is_closing():
             return
+        self._note(code)
         cycle = self.cycle
         if cycle is not None and not cycle.response_complete:
             cycle.disconnected = True  # the route's own answer, if it comes, goes nowhere
@@ -231,3 +237,7 @@ class EdgeHttpProtocol(HttpToolsProtocol):
                  b"\r\nconnection: close\r\n\r\n"]
         self.transport.write(b"".join(head) + payload)
         self.transport.close()
+
+    def _note(self, reason: str) -> None:
+        if self._on_refusal is not None:
+            self._on_refusal(reason)
