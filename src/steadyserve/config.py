@@ -13,6 +13,8 @@ import re
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Callable
 
+from .limits import GRPC_MAX_CONCURRENT_STREAMS, MAX_HEADER_BYTES, MAX_HEADER_COUNT, MAX_JSON_DEPTH
+
 
 class ConfigError(ValueError):
     """A configuration value is invalid. The message names the flag."""
@@ -235,7 +237,10 @@ class ServerConfig:
     drain_timeout: float = flag(120.0, name="--drain-timeout",  # seconds SIGTERM waits for in-flight work
                                 help="seconds (default: %(default)s)")
     max_request_bytes: int = flag(1024 * 1024, name="--max-request-bytes", parse=parse_size, shown=_mib,  # largest accepted request body; also a WebSocket frame or message (close 1009) and a gRPC message (RESOURCE_EXHAUSTED)
-        help="largest request body, WebSocket message and gRPC message (default: %(default)s)")
+        help="largest request body, WebSocket message and gRPC message (default: %(default)s); fixed beside it: "
+             f"request headers {MAX_HEADER_BYTES // 1024} KiB and {MAX_HEADER_COUNT} lines (431), JSON "
+             f"{MAX_JSON_DEPTH} levels deep, {GRPC_MAX_CONCURRENT_STREAMS} gRPC streams per connection (docs: "
+             "tenants, limits at the edge)")
     header_timeout: float = flag(10.0, name="--header-timeout",  # seconds from a connection's start (or its previous response) to the end of a request's headers: a slow-headers client is answered 408 and closed
         help="seconds a client has to send a request's headers, from connecting or from its previous response; "
              "past it: 408 and the connection is closed (default: %(default)s)")
