@@ -25,9 +25,9 @@ from grpc_health.v1 import health_pb2
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
-from steadyserve.api.grpc.server import MAX_CONCURRENT_STREAMS
 from steadyserve.client import Client, pb
 from steadyserve.cli import build_parser, config_from_args
+from steadyserve.limits import GRPC_MAX_CONCURRENT_STREAMS
 from steadyserve.testing.server import ServerProcess, start_servers
 
 KEY = "k3y-" + "x" * 28
@@ -296,7 +296,7 @@ def test_grpc_per_connection_stream_limit_is_advertised(plain):
         s.close()
     settings = dict(struct.unpack(">HI", payload[i:i + 6]) for i in range(0, length, 6))
     print(f"\ngRPC SETTINGS: {settings}")
-    assert settings.get(3) == MAX_CONCURRENT_STREAMS == 256
+    assert settings.get(3) == GRPC_MAX_CONCURRENT_STREAMS == 256
 
 
 # ---- no path can be chosen through the API ---------------------------------------------------------------

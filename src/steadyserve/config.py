@@ -13,6 +13,8 @@ import re
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Callable
 
+from .limits import GRPC_MAX_CONCURRENT_STREAMS, MAX_HEADER_BYTES, MAX_HEADER_COUNT, MAX_JSON_DEPTH
+
 
 class ConfigError(ValueError):
     """A configuration value is invalid. The message names the flag."""
@@ -234,8 +236,21 @@ class ServerConfig:
                                 help="seconds (default: %(default)s)")
     drain_timeout: float = flag(120.0, name="--drain-timeout",  # seconds SIGTERM waits for in-flight work
                                 help="seconds (default: %(default)s)")
-    max_request_bytes: int = flag(1024 * 1024, name="--max-request-bytes", parse=parse_size,  # largest accepted request body
-                                  help="largest request body")
+    max_request_bytes: int = flag(1024 * 1024, name="--max-request-bytes", parse=parse_size, shown=_mib,  # largest accepted request body; also a WebSocket frame or message (close 1009) and a gRPC message (RESOURCE_EXHAUSTED)
+        help="largest request body, WebSocket message and gRPC message (default: %(default)s); fixed beside it: "
+             f"request headers {MAX_HEADER_BYTES // 1024} KiB and {MAX_HEADER_COUNT} lines (431), JSON "
+             f"{MAX_JSON_DEPTH} levels deep, {GRPC_MAX_CONCURRENT_STREAMS} gRPC streams per connection (docs: "
+             "tenants, limits at the edge)")
+    header_timeout: float = flag(10.0, name="--header-timeout",  # seconds from a connection's start (or its previous response) to the end of a request's headers: a slow-headers client is answered 408 and closed
+        help="seconds a client has to send a request's headers, from connecting or from its previous response; "
+             "past it: 408 and the connection is closed (default: %(default)s)")
+    body_timeout: float = flag(30.0, name="--body-timeout",  # seconds from the end of a request's headers to the end of its body (and from a WebSocket's handshake to its request message): a slow-body client is answered 408 and closed
+        help="seconds a client has to send a request's body once its headers are in (and a WebSocket its "
+             "request message); past it: 408 (WebSocket: close 1008) and the connection is closed "
+             "(default: %(default)s)")
+    max_idle_connections: int = flag(256, name="--max-idle-connections",  # kept-alive HTTP connections waiting for a request; past it the longest idle is closed (each also closes after 5 s idle)
+        help="HTTP connections kept alive with no request in progress; past it the longest idle one is closed "
+             "(each also closes after 5 s idle) (default: %(default)s)")
     max_tokens_cap: int = flag(4096, name="--max-tokens-cap",  # largest max_tokens a request may ask for
                                help="largest max_tokens accepted")
     api_key: str = flag("", name="--api-key", env="STEADYSERVE_API_KEY",  # bearer token (or STEADYSERVE_API_KEY); empty = open
@@ -274,6 +289,10 @@ class ServerConfig:
             raise ConfigError("--drain-timeout must be 0 or more")
         if self.max_request_bytes < 1024:
             raise ConfigError("--max-request-bytes must be at least 1024")
+        if not 0 < self.header_timeout <= 3600 or not 0 < self.body_timeout <= 3600:
+            raise ConfigError("--header-timeout and --body-timeout must be in (0, 3600] seconds")
+        if self.max_idle_connections < 1:
+            raise ConfigError("--max-idle-connections must be at least 1")
         if self.max_tokens_cap < 1:
             raise ConfigError("--max-tokens-cap must be at least 1")
         if self.responses_store_size < 1:

@@ -34,6 +34,16 @@ DEFAULT_MAX_TOKENS = {"completion": 16, "chat": 512}
 HTTP_KEEP_ALIVE_S = 5.0
 POOLED_IDLE_S = 1.0
 
+# ---- edge limits: what one connection may send before any route runs (issue 61, api/http/edge.py) ----------------
+# The operator's knobs among them (--max-request-bytes, --header-timeout, --body-timeout, --max-idle-connections)
+# are flags in config.py ServerConfig; these are fixed because no legitimate client comes near them.
+MAX_HEADER_BYTES = 16 * 1024  # request line + header lines of one HTTP request (Node's and h11's bound); past it: 431
+MAX_HEADER_COUNT = 100  # header lines of one HTTP request (Apache's LimitRequestFields); past it: 431
+# Nesting of objects and arrays in a JSON body (HTTP, WebSocket) or JSON field (gRPC's tools[].parameters_json).
+# The deepest legitimate request is a tool's or response_format's JSON schema: a few levels per nested property.
+MAX_JSON_DEPTH = 64
+GRPC_MAX_CONCURRENT_STREAMS = 256  # open HTTP/2 streams per gRPC connection; more wait in the client's queue
+
 # A tenant's own limits (--api-keys, steadyserve/tenants.py; counted by api/quotas.py): a tenant past one is refused
 # with its name (429 / RESOURCE_EXHAUSTED and a Retry-After from its own refill) while other tenants are admitted.
 # tenant_share: the server is nearly full and the tenant holds more than its weighted share of it (api/quotas.py).

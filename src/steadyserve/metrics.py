@@ -100,6 +100,11 @@ class Metrics:
         self.aborted = Counter(p + "streams_aborted_total", "Streams ended early by the server or client.",
                                ["reason"], registry=r)
         self.preemptions = Counter(p + "preemptions_total", "Sequences preempted for KV space.", registry=r)
+        self.edge_refusals = Counter(p + "http_edge_refusals_total", "HTTP connections answered and closed by the "
+                                     "edge limits before any route ran (api/http/edge.py), by reason: "
+                                     "header_too_large, too_many_headers, request_timeout, invalid_http; "
+                                     "idle_evicted: an idle connection closed past --max-idle-connections.",
+                                     ["reason"], registry=r)
         self.prefix_queried = Counter(p + "prefix_cache_queried_tokens_total",
                                       "Prompt tokens looked up in the prefix cache at admission.", registry=r)
         self.prefix_hits = Counter(p + "prefix_cache_hit_tokens_total",

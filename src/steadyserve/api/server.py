@@ -30,6 +30,7 @@ from ..metrics import sample_loop_lag
 from ..ready_file import write_ready_file
 from .console import mount_console
 from .http.app import create_app
+from .http.edge import EdgeLimits, edge_protocol
 from .http.envelope import Envelope
 from .startup import EngineHooks, build_state
 from .otel import traces_endpoint
@@ -143,7 +144,10 @@ class Server:
         http_port = sock.getsockname()[1]
         app = create_app(state)
         mount_console(app, state)  # the web console: /, /playground, /static/*, /v1/console/*
+        # The connection's own limits (head size and count, header and body deadlines, idle connections) are
+        # EdgeHttpProtocol's; a WebSocket frame or message over --max-request-bytes is closed 1009 by websockets.
         ucfg = uvicorn.Config(Envelope(app, state), log_config=None, access_log=False,
+                              http=edge_protocol(EdgeLimits.of(sc), self._count_edge_refusal),  # type: ignore[arg-type]
                               lifespan="off", ws_max_size=sc.max_request_bytes, timeout_graceful_shutdown=3,
                               ssl_certfile=sc.tls_cert or None, ssl_keyfile=sc.tls_key or None,
                               timeout_keep_alive=HTTP_KEEP_ALIVE_S)
@@ -163,6 +167,10 @@ class Server:
                                               "pid": os.getpid()}})
         if sc.ready_file:
             write_ready_file(sc.ready_file, http_port, grpc_port, os.getpid())
+
+    def _count_edge_refusal(self, reason: str) -> None:
+        if self.state is not None and self.state.metrics is not None:
+            self.state.metrics.edge_refusals.labels(reason).inc()
 
     async def main_loop(self) -> None:
         """Serve until the first signal or the engine's death."""

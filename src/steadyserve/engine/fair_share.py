@@ -21,6 +21,13 @@ ahead of everything (it holds the head of the queue), as before tenants existed.
 classes: while any `interactive` sequence waits, only interactive tenants take turns (Request.batch); batch
 tenants keep their place and credit meanwhile. With one tenant (every server without a keys file) the pick is
 the queue's head: first come, first served.
+
+Inside a step (split_step), the tokens left after the decode rows (one per decoding sequence: seats, which the
+admission above shares) are divided among the tenants with prompt tokens to compute, running or waiting, by the
+same weights and the same strict priority, water-filling: a tenant that needs less than its share leaves the rest
+to the others, and each one with work gets at least a token while any are left. So a tenant whose long prompts
+were admitted first cannot take every step's budget until they are done; what no tenant can use goes back to
+the running prompts in order (the scheduler's top-up), so sharing never leaves budget idle.
 """
 
 from __future__ import annotations
@@ -29,6 +36,14 @@ from typing import Iterable
 
 from .sequence import Sequence
 
+# Tokens a turn credits to the smallest waiting weight. Small against a request's cost (prompt + max_tokens), so a
+# turn admits about one request of the smallest share and the turns interleave request by request: with a quantum
+# of a whole step's budget (512 tokens), a flooding tenant's turn admitted ~10 short requests, one per seat as seats
+# freed, while a light tenant's request waited for the turn to end (0.9 s of TTFT in benchmarks/tenants.py). The
+# shares are the same at any quantum (DRR's bound: one request's cost plus one quantum); a pick whose head costs
+# more than a quantum takes more rounds of its loop, a few microseconds.
+QUANTUM_TOKENS = 32
+
 
 def cost(seq: Sequence) -> int:
     """Tokens a sequence may compute in all: what its admission is charged."""
@@ -36,8 +51,8 @@ def cost(seq: Sequence) -> int:
 
 
 class FairShare:
-    def __init__(self, quantum: int) -> None:
-        self.quantum = quantum  # tokens a turn credits to the smallest waiting weight (the step's token budget)
+    def __init__(self, quantum: int = QUANTUM_TOKENS) -> None:
+        self.quantum = quantum  # tokens a turn credits to the smallest waiting weight (QUANTUM_TOKENS)
         self.deficit: dict[str, float] = {}  # tenant -> credit left to spend in its turn
         self.ring: list[str] = []  # tenants with sequences waiting, in round-robin order (arrival of their first)
         self.current: str | None = None  # whose turn it is
@@ -105,3 +120,21 @@ class FairShare:
         self.ring = kept + [t for t in heads if t not in kept]
         self.deficit = {t: self.deficit.get(t, 0.0) for t in self.ring}
         return successor
+
+
+def split_step(wants: dict[str, int], shares: dict[str, float], batch: dict[str, bool], budget: int) -> dict[str, int]:
+    """Prompt tokens each tenant may compute this step, out of `budget`: by weight (`shares`), interactive tenants
+    (batch False) first, each capped at what it `wants`. Deterministic: ties go by the dicts' order."""
+    caps = {t: 0 for t in wants}
+    left = budget
+    for is_batch in (False, True):  # strict priority, as in admission
+        group = [t for t in wants if batch[t] == is_batch and wants[t] > 0]
+        while group and left > 0:
+            weight = sum(shares[t] for t in group)
+            grants = [(t, min(wants[t] - caps[t], max(1, int(left * shares[t] / weight)))) for t in group]
+            for t, grant in grants:  # each round either fills a tenant or spends all but a rounding remainder
+                grant = min(grant, left)
+                caps[t] += grant
+                left -= grant
+            group = [t for t in group if caps[t] < wants[t]]
+    return caps

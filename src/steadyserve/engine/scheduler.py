@@ -5,7 +5,11 @@ first, in admission order, each taking what it still has to compute (1 token
 when decoding, a chunk of its prompt while prefilling), so a long prompt is
 spread over several steps and never stalls running decodes. Waiting sequences
 are admitted into what budget and cache are left, picked across tenants by weight (deficit round-robin over
-tokens, fair_share.py; one tenant: first come, first served); a prompt's cached prefix
+tokens, fair_share.py; one tenant: first come, first served). When several tenants have prompt tokens to
+compute, the step's prompt tokens are divided among them by weight too (fair_share.split_step), and what they
+leave goes back to the running prompts in order (_top_up); with every seat taken, a tenant with nothing
+running is seated at once in place of a batch tenant's or an over-share tenant's newest sequence
+(_seat_for_unseated, _seat_victim: preempted, recomputed later, bitwise the same); a prompt's cached prefix
 blocks (see block_manager.py) cost neither budget nor new blocks. When the cache runs out,
 the most recently admitted running sequence is preempted (a `batch`-priority one first, if any): its blocks are freed
 and it is recomputed later (batch-invariant numerics make the recomputed K/V
@@ -25,7 +29,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
-from .fair_share import FairShare
+from .fair_share import FairShare, split_step
 from .sequence import RequestOutput, Sequence, SequenceStatus
 from .speculation import Speculator
 
@@ -60,8 +64,8 @@ class Scheduler:
         # accepted (speculation.py); None or disabled: no drafts.
         self.speculator = speculator
         self.waiting: deque[Sequence] = deque()
-        # Which waiting sequence goes next when several tenants wait (fair_share.py), in quanta of one step's budget.
-        self.fair_share = FairShare(max_num_batched_tokens)
+        # Which waiting sequence goes next when several tenants wait (fair_share.py).
+        self.fair_share = FairShare()
         self.running: list[Sequence] = []
         self.num_preemptions = 0  # total, for metrics
 
@@ -202,12 +206,18 @@ class Scheduler:
         scheduled_ids: set[int] = set()
         # 1. Running sequences, oldest first. Preempt from the newest end when out of blocks.
         running = list(self.running)
+        caps = self._prefill_caps(budget)  # tenant -> prompt tokens it may compute this step; None: no sharing
         for pos, seq in enumerate(running):
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
             n = min(seq.num_uncomputed_tokens, budget)
+            if caps is not None and seq.num_uncomputed_tokens > 1:  # a prompt chunk (decode rows stay out of it)
+                n = min(n, caps[seq.request.tenant])
+                if n == 0:
+                    continue  # its tenant's share is spent: it goes on next step, or with what others leave
+                caps[seq.request.tenant] -= n
             while not self.block_manager.can_grow(seq, n):
                 victim = self._victim(scheduled_ids)
                 if id(victim) in scheduled_ids:  # never undo work already planned this step
@@ -225,13 +235,24 @@ class Scheduler:
             budget -= n
         # 2. Admit waiting sequences while budget, seats and blocks last: first come first served within a
         # tenant, tenants by weight (fair_share.py).
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
-            seq = self.fair_share.pick(self.waiting)
-            assert seq is not None
+        while self.waiting and budget > 0 and not out.preempted:
+            if len(self.running) >= self.max_num_seqs:
+                found = self._seat_for_unseated()
+                if found is None:
+                    break
+                seq, victim = found
+                budget += self._unplan(victim, out)
+                self._preempt(victim, out)  # the loop ends after this admission: one seat a step
+            else:
+                seq = self.fair_share.pick(self.waiting)
+                assert seq is not None
             hits = self.block_manager.match_prefix(seq)
             if self._twin_in_prefill(seq, len(hits)):
                 break  # wait for the twin's blocks rather than compute them twice
             n = min(seq.num_tokens - len(hits) * self.block_manager.block_size, budget)
+            if caps is not None:  # at least a token: admitted, it holds its seat and competes in the next split
+                n = min(n, max(1, caps[seq.request.tenant]))
+                caps[seq.request.tenant] = max(0, caps[seq.request.tenant] - n)
             if not self.block_manager.can_admit(seq, hits, n):
                 break
             if seq is self.waiting[0]:
@@ -244,7 +265,108 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
+        if caps is not None and budget > 0 and not out.preempted:
+            self._top_up(out, budget)
         return out
+
+    def _seat_victim(self, seq: Sequence) -> Sequence | None:
+        """Whom to preempt so that `seq` gets a seat now though every seat is taken, or None: it waits for a free
+        seat, as every request did before tenants.
+
+        Only a tenant with no sequence running is seated this way (so a light tenant's request does not wait for
+        a flood's streams to end; admission's DRR shares the seats over time, and a tenant that holds one already
+        waits its turn, which also rules out preempting the same sequences back and forth). An interactive `seq`
+        takes the seat of a `batch` tenant's newest sequence if any runs; otherwise that of the tenant furthest
+        above its weighted share of --max-num-seqs (its weight over those of the tenants running and `seq`'s),
+        provided it keeps its share and a seat. The sequence preempted goes back to the queue, first in line, and is
+        recomputed later (from the prefix cache; the numerics keep its bits). A recomputed `seq`, and any on a
+        server with one tenant, waits as before."""
+        mine = seq.request.tenant
+        if seq.num_preemptions or any(s.request.tenant == mine for s in self.running):
+            return None
+        counts: dict[str, int] = {}
+        shares = {mine: seq.request.share}
+        batch: dict[str, bool] = {}
+        for s in self.running:
+            t = s.request.tenant
+            counts[t] = counts.get(t, 0) + 1
+            shares[t], batch[t] = s.request.share, s.request.batch
+        total = sum(shares.values())
+        fair = {t: self.max_num_seqs * w / total for t, w in shares.items()}
+        candidates = [t for t in counts if batch[t]] if not seq.request.batch else []
+        if not candidates:
+            candidates = [t for t in counts if batch[t] == seq.request.batch and counts[t] >= 2
+                          and counts[t] - 1 >= fair[t]]
+        if not candidates:
+            return None
+        loser = max(candidates, key=lambda t: counts[t] - fair[t])
+        return next(s for s in reversed(self.running) if s.request.tenant == loser)
+
+    def _seat_for_unseated(self) -> tuple[Sequence, Sequence] | None:
+        """With every seat taken: the first waiting sequence of a tenant with nothing running that _seat_victim
+        finds a seat for, and that victim; else None. Outside the DRR turn: a tenant with nothing running is the
+        light one the turn would keep waiting (its later requests take their turns as before)."""
+        running = {s.request.tenant for s in self.running}
+        tried: set[str] = set()
+        for seq in self.waiting:
+            t = seq.request.tenant
+            if t in running or t in tried:
+                continue
+            tried.add(t)
+            victim = self._seat_victim(seq)
+            if victim is not None:
+                return seq, victim
+        return None
+
+    @staticmethod
+    def _unplan(seq: Sequence, out: SchedulerOutput) -> int:
+        """Take `seq` out of this step's plan (nothing of the step has run yet); returns the budget it held."""
+        for i, item in enumerate(out.scheduled):
+            if item.seq is seq:
+                del out.scheduled[i]
+                return item.num_new_tokens
+        return 0
+
+    def _prefill_caps(self, budget: int) -> dict[str, int] | None:
+        """Each tenant's share of this step's prompt tokens (fair_share.split_step) when two or more tenants have
+        prompt tokens to compute, running or waiting; None otherwise (one tenant: nothing to share, and every
+        server without a keys file schedules exactly as before)."""
+        wants: dict[str, int] = {}
+        shares: dict[str, float] = {}
+        batch: dict[str, bool] = {}
+        decode_rows = 0
+        for seq in [*self.running, *self.waiting]:
+            left = seq.num_uncomputed_tokens if seq.status is SequenceStatus.RUNNING else seq.num_tokens
+            if seq.status is SequenceStatus.RUNNING and left <= 1:
+                decode_rows += 1
+                continue
+            t = seq.request.tenant
+            wants[t] = min(budget, wants.get(t, 0) + left)
+            shares[t], batch[t] = seq.request.share, seq.request.batch
+        if len(wants) < 2:
+            return None
+        return split_step(wants, shares, batch, max(0, budget - decode_rows))
+
+    def _top_up(self, out: SchedulerOutput, budget: int) -> None:
+        """Give the budget the split left unused (a tenant short of seats or blocks, rounding) to the running
+        prompts in admission order, from free blocks only: sharing never idles budget that someone could use."""
+        planned = {id(item.seq): item for item in out.scheduled}
+        for seq in self.running:
+            if budget == 0:
+                break
+            item = planned.get(id(seq))
+            done = item.num_new_tokens if item is not None else 0
+            extra = min(seq.num_uncomputed_tokens - done, budget)
+            if extra <= 0 or seq.draft_token_ids or seq.num_uncomputed_tokens <= 1:
+                continue
+            if not self.block_manager.can_grow(seq, done + extra):
+                continue
+            self.block_manager.grow(seq, done + extra)
+            if item is not None:
+                item.num_new_tokens += extra
+            else:
+                out.scheduled.append(ScheduledSeq(seq, extra))
+            budget -= extra
 
 
 def _accepted(tokens: list[int], draft: list[int]) -> int:

@@ -14,6 +14,7 @@ import json
 
 from ...engine.sequence import SamplingParams
 from ...limits import InvalidRequest
+from .. import json_input
 from ..embeddings import EmbedSpec
 from ..requests import OutputOptions, RequestSpec
 from ..tools import ToolChoice, ToolRequest, parse_tool_choice, tool_from_fields, tool_request
@@ -59,7 +60,7 @@ def tools_spec(msg: Any) -> ToolRequest | None:
     for i, t in enumerate(msg.tools):
         param = f"tools[{i}].parameters_json"
         try:
-            schema = json.loads(t.parameters_json) if t.parameters_json else None
+            schema = json_input.loads(t.parameters_json, param, param) if t.parameters_json else None
         except json.JSONDecodeError as e:
             raise InvalidRequest(param, f"{param} is not valid JSON: {e.msg}") from None
         tools.append(tool_from_fields({"name": t.name, "description": t.description, "parameters": schema},

@@ -18,6 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from ...limits import GRPC_MAX_CONCURRENT_STREAMS
 from ..state import ServerState
 from ..protos.steadyserve.v1 import inference_pb2, inference_pb2_grpc
 from . import SERVICE
@@ -27,7 +28,6 @@ from .servicer import InferenceServicer
 log = logging.getLogger("steadyserve.grpc")
 
 Status = health_pb2.HealthCheckResponse.ServingStatus
-MAX_CONCURRENT_STREAMS = 256  # per connection; more waits in the client's HTTP/2 queue, not in ours
 MAX_SEND_BYTES = 64 * 1024 * 1024  # Score with top-20 alternatives on a long prompt is a few MB
 HEALTH_POLL_S = 0.25  # how soon Watch notices a change nobody announced (an engine that died)
 
@@ -35,7 +35,8 @@ HEALTH_POLL_S = 0.25  # how soon Watch notices a change nobody announced (an eng
 def server_options(max_receive_bytes: int) -> list[tuple[str, int]]:
     """Channel arguments of the server: limits, keepalive, and no silent port sharing."""
     return [
-        ("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS),
+        # Past it on one connection, gRPC refuses the new stream (RST_STREAM REFUSED_STREAM) before any handler.
+        ("grpc.max_concurrent_streams", GRPC_MAX_CONCURRENT_STREAMS),
         # Bigger requests get RESOURCE_EXHAUSTED from gRPC itself before we parse anything;
         # the limit is HTTP's --max-request-bytes so that both front ends accept the same inputs.
         ("grpc.max_receive_message_length", max_receive_bytes),

@@ -11,9 +11,11 @@ import re
 from typing import Any, TypeVar
 
 from fastapi import Request
+from starlette.requests import ClientDisconnect
 from pydantic import BaseModel, ValidationError
 
 from ...limits import DEFAULT_MAX_TOKENS, Refused
+from .. import json_input
 from ..requests import OutputOptions, RequestSpec, ValidatedRequest, build
 from ..state import ServerState
 from .schemas import ChatCompletionRequest, CompletionRequest, refuse_unsupported
@@ -24,18 +26,21 @@ M = TypeVar("M", bound=BaseModel)
 async def read_json(request: Request, limit: int) -> Any:
     """The body as JSON, refusing oversize bodies, invalid UTF-8 and malformed JSON by name."""
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise Refused("request_too_large", f"request body exceeds {limit} bytes (--max-request-bytes)")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise Refused("request_too_large", f"request body exceeds {limit} bytes (--max-request-bytes)")
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone, or cut off by --body-timeout (http/edge.py answered it 408): no one to answer
+        raise Refused("client_disconnect", "the client went away before its request body was complete") from None
     raw = b"".join(chunks)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise Refused("invalid_utf8", f"request body is not valid UTF-8 (byte {e.start})") from None
     try:
-        body = json.loads(text)
+        body = json_input.loads(text)
     except json.JSONDecodeError as e:
         raise Refused("invalid_json", f"request body is not valid JSON: {e.msg} at line {e.lineno} column "
                       f"{e.colno}") from None

@@ -11,6 +11,7 @@ Protocol (`WS /v1/stream`):
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any, Awaitable
 
@@ -18,6 +19,7 @@ from fastapi import WebSocket
 from starlette.websockets import WebSocketDisconnect
 
 from ...limits import RETRY_REASONS, InvalidRequest, Refused
+from .. import json_input
 from ..events import StreamStalled, end_status
 from ..receipts import HEADER as RECEIPT_HEADER, header_asks, receipt_for
 from ..requests import ValidatedRequest, admit
@@ -64,19 +66,24 @@ def _single_choice(req: ValidatedRequest) -> ValidatedRequest:
 async def websocket_stream(ws: WebSocket, state: ServerState) -> None:
     await ws.accept()
     cfg = state.config.server
-    try:
-        message = await ws.receive()
+    try:  # the request message, within --body-timeout of the handshake (an HTTP body's bound)
+        message = await asyncio.wait_for(ws.receive(), cfg.body_timeout)
     except WebSocketDisconnect:
         return
+    except asyncio.TimeoutError:
+        return await _fail(ws, CLOSE_BAD_REQUEST, f"no request message within {cfg.body_timeout:g} s of the "
+                           "handshake (--body-timeout)", "invalid_request_error", None, "request_timeout")
     if message["type"] == "websocket.disconnect":
         return
     if message.get("text") is None:
         return await _fail(ws, CLOSE_BAD_REQUEST, "send the request as one JSON text frame, not binary",
                            "invalid_request_error", None, "binary_frame")
     try:
-        body = json.loads(message["text"])
+        body = json_input.loads(message["text"], "the request frame")
         if not isinstance(body, dict):
             raise ValueError("not an object")
+    except Refused as e:  # nested past limits.MAX_JSON_DEPTH
+        return await _refusal(ws, e)
     except ValueError:
         return await _fail(ws, CLOSE_BAD_REQUEST, "the request frame is not a JSON object", "invalid_request_error",
                            None, "invalid_json")

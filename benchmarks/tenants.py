@@ -1,0 +1,240 @@
+"""Many teams on one server (issue 61): does one tenant's flood take another's service?
+
+Starts `steadyserve serve` on 127.0.0.1 with the default model (SmolLM2-135M-Instruct; --model to override) and a
+keys file, and runs, each phase for a bounded time, with sampled text (temperature 0.8, a seed per request):
+
+  quiet      tenant B alone, one streamed request a second: B's TTFT on a quiet server
+  single     tenant A alone floods (--flood x --max-num-seqs streams kept open): the single-tenant throughput
+  contended  A floods while B sends one request a second (equal weights): B's TTFT p99 against quiet (target
+             <= 2x), B's 429s (target 0), whether every refusal A got is A's own 429, throughput against single
+             (target within 10%)
+  shares     the keys file reloaded (SIGHUP) to C (weight 3) and D (weight 1), both flooding: output tokens C:D
+             over --shares-seconds (target 3:1 within 10%)
+  kv_full    a second server with a small --kv-cache-memory, A `batch` flooding with long outputs, B `interactive`
+             one a second: B is never refused, A's sequences are preempted instead
+
+Output tokens are read from the server's own per-tenant counters (steadyserve_tenant_tokens_total), so the client's
+event coalescing cannot skew them. Results go to benchmarks/results/tenants.json, with the CPU and the load
+average before and after (another process on the machine skews every number here).
+
+    .venv/bin/python benchmarks/tenants.py                      # about 4 minutes
+    .venv/bin/python benchmarks/tenants.py --phase-seconds 10 --shares-seconds 30   # a quicker look
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import signal
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from steadyserve.tenants import hash_key
+from steadyserve.testing.server import ServerProcess
+from steadyserve.tools.sse_client import StreamResult, sse_post
+
+RESULTS = Path(__file__).parent / "results" / "tenants.json"
+KEYS = {name: f"bench-key-{name}-" + "k" * 16 for name in "ABCD"}
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def keys_toml(entries: dict[str, str]) -> str:
+    """A keys file: tenant name -> extra TOML lines (A always has the admin role, to read /metrics)."""
+    out = []
+    for name, extra in entries.items():
+        roles = 'roles = ["admin"]\n' if name == "A" else ""
+        out.append(f'[[tenant]]\nname = "{name}"\nkeys = ["{hash_key(KEYS[name])}"]\n{roles}{extra}\n')
+    return "\n".join(out)
+
+
+def output_tokens(srv: ServerProcess) -> Counter:
+    """Output tokens so far per tenant, from the server's counters."""
+    got: Counter = Counter()
+    for line in srv.metrics_text({"Authorization": f"Bearer {KEYS['A']}"}).splitlines():
+        if line.startswith("steadyserve_tenant_tokens_total{") and 'kind="output"' in line:
+            tenant = line.split('tenant="', 1)[1].split('"', 1)[0]
+            got[tenant] += float(line.rsplit(" ", 1)[1])
+    return got
+
+
+def metric(srv: ServerProcess, name: str) -> float:
+    for line in srv.metrics_text({"Authorization": f"Bearer {KEYS['A']}"}).splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def p(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return round(s[min(len(s) - 1, int(q * len(s)))], 4)
+
+
+class Load:
+    """Streams of one tenant, with every outcome kept: TTFTs, statuses and error codes."""
+
+    def __init__(self, srv: ServerProcess, tenant: str, max_tokens: int) -> None:
+        self.srv, self.tenant, self.max_tokens = srv, tenant, max_tokens
+        self.ttft: list[float] = []
+        self.status: Counter = Counter()
+        self.codes: Counter = Counter()
+        self.n = 0
+
+    async def one(self) -> StreamResult:
+        self.n += 1
+        seed = hash((self.tenant, self.n)) % 2**31
+        body = {"prompt": f"Request {self.n} from team {self.tenant}: write a short note about", "stream": True,
+                "max_tokens": self.max_tokens, "temperature": 0.8, "seed": seed, "ignore_eos": True}
+        r = await sse_post(self.srv.http_url + "/v1/completions", body,
+                           headers={"Authorization": f"Bearer {KEYS[self.tenant]}"}, timeout=300)
+        self.status[r.status] += 1
+        if r.status == 200 and r.token_times:
+            self.ttft.append(r.token_times[0] - r.t_start)
+        if r.error:
+            self.codes[str(r.error.get("code"))] += 1
+        return r
+
+    async def flood(self, streams: int, until: float) -> None:
+        """Keep `streams` requests in flight until `until`; a refused one is retried after its Retry-After (at
+        most a second) as a real client would."""
+
+        async def worker() -> None:
+            while time.monotonic() < until:
+                r = await self.one()
+                if r.status != 200:
+                    await asyncio.sleep(min(1.0, float(r.headers.get("retry-after", "1"))))
+
+        await asyncio.gather(*(worker() for _ in range(streams)))
+
+    async def every_second(self, until: float) -> None:
+        tasks = []
+        while time.monotonic() < until:
+            tasks.append(asyncio.create_task(self.one()))
+            await asyncio.sleep(1.0)
+        await asyncio.gather(*tasks)
+
+    def summary(self) -> dict[str, Any]:
+        return {"requests": self.n, "status": dict(self.status), "error_codes": dict(self.codes),
+                "ttft_p50_s": p(self.ttft, 0.5), "ttft_p99_s": p(self.ttft, 0.99), "ttft_max_s": p(self.ttft, 1.0)}
+
+
+async def timed(srv: ServerProcess, coros: list, seconds: float) -> tuple[Counter, float]:
+    """Run the loads for `seconds` (their requests then finish); output tokens per tenant within the window."""
+    t0, before = time.monotonic(), output_tokens(srv)
+    await asyncio.gather(*coros)
+    took = time.monotonic() - t0
+    after = output_tokens(srv)
+    return Counter({t: after[t] - before[t] for t in after}), took
+
+
+async def main_server(a: argparse.Namespace, keys: Path) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    common = ("--api-keys", str(keys), "--max-num-seqs", str(a.max_num_seqs), "--max-queue", str(a.max_queue))
+    with ServerProcess(a.model, *common, threads=a.threads, startup_timeout=600) as srv:
+        await Load(srv, "B", a.max_tokens).one()  # warm-up
+        s = a.phase_seconds
+        quiet = Load(srv, "B", a.max_tokens)
+        await timed(srv, [quiet.every_second(time.monotonic() + s)], s)
+        out["quiet"] = {"B": quiet.summary()}
+
+        single = Load(srv, "A", a.max_tokens)
+        toks, took = await timed(srv, [single.flood(a.flood * a.max_num_seqs, time.monotonic() + s)], s)
+        out["single"] = {"A": single.summary(), "output_tokens_per_s": round(sum(toks.values()) / took, 2)}
+
+        flood, b = Load(srv, "A", a.max_tokens), Load(srv, "B", a.max_tokens)
+        until = time.monotonic() + s
+        toks, took = await timed(srv, [flood.flood(a.flood * a.max_num_seqs, until), b.every_second(until)], s)
+        out["contended"] = {"A": flood.summary(), "B": b.summary(),
+                            "output_tokens_per_s": round(sum(toks.values()) / took, 2),
+                            "output_tokens": dict(toks)}
+
+        keys.write_text(keys_toml({"A": "weight = 0.001", "C": "weight = 3", "D": "weight = 1"}))
+        srv.signal(signal.SIGHUP)
+        await asyncio.sleep(1.0)
+        c, d = Load(srv, "C", a.max_tokens), Load(srv, "D", a.max_tokens)
+        until = time.monotonic() + a.shares_seconds
+        toks, took = await timed(srv, [c.flood(a.flood * a.max_num_seqs, until),
+                                       d.flood(a.flood * a.max_num_seqs, until)], a.shares_seconds)
+        out["shares"] = {"C": c.summary(), "D": d.summary(), "output_tokens": dict(toks), "seconds": round(took, 1),
+                         "ratio_C_to_D": round(toks["C"] / max(1.0, toks["D"]), 3)}
+    return out
+
+
+async def kv_server(a: argparse.Namespace, keys: Path) -> dict[str, Any]:
+    keys.write_text(keys_toml({"A": 'priority = "batch"', "B": ""}))
+    common = ("--api-keys", str(keys), "--max-num-seqs", str(a.max_num_seqs), "--max-queue", str(a.max_queue),
+              "--kv-cache-memory", a.kv_full_memory)
+    with ServerProcess(a.model, *common, threads=a.threads, startup_timeout=600) as srv:
+        await Load(srv, "B", a.max_tokens).one()
+        preempted0 = metric(srv, "steadyserve_preemptions_total")
+        flood, b = Load(srv, "A", a.kv_full_tokens), Load(srv, "B", a.max_tokens)
+        until = time.monotonic() + a.phase_seconds
+        toks, _ = await timed(srv, [flood.flood(a.flood * a.max_num_seqs, until), b.every_second(until)],
+                              a.phase_seconds)
+        return {"A_batch": flood.summary(), "B_interactive": b.summary(), "output_tokens": dict(toks),
+                "preemptions": metric(srv, "steadyserve_preemptions_total") - preempted0,
+                "kv_cache_memory": a.kv_full_memory}
+
+
+def verdicts(r: dict[str, Any]) -> dict[str, Any]:
+    quiet, cont = r["quiet"]["B"], r["contended"]
+    ratio = (cont["B"]["ttft_p99_s"] or 0) / max(1e-9, quiet["ttft_p99_s"] or 1e-9)
+    a_refusals = {k: v for k, v in cont["A"]["error_codes"].items()}
+    return {
+        "B_ttft_p99_vs_quiet": round(ratio, 2), "B_ttft_within_2x": ratio <= 2.0,
+        "B_429s": cont["B"]["status"].get(429, 0),
+        "A_refusals_all_own_429": all(code.startswith("tenant_") for code in a_refusals)
+        and set(cont["A"]["status"]) <= {200, 429},
+        "throughput_vs_single": round(cont["output_tokens_per_s"] / max(1e-9, r["single"]["output_tokens_per_s"]), 3),
+        "shares_ratio_within_10pct": abs(r["shares"]["ratio_C_to_D"] / 3.0 - 1.0) <= 0.10,
+        "kv_full_B_never_refused": set(r["kv_full"]["B_interactive"]["status"]) <= {200},
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="", help="model (default: the server's default, SmolLM2-135M-Instruct)")
+    ap.add_argument("--threads", type=int, default=0, help="server threads (0: its CPU budget)")
+    ap.add_argument("--max-num-seqs", type=int, default=8, help="the server's running sequences (its capacity)")
+    ap.add_argument("--max-queue", type=int, default=24)
+    ap.add_argument("--flood", type=int, default=5, help="A keeps this many times --max-num-seqs streams open")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--phase-seconds", type=float, default=30.0)
+    ap.add_argument("--shares-seconds", type=float, default=60.0)
+    ap.add_argument("--kv-full-memory", default="4MiB", help="--kv-cache-memory of the KV-full server")
+    ap.add_argument("--kv-full-tokens", type=int, default=96, help="max_tokens of A's batch flood there")
+    ap.add_argument("--out", default=str(RESULTS))
+    a = ap.parse_args()
+    load_before = os.getloadavg()
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory() as d:
+        keys = Path(d) / "keys.toml"
+        keys.write_text(keys_toml({"A": "", "B": ""}))
+        result = asyncio.run(main_server(a, keys))
+        result["kv_full"] = asyncio.run(kv_server(a, keys))
+    result["verdicts"] = verdicts(result)
+    result["machine"] = {"cpu": cpu_model(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                         "loadavg_before": load_before, "loadavg_after": os.getloadavg()}
+    result["settings"] = {k: v for k, v in vars(a).items() if k != "out"}
+    result["wall_seconds"] = round(time.monotonic() - t0, 1)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result["verdicts"], indent=2))
+    print(f"written to {a.out}")
+
+
+if __name__ == "__main__":
+    main()
