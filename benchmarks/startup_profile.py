@@ -5,7 +5,7 @@ stamps each log line with the RSS at the moment it arrived, until the ready file
 server. Prints one JSON object: ready seconds, peak RSS (VmHWM), the file's size, the KV budget, the margin
 left under file + KV + 600 MiB, and every log line (with progress lines) with its time and RSS.
 
-    .venv/bin/python benchmarks/startup_profile.py FILE.gguf [--kv 512MiB] [--out results.json] [-- serve args]
+    .venv/bin/python benchmarks/startup_profile.py FILE.gguf [--kv 512MiB] [--out results.json] [serve args]
 """
 
 from __future__ import annotations
@@ -92,9 +92,8 @@ def main() -> None:
     p.add_argument("file", type=Path)
     p.add_argument("--kv", default="512MiB")
     p.add_argument("--out", type=Path)
-    p.add_argument("serve_args", nargs="*")
-    a = p.parse_args()
-    result = profile(a.file, a.kv, a.serve_args)
+    a, serve_args = p.parse_known_args()  # the rest go to `steadyserve serve`
+    result = profile(a.file, a.kv, serve_args)
     text = json.dumps(result, indent=1)
     if a.out:
         a.out.write_text(text)

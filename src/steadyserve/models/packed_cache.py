@@ -72,6 +72,19 @@ def cache_path(root: Path, src: Path, key: CacheKey) -> Path:
     return root / "packed" / f"{src.stem}-{key.gguf_sha256[:16]}-{key.int8}-{key.packer[:12]}.q8p"
 
 
+def prune_older(path: Path) -> list[Path]:
+    """Remove the cache files of the same GGUF (name and digest) made by another int8 version or packer, which no
+    start of this build can use: a kernel update leaves one file per model, not one per update. Returns them."""
+    prefix = path.name[:path.name.rindex("-", 0, path.name.rindex("-"))] + "-"  # <stem>-<sha16>-
+    gone = []
+    for other in path.parent.iterdir():
+        if other != path and other.name.startswith(prefix) and other.suffix == ".q8p" \
+                and other.name.count("-") == path.name.count("-"):
+            other.unlink(missing_ok=True)
+            gone.append(other)
+    return gone
+
+
 def packed_plan(m: QMatrix) -> list[tuple[str, int, int, int]]:
     """(name, format id, K, rows) of each part QMatrix.packed() makes of `m`, without packing: what a cache
     file must hold for it."""

@@ -20,7 +20,7 @@ import torch
 
 from ..kernels.quant import QMatrix
 from ..progress import Progress
-from .packed_cache import CacheRefused, cache_key, cache_path, packed_plan, read_cache, write_cache
+from .packed_cache import CacheRefused, cache_key, cache_path, packed_plan, prune_older, read_cache, write_cache
 from .transformer import Transformer
 
 log = logging.getLogger("steadyserve.loader")
@@ -95,6 +95,9 @@ def repack_int8(model: Transformer, mapping: Any, src: Path | None, gguf_sha256:
     if path is not None:
         try:
             written = write_cache(path, cache_key(gguf_sha256), made)
+            for old in prune_older(path):
+                log.info(f"packed-weight cache {old.name} removed: made by another kernel build",
+                         extra={"fields": {"file": str(old)}})
         except OSError as e:
             log.warning(f"packed-weight cache {path} not written ({e}); the next start repacks again",
                         extra={"fields": {"file": str(path), "reason": str(e)}})
