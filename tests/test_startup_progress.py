@@ -107,3 +107,18 @@ def test_a_damaged_or_racy_digest_entry_is_recomputed_not_trusted(tmp_path):
         assert file_sha256(f, cache) == want
     entry.write_text(json.dumps({**kept, "sha256": "f" * 64}))  # a matching identity is believed, as git does
     assert file_sha256(f, cache) == "f" * 64
+
+
+def test_a_quiet_phase_logs_only_its_end_and_nothing_when_it_fails(caplog):
+    """A conversion can refuse its input: the refusal must stay the one line on stderr."""
+    caplog.set_level(logging.INFO, logger="steadyserve.progress")
+    try:
+        with Progress("converting x.gguf", MiB, bar=False, quiet=True):
+            raise ValueError("not a GGUF")
+    except ValueError:
+        pass
+    assert not _progress_records(caplog)
+    with Progress("converting x.gguf", MiB, bar=False, quiet=True) as p:
+        p.advance(MiB)
+    (end,) = _progress_records(caplog)
+    assert "converting x.gguf: done, 1.0 MiB" in end.getMessage()

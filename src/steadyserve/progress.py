@@ -46,9 +46,11 @@ def _mib(n: float) -> str:
 
 class Progress:
     """One phase of `total` bytes. `advance(n)` as bytes are done; `close()` (or leaving the `with`) ends it.
-    `clock` and `stream` are for tests; `bar` overrides the process's rendering."""
+    `quiet`: no line when the phase starts or fails, only its progress and its end (a step that may refuse the
+    input, whose refusal must stay the one line on stderr). `clock` and `stream` are for tests; `bar`
+    overrides the process's rendering."""
 
-    def __init__(self, phase: str, total: int, *, interval: float = 2.0, bar: bool | None = None,
+    def __init__(self, phase: str, total: int, *, interval: float = 2.0, bar: bool | None = None, quiet: bool = False,
                  stream: TextIO | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.phase = phase  # what is being done, e.g. "repacking weights"
         self.total = max(int(total), 0)  # bytes the phase will cover
@@ -60,8 +62,10 @@ class Progress:
         self.start = clock()
         self._last = self.start  # when the last line or bar was shown
         self._closed = False
-        log.info(f"{phase}: {_mib(self.total)}", extra={"fields": {"phase": phase, "total_bytes": self.total,
-                                                                    "done_bytes": 0}})
+        self.quiet = quiet
+        if not quiet:
+            log.info(f"{phase}: {_mib(self.total)}", extra={"fields": {"phase": phase, "total_bytes": self.total,
+                                                                        "done_bytes": 0}})
 
     def __enter__(self) -> Progress:
         return self
@@ -106,6 +110,8 @@ class Progress:
         if self._closed:
             return
         self._closed = True
+        if failed and self.quiet:
+            return
         if self.bar:
             stream = self.stream or sys.stderr
             stream.write("\n")

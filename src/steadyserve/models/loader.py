@@ -157,9 +157,10 @@ def convert_gguf(path: Path, cache_dir: str = "", with_weights: bool = True, nat
     from .gguf_convert import convert
 
     size = path.stat().st_size
-    try:  # the first start of a file only; shown as a phase (its steps are transformers', with no byte count)
+    try:  # a file's first start only; its end logged (its steps are transformers', with no byte count); a refusal
+        # stays the one line the command line prints
         with Progress(f"converting {path.name} (config, tokenizer{', float32 weights' if with_weights else ''})",
-                      size) as progress:
+                      size, quiet=True) as progress:
             hf_config, tensors, tokenizer = convert(path, with_weights, native)
             progress.advance(size)
     except Exception as e:
