@@ -7,8 +7,9 @@ in memory. Loading, checking, repacking and the self-test cost the same whatever
 this writes the blocks directly: the tensor table of llama.cpp's Q4_K_M at the chosen shape (Q4_K matrices,
 Q6_K for attn_v and ffn_down in llama.cpp's "more bits" layers and for the output or tied embedding, F32
 norms), each block random bytes from a fixed seed with its scales set to small finite float16 values. The
-tokenizer and chat template are the default model's (vocabulary 49,152), padded with reserved control tokens
-where the shape's vocabulary is larger. Tensors are written one at a time: nothing the size of the model is
+tokenizer and chat template are the default model's (vocabulary 49,152), padded where the shape's vocabulary
+is larger with plain reserved tokens (not special ones: a real vocabulary has few, and transformers loads each
+special token in Python, seconds for 79k of them). Tensors are written one at a time: nothing the size of the model is
 ever in memory. The values are not a trained model's: never use these files for accuracy.
 
     .venv/bin/python benchmarks/random_blocks_gguf.py [--shape smollm2-1.7b|llama3.1-8b] [--out DIR]
@@ -88,7 +89,7 @@ def _metadata(writer, s: dict, default_gguf: Path) -> None:  # noqa: ANN001 - gg
             if extra > 0:
                 base = len(values)
                 values += ([f"<|reserved_{base + i}|>" for i in range(extra)] if key.endswith("tokens")
-                           else [0.0] * extra if key.endswith("scores") else [3] * extra)  # 3: CONTROL
+                           else [0.0] * extra if key.endswith("scores") else [1] * extra)  # 1: NORMAL
             writer.add_array(key, values)
         elif kind == GGUFValueType.STRING:
             writer.add_string(key, field.parts[field.data[0]].tobytes().decode("utf-8"))

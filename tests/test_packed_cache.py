@@ -110,7 +110,7 @@ def test_panels_this_builds_packer_would_not_make_are_refused(gguf, cache, tmp_p
     loaded = load_model(gguf, numerics="portable", cache_dir=str(cache))
     sources = {k: m for k, m in loaded.model.int8_matrices().items()}
     packed = {k: m.packed() for k, m in sources.items()}
-    slot = "layers.1.w_down"
+    slot = "layers.0.w_down"  # the first of its kind: the one checked
     (part,) = packed[slot].parts
     bad = part.data.clone()
     bad[3, 7] ^= 1  # a consistent file (its CRC is computed on these bytes) of other panels
@@ -118,7 +118,7 @@ def test_panels_this_builds_packer_would_not_make_are_refused(gguf, cache, tmp_p
     key = cache_key("ab" * 32)
     write_cache(tmp_path / "x.q8p", key, packed)
     plans = {k: packed_plan(m) for k, m in sources.items()}
-    with pytest.raises(CacheRefused, match=r"layers\.1\.w_down: .*panels differ from what this build's q8pack"):
+    with pytest.raises(CacheRefused, match=r"layers\.0\.w_down: .*panels differ from what this build's q8pack"):
         read_cache(tmp_path / "x.q8p", key, plans, sources)
     packed[slot] = QMatrix([part])
     write_cache(tmp_path / "x.q8p", key, packed)

@@ -9,9 +9,9 @@ reboot reads them from disk at its speed.
 Keyed by what makes the panels: the GGUF's sha256, the int8 family's version (kernel_versions.KERNELS) and
 a hash of the kernels' C++ sources (q8pack's layout is theirs; a change to any source costs one repack).
 The file is input like any other: a file whose key, layout or any part's CRC-32 does not match, or that is
-truncated or not ours, is refused by name (CacheRefused) and the loader repacks and rewrites it. Each part's
-first 16 rows are also repacked from the GGUF at every load and compared bitwise with the cached panels, so a
-packer that lays panels out differently on this CPU is caught however the key came to match.
+truncated or not ours, is refused by name (CacheRefused) and the loader repacks and rewrites it. The first 16
+rows of one part of each (format, K) are also repacked from the GGUF at every load and compared bitwise with the
+cached panels, so a packer that lays panels out differently on this CPU is caught however the key came to match.
 
 Layout: the parts' bytes, each at a 4096-aligned offset, then a JSON header, then its length (u64 LE) and
 MAGIC. The header lists each slot's parts (name, GGML type id, K, rows, row bytes, offset, CRC-32).
@@ -167,10 +167,10 @@ def read_cache(path: Path, key: CacheKey, plans: dict[str, list[tuple[str, int, 
             if crc != p["crc32"]:
                 raise CacheRefused(f"{p['name']}: CRC-32 {crc:08x}, the header says {p['crc32']:08x}: damaged")
             progress.advance(v.nbytes)
-    out = {}
+    out, checked = {}, set()
     for slot, pvs in views.items():
         parts = [QWeight(_tensor(v), p["fmt"], p["k"], p["name"]) for p, v in pvs]
-        _spot_check(slot, parts, sources[slot])
+        _spot_check(slot, parts, sources[slot], checked)
         out[slot] = QMatrix(parts)
     return out, data
 
@@ -213,13 +213,18 @@ def _tensor(v: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(v)
 
 
-def _spot_check(slot: str, parts: list[QWeight], source: QMatrix) -> None:
-    """Each cached part's first panel against the same rows of its first source matrix repacked now."""
+def _spot_check(slot: str, parts: list[QWeight], source: QMatrix, checked: set[tuple[int, int]]) -> None:
+    """The first cached part of each (format, K) against the same rows of its first source matrix repacked now:
+    a packer that lays out that kind of panel differently is caught (the CRC and the header already say each part
+    is as written, and where). `checked` collects the kinds checked so far."""
     src = iter(source.parts)
     for part in parts:
         first = next(src)
         for _ in range(part.name.count("|")):  # the sources joined into this part
             next(src)
+        if (part.fmt, part.k) in checked:
+            continue
+        checked.add((part.fmt, part.k))
         if not part.packed:
             if not torch.equal(part.data[:_SPOT_ROWS], first.data[:_SPOT_ROWS]):
                 raise CacheRefused(f"{slot}: {part.name}'s rows differ from the GGUF's")
