@@ -39,6 +39,7 @@ def profile(path: Path, kv: str, extra: list[str]) -> dict:
     ready = Path(tempfile.mkdtemp()) / "ready.json"
     cmd = [sys.executable, "-m", "steadyserve", "serve", "--model", str(path), "--kv-cache-memory", kv,
            "--http-port", "0", "--grpc-port", "0", "--ready-file", str(ready), "--log-format", "json", *extra]
+    load_before = Path("/proc/loadavg").read_text().split()[:3]  # the CPU is shared: say how busy it was
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     lines: list[dict] = []
@@ -77,7 +78,8 @@ def profile(path: Path, kv: str, extra: list[str]) -> dict:
             "exit": proc.returncode if not ready.exists() else None,
             "peak_rss_mib": hwm // MiB, "rss_at_ready_mib": st.get("VmRSS", 0) // MiB,
             "target_mib": (size + kv_bytes) // MiB + 600, "over_target_mib": (hwm - size - kv_bytes) // MiB - 600,
-            "cpu": _cpu(), "lines": lines}
+            "cpu": _cpu(), "loadavg_before": load_before, "loadavg_after": Path("/proc/loadavg").read_text().split()[:3],
+            "lines": lines}
 
 
 def _cpu() -> str:
@@ -100,6 +102,8 @@ def main() -> None:
     summary = {k: v for k, v in result.items() if k != "lines"}
     print(json.dumps(summary))
     for ln in result["lines"]:
+        if ln.get("logger") == "steadyserve.progress" and "done" not in ln.get("msg", ""):
+            continue
         print(ln["t"], ln["rss_mib"], ln["hwm_mib"], ln.get("msg", "")[:60],
               {k: v for k, v in ln.items() if k in ("load_s", "detail", "weights_bytes", "phase", "done_bytes")})
 
