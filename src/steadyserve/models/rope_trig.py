@@ -29,7 +29,11 @@ _P2 = 6.07710050630396597660e-11
 _P3 = 2.02226624879595063154e-21
 _TWO_OVER_PI = 6.36619772367581382433e-01
 _MAX_ANGLE = float(2 ** 20)  # k below 2^20: k * _P1 and k * _P2 are exact
-_BLOCK = 1 << 17  # angles per pass: the block's float64 temporaries (1 MiB each) stay in the caches
+# Angles per pass: the block's float64 temporaries (128 KiB each) stay in the caches, and each op stays below
+# torch's parallel grain (32768 elements), so it runs on the calling thread: an op split over 2 OpenMP threads
+# waits at its end for the slower one, and on a shared CPU a descheduled thread made blocks of 65536 take 10-24 s
+# where 16384 took under a second.
+_BLOCK = 1 << 14
 
 # fdlibm __kernel_sin: sin(r) = r + r^3 * (S1 + z*(S2 + z*(S3 + z*(S4 + z*(S5 + z*S6))))), z = r^2
 _SIN = (-1.66666666666666324348e-01, 8.33333333332248946124e-03, -1.98412698298579493134e-04,
