@@ -122,3 +122,30 @@ def test_a_quiet_phase_logs_only_its_end_and_nothing_when_it_fails(caplog):
         p.advance(MiB)
     (end,) = _progress_records(caplog)
     assert "converting x.gguf: done, 1.0 MiB" in end.getMessage()
+
+
+def test_the_logging_set_up_draws_bars_only_on_a_terminal_with_text_logs(monkeypatch):
+    from steadyserve import logs, progress
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        for stream, fmt, bar in ((Tty(), "text", True), (Tty(), "json", False), (io.StringIO(), "text", False)):
+            monkeypatch.setattr("sys.stderr", stream)
+            logs.setup_logging(fmt)
+            assert progress._bar is bar, (fmt, bar)
+    finally:
+        root.handlers[:], root.level = handlers, level
+        progress.configure(False)
+
+
+def test_a_long_phase_name_is_cut_so_the_bar_stays_one_line():
+    out = io.StringIO()
+    with Progress("hashing " + "x" * 200 + ".gguf", MiB, bar=True, stream=out, clock=_Clock()) as p:
+        p.advance(MiB)
+    line = out.getvalue().strip("\r\n")
+    assert line.startswith("hashing xxx") and "..." in line and len(line) < 120, line

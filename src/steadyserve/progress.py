@@ -23,6 +23,7 @@ log = logging.getLogger("steadyserve.progress")
 
 MiB = 1024**2
 _BAR_WIDTH = 30
+_NAME_WIDTH = 40  # a bar's phase name at most: the bar must fit one terminal line to be redrawn in place
 _bar = False  # draw bars on stderr (set by configure); log lines otherwise
 
 
@@ -102,7 +103,8 @@ class Progress:
         filled = int(_BAR_WIDTH * self.done / self.total) if self.total else _BAR_WIDTH
         eta = f"ETA {f['eta_s']:.0f}s" if f["eta_s"] is not None else "ETA ?"
         stream = self.stream or sys.stderr
-        stream.write(f"\r{self.phase} [{'#' * filled}{'.' * (_BAR_WIDTH - filled)}] {_mib(self.done)}/"
+        name = self.phase if len(self.phase) <= _NAME_WIDTH else self.phase[:_NAME_WIDTH - 3] + "..."  # one line
+        stream.write(f"\r{name} [{'#' * filled}{'.' * (_BAR_WIDTH - filled)}] {_mib(self.done)}/"
                      f"{_mib(self.total)} {f['rate_mib_s']} MiB/s {eta}  ")
         stream.flush()
 

@@ -112,7 +112,7 @@ def write_cache(path: Path, key: CacheKey, slots: dict[str, QMatrix]) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     header: dict[str, Any] = {"key": asdict(key), "slots": {}}
     try:
-        with Progress(f"writing packed-weight cache {path.name}", total) as progress, open(tmp, "wb") as f:
+        with Progress("writing packed-weight cache", total) as progress, open(tmp, "wb") as f:
             offset = 0
             for slot, m in slots.items():
                 parts = []
@@ -161,7 +161,7 @@ def read_cache(path: Path, key: CacheKey, plans: dict[str, list[tuple[str, int, 
         views[slot] = [(p, _view(data, slot, p)) for p in parts]
     every = [pv for pvs in views.values() for pv in pvs]
     total = sum(v.nbytes for _, v in every)
-    with Progress(f"checking packed-weight cache {path.name}", total) as progress, \
+    with Progress("checking packed-weight cache", total) as progress, \
             ThreadPoolExecutor(max(threads, 1)) as pool:  # zlib.crc32 lets go of the GIL: one part per thread
         for (p, v), crc in zip(every, pool.map(lambda pv: _crc(pv[1]), every)):
             if crc != p["crc32"]:
