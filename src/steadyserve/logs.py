@@ -45,6 +45,10 @@ class StderrHandler(logging.StreamHandler):
 
 
 def setup_logging(fmt: str = "text", level: int = logging.INFO) -> None:
+    """Also picks how start-up progress renders (progress.py): a bar on a terminal with text logs, else log lines."""
+    from .progress import configure, wants_bar
+
+    configure(wants_bar(fmt))
     handler = StderrHandler()
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     root = logging.getLogger()

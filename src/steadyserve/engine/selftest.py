@@ -25,6 +25,10 @@ from .offline import run_requests
 from .sequence import Request, SamplingParams
 
 
+PROBE_PROMPT = 8  # the probe's prompt tokens
+PROBE_TOKENS = 4  # the tokens it generates, compared alone/batched and decode/prefill
+
+
 @dataclass
 class SelfTestResult:
     passed: bool  # every comparison bitwise equal
@@ -44,10 +48,14 @@ def run_selftest(engine: LLMEngine, seed: int = 1234) -> SelfTestResult:
         model.calibrate()
     rng = random.Random(seed)
     vocab = engine.loaded.args.vocab_size
-    prompt = [rng.randrange(vocab) for _ in range(24)]
-    gen = 6
+    # Short on purpose: every prompt token is a full forward at the model's size (prefill tokens were most of the
+    # test's time on large models), and the checks need only distinct batch positions, a step that mixes prefill
+    # and decode, and a few decoded tokens, not long sequences. The others decode for 3+ tokens so that they are
+    # still decoding when the probe arrives (step 2) and when the last one joins (step 3).
+    prompt = [rng.randrange(vocab) for _ in range(PROBE_PROMPT)]
+    gen = PROBE_TOKENS
     alone = run_requests(engine, [_probe("alone", prompt, gen)])["alone"]
-    others = [_probe(f"o{i}", [rng.randrange(vocab) for _ in range(rng.randrange(3, 40))], rng.randrange(1, 8))
+    others = [_probe(f"o{i}", [rng.randrange(vocab) for _ in range(rng.randrange(2, 10))], rng.randrange(3, 6))
               for i in range(4)]
     # Arrives while others decode: a mixed prefill/decode step, at the end of the batch.
     mixed = run_requests(engine, others[:3], {2: [_probe("probe", prompt, gen)], 3: others[3:]})["probe"]

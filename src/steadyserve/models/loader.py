@@ -1,7 +1,8 @@
 """Load a model from a Hugging Face directory or a GGUF file, and fingerprint it.
 
 On the native numerics paths (int8, the default, and portable) a GGUF file's tensors are read
-as stored, memory-mapped (models/gguf.py; int8 repacks them once into panels in memory); only
+as stored, memory-mapped (models/gguf.py; int8 repacks them once into panels, and maps them from the
+packed-weight cache at later starts: repack.py, packed_cache.py); only
 its config and tokenizer are written once into an HF directory under the cache, keyed by the
 file's content hash. On the host path (`--numerics host`, asked for explicitly or where the
 native kernels cannot run) the weights are dequantized once to float32 into
@@ -31,13 +32,16 @@ from ..kernels.quant import UnsupportedFormat
 from ..memory import tensor_bytes
 from ..numerics import Numerics, NumericsError
 from ..platform_info import numerics_for
+from ..progress import Progress
 from . import known
 from .args import ModelArgs
 from .attention import AttentionFn, attention_invariant, attention_native, attention_plain
+from .file_digest import file_sha256
 from .gguf_convert import one_gguf_reader  # noqa: F401  (tests and benchmarks import it from here)
 from .layers import RowTiler
 from .pooling import Pooling, PoolingError, resolve_pooling
 from .registry import model_args, model_class
+from .repack import repack_int8
 from .transformer import Transformer
 
 log = logging.getLogger("steadyserve.loader")
@@ -82,7 +86,7 @@ class LoadedModel:
     from_cache: bool  # a GGUF file whose converted config/tokenizer (and, host path, weights) were cached
     numerics: Numerics | None = None  # the path the model computes on, and its fingerprint id
     weights_bytes: int = 0  # bytes of the model's tensors (tensor_bytes): stored blocks or float32, RoPE tables
-    keepalive: Any = None  # the memory mapping the stored weights are views of (a numpy memmap of the GGUF)
+    keepalive: Any = None  # the memory mappings the stored weights are views of (the GGUF's; int8: and the panels')
     pooling: Pooling = Pooling("last", True, "default")  # how /v1/embeddings pools and normalises (pooling.py)
 
 
@@ -123,11 +127,11 @@ def cache_root(cache_dir: str = "") -> Path:
     return Path(cache_dir or os.environ.get("STEADYSERVE_CACHE") or Path.home() / ".cache" / "steadyserve")
 
 
-def _sha256_files(paths: list[Path]) -> str:
+def _sha256_files(paths: list[Path], cache_dir: str = "") -> str:
+    """The weights' digest: sha256 over each file's sha256 in name order (file_digest.py keeps each file's)."""
     h = hashlib.sha256()
     for p in sorted(paths):
-        with open(p, "rb") as f:
-            h.update(hashlib.file_digest(f, "sha256").digest())
+        h.update(bytes.fromhex(file_sha256(p, cache_root(cache_dir))))
     return h.hexdigest()
 
 
@@ -143,7 +147,7 @@ def convert_gguf(path: Path, cache_dir: str = "", with_weights: bool = True, nat
     cached HF directory. Returns (dir, was_cached). gguf_convert.convert checks the file before it converts
     anything (with `native`, the tensor types the native kernels read too), so a damaged or refused file leaves
     no cache entry; a file of an architecture steadyserve does not serve is refused by name."""
-    digest = _sha256_files([path])[:16]
+    digest = _sha256_files([path], cache_dir)[:16]
     kind = "" if with_weights else "-meta"
     out = cache_root(cache_dir) / "gguf" / f"{path.stem}-{digest}-c{CONVERTER_VERSION}{kind}"
     if (out / "steadyserve.json").is_file():
@@ -152,8 +156,13 @@ def convert_gguf(path: Path, cache_dir: str = "", with_weights: bool = True, nat
 
     from .gguf_convert import convert
 
-    try:
-        hf_config, tensors, tokenizer = convert(path, with_weights, native)
+    size = path.stat().st_size
+    try:  # a file's first start only; its end logged (its steps are transformers', with no byte count); a refusal
+        # stays the one line the command line prints
+        with Progress(f"converting {path.name} (config, tokenizer{', float32 weights' if with_weights else ''})",
+                      size, quiet=True) as progress:
+            hf_config, tensors, tokenizer = convert(path, with_weights, native)
+            progress.advance(size)
     except Exception as e:
         raise _gguf_error(path, e) from None
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
@@ -321,18 +330,6 @@ def choose_numerics(mode: str, dev: torch.device, dtype: str, batch_invariant: b
     return numerics_for(chosen)
 
 
-def _release_pages(mapping: Any) -> None:
-    """Drop the pages of a GGUF mapping from this process's memory once the int8 path has packed its own
-    copies: they are clean file pages, so an embedding lookup that needs one reads it back from the file.
-    Without this the packing pass, which reads every matrix once, would leave the whole file resident
-    beside the packed copy (2x the weights in RSS)."""
-    mm = getattr(mapping, "_mmap", None)  # numpy.memmap's mmap.mmap (gguf_file.read_gguf maps the file)
-    if mm is not None and hasattr(mm, "madvise"):
-        import mmap
-
-        mm.madvise(mmap.MADV_DONTNEED)
-
-
 def load_model(path: str, device: str = "cpu", dtype: str = "auto", *, batch_invariant: bool = True,
                row_tile: int = 512, max_model_len: int = 0, name: str = "", cache_dir: str = "",
                attention: str = "auto", block_size: int = 32, numerics: str = "auto",
@@ -397,8 +394,12 @@ def load_model(path: str, device: str = "cpu", dtype: str = "auto", *, batch_inv
         model = model_class(args)(args, weights, dev, dt, RowTiler(row_tile, batch_invariant and not native),
                                   max_len, attn, kernel_id, native=native)
         if num.mode == "int8":
-            model.use_int8_activations()
-            _release_pages(keepalive)
+            gguf, root = (src, cache_root(cache_dir)) if src.is_file() else (None, None)
+            packed = repack_int8(model, keepalive, gguf, file_sha256(src, root) if gguf else "", root)
+            log.info(f"int8 panels: {packed.source}", extra={"fields": {
+                "source": packed.source, "cache_file": packed.cache_file, "cache_bytes": packed.cache_bytes,
+                "seconds": round(packed.seconds, 2)}})
+            keepalive = (keepalive, packed.keepalive)
         weights.clear()  # what the model did not take (e.g. rotary buffers) must not pin the file mapping
     except UnsupportedFormat as e:
         raise LoadError(f"{src}: {e}") from None
@@ -408,6 +409,6 @@ def load_model(path: str, device: str = "cpu", dtype: str = "auto", *, batch_inv
         raise LoadError(f"{where} ({e})") from None
     return LoadedModel(model=model, args=args, tokenizer=tokenizer,
                        name=name or (src.stem if src.is_file() else src.name),
-                       weights_hash=_sha256_files(files), device=dev, dtype=dt, max_model_len=max_len,
+                       weights_hash=_sha256_files(files, cache_dir), device=dev, dtype=dt, max_model_len=max_len,
                        load_seconds=time.perf_counter() - t0, from_cache=from_cache, numerics=num,
                        weights_bytes=tensor_bytes(model), keepalive=keepalive, pooling=pool)

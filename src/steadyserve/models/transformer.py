@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +40,8 @@ MAX_HEAD_TILE = 64
 # of 4.5 MiB stays in cache while MKL sweeps it). The split is fixed, so every logit is always
 # computed by the same call shape; calibration checks rows stay independent of the row count.
 HEAD_COLUMNS = 2048
+# A layer's matrices the int8 path repacks (use_int8_activations), in the order it repacks them.
+_INT8_SLOTS = ("wqkv", "wo", "w_gate_up", "w_down")
 
 
 @dataclass
@@ -183,15 +186,32 @@ class Transformer:
         # Every layer in one native call where native_forward.py can (layer_spec.native_supports): the same bits.
         self.native_layers = build_native_layers(self)
 
-    def use_int8_activations(self) -> None:
+    def int8_matrices(self) -> dict[str, Matrix]:
+        """The matrices use_int8_activations repacks, by slot name ("layers.3.wqkv", "lm_head"): the names the
+        packed-weight cache (packed_cache.py) files them under."""
+        out: dict[str, Matrix] = {}
+        for i, lw in enumerate(self.layers):
+            for name in _INT8_SLOTS:
+                out[f"layers.{i}.{name}"] = getattr(lw, name)
+        out["lm_head"] = self.lm_head
+        return out
+
+    def use_int8_activations(self, pack: Callable[[str, QMatrix], QMatrix] | None = None) -> None:
         """The int8 numerics path (numerics.py): every stored matrix the int8 family reads is repacked into its
         panels, once, and multiplies int8 activations from then on; embeddings keep the GGUF rows. The GGUF's
-        views are dropped, so their pages are no longer touched after loading."""
+        views are dropped, so their pages are no longer touched after loading.
+
+        `pack(slot, matrix)` makes each packed matrix (default: QMatrix.packed; the loader's reads the packed-weight
+        cache or repacks, repack.py). Matrices are replaced one at a time, and the one-call layers, which hold
+        the unpacked ones, are dropped first: each unpacked matrix is freed as its panels arrive, so the peak
+        holds one matrix twice, not the model."""
         assert self.native, "int8 activations run on the native path only"
-        for lw in self.layers:
-            for name in ("wqkv", "wo", "w_gate_up", "w_down"):
-                setattr(lw, name, getattr(lw, name).packed())
-        self.lm_head = self.lm_head.packed()  # type: ignore[union-attr]
+        make = pack or (lambda _slot, m: m.packed())
+        self.native_layers = None
+        for i, lw in enumerate(self.layers):
+            for name in _INT8_SLOTS:
+                setattr(lw, name, make(f"layers.{i}.{name}", getattr(lw, name)))
+        self.lm_head = make("lm_head", self.lm_head)  # type: ignore[arg-type]
         self.native_layers = build_native_layers(self)
 
     def _qkv(self, lw: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
