@@ -387,7 +387,9 @@ def _until_engines_idle(d: Deployed, timeout: float = 60) -> None:
 
 def test_overload_gets_only_429_and_resource_exhausted(ray_app: Deployed) -> None:
     """A full deployment meets 4x its capacity at once: each request is served or refused with a retry hint,
-    the seats' holders hung up on are aborted in their engines, and the replicas' memory stays flat."""
+    the seats' holders hung up on are aborted in their engines, and the replicas' memory stays flat. The flood's
+    requests are short (16 tokens): the seats are held by _hold_seats, so their length only sets how long the
+    served ones take."""
     _until_engines_idle(ray_app)  # a test before this one may have left streams ending
     pids = ray_app.cluster.replica_pids()
     pids += [c for p in pids for c in children_of(p)]
@@ -398,7 +400,7 @@ def test_overload_gets_only_429_and_resource_exhausted(ray_app: Deployed) -> Non
         async with httpx.AsyncClient(timeout=240, limits=httpx.Limits(max_connections=None)) as client:
             async def one() -> None:
                 r = await client.post(ray_app.http_url + "/v1/completions",
-                                      json={"prompt": "overload", "max_tokens": 48, "ignore_eos": True})
+                                      json={"prompt": "overload", "max_tokens": 16, "ignore_eos": True})
                 answers.append(r.status_code)
                 if r.status_code == 429:
                     refused.append(r)
@@ -422,7 +424,7 @@ def test_overload_gets_only_429_and_resource_exhausted(ray_app: Deployed) -> Non
             stub = inference_pb2_grpc.InferenceStub(ch)
 
             async def one() -> None:
-                req = inference_pb2.GenerateRequest(text="overload", params={"max_tokens": 48, "ignore_eos": True})
+                req = inference_pb2.GenerateRequest(text="overload", params={"max_tokens": 16, "ignore_eos": True})
                 try:
                     async with in_flight:
                         async for _ in stub.Generate(req, timeout=240):
