@@ -41,6 +41,7 @@ from steadyserve.tools.sse_client import StreamResult, sse_post
 
 RESULTS = Path(__file__).parent / "results" / "tenants.json"
 KEYS = {name: f"bench-key-{name}-" + "k" * 16 for name in "ABCD"}
+STEP = "steadyserve_step_duration_seconds"
 
 
 def cpu_model() -> str:
@@ -74,6 +75,28 @@ def metric(srv: ServerProcess, name: str) -> float:
         if line.startswith(name + " "):
             return float(line.split()[1])
     return 0.0
+
+
+def histogram(srv: ServerProcess, name: str) -> dict[str, float]:
+    """A histogram's cumulative buckets ("le" -> count), "sum" and "count", unlabelled series only."""
+    got: dict[str, float] = {}
+    for line in srv.metrics_text({"Authorization": f"Bearer {KEYS['A']}"}).splitlines():
+        if line.startswith(name + "_bucket{le="):
+            got[line.split('le="', 1)[1].split('"', 1)[0]] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith((name + "_sum ", name + "_count ")):
+            got[line.split()[0].rsplit("_", 1)[1]] = float(line.split()[1])
+    return got
+
+
+def steps_between(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    """The engine's steps in a phase, from two reads of steadyserve_step_duration_seconds: how many, their mean, and
+    the share of them at most 25, 50 and 100 ms (the floor under a first token: a request arriving mid-step waits
+    for that step, then computes its prompt in the next)."""
+    n = after.get("count", 0) - before.get("count", 0)
+    share = {f"le_{int(float(le) * 1000)}ms": round((after[le] - before.get(le, 0)) / n, 3) if n else None
+             for le in ("0.025", "0.05", "0.1") if le in after}
+    took = after.get("sum", 0) - before.get("sum", 0)
+    return {"steps": int(n), "mean_ms": round(1000 * took / n, 1) if n else None, **share}
 
 
 def p(values: list[float], q: float) -> float | None:
@@ -147,8 +170,9 @@ async def main_server(a: argparse.Namespace, keys: Path) -> dict[str, Any]:
         await Load(srv, "B", a.max_tokens).one()  # warm-up
         s = a.phase_seconds
         quiet = Load(srv, "B", a.max_tokens)
+        h0 = histogram(srv, STEP)
         await timed(srv, [quiet.every_second(time.monotonic() + s)], s)
-        out["quiet"] = {"B": quiet.summary()}
+        out["quiet"] = {"B": quiet.summary(), "engine_steps": steps_between(h0, histogram(srv, STEP))}
 
         single = Load(srv, "A", a.max_tokens)
         toks, took = await timed(srv, [single.flood(a.flood * a.max_num_seqs, time.monotonic() + s)], s)
@@ -156,10 +180,12 @@ async def main_server(a: argparse.Namespace, keys: Path) -> dict[str, Any]:
 
         flood, b = Load(srv, "A", a.max_tokens), Load(srv, "B", a.max_tokens)
         until = time.monotonic() + s
+        h0, preempted0 = histogram(srv, STEP), metric(srv, "steadyserve_preemptions_total")
         toks, took = await timed(srv, [flood.flood(a.flood * a.max_num_seqs, until), b.every_second(until)], s)
         out["contended"] = {"A": flood.summary(), "B": b.summary(),
                             "output_tokens_per_s": round(sum(toks.values()) / took, 2),
-                            "output_tokens": dict(toks)}
+                            "output_tokens": dict(toks), "engine_steps": steps_between(h0, histogram(srv, STEP)),
+                            "preemptions": metric(srv, "steadyserve_preemptions_total") - preempted0}
 
         keys.write_text(keys_toml({"A": "weight = 0.001", "C": "weight = 3", "D": "weight = 1"}))
         srv.signal(signal.SIGHUP)

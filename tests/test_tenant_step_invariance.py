@@ -84,3 +84,36 @@ def test_a_tenant_shared_step_keeps_every_requests_bits(engine, name, monkeypatc
         assert all(d == 0.0 for d in diffs.values()), diffs
     else:
         assert any(d != 0.0 for d in diffs.values()), diffs
+
+
+def test_a_sequence_preempted_for_a_seat_keeps_its_bits(engine, monkeypatch):
+    """Equal shares, 4 seats: A's 4 requests hold them; B's first request (nothing of B running) and its second
+    (B below its 2 seats) are each seated at once in place of A's newest (engine/seating.py), which is recomputed
+    later. Every request's tokens and logprobs are bitwise those computed alone. (With only a tenant with nothing
+    running seated at once, B1 waits until B0 is done, then takes A3's seat a second time: the first assertion
+    fails.)"""
+    rng = random.Random(62)
+    vocab = engine.loaded.args.vocab_size
+
+    def make(name: str, tenant: str, max_tokens: int) -> Request:
+        prompt = [rng.randrange(vocab) for _ in range(rng.randrange(20, 40))]
+        return Request(name, prompt, SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=0,
+                                                    ignore_eos=True), tenant=tenant)
+
+    a = [make(f"A{i}", "A", 160) for i in range(4)]
+    b = {4: [make("B0", "B", 100)], 10: [make("B1", "B", 8)]}  # B0 still runs when B1 comes, drafts or not
+    alone = {r.request_id: run_requests(engine, [fresh(r)])[r.request_id] for r in [*a, *b[4], *b[10]]}
+    sched = engine.scheduler
+    monkeypatch.setattr(sched, "max_num_seqs", 4)
+    preempted = []  # (victim, whether B0 was running then)
+    real = sched._preempt
+
+    def recording(seq, out):
+        preempted.append((seq.request.request_id, any(s.request.request_id == "B0" for s in sched.running)))
+        real(seq, out)
+
+    monkeypatch.setattr(sched, "_preempt", recording)
+    together = run_requests(engine, [fresh(r) for r in a], {k: [fresh(r) for r in v] for k, v in b.items()})
+    assert preempted == [("A3", False), ("A2", True)], preempted
+    diffs = {rid: diff(together[rid], alone[rid]) for rid in alone}
+    assert all(d == 0.0 for d in diffs.values()), diffs

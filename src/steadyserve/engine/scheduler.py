@@ -7,9 +7,9 @@ spread over several steps and never stalls running decodes. Waiting sequences
 are admitted into what budget and cache are left, picked across tenants by weight (deficit round-robin over
 tokens, fair_share.py; one tenant: first come, first served). When several tenants have prompt tokens to
 compute, the step's prompt tokens are divided among them by weight too (fair_share.split_step), and what they
-leave goes back to the running prompts in order (_top_up); with every seat taken, a tenant with nothing
-running is seated at once in place of a batch tenant's or an over-share tenant's newest sequence
-(_seat_for_unseated, _seat_victim: preempted, recomputed later, bitwise the same); a prompt's cached prefix
+leave goes back to the running prompts in order (_top_up); with every seat taken, a tenant below its weighted
+share of the seats is seated at once in place of a batch tenant's or an over-share tenant's newest sequence
+(seating.py: preempted, recomputed later, bitwise the same); a prompt's cached prefix
 blocks (see block_manager.py) cost neither budget nor new blocks. When the cache runs out,
 the most recently admitted running sequence is preempted (a `batch`-priority one first, if any): its blocks are freed
 and it is recomputed later (batch-invariant numerics make the recomputed K/V
@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
 from .fair_share import FairShare, split_step
+from .seating import seat_for_waiting
 from .sequence import RequestOutput, Sequence, SequenceStatus
 from .speculation import Speculator
 
@@ -237,7 +238,7 @@ class Scheduler:
         # tenant, tenants by weight (fair_share.py).
         while self.waiting and budget > 0 and not out.preempted:
             if len(self.running) >= self.max_num_seqs:
-                found = self._seat_for_unseated()
+                found = seat_for_waiting(self.waiting, self.running, self.max_num_seqs)
                 if found is None:
                     break
                 seq, victim = found
@@ -268,55 +269,6 @@ class Scheduler:
         if caps is not None and budget > 0 and not out.preempted:
             self._top_up(out, budget)
         return out
-
-    def _seat_victim(self, seq: Sequence) -> Sequence | None:
-        """Whom to preempt so that `seq` gets a seat now though every seat is taken, or None: it waits for a free
-        seat, as every request did before tenants.
-
-        Only a tenant with no sequence running is seated this way (so a light tenant's request does not wait for
-        a flood's streams to end; admission's DRR shares the seats over time, and a tenant that holds one already
-        waits its turn, which also rules out preempting the same sequences back and forth). An interactive `seq`
-        takes the seat of a `batch` tenant's newest sequence if any runs; otherwise that of the tenant furthest
-        above its weighted share of --max-num-seqs (its weight over those of the tenants running and `seq`'s),
-        provided it keeps its share and a seat. The sequence preempted goes back to the queue, first in line, and is
-        recomputed later (from the prefix cache; the numerics keep its bits). A recomputed `seq`, and any on a
-        server with one tenant, waits as before."""
-        mine = seq.request.tenant
-        if seq.num_preemptions or any(s.request.tenant == mine for s in self.running):
-            return None
-        counts: dict[str, int] = {}
-        shares = {mine: seq.request.share}
-        batch: dict[str, bool] = {}
-        for s in self.running:
-            t = s.request.tenant
-            counts[t] = counts.get(t, 0) + 1
-            shares[t], batch[t] = s.request.share, s.request.batch
-        total = sum(shares.values())
-        fair = {t: self.max_num_seqs * w / total for t, w in shares.items()}
-        candidates = [t for t in counts if batch[t]] if not seq.request.batch else []
-        if not candidates:
-            candidates = [t for t in counts if batch[t] == seq.request.batch and counts[t] >= 2
-                          and counts[t] - 1 >= fair[t]]
-        if not candidates:
-            return None
-        loser = max(candidates, key=lambda t: counts[t] - fair[t])
-        return next(s for s in reversed(self.running) if s.request.tenant == loser)
-
-    def _seat_for_unseated(self) -> tuple[Sequence, Sequence] | None:
-        """With every seat taken: the first waiting sequence of a tenant with nothing running that _seat_victim
-        finds a seat for, and that victim; else None. Outside the DRR turn: a tenant with nothing running is the
-        light one the turn would keep waiting (its later requests take their turns as before)."""
-        running = {s.request.tenant for s in self.running}
-        tried: set[str] = set()
-        for seq in self.waiting:
-            t = seq.request.tenant
-            if t in running or t in tried:
-                continue
-            tried.add(t)
-            victim = self._seat_victim(seq)
-            if victim is not None:
-                return seq, victim
-        return None
 
     @staticmethod
     def _unplan(seq: Sequence, out: SchedulerOutput) -> int:

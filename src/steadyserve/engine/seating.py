@@ -1,0 +1,84 @@
+"""Who gets a seat at once when every seat (--max-num-seqs) is taken, and whose sequence gives it up.
+
+Pure Python, no torch (tests/test_seating.py and tests/test_fair_share.py drive it inside the Scheduler).
+
+Admission's deficit round-robin (fair_share.py) shares the seats over time, as they free. That is too slow for a
+light tenant under a flood: its request would wait for a flood's stream to end (tens of steps) although its
+weight entitles it to more seats than it holds. So, with every seat taken, a waiting sequence is seated now in
+place of another tenant's newest sequence (preempted, first in line for the next free seat, recomputed later from
+the prefix cache: the numerics keep its bits) when:
+
+* its tenant holds fewer seats than the floor of its weighted share of --max-num-seqs (its weight over those of
+  the tenants with work, running or waiting), or none at all;
+* and the seat comes from a `batch` tenant's newest sequence if `seq` is `interactive` and one runs, otherwise
+  from the tenant of its own class furthest above its share that keeps at least its share and a seat after
+  giving one up.
+
+A tenant that holds a seat already takes one only from a tenant of at least its weight: a heavier tenant's
+seats come back through admission's turns within a round (it has that many more of them), and a light tenant's
+short requests, which the turns admit by tokens, are not preempted to make up a heavy one's count of seats.
+
+No ping-pong: the seater ends at or below its share and the loser at or above its own, so neither qualifies to
+take the seat back. Hysteresis against churn when the tenants with work come and go (extreme weights, a tenant
+that just arrived): a sequence ever preempted is never seated this way (it is first in line anyway) nor chosen
+to give up a seat again. On a server with one tenant nobody is seated this way: it schedules exactly as before
+tenants existed.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Sequence as Seq
+
+from .sequence import Sequence
+
+
+def seat_for_waiting(waiting: Iterable[Sequence], running: Seq[Sequence],
+                     max_num_seqs: int) -> tuple[Sequence, Sequence] | None:
+    """With every seat taken: the first waiting sequence, per tenant in queue order, that `seat_victim` finds a
+    seat for, and that victim; else None. Outside the DRR turn: a tenant below its share is the one whose turn
+    would keep it waiting for seats a flood holds."""
+    waiting = list(waiting)
+    shares = {s.request.tenant: s.request.share for s in [*running, *waiting]}
+    if len(shares) < 2:
+        return None
+    counts: dict[str, int] = {}
+    for s in running:
+        counts[s.request.tenant] = counts.get(s.request.tenant, 0) + 1
+    total = sum(shares.values())
+    fair = {t: max_num_seqs * w / total for t, w in shares.items()}
+    tried: set[str] = set()
+    for seq in waiting:
+        t = seq.request.tenant
+        if t in tried:
+            continue
+        tried.add(t)
+        victim = seat_victim(seq, running, counts, fair)
+        if victim is not None:
+            return seq, victim
+    return None
+
+
+def seat_victim(seq: Sequence, running: Seq[Sequence], counts: dict[str, int],
+                fair: dict[str, float]) -> Sequence | None:
+    """Whose sequence gives `seq` its seat (see the module's rules), or None: `seq` waits for a free seat."""
+    mine = seq.request.tenant
+    held = counts.get(mine, 0)
+    if seq.num_preemptions:
+        return None
+    if held and held >= math.floor(fair[mine]):
+        return None
+    batch = {s.request.tenant: s.request.batch for s in running}
+    candidates: list[str] = []
+    if not seq.request.batch:  # interactive first: a batch tenant's seat is taken whatever its share
+        candidates = [t for t in counts if batch[t]]
+    if not candidates:
+        share = {s.request.tenant: s.request.share for s in running}
+        candidates = [t for t in counts if t != mine and batch[t] == seq.request.batch
+                      and counts[t] >= 2 and counts[t] - 1 >= fair[t]
+                      and (held == 0 or share[t] >= seq.request.share)]
+    for loser in sorted(candidates, key=lambda t: counts[t] - fair[t], reverse=True):
+        victim = next((s for s in reversed(running) if s.request.tenant == loser and not s.num_preemptions), None)
+        if victim is not None:
+            return victim
+    return None

@@ -1,0 +1,121 @@
+"""Seating a tenant below its weighted share of seats at once, every seat taken (engine/seating.py), inside the
+Scheduler; pure Python (no torch). The rules for a tenant with nothing running, batch against interactive and one
+tenant are in test_fair_share.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from steadyserve.engine.block_manager import BlockManager
+from steadyserve.engine.scheduler import Scheduler
+from steadyserve.engine.sequence import Request, SamplingParams, Sequence
+
+_ids = iter(range(10**9))
+
+
+def req(tenant: str, max_tokens: int, share: float = 1.0, prompt_len: int = 12) -> Sequence:
+    """A sequence whose prompt shares no prefix with any other's (no prefix-cache hits)."""
+    i = next(_ids)
+    prompt = [(i * 7919 + k) % 50000 for k in range(prompt_len)]
+    return Sequence(i, Request(f"{tenant}-{i}", prompt, SamplingParams(max_tokens=max_tokens), tenant=tenant,
+                               share=share))
+
+
+def step(sched: Scheduler) -> None:
+    """One step as the engine runs it (test_fair_share.step): compute, sample a token, retire finished."""
+    for item in sched.schedule().scheduled:
+        s = item.seq
+        s.num_computed_tokens += item.num_new_tokens
+        sched.block_manager.cache_full_blocks(s, item.num_new_tokens)
+        if s.num_computed_tokens == s.num_tokens:
+            s.token_ids.append(7)
+            if s.num_generated_tokens >= s.params.max_tokens:
+                sched.retire(s)
+
+
+def test_seating_imports_no_torch() -> None:
+    code = ("import sys\nimport steadyserve.engine.seating\n"
+            "assert not [m for m in sys.modules if m == 'torch' or m.startswith('torch.')]\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
+def test_a_light_tenant_whose_last_request_still_runs_is_seated_at_once_under_a_flood() -> None:
+    """benchmarks/tenants.py in steps: equal shares, 8 seats, A keeps 40 requests of 32 tokens waiting; B sends
+    one every 20 steps, each running ~33 steps, so its next arrives while its last still runs. B holds 1-2 seats of
+    its 4: each of its requests is scheduled in the step after it arrives, and no sequence is preempted twice.
+    (With only a tenant with nothing running seated at once, B's second request waits for a seat that A's turns
+    keep taking: the first assertion fails.)"""
+    sched = Scheduler(BlockManager(8192, 16), max_num_seqs=8, max_num_batched_tokens=512)
+    b_seqs: list[tuple[int, Sequence]] = []
+    waits: dict[int, int] = {}  # B's request -> steps from its arrival to the step that first scheduled it
+    for t in range(400):
+        while sum(1 for s in sched.waiting if s.request.tenant == "A") < 40:
+            sched.add(req("A", 32))
+        if t % 20 == 10:
+            b_seqs.append((t, req("B", 32)))
+            sched.add(b_seqs[-1][1])
+        step(sched)
+        for arrived, b in b_seqs:
+            if b.first_scheduled_time is not None:
+                waits.setdefault(id(b), t - arrived)
+    assert len(b_seqs) == 20 and list(waits.values()) == [0] * 20, list(waits.values())
+    everyone = [*sched.running, *sched.waiting, *(b for _, b in b_seqs)]
+    assert max(s.num_preemptions for s in everyone) <= 1
+    assert all(b.num_preemptions == 0 for _, b in b_seqs)  # the light tenant is never the one to give a seat up
+
+
+def test_a_heavier_tenant_below_its_seats_does_not_preempt_a_lighter_ones() -> None:
+    """Weights 10 and 1, 4 seats: the light tenant holds 2 (admission's turns go by tokens, and its requests are
+    short), the heavy one 2 of its 3.6 with more waiting. The heavy one's seats come back through its turns as
+    seats free; the light one's running requests are not preempted to make up its count. (Without the weight rule
+    one of the light tenant's sequences is preempted: the assertion fails.)"""
+    sched = Scheduler(BlockManager(8192, 16), max_num_seqs=4, max_num_batched_tokens=64)
+    light = [req("light", 50, share=1.0) for _ in range(2)]
+    heavy = [req("heavy", 50, share=10.0) for _ in range(2)]
+    for s in [*light, *heavy]:
+        sched.add(s)
+    step(sched)
+    assert len(sched.running) == 4
+    for _ in range(10):
+        sched.add(req("heavy", 50, share=10.0))
+    for _ in range(5):
+        step(sched)
+    assert sched.num_preemptions == 0 and all(s in sched.running for s in light)
+
+
+def test_no_seat_ping_pong_between_two_flooding_tenants_of_unequal_weights() -> None:
+    """Weights 3 and 1, both flooding with 40 waiting, 8 seats: over 600 steps the seats settle near 6:2 without
+    preempting anyone more than once, and with fewer seat preemptions than the light tenant's admissions."""
+    sched = Scheduler(BlockManager(16384, 16), max_num_seqs=8, max_num_batched_tokens=512)
+    seen: list[Sequence] = []
+    for _ in range(600):
+        for tenant, share in (("C", 3.0), ("D", 1.0)):
+            while sum(1 for s in sched.waiting if s.request.tenant == tenant) < 40:
+                seen.append(req(tenant, 32, share=share))
+                sched.add(seen[-1])
+        step(sched)
+    assert max(s.num_preemptions for s in seen) <= 1
+    admitted_d = sum(1 for s in seen if s.request.tenant == "D" and s.first_scheduled_time is not None)
+    assert sched.num_preemptions <= admitted_d, (sched.num_preemptions, admitted_d)
+
+
+def test_no_sequence_gives_up_its_seat_twice() -> None:
+    """A holds the 4 seats with long requests; B's short requests come one after another, each seated at once in
+    place of A's newest. A's sequence preempted for B's first is back (first in line) when B's second comes; it is
+    not preempted again: another of A's gives the seat up. (Taking A's newest each time preempts the same
+    sequence over and over, losing its progress every time: the assertion fails.)"""
+    sched = Scheduler(BlockManager(8192, 16), max_num_seqs=4, max_num_batched_tokens=64)
+    a = [req("A", 200) for _ in range(4)]
+    for s in a:
+        sched.add(s)
+    step(sched)
+    for _ in range(3):
+        b = req("B", 2)
+        sched.add(b)
+        while b.status.name != "FINISHED":
+            step(sched)
+        step(sched)  # A's preempted sequence takes the freed seat back
+        assert len(sched.running) == 4
+    assert sched.num_preemptions == 3 and max(s.num_preemptions for s in a) == 1, [s.num_preemptions for s in a]
