@@ -57,8 +57,8 @@ def admissions(sched: Scheduler, steps: int, refill: dict[str, tuple[float, int]
     return order
 
 
-def test_fair_share_imports_no_torch() -> None:
-    code = ("import sys\nimport steadyserve.engine.fair_share, steadyserve.engine.scheduler\n"
+def test_fair_share_seating_and_scheduler_import_no_torch() -> None:
+    code = ("import sys\nimport steadyserve.engine.fair_share, steadyserve.engine.seating, steadyserve.engine.scheduler\n"
             "assert not [m for m in sys.modules if m == 'torch' or m.startswith('torch.')]\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
