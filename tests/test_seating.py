@@ -4,6 +4,8 @@ tenant are in test_fair_share.py."""
 
 from __future__ import annotations
 
+from test_fair_share import step  # one step as the engine runs it
+
 from steadyserve.engine.block_manager import BlockManager
 from steadyserve.engine.scheduler import Scheduler
 from steadyserve.engine.sequence import Request, SamplingParams, Sequence
@@ -17,18 +19,6 @@ def req(tenant: str, max_tokens: int, share: float = 1.0, prompt_len: int = 12) 
     prompt = [(i * 7919 + k) % 50000 for k in range(prompt_len)]
     return Sequence(i, Request(f"{tenant}-{i}", prompt, SamplingParams(max_tokens=max_tokens), tenant=tenant,
                                share=share))
-
-
-def step(sched: Scheduler) -> None:
-    """One step as the engine runs it (test_fair_share.step): compute, sample a token, retire finished."""
-    for item in sched.schedule().scheduled:
-        s = item.seq
-        s.num_computed_tokens += item.num_new_tokens
-        sched.block_manager.cache_full_blocks(s, item.num_new_tokens)
-        if s.num_computed_tokens == s.num_tokens:
-            s.token_ids.append(7)
-            if s.num_generated_tokens >= s.params.max_tokens:
-                sched.retire(s)
 
 
 def test_a_light_tenant_whose_last_request_still_runs_is_seated_at_once_under_a_flood() -> None:
