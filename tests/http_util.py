@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import socket
 import time
 from typing import Any
@@ -115,7 +116,9 @@ class CuttingProxy:
     It stands for a worker killed mid-stream behind a balancer: the client sees a well-formed end (the
     chunked terminator for SSE, a WebSocket close 1000) without a finish reason. Streams are a POST with
     `"stream": true` or a WebSocket upgrade; of those, the 1st, 3rd, 5th ... connection is cut after
-    `keep` body chunks / frames. Everything else is piped untouched. `cut` counts the streams it cut.
+    `keep` body chunks / frames. Everything else is piped untouched. `cut` counts the streams it cut short: those
+    whose forwarded part carried no finish reason (on a loaded machine the server may send a short stream's tokens in
+    fewer events, its finish among the first `keep`; that stream reached its client whole).
     """
 
     def __init__(self, upstream_port: int, keep: int = 3) -> None:
@@ -172,21 +175,23 @@ class CuttingProxy:
             pump = asyncio.ensure_future(self._pipe(cr, uw))  # the client's side (WS frames) goes on up
             rhead = await ur.readuntil(b"\r\n\r\n")
             cw.write(rhead)
+            sent = b""
             if is_ws:
                 for _ in range(self.keep):
-                    cw.write(await self._ws_frame(ur))
-                cw.write(b"\x88\x02\x03\xe8")  # close 1000, no reason: a clean end without a final message
+                    sent += await self._ws_frame(ur)
+                cw.write(sent + b"\x88\x02\x03\xe8")  # close 1000, no reason: a clean end without a final message
             else:
                 for _ in range(self.keep):
                     size_line = await ur.readuntil(b"\r\n")
                     size = int(size_line.split(b";")[0], 16)
                     chunk = await ur.readexactly(size + 2)
-                    cw.write(size_line + chunk)
+                    sent += size_line + chunk
                     if size == 0:
                         break
-                cw.write(b"0\r\n\r\n")  # the chunked terminator: a well-formed end of the body
+                cw.write(sent + b"0\r\n\r\n")  # the chunked terminator: a well-formed end of the body
             await cw.drain()
-            self.cut += 1
+            if not re.search(rb'"finish_reason": ?"', sent):
+                self.cut += 1
             pump.cancel()
         except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
             pass

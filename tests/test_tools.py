@@ -125,7 +125,8 @@ def test_bench_counts_a_cut_stream_as_truncated(invariant_server: ServerProcess,
     rep = json.loads(out.read_text())
     print(f"\nbench through the cutting proxy ({transport}): proxy cut {proxy.cut} of {proxy.streams} streams; "
           f"bench counted {rep['truncated_streams']} truncated; exit {r.returncode}")
-    assert proxy.streams == 6 and proxy.cut == 3
+    # Every other stream goes through the cut; one whose finish came within the first 3 events is whole (proxy.cut).
+    assert proxy.streams == 6 and 1 <= proxy.cut <= 3
     assert rep["truncated_streams"] == proxy.cut
     assert r.returncode == 1  # bench fails the run when a stream was truncated
     assert sum(rep["finish_reasons"].values()) == 6 - proxy.cut
@@ -141,7 +142,8 @@ def test_bench_counts_a_cut_grpc_stream_as_truncated(invariant_server: ServerPro
     rep = json.loads(out.read_text())
     print(f"\nbench through the gRPC cutting proxy: proxy cut {proxy.cut} of {proxy.streams} streams; "
           f"bench counted {rep['truncated_streams']} truncated; exit {r.returncode}")
-    assert proxy.streams == 6 and proxy.cut == 3
+    # Every other stream goes through the cut; one whose finish came within the first 3 events is whole (proxy.cut).
+    assert proxy.streams == 6 and 1 <= proxy.cut <= 3
     assert rep["truncated_streams"] == proxy.cut
     assert r.returncode == 1
     assert sum(rep["finish_reasons"].values()) == 6 - proxy.cut
