@@ -37,7 +37,8 @@ ray_demo = importlib.util.module_from_spec(_spec)
 assert _spec.loader is not None
 _spec.loader.exec_module(ray_demo)
 
-# alone: `make test` runs this file after the others, with the machine to itself. A Ray cluster is a dozen processes
+# alone: `make test-ray` (.ci/ray) runs this file, with the machine to itself; `make test` leaves it out (its 15-minute
+# budget). A Ray cluster is a dozen processes
 # and these tests are bounded in time; beside the other worker's servers on a 2-core host at 2 GHz, 64 SSE streams
 # did not all start through Ray's proxy within 120 s, and gRPC cancelled flood calls the proxy had not accepted.
 pytestmark = [pytest.mark.slow, pytest.mark.alone]
