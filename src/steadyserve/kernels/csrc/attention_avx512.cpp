@@ -24,6 +24,8 @@ namespace {
 #include "attention_rows.h"
 }  // namespace
 
+constexpr bool kWidePasses = true;
+
 #include "attention_body.h"
 
 }  // namespace avx512

@@ -194,12 +194,17 @@ Kernels attend_for(int64_t group) {
 
 template <int F>
 Kernels attend_for_fmt(int64_t group, bool wide) {
-  return wide ? attend_for<F, true>(group) : attend_for<F, false>(group);
+  if constexpr (kWidePasses) {
+    if (wide) return attend_for<F, true>(group);
+  }
+  return attend_for<F, false>(group);
 }
 
-// Wide passes need 32-key blocks and 64-dimension heads; other shapes take 16 at a time.
+// Wide passes need 32-key blocks and 64-dimension heads; other shapes take 16 at a time. A build without them
+// (kWidePasses false: the scalar one) takes 16 at a time always, and compiles half the kernels; every element's
+// arithmetic is the same either way, so its bits are the same.
 Kernels attend_for_shape(int fmt, int64_t group, int64_t bs, int64_t d) {
-  const bool wide = bs % (2 * kLanes) == 0 && d % (4 * kLanes) == 0;
+  const bool wide = kWidePasses && bs % (2 * kLanes) == 0 && d % (4 * kLanes) == 0;
   switch (fmt) {
     case steady_kv::kF32: return attend_for_fmt<steady_kv::kF32>(group, wide);
     case steady_kv::kF16: return attend_for_fmt<steady_kv::kF16>(group, wide);

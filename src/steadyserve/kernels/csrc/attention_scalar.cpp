@@ -22,6 +22,9 @@ namespace {
 #include "attention_rows.h"
 }  // namespace
 
+// No wide passes (attention_body.h): the reference's speed matters less than its build time, which they doubled.
+constexpr bool kWidePasses = false;
+
 #include "attention_body.h"
 
 }  // namespace scalar
