@@ -311,55 +311,74 @@ def _overload(srv: ServerProcess, model: str) -> None:
             probes: list[bytes] = []  # the probe's Scores taken under load only
             solo = logprobs_f32(await g.score(PROBE, top_logprobs=2))  # alone, before any load
             await c.get("/healthz")
-            # Capacity: a closed loop at exactly the server's admission capacity (4), for 5 s.
-            done, t_end = 0, time.monotonic() + 5
 
-            async def worker(k: int) -> None:
-                nonlocal done
-                i = 0
-                while time.monotonic() < t_end:
-                    res = await (http_one(c) if k % 2 else grpc_one(g, probes, k * 1000 + i))
-                    assert res[1] in ("200", "OK"), res
-                    done += 1
-                    i += 1
+            async def attempt(floor: float) -> tuple:
+                # Capacity: a closed loop at exactly the server's admission capacity (4), for 5 s.
+                done, t_end = 0, time.monotonic() + 5
 
-            t0 = time.monotonic()
-            await asyncio.gather(*(worker(k) for k in range(4)))
-            capacity = done / (time.monotonic() - t0)
-            # Offer 5x that, open loop, alternating HTTP and gRPC, for 20 s.
-            rate, duration = 5 * capacity, 20.0
-            tasks, rss_samples = [], []
-            steps0 = batch_histogram(srv)
-            t0 = time.monotonic()
-            k = num_skipped = 0
-            next_sample = t0
-            # The client's own bound: a request due while MAX_CLIENT_IN_FLIGHT are still open is not sent. On a
-            # 2-core box this one Python client can fall seconds behind its schedule; then its open calls pile up
-            # past gRPC's 256 streams per connection (CI once saw 59 RST_STREAM REFUSED_STREAM at the HTTP/2
-            # layer, with client-side refusal latencies of 5 s) and measure the client, not the server.
-            in_flight = [0]
+                async def worker(k: int) -> None:
+                    nonlocal done
+                    i = 0
+                    while time.monotonic() < t_end:
+                        res = await (http_one(c) if k % 2 else grpc_one(g, probes, k * 1000 + i))
+                        assert res[1] in ("200", "OK"), res
+                        done += 1
+                        i += 1
 
-            def sent(task: asyncio.Task) -> asyncio.Task:
-                in_flight[0] += 1
-                task.add_done_callback(lambda _: in_flight.__setitem__(0, in_flight[0] - 1))
-                return task
+                t0 = time.monotonic()
+                await asyncio.gather(*(worker(k) for k in range(4)))
+                capacity = max(done / (time.monotonic() - t0), floor)
+                # Offer 5x that, open loop, alternating HTTP and gRPC, for 20 s.
+                rate, duration = 5 * capacity, 20.0
+                tasks, rss_samples = [], []
+                steps0 = batch_histogram(srv)
+                t0 = time.monotonic()
+                k = num_skipped = 0
+                next_sample = t0
+                # The client's own bound: a request due while MAX_CLIENT_IN_FLIGHT are still open is not sent. On a
+                # 2-core box this one Python client can fall seconds behind its schedule; then its open calls pile up
+                # past gRPC's 256 streams per connection (CI once saw 59 RST_STREAM REFUSED_STREAM at the HTTP/2
+                # layer, with client-side refusal latencies of 5 s) and measure the client, not the server.
+                in_flight = [0]
 
-            while (now := time.monotonic()) - t0 < duration:
-                due = int((now - t0) * rate)
-                while k < due:
-                    if in_flight[0] >= MAX_CLIENT_IN_FLIGHT:
-                        num_skipped += 1
-                    else:
-                        tasks.append(sent(asyncio.create_task(http_one(c) if k % 2 else grpc_one(g, probes, k // 2))))
-                    k += 1
-                if now >= next_sample:
-                    rss_samples.append((now - t0, rss(srv)))
-                    next_sample += 0.5
-                await asyncio.sleep(0.005)
-            offered_s = time.monotonic() - t0
-            steps1 = batch_histogram(srv)  # the engine's steps while the overload was offered
-            results = await asyncio.gather(*tasks)
-            print(f"\nthe client skipped {num_skipped} of {k} due requests (at most {MAX_CLIENT_IN_FLIGHT} open)")
+                def sent(task: asyncio.Task) -> asyncio.Task:
+                    in_flight[0] += 1
+                    task.add_done_callback(lambda _: in_flight.__setitem__(0, in_flight[0] - 1))
+                    return task
+
+                while (now := time.monotonic()) - t0 < duration:
+                    due = int((now - t0) * rate)
+                    while k < due:
+                        if in_flight[0] >= MAX_CLIENT_IN_FLIGHT:
+                            num_skipped += 1
+                        else:
+                            one = http_one(c) if k % 2 else grpc_one(g, probes, k // 2)
+                            tasks.append(sent(asyncio.create_task(one)))
+                        k += 1
+                    if now >= next_sample:
+                        rss_samples.append((now - t0, rss(srv)))
+                        next_sample += 0.5
+                    await asyncio.sleep(0.005)
+                offered_s = time.monotonic() - t0
+                steps1 = batch_histogram(srv)  # the engine's steps while the overload was offered
+                results = await asyncio.gather(*tasks)
+                print(f"\nthe client skipped {num_skipped} of {k} due requests (at most {MAX_CLIENT_IN_FLIGHT} open)")
+                return capacity, rate, offered_s, results, rss_samples, steps0, steps1
+
+            # The capacity is measured by a closed loop beside whatever else the 2 cores run (the other test worker
+            # starting servers): measured while a neighbour was busy, it can be a fraction of what the server then
+            # sustains (6.6 req/s measured, 28.5 admitted per second during the flood, once). A flood the server
+            # admitted more than half of was not 5x its capacity: measure again and offer 5x that (at least 5x
+            # what it admitted per second), once.
+            floor = 0.0
+            for _ in (1, 2):
+                capacity, rate, offered_s, results, rss_samples, steps0, steps1 = await attempt(floor)
+                admitted = sum(code in ("200", "OK") for _, code, _ in results)
+                if admitted <= len(results) // 2:
+                    break
+                print(f"\nthe flood at {rate:.1f} req/s was not 5x capacity: {admitted} of {len(results)} admitted "
+                      f"({admitted / offered_s:.1f} per second); measuring capacity again")
+                floor = admitted / offered_s
             return capacity, rate, offered_s, results, rss_samples, probes, solo, steps0, steps1
 
     capacity, rate, offered_s, results, rss_samples, probes, solo, steps0, steps1 = asyncio.run(main())
