@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml requirements-model.txt requirements-test-models.txt 2>/dev/null | sha1sum | cut -c1-12)
 ARGS ?=
 
-.PHONY: install browser nginx serve test test-ray test-fast sanitize soak proto bench cluster-demo ray-demo fleet-check docs docs-serve clean
+.PHONY: install browser nginx serve test test-ray test-fast sanitize soak proto bench bench-report cluster-demo ray-demo fleet-check docs docs-serve clean
 
 $(STAMP): pyproject.toml requirements-model.txt requirements-test-models.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -89,6 +89,11 @@ sanitize: install
 # writes benchmarks/results/soak.json. `make soak ARGS="--minutes 2"` for a shorter run.
 soak: install
 	$(PY) benchmarks/soak.py $(ARGS)
+
+# The results page, docs/benchmarks-results.md, and its figures (docs/img/bench/*.svg) from benchmarks/results/*.json:
+# run it after adding a result (tests/test_bench_report.py fails while the committed page is out of date). Seconds.
+bench-report: install
+	$(PY) benchmarks/report.py $(ARGS)
 
 # N replicas on 127.0.0.1 behind nginx (installed from Debian's packages if missing); prints the URLs.
 REPLICAS ?= 2
