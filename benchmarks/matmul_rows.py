@@ -139,29 +139,36 @@ double fma_peak_gflops(int64_t threads, bool avx512) {
   for (float v : sink) results = v;
   return double(threads) * n * 12 * (avx512 ? 16 : 8) * 2 / s / 1e9;
 }
-// The same for the int8 family's instruction: 12 independent vpdpbusd chains on zmm registers.
-__attribute__((target("avx512f,avx512vnni"))) static int32_t dots512(long n) {
-  __m512i a[12], w = _mm512_set1_epi8(3), x = _mm512_set1_epi8(5);
-  for (int i = 0; i < 12; ++i) a[i] = _mm512_set1_epi32(i);
-  for (long r = 0; r < n; ++r) {
-    _Pragma("GCC unroll 12") for (int i = 0; i < 12; ++i) a[i] = _mm512_dpbusd_epi32(a[i], w, x);
-  }
-  int32_t s = 0;
-  for (int i = 0; i < 12; ++i) s += _mm512_reduce_add_epi32(a[i]);
+// The same for the int8 family's instruction: 12 independent vpdpbusd chains on zmm registers; beside it the
+// integer multiplies the int8 kernels issue next to it (vpdpwssd, vpmulld), for benchmarks/q8k_rates.py.
+#define INT_CHAINS(BODY)                                                     \
+  __m512i a[12], w = _mm512_set1_epi8(3), x = _mm512_set1_epi8(5);           \
+  for (int i = 0; i < 12; ++i) a[i] = _mm512_set1_epi32(i);                  \
+  for (long r = 0; r < n; ++r) {                                             \
+    _Pragma("GCC unroll 12") for (int i = 0; i < 12; ++i) a[i] = BODY;       \
+  }                                                                          \
+  int32_t s = 0;                                                             \
+  for (int i = 0; i < 12; ++i) s += _mm512_reduce_add_epi32(a[i]);           \
   return s;
-}
+#define VNNI __attribute__((target("avx512f,avx512vnni")))
+VNNI static int32_t dots512(long n) { INT_CHAINS(_mm512_dpbusd_epi32(a[i], w, x)) }
+VNNI static int32_t wdots512(long n) { INT_CHAINS(_mm512_dpwssd_epi32(a[i], w, x)) }
+__attribute__((target("avx512f"))) static int32_t mulls512(long n) { INT_CHAINS(_mm512_mullo_epi32(a[i], w)) }
 static volatile int32_t int_results;
-double vnni_peak_gmacs(int64_t threads) {
+// Instructions per second of `threads` threads: 0 vpdpbusd, 1 vpdpwssd, 2 vpmulld (zmm).
+double int_rate(int64_t kind, int64_t threads) {
   const long n = 50000000;
   std::vector<int32_t> sink(threads);
   auto t0 = std::chrono::steady_clock::now();
   std::vector<std::thread> pool;
-  for (int64_t t = 0; t < threads; ++t) pool.emplace_back([&, t] { sink[t] = dots512(n); });
+  for (int64_t t = 0; t < threads; ++t)
+    pool.emplace_back([&, t] { sink[t] = kind == 0 ? dots512(n) : kind == 1 ? wdots512(n) : mulls512(n); });
   for (auto& th : pool) th.join();
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   for (int32_t v : sink) int_results = v;
-  return double(threads) * n * 12 * 64 / s / 1e9;
+  return double(threads) * n * 12 / s;
 }
+double vnni_peak_gmacs(int64_t threads) { return int_rate(0, threads) * 64 / 1e9; }
 """
 
 
@@ -218,7 +225,7 @@ def int8_against_vnni_peak(mats: list[QMatrix], threads: int) -> None:
 def _peak_ext():  # the C++ above: built on first use, then loaded from torch's extension cache
     from torch.utils.cpp_extension import load_inline
 
-    return load_inline("fma_peak", cpp_sources=_PEAK_SRC, functions=["fma_peak_gflops", "vnni_peak_gmacs"],
+    return load_inline("fma_peak", cpp_sources=_PEAK_SRC, functions=["fma_peak_gflops", "vnni_peak_gmacs", "int_rate"],
                        extra_cflags=["-O2"])
 
 
