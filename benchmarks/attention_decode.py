@@ -1,6 +1,8 @@
 """One decode step's attention: the native paged-attention op alone, one layer, c sequences of a given context.
 
-Shape of SmolLM2-1.7B by default (32 query and 32 KV heads of 64, blocks of 32 tokens). Two placements of the
+Shape of SmolLM2-1.7B by default (32 query and 32 KV heads of 64, blocks of 32 tokens); --kv-heads gives grouped-query
+attention (Llama 3.1 8B: --heads 32 --kv-heads 8 --dim 128), whose kernel reads each kv head once for its query heads:
+against --kv-heads equal to --heads (each query head with its own copy) the cache read per step shrinks by the group. Two placements of the
 same amount of work: every sequence with its own blocks (c x context tokens of cache, read from memory as in a
 server), and every sequence reading one shared set of blocks (one context's cache, which stays in L3): the gap
 between them is what reaching memory costs, the second what the arithmetic costs. Each KV dtype the kernel reads.
@@ -8,7 +10,7 @@ Prints ms per layer, cycles per (sequence, head, key) at the given clock, the ca
 bandwidth, and writes JSON.
 
     .venv/bin/python benchmarks/attention_decode.py [--seqs 16] [--context 140,1000] [--dtypes float32,float16]
-        [--threads 2] [--ghz 3.6] [--out FILE]
+        [--heads 32] [--kv-heads 32] [--dim 64] [--threads 2] [--ghz 3.6] [--out FILE]
 """
 
 from __future__ import annotations
@@ -27,12 +29,13 @@ from steadyserve.kernels import load
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def one_layer_s(seqs: int, context: int, dtype: torch.dtype, shared: bool, heads: int, dim: int, bs: int) -> float:
+def one_layer_s(seqs: int, context: int, dtype: torch.dtype, shared: bool, heads: int, dim: int, bs: int,
+                kv_heads: int) -> float:
     """Best of 10 calls of paged_attention for `seqs` decode tokens at position context - 1, in seconds."""
     per_seq = (context + bs - 1) // bs
     nb = (1 if shared else seqs) * per_seq
-    k = torch.randn(nb, heads, dim, bs).to(dtype)  # (NB, Hkv, D, Bs): kv_cache.py's layout
-    v = torch.randn(nb, heads, bs, dim).to(dtype)  # (NB, Hkv, Bs, D)
+    k = torch.randn(nb, kv_heads, dim, bs).to(dtype)  # (NB, Hkv, D, Bs): kv_cache.py's layout
+    v = torch.randn(nb, kv_heads, bs, dim).to(dtype)  # (NB, Hkv, Bs, D)
     tables = (torch.arange(per_seq).repeat(seqs, 1) if shared else torch.arange(nb).view(seqs, per_seq)).long()
     q, seq_of = torch.randn(seqs, heads, dim), torch.arange(seqs, dtype=torch.long)
     pos = torch.full((seqs,), context - 1, dtype=torch.long)
@@ -51,6 +54,7 @@ def main() -> None:
     p.add_argument("--context", default="140,1000")
     p.add_argument("--dtypes", default="float32,float16")
     p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=0, help="kv heads (0: as many as --heads)")
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--block", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
@@ -61,14 +65,15 @@ def main() -> None:
         raise SystemExit("native kernels not built")
     torch.set_num_threads(a.threads)
     cpu = cpu_name()
+    kv_heads = a.kv_heads or a.heads
     rows = []
     for context in (int(c) for c in a.context.split(",")):
         for name in a.dtypes.split(","):
             dtype = DTYPES[name]
             for shared in (False, True):
-                s = one_layer_s(a.seqs, context, dtype, shared, a.heads, a.dim, a.block)
-                keys = a.seqs * a.heads * context
-                cache_bytes = 2 * keys * a.dim * torch.tensor([], dtype=dtype).element_size()
+                s = one_layer_s(a.seqs, context, dtype, shared, a.heads, a.dim, a.block, kv_heads)
+                keys = a.seqs * a.heads * context  # (sequence, query head, key) triples
+                cache_bytes = 2 * a.seqs * kv_heads * context * a.dim * torch.tensor([], dtype=dtype).element_size()
                 row = {"context": context, "dtype": name, "shared_blocks": shared, "ms_per_layer": s * 1e3,
                        "cycles_per_key": s * a.threads * a.ghz * 1e9 / keys, "cache_gb_s": cache_bytes / s / 1e9}
                 rows.append(row)
@@ -81,6 +86,7 @@ def main() -> None:
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps({"cpu": cpu, "threads": a.threads, "seqs": a.seqs, "heads": a.heads,
+                                     "kv_heads": kv_heads,
                                      "dim": a.dim, "block": a.block, "read_gb_s": bw, "rows": rows}, indent=2) + "\n")
 
 

@@ -241,6 +241,34 @@ def test_long_prefill_tiles_give_each_row_its_bits_alone(fmt: str, shape: str) -
         torch.set_num_threads(saved)
 
 
+# Query heads per kv head beyond SmolLM2's 3: Llama 3.1 8B's 4, Qwen2.5 7B's 7, Qwen3-30B-A3B's 8 (all at 128 dims).
+GQA_GROUPS = (4, 7, 8)
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "f16", "bf16", "q8_0"])
+@pytest.mark.parametrize("group", GQA_GROUPS)
+def test_grouped_heads_have_the_bits_of_each_head_with_its_own_kv_head(group: int, fmt: str) -> None:
+    """Grouped-query attention reads each kv head once for the G query heads that share it (attend_one and attend_tile
+    run G rows per kv head). Each query head must get the bits it gets attending alone to its kv head: the same
+    queries against the cache with every kv head repeated G times (G = 1, one kv head per query head), in a prefill
+    (every token of a 200- and a 45-token sequence) and a decode step (each sequence's last token)."""
+    hkv, d = 2, 128
+    g = torch.Generator().manual_seed(group)
+    lengths = [200, 45]
+    nb = sum((n + BS - 1) // BS for n in lengths) + 2
+    k, v = caches_in(fmt, nb, hkv, d, g)
+    k1, v1 = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # query head j reads kv head j // G
+    tables = tables_for(lengths, nb)
+    seq_of, pos = prefill_batch(lengths)
+    q = torch.randn(len(pos), hkv * group, d, generator=g)
+    decode = torch.tensor([lengths[0] - 1, sum(lengths) - 1])
+    for rows in (slice(None), decode):
+        grouped = attention_native(q[rows], k, v, tables, seq_of[rows], pos[rows], d ** -0.5, 0)
+        per_head = attention_native(q[rows], k1, v1, tables, seq_of[rows], pos[rows], d ** -0.5, 0)
+        assert torch.isfinite(grouped).all()
+        assert torch.equal(grouped, per_head), ("prefill" if rows == slice(None) else "decode", group, fmt)
+
+
 def test_refuses_shapes_it_does_not_support() -> None:
     k, v = torch.zeros(4, HKV, D, 24), torch.zeros(4, HKV, 24, D)  # block size 24: not a multiple of 16
     q = torch.zeros(1, H, D)
