@@ -220,8 +220,10 @@ async def main_server(a: argparse.Namespace, keys: Path) -> dict[str, Any]:
                         "engine_steps": steps_between(h0, histogram(srv, STEP))}
 
         single = Load(srv.http_url, "A", a.max_tokens)
+        h0 = histogram(srv, STEP)
         toks, took = await timed(srv, [single.flood(a.flood * a.max_num_seqs, time.monotonic() + s)], s)
-        out["single"] = {"A": single.summary(), "output_tokens_per_s": round(sum(toks.values()) / took, 2)}
+        out["single"] = {"A": single.summary(), "output_tokens_per_s": round(sum(toks.values()) / took, 2),
+                         "engine_steps": steps_between(h0, histogram(srv, STEP))}
 
         flood = Load(srv.http_url, "A", a.max_tokens)
         until = time.monotonic() + bs
