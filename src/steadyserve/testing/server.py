@@ -22,6 +22,21 @@ from ..ready_file import read_ready_file
 from .cgroups import JOIN_AND_EXEC
 
 
+# STEADYSERVE_TEST_SERVER_LOG=FILE: one line per server started (the test that started it, seconds to ready, its
+# flags), appended to FILE: where a suite's server start-ups go (each costs seconds of CPU on a small CI machine).
+SERVER_LOG_ENV = "STEADYSERVE_TEST_SERVER_LOG"
+
+
+def _log_start(argv: list[str], ready_s: float) -> None:
+    path = os.environ.get(SERVER_LOG_ENV)
+    if not path:
+        return
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]
+    flags = " ".join(a for a in argv[argv.index("--model") + 2:] if not a.startswith("/"))
+    with open(path, "a") as f:  # one short write per line: lines from parallel workers do not interleave
+        f.write(f"{test}\t{ready_s:.2f}\t{flags}\n")
+
+
 class ServerProcess:
     def __init__(self, model: str, *args: str, env: dict[str, str] | None = None, startup_timeout: float = 180.0,
                  threads: int = 2, test_faults: bool = False, test_drift: bool = False,
@@ -61,6 +76,7 @@ class ServerProcess:
             self._cleanup()
             raise
         info = read_ready_file(self.ready_file)
+        _log_start(self.argv, time.monotonic() - (deadline - startup_timeout))
         self.http_port: int = info["http_port"]
         self.grpc_port: int = info["grpc_port"]
         self.pid: int = info["pid"]
