@@ -20,7 +20,7 @@ from steadyserve.models.loader import load_model
 from steadyserve.receipts.format import parse
 from steadyserve.receipts.replay import VERIFIED, verify
 from steadyserve.testing.drift import install_batch_drift
-from steadyserve.testing.server import ServerProcess
+from steadyserve.testing.server import start_servers
 from steadyserve.testing.tiny_gguf import write_tiny_gguf
 
 pytestmark = pytest.mark.skipif(not load().available, reason="native kernels not built")
@@ -65,34 +65,49 @@ def test_the_matrices_run_packed_and_the_fingerprint_names_the_path(int8, sw_q4_
     assert "q8a2" in int8.loaded.numerics.facts["kernels"]
 
 
-def test_its_cache_is_f16_by_default_and_the_served_fingerprint_names_it(int8, sw_q4_1):
+# The servers of the two tests below, one per (numerics, KV cache) configuration, started once for both.
+CACHE_CONFIGS = {"int8": ("--numerics", "int8"), "int8 fp32": ("--numerics", "int8", "--kv-cache-dtype", "fp32"),
+                 "portable": ("--numerics", "portable"),
+                 "portable bf16": ("--numerics", "portable", "--kv-cache-dtype", "bf16")}
+
+
+@pytest.fixture(scope="module")
+def cache_servers(sw_q4_1):
+    servers = start_servers(*(((sw_q4_1, *args, "--kv-cache-memory", "32MiB"), {"threads": 1})
+                              for args in CACHE_CONFIGS.values()))
+    try:
+        yield dict(zip(CACHE_CONFIGS, servers))
+    finally:
+        for srv in servers:
+            srv.__exit__(None, None, None)
+
+
+def test_its_cache_is_f16_by_default_and_the_served_fingerprint_names_it(int8, sw_q4_1, cache_servers):
     """`--kv-cache-dtype auto` is f16 on this path (the portable path keeps float32), and a real server's
     fingerprint says so (`kvh1`), so int8 responses from an f16 and a float32 cache are never confused."""
     assert int8.kv.fmt == "f16"
     assert engine_for(load_model(sw_q4_1, numerics="portable")).kv.fmt == "fp32"
     assert engine_for(int8.loaded, kv_cache_dtype="fp32").kv.fmt == "fp32"  # an explicit setting wins
     fingerprints = {}
-    for args in (("--numerics", "int8"), ("--numerics", "int8", "--kv-cache-dtype", "fp32"), ("--numerics", "portable")):
-        with ServerProcess(sw_q4_1, *args, "--kv-cache-memory", "32MiB", threads=1) as srv:
-            r = httpx.post(srv.http_url + "/v1/completions", json={"prompt": "a b", "max_tokens": 1}, timeout=60)
-            assert r.status_code == 200, r.text
-            fingerprints[args] = r.headers["x-steadyserve-fingerprint"]
+    for name in ("int8", "int8 fp32", "portable"):
+        r = httpx.post(cache_servers[name].http_url + "/v1/completions", json={"prompt": "a b", "max_tokens": 1},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        fingerprints[name] = r.headers["x-steadyserve-fingerprint"]
     f16, fp32, portable = fingerprints.values()
     assert f16.endswith("-kvh1-bi") and "-kv" not in fp32 and "-kv" not in portable, fingerprints
     assert f16.replace("-kvh1", "") == fp32, fingerprints  # the same path otherwise
 
 
-def test_receipts_replay_on_the_cache_format_they_were_made_with(sw_q4_1):
+def test_receipts_replay_on_the_cache_format_they_were_made_with(sw_q4_1, cache_servers):
     """`verify` rebuilds the cache a receipt's fingerprint names, not the path's default: int8 receipts of an f16
     (default) and a float32 cache, and portable ones of a bf16 cache, all verify bitwise in one call."""
     receipts = []
-    for args in (("--numerics", "int8"), ("--numerics", "int8", "--kv-cache-dtype", "fp32"),
-                 ("--numerics", "portable", "--kv-cache-dtype", "bf16")):
-        with ServerProcess(sw_q4_1, *args, "--kv-cache-memory", "32MiB", threads=1) as srv:
-            body = {"prompt": "one two three", "max_tokens": 6, "temperature": 0, "logprobs": 1, "receipt": True}
-            r = httpx.post(srv.http_url + "/v1/completions", json=body, timeout=60)
-            assert r.status_code == 200, r.text
-            receipts.append((" ".join(args), parse(r.json()["choices"][0]["receipt"])))
+    for name in ("int8", "int8 fp32", "portable bf16"):
+        body = {"prompt": "one two three", "max_tokens": 6, "temperature": 0, "logprobs": 1, "receipt": True}
+        r = httpx.post(cache_servers[name].http_url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        receipts.append((name, parse(r.json()["choices"][0]["receipt"])))
     verdicts = verify(receipts, model=sw_q4_1, threads=1)
     assert [v.status for v in verdicts] == [VERIFIED] * 3, [(v.source, v.detail) for v in verdicts]
 
