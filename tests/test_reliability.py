@@ -237,17 +237,25 @@ def test_stalled_reader_is_cut_and_others_itl_stays_within_2x(big):
         wait_for(lambda: idle(big), 5, what="stalled request aborted in the engine")
     finally:
         stalled.close()
+    # A second unloaded window, right after the stall: a neighbour on the shared cores that was busy beside the stall
+    # is likely still busy here (one run failed at load 9-16 on 2 cores, the server's mean 1.5 ms before the stall and
+    # 9.1 ms beside it: the neighbour had started between the two windows).
+    h4 = itl_histogram(big)
+    asyncio.run(streams())
+    asyncio.run(streams())
+    h5 = itl_histogram(big)
     loaded = itls(during)
     p50_u, p50_l = statistics.median(unloaded), statistics.median(loaded)
     # The server's own inter-token latency (steadyserve_inter_token_latency_seconds), over each window: the
     # comparison streams' tokens (and, beside the stall, the stalled request's own, generated until its cut).
     (n_u, mean_u), (n_l, mean_l) = itl_window(h0, h1), itl_window(h2, h3)
+    mean_after = itl_window(h4, h5)[1]
     print(f"\nstalled reader: write blocked {stall_start:.2f} s after its request, cut at {cut_after:.2f} s "
           f"(--stall-timeout 3 s); comparison streams ran {stall_start:.2f}..{measured_until:.2f} s; other streams' "
           f"inter-token p50 {p50_u * 1000:.1f} ms unloaded -> {p50_l * 1000:.1f} ms beside the stalled reader "
           f"(ratio {p50_l / p50_u:.2f}, p90 {pct(unloaded, .9) * 1000:.1f} -> {pct(loaded, .9) * 1000:.1f} ms) at "
           f"the client; the server's mean {mean_u * 1000:.2f} ms ({n_u:.0f} tokens) -> {mean_l * 1000:.2f} ms "
-          f"({n_l:.0f} tokens), ratio {mean_l / mean_u:.2f}")
+          f"({n_l:.0f} tokens), ratio {mean_l / mean_u:.2f}; {mean_after * 1000:.2f} ms after the stall")
     assert all(r.done and r.finish_reason == "length" for r in during)
     assert inside, "the comparison streams outlasted the stall: nothing was measured beside it"
     # Never before --stall-timeout counted from the request (its writes cannot block before it is sent); the
@@ -260,7 +268,9 @@ def test_stalled_reader_is_cut_and_others_itl_stays_within_2x(big):
     # the event loop would show it here. The 5 ms absolute slack: one tiny-model step is ~1-3 ms, and a
     # neighbour on a shared core can double a mean measured in milliseconds. The client's p50s are printed only.
     assert n_u >= 4 * 47 * 2 and n_l >= 4 * 47 * 2, (n_u, n_l)  # every comparison token was timed
-    assert mean_l <= 2 * mean_u + 0.005, (mean_u, mean_l)
+    # Held against the slower of the unloaded windows before and after the stall, so a neighbour's load that came or
+    # went between them is in the reference; a blocked write holding the engine would slow only the window beside it.
+    assert mean_l <= 2 * max(mean_u, mean_after) + 0.005, (mean_u, mean_l, mean_after)
 
 
 # ---- 3. overload over HTTP and gRPC at once -----------------------------------------------------------------
