@@ -41,7 +41,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from steadyserve.tenants import hash_key
+from steadyserve.tenants import keys_file_entry
 from steadyserve.testing.server import ServerProcess
 from steadyserve.tools.sse_client import StreamResult, sse_post
 
@@ -62,7 +62,7 @@ def keys_toml(entries: dict[str, str]) -> str:
     out = []
     for name, extra in entries.items():
         roles = 'roles = ["admin"]\n' if name == "A" else ""
-        out.append(f'[[tenant]]\nname = "{name}"\nkeys = ["{hash_key(KEYS[name])}"]\n{roles}{extra}\n')
+        out.append(keys_file_entry(name, KEYS[name], roles + extra))
     return "\n".join(out)
 
 

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from http_util import parse_stream, post_request, wait_for
-from steadyserve.tenants import hash_key
+from steadyserve.tenants import keys_file_entry
 from steadyserve.testing.faults import SLOW_REQUEST_MARKER
 from steadyserve.testing.server import ServerProcess
 
@@ -31,7 +31,7 @@ MAX_TOKENS = 12
 
 
 def keys_file(*names: str) -> str:
-    return "".join(f'[[tenant]]\nname = "{n}"\nkeys = ["{hash_key(KEYS[n])}"]\n\n' for n in names)
+    return "".join(keys_file_entry(n, KEYS[n]) for n in names)
 
 
 def auth(name: str) -> dict[str, str]:

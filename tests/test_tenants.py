@@ -23,7 +23,7 @@ from websockets.sync.client import connect
 
 from http_util import sse_events, wait_for
 from steadyserve.client import Client
-from steadyserve.tenants import hash_key
+from steadyserve.tenants import keys_file_entry
 from steadyserve.testing.faults import SLOW_REQUEST_MARKER
 from steadyserve.testing.server import ServerProcess
 
@@ -40,7 +40,7 @@ def keys_file(*names: str) -> str:
         "meter": "output_tokens_per_minute = 20",
         "gamma": 'priority = "batch"',
     }
-    return "".join(f'[[tenant]]\nname = "{n}"\nkeys = ["{hash_key(KEYS[n])}"]\n{entries[n]}\n\n' for n in names)
+    return "".join(keys_file_entry(n, KEYS[n], entries[n] + "\n") for n in names)
 
 
 def auth(name: str) -> dict[str, str]:

@@ -64,6 +64,11 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode("utf-8")).hexdigest()
 
 
+def keys_file_entry(name: str, key: str, extra: str = "") -> str:
+    """One `[[tenant]]` table of a keys file: `name` holding `key` (stored as its hash), then `extra` TOML lines."""
+    return f'[[tenant]]\nname = "{name}"\nkeys = ["{hash_key(key)}"]\n{extra}\n'
+
+
 def new_key() -> str:
     """A fresh random key (256 bits) for `steadyserve hash-key --new`."""
     return "ss-" + secrets.token_urlsafe(32)
