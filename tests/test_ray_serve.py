@@ -514,3 +514,88 @@ def test_a_downscaled_replica_drains_and_autoscaling_adds_one_under_load(ray_app
         ray_app.deploy(2)  # fixed again; with two replicas running this starts nothing
         ray_app.wait_replicas(2)
 
+
+
+RAY_KEYS = {"A": "ray-tenant-a-key-0123456789", "B": "ray-tenant-b-key-0123456789"}
+
+
+def test_tenants_through_ray_keys_on_every_transport_and_a_flood_leaves_room(ray_app: Deployed, tmp_path) -> None:
+    """The keys file's identities through Ray's proxies (bearer and x-api-key over HTTP, a WebSocket, gRPC metadata),
+    and A flooding a one-replica deployment (capacity 4 + 4 in the engine, 8 in Ray's queue: 16) with 40 streams
+    while B sends one request every half second: B is never refused, and every refusal A gets is its own 429
+    (`tenant_share`), not Ray's `overloaded`. Without the ingress's shares (ray/shares.py) A fills Ray's queue and
+    B's requests get Ray's 429. The deployment is put back as it was."""
+    from steadyserve.tenants import keys_file_entry
+
+    keys = tmp_path / "keys.toml"
+    keys.write_text("\n".join(keys_file_entry(n, k) for n, k in RAY_KEYS.items()))
+    serve_args = ["--model", ray_app.model, "--threads", "1", "--max-num-seqs", "4", "--max-queue", "4",
+                  "--drain-timeout", "60", "--api-keys", str(keys)]
+    ray_app.cluster.deploy(ray_demo.render_config(ray_app.cluster.http_port, ray_app.cluster.grpc_port, serve_args, 1))
+    try:
+        ray_app.wait_replicas(1)
+        bearer = {"Authorization": f"Bearer {RAY_KEYS['B']}"}
+        with httpx.Client(base_url=ray_app.http_url, timeout=120) as http:
+            body = {"prompt": "hello", "max_tokens": 2}
+            assert http.post("/v1/completions", json=body).status_code == 401
+            assert http.post("/v1/completions", json=body, headers={"Authorization": "Bearer wrong"}).status_code == 401
+            assert http.post("/v1/completions", json=body, headers=bearer).status_code == 200
+            r = http.post("/v1/messages", headers={"x-api-key": RAY_KEYS["A"], "anthropic-version": "2023-06-01"},
+                          json={"model": "x", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+            assert r.status_code == 200, r.text
+        url = ray_app.http_url.replace("http://", "ws://") + "/v1/stream"
+        with connect(url, open_timeout=30, additional_headers=bearer) as ws:
+            ws.send(json.dumps({"prompt": "The quick brown fox", "max_tokens": 3}))
+            frames = []
+            try:
+                while True:
+                    frames.append(json.loads(ws.recv(timeout=60)))
+            except Exception:
+                pass
+        assert frames and frames[-1]["type"] == "final", frames[-1:]
+        with grpc.insecure_channel(ray_app.grpc_addr) as ch:
+            stub = inference_pb2_grpc.InferenceStub(ch)
+            req = inference_pb2.GenerateRequest(text="hello", params={"max_tokens": 2})
+            assert list(stub.Generate(req, timeout=60, metadata=[("authorization", f"Bearer {RAY_KEYS['B']}")]))
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Generate(req, timeout=60))
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+        async def load() -> tuple[Counter, Counter, Counter]:
+            a_codes: Counter = Counter()
+            b_status: Counter = Counter()
+            a_status: Counter = Counter()
+            until = time.monotonic() + 15
+
+            async def a_worker() -> None:
+                while time.monotonic() < until:
+                    r = await sse_post(ray_app.http_url + "/v1/completions",
+                                       {"prompt": "flood", "max_tokens": 24, "ignore_eos": True, "stream": True},
+                                       headers={"Authorization": f"Bearer {RAY_KEYS['A']}"}, timeout=120)
+                    a_status[r.status] += 1
+                    if r.status != 200:
+                        a_codes[str((r.error or {}).get("code"))] += 1
+                        await asyncio.sleep(0.2)
+
+            async def b_every_half_second() -> None:
+                await asyncio.sleep(3)  # A's flood holds the deployment first
+                tasks = []
+                while time.monotonic() < until:
+                    tasks.append(asyncio.create_task(sse_post(
+                        ray_app.http_url + "/v1/completions", {"prompt": "light", "max_tokens": 4, "stream": True},
+                        headers={"Authorization": f"Bearer {RAY_KEYS['B']}"}, timeout=120)))
+                    await asyncio.sleep(0.5)
+                for r in await asyncio.gather(*tasks):
+                    b_status[r.status] += 1
+
+            await asyncio.gather(b_every_half_second(), *(a_worker() for _ in range(40)))
+            return a_status, a_codes, b_status
+
+        a_status, a_codes, b_status = asyncio.run(load())
+        print(f"A flooding through Ray: {dict(a_status)} {dict(a_codes)}; B: {dict(b_status)}")
+        assert a_status[429] > 0 and set(a_status) <= {200, 429}, (a_status, a_codes)
+        assert set(a_codes) <= {"tenant_share", "tenant_concurrency"}, a_codes
+        assert set(b_status) == {200} and sum(b_status.values()) >= 20, b_status
+    finally:
+        ray_app.deploy(2)
+        ray_app.wait_replicas(2)

@@ -14,7 +14,9 @@ Defaults that keep the project's guarantees behind Ray's router:
   a bound below one replica's admission refused bursts an idle replica could take (24 streams at
   once against one replica with 32 seats, on a loaded 2-core machine: a 429);
 - graceful_shutdown_timeout_s = --drain-timeout: a replica scaled down finishes its streams first;
-- autoscaling, when asked for, targets --max-num-seqs ongoing requests per replica.
+- autoscaling, when asked for, targets --max-num-seqs ongoing requests per replica;
+- with --api-keys the ingress holds each tenant to its share of that whole admission (shares.py), since Ray's
+  queue in front of the replicas is shared by every tenant.
 """
 
 from __future__ import annotations
@@ -82,11 +84,23 @@ def engine_options(cfg: Config, given: dict[str, Any]) -> dict[str, Any]:
     return options
 
 
+def deployment_capacity(options: dict[str, Any]) -> int:
+    """Requests Ray admits to the engine deployment at once: replicas x max_ongoing_requests + max_queued_requests
+    (with autoscaling, at its max_replicas: the ingress's tenant shares then never refuse what Ray would admit;
+    max_queued_requests -1, Ray's unbounded queue, counts nothing)."""
+    auto = options.get("autoscaling_config")
+    replicas = options.get("num_replicas")
+    if not isinstance(replicas, int):
+        replicas = int(auto.get("max_replicas", 1)) if isinstance(auto, dict) else 1
+    return replicas * int(options["max_ongoing_requests"]) + max(0, int(options["max_queued_requests"]))
+
+
 def build_app(args: dict[str, Any]) -> Application:
     """Ray Serve's application builder (`import_path: steadyserve.ray:build_app`)."""
     a = RayAppArgs.model_validate(args or {})
     cfg = parse_serve_args(a.serve_args)
-    engine = serve.deployment(EngineReplica, name="EngineReplica").options(
-        **engine_options(cfg, a.deployment_config))
+    options = engine_options(cfg, a.deployment_config)
+    engine = serve.deployment(EngineReplica, name="EngineReplica").options(**options)
     ingress = serve.deployment(Ingress, name="Ingress").options(**{**_INGRESS_DEFAULTS, **a.ingress_config})
-    return ingress.bind(engine.bind(a.serve_args, cfg.server.drain_timeout), cfg.server.max_request_bytes)
+    return ingress.bind(engine.bind(a.serve_args, cfg.server.drain_timeout), cfg.server.max_request_bytes,
+                        cfg.server.api_keys, deployment_capacity(options))

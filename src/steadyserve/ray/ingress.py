@@ -8,7 +8,10 @@ several replicas must say itself, in the server's own error shapes:
   429 + Retry-After / RESOURCE_EXHAUSTED + retry-after-ms, never queued without bound;
 - a replica lost before answering (killed, crashed): one retry on another replica, else 503 / UNAVAILABLE;
 - a replica lost mid-stream: the stream ends with an explicit error event (SSE), error frame and close
-  1011 (WebSocket) or UNAVAILABLE (gRPC), code `replica_lost`; never a silently short stream.
+  1011 (WebSocket) or UNAVAILABLE (gRPC), code `replica_lost`; never a silently short stream;
+- tenants (--api-keys): each held to its weighted share of the whole deployment once it is nearly full, and to its
+  max_concurrent across replicas (shares.py), so one tenant's flood cannot fill Ray's shared queue; refused with
+  the tenant's own 429 `tenant_share` / `tenant_concurrency`, as a replica would answer.
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the route handlers' annotations at run time
@@ -16,6 +19,7 @@ several replicas must say itself, in the server's own error shapes:
 
 import json
 import logging
+import math
 from typing import Any, AsyncIterator
 
 import grpc
@@ -26,8 +30,11 @@ from ray.serve.exceptions import BackPressureError
 from starlette.websockets import WebSocketDisconnect
 
 from ..api.grpc import ERROR_CODE_KEY, PUSHBACK_KEY, RETRY_AFTER_KEY
-from ..api.http.errors import error_body
+from ..api.http.errors import error_body, refusal_response
+from ..api.tenancy import grpc_key, http_key
+from ..limits import RATE_REASONS, Refused
 from ..api.protos.steadyserve.v1.inference_pb2 import GenerateResponse
+from .shares import UNCOUNTED, Ticket, ingress_shares
 
 log = logging.getLogger("steadyserve.ray")
 
@@ -87,7 +94,13 @@ def _set_status(grpc_context: Any, status: dict[str, Any]) -> None:
 
 
 def _grpc_refusal(grpc_context: Any, e: Exception) -> None:
-    if isinstance(e, BackPressureError):
+    if isinstance(e, Refused):  # a tenant's own limit (shares.py): the replica's own answer to it
+        ms = str(max(1, math.ceil((e.retry_after or 1.0) * 1000)))
+        grpc_context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED if e.reason in RATE_REASONS
+                              else grpc.StatusCode.UNAVAILABLE)
+        grpc_context.set_details(str(e))
+        grpc_context.set_trailing_metadata([(ERROR_CODE_KEY, e.reason), (RETRY_AFTER_KEY, ms), (PUSHBACK_KEY, ms)])
+    elif isinstance(e, BackPressureError):
         ms = str(RETRY_AFTER_S * 1000)
         grpc_context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
         grpc_context.set_details(f"all replicas are busy and Ray's queue is full ({e}); retry later")
@@ -98,7 +111,7 @@ def _grpc_refusal(grpc_context: Any, e: Exception) -> None:
         grpc_context.set_trailing_metadata([(ERROR_CODE_KEY, "replica_lost")])
 
 
-async def relay_events(stream: Any) -> AsyncIterator[bytes]:
+async def relay_events(stream: Any, ticket: Ticket = UNCOUNTED) -> AsyncIterator[bytes]:
     """The body of a server-sent-events response, relayed whole-event by whole-event; a replica lost
     mid-stream ends it with an error event and [DONE]. One lost after its [DONE] was relayed (the replica
     died before Ray saw its generator end) has nothing to add: the client already has the whole stream, and
@@ -119,6 +132,7 @@ async def relay_events(stream: Any) -> AsyncIterator[bytes]:
         yield b"data: " + _error_json(_LOST.format(why=type(e).__name__), "server_error", "replica_lost") \
             + b"\n\n" + _DONE
     finally:
+        ticket.close()
         if not finished:  # the client went away: stop the request on the replica
             stream.cancel()
 
@@ -126,9 +140,14 @@ async def relay_events(stream: Any) -> AsyncIterator[bytes]:
 # serve.ingress copies the class when it is decorated: everything its methods use is defined above it.
 @serve.ingress(app)
 class Ingress:
-    def __init__(self, engine: Any, max_request_bytes: int) -> None:
+    def __init__(self, engine: Any, max_request_bytes: int, keys_file: str = "", capacity: int = 0) -> None:
         self.engine = engine.options(stream=True)  # DeploymentHandle to EngineReplica, streaming calls
         self.max_request_bytes = max_request_bytes
+        self.shares = ingress_shares(keys_file, capacity)  # None without --api-keys
+
+    def _admit(self, key: str) -> Ticket:
+        """The request's hold on its tenant's count, or Refused (its own limit)."""
+        return self.shares.admit(key) if self.shares is not None else UNCOUNTED
 
     async def _open(self, method: str, *args: Any) -> tuple[Any, Any]:
         """Start a streaming call and take its first item. A replica lost before it produced anything is
@@ -154,23 +173,35 @@ class Ingress:
                 return Response(_error_json(f"request body exceeds {self.max_request_bytes} bytes "
                                             "(--max-request-bytes)", "invalid_request_error", "request_too_large"),
                                 status_code=413, media_type="application/json")
-        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers.raw]
         try:
-            stream, head = await self._open("http_request", request.method, "/" + path, request.url.query,
-                                            headers, body)
-        except BackPressureError as e:
-            return _overloaded(e)
-        except Exception as e:
-            return _lost(type(e).__name__)
-        status, out = head["status"], head["headers"]
-        media = next((v for k, v in out if k.lower() == "content-type"), "")
-        if media.startswith("text/event-stream"):
-            return StreamingResponse(relay_events(stream), status_code=status, headers=dict(out))
-        try:  # a whole JSON body is small: collect it, so a replica lost halfway still gets a clean 503
-            content = b"".join([chunk async for chunk in stream])
-        except Exception as e:
-            return _lost(type(e).__name__)
-        return Response(content, status_code=status, headers=dict(out))
+            ticket = self._admit(http_key(dict(request.headers.raw), websocket=False))
+        except Refused as e:
+            return refusal_response(e)
+        relayed = False  # the stream's body releases the ticket once it has been relayed
+        try:
+            headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers.raw]
+            try:
+                stream, head = await self._open("http_request", request.method, "/" + path, request.url.query,
+                                                headers, body)
+            except BackPressureError as e:
+                return _overloaded(e)
+            except Exception as e:
+                return _lost(type(e).__name__)
+            status, out = head["status"], head["headers"]
+            media = next((v for k, v in out if k.lower() == "content-type"), "")
+            if media.startswith("text/event-stream"):
+                events = relay_events(stream, ticket)
+                ticket.close_with(events)
+                relayed = True
+                return StreamingResponse(events, status_code=status, headers=dict(out))
+            try:  # a whole JSON body is small: collect it, so a replica lost halfway still gets a clean 503
+                content = b"".join([chunk async for chunk in stream])
+            except Exception as e:
+                return _lost(type(e).__name__)
+            return Response(content, status_code=status, headers=dict(out))
+        finally:
+            if not relayed:
+                ticket.close()
 
     @app.websocket("/{path:path}")
     async def forward_ws(self, path: str, ws: WebSocket) -> None:
@@ -182,6 +213,16 @@ class Ingress:
             return
         if first["type"] == "websocket.disconnect":
             return
+        try:
+            ticket = self._admit(http_key(dict(ws.headers.raw), websocket=True))
+        except Refused as e:
+            return await self._ws_fail(ws, 1013, str(e), "rate_limit_error", e.reason)
+        try:
+            await self._ws_session(ws, path, first)
+        finally:
+            ticket.close()
+
+    async def _ws_session(self, ws: WebSocket, path: str, first: dict[str, Any]) -> None:
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in ws.headers.raw]
         try:
             stream, item = await self._open("websocket_session", "/" + path, ws.url.query, headers,
@@ -226,8 +267,9 @@ class Ingress:
         # Ray's proxy copies grpc_context onto the call only as a message goes out, and turns a raised
         # exception into the code set here (without trailers). So the stream's `final` message is held
         # back until the server's status has arrived: status and trailers (the fingerprint) ride on it.
-        held, stream, done = None, None, False
+        held, stream, done, ticket = None, None, False, UNCOUNTED
         try:
+            ticket = self._admit(grpc_key(grpc_context.invocation_metadata()))
             stream, item = await self._open("grpc_call", "Generate", request.SerializeToString(),
                                             _metadata(grpc_context), True)
             while isinstance(item, bytes):
@@ -242,6 +284,7 @@ class Ingress:
             _grpc_refusal(grpc_context, e)
             raise CallEnded(grpc_context.details()) from None
         finally:
+            ticket.close()
             if stream is not None and not done:  # the client cancelled: stop the request on the replica
                 stream.cancel()
         _set_status(grpc_context, item)
@@ -251,12 +294,16 @@ class Ingress:
             raise CallEnded(item["details"])
 
     async def _unary(self, method: str, request: Any, grpc_context: Any) -> Any:
+        ticket = UNCOUNTED
         try:
+            ticket = self._admit(grpc_key(grpc_context.invocation_metadata()))
             stream, item = await self._open("grpc_call", method, request.SerializeToString(),
                                             _metadata(grpc_context), False)
             status = item if isinstance(item, dict) else await stream.__anext__()
         except Exception as e:
             _grpc_refusal(grpc_context, e)
             return _Raw(b"")
+        finally:
+            ticket.close()
         _set_status(grpc_context, status)
         return _Raw(item if isinstance(item, bytes) else b"")
