@@ -7,7 +7,8 @@ keys file, and runs, each phase for a bounded time, with sampled text (temperatu
   single     tenant A alone floods (--flood x --max-num-seqs streams kept open): the single-tenant throughput
   contended  A floods while B sends one request a second (equal weights): B's TTFT p99 against quiet (target
              <= 2x), B's 429s (target 0), whether every refusal A got is A's own 429, throughput against single
-             (target within 10%)
+             (target within 10%). Single and contended alternate over --rounds rounds (single, contended,
+             contended, single, ...), --b-seconds in all for each, so a drift of the machine falls on both
   shares     the keys file reloaded (SIGHUP) to C (weight 3) and D (weight 1), both flooding: output tokens C:D
              over --shares-seconds (target 3:1 within 10%)
   kv_full    a second server with a small --kv-cache-memory, A `batch` flooding with long outputs, B `interactive`
@@ -40,6 +41,8 @@ import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from steadyserve.tenants import keys_file_entry
 from steadyserve.testing.server import ServerProcess
@@ -105,6 +108,38 @@ def steps_between(before: dict[str, float], after: dict[str, float]) -> dict[str
     return {"steps": int(n), "mean_ms": round(1000 * took / n, 1) if n else None, **share}
 
 
+class Usage:
+    """Where a phase's CPU went: the server process, this (flooding) client, B's client process, and how long the
+    engine thread waited on a run queue (the server's own steadyserve_engine_cpu_wait_seconds_total). On a 2-core
+    machine every CPU-second a client takes is one the engine's two threads did not have."""
+
+    def __init__(self, srv: ServerProcess, pool: concurrent.futures.ProcessPoolExecutor | None) -> None:
+        self.srv, self.pool = srv, pool
+        self.t0, self.cpu0 = time.monotonic(), self._cpu()
+
+    def _cpu(self) -> dict[str, float]:
+        def seconds(pid: int) -> float:
+            try:
+                t = psutil.Process(pid).cpu_times()
+                return t.user + t.system
+            except psutil.Error:
+                return 0.0
+        me = os.times()
+        pool = sum(seconds(pid) for pid in getattr(self.pool, "_processes", None) or {})
+        return {"server": seconds(self.srv.proc.pid), "flood_client": me.user + me.system, "b_client": pool,
+                "engine_cpu_wait": metric(self.srv, "steadyserve_engine_cpu_wait_seconds_total"),
+                "thread_changes": sum(float(line.rsplit(" ", 1)[1]) for line in self.srv.metrics_text(
+                    {"Authorization": f"Bearer {KEYS['A']}"}).splitlines()
+                    if line.startswith("steadyserve_thread_changes_total{"))}
+
+    def done(self) -> dict[str, float]:
+        """CPU-seconds per second of the phase (1.0 = one core busy), and the thread changes made in it."""
+        took, now = time.monotonic() - self.t0, self._cpu()
+        out = {f"{k}_cpus": round((now[k] - self.cpu0[k]) / took, 3) for k in now if k != "thread_changes"}
+        out["thread_changes"] = now["thread_changes"] - self.cpu0["thread_changes"]
+        return out
+
+
 def p(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -155,23 +190,34 @@ class Load:
             await asyncio.sleep(1.0)
         await asyncio.gather(*tasks)
 
+    def raw(self) -> dict[str, Any]:
+        """What it saw, unsummarised: a Load in another process hands this back to be merged."""
+        return {"n": self.n, "ttft": self.ttft, "status": dict(self.status), "codes": dict(self.codes)}
+
+    def merge(self, raw: dict[str, Any]) -> None:
+        self.n += raw["n"]
+        self.ttft += raw["ttft"]
+        self.status.update(raw["status"])
+        self.codes.update(raw["codes"])
+
     def summary(self) -> dict[str, Any]:
         return {"requests": self.n, "status": dict(self.status), "error_codes": dict(self.codes),
                 "ttft_p50_s": p(self.ttft, 0.5), "ttft_p99_s": p(self.ttft, 0.99), "ttft_max_s": p(self.ttft, 1.0)}
 
 
 def _every_second_alone(url: str, tenant: str, max_tokens: int, seconds: float) -> dict[str, Any]:
-    """In a process of its own: one streamed request a second for `seconds`; the summary of what it saw."""
+    """In a process of its own: one streamed request a second for `seconds`; what it saw (Load.raw)."""
     load = Load(url, tenant, max_tokens)
     asyncio.run(load.every_second(time.monotonic() + seconds))
-    return load.summary()
+    return load.raw()
 
 
-async def every_second_elsewhere(pool: concurrent.futures.Executor, srv: ServerProcess, tenant: str, max_tokens: int,
-                                 seconds: float) -> dict[str, Any]:
-    """`Load.every_second` in the pool's process (its own event loop), while this loop drives the flood."""
-    return await asyncio.get_running_loop().run_in_executor(pool, _every_second_alone, srv.http_url, tenant,
-                                                            max_tokens, seconds)
+async def every_second_elsewhere(pool: concurrent.futures.Executor, srv: ServerProcess, load: Load,
+                                 seconds: float) -> None:
+    """`load.every_second` in the pool's process (its own event loop), while this loop drives the flood; what it saw
+    is merged into `load`."""
+    load.merge(await asyncio.get_running_loop().run_in_executor(pool, _every_second_alone, srv.http_url, load.tenant,
+                                                                load.max_tokens, seconds))
 
 
 def tenant_ttft(srv: ServerProcess, tenant: str) -> dict[str, float]:
@@ -205,37 +251,58 @@ async def timed(srv: ServerProcess, coros: list, seconds: float) -> tuple[Counte
     return Counter({t: after[t] - before[t] for t in after}), took
 
 
+async def single_and_contended(a: argparse.Namespace, srv: ServerProcess,
+                               pool: concurrent.futures.Executor) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A flooding alone (single) and A flooding while B sends one request a second (contended), interleaved over
+    --rounds rounds of --b-seconds / --rounds each, in the order single, contended, contended, single, ... so a drift
+    of the machine's speed during the run (another process starting, the CPU's clock) falls on both alike: run one
+    after the other, two phases of the same server differed by more than the 10% the target allows."""
+    span = a.b_seconds / a.rounds
+    loads = {"single": Load(srv.http_url, "A", a.max_tokens), "contended": Load(srv.http_url, "A", a.max_tokens)}
+    b = Load(srv.http_url, "B", a.max_tokens)
+    got: dict[str, dict[str, Any]] = {k: {"tokens": Counter(), "seconds": 0.0, "rounds_tok_s": [], "steps": [],
+                                          "cpu": [], "preemptions": 0.0} for k in loads}
+    b_ttft0 = tenant_ttft(srv, "B")
+    for r in range(a.rounds):
+        for phase in (("single", "contended") if r % 2 == 0 else ("contended", "single")):
+            until = time.monotonic() + span
+            h0, preempted0, use = histogram(srv, STEP), metric(srv, "steadyserve_preemptions_total"), Usage(srv, pool)
+            coros = [loads[phase].flood(a.flood * a.max_num_seqs, until)]
+            if phase == "contended":
+                coros.append(every_second_elsewhere(pool, srv, b, span))
+            toks, took = await timed(srv, coros, span)
+            g = got[phase]
+            g["tokens"].update(toks)
+            g["seconds"] += took
+            g["rounds_tok_s"].append(round(sum(toks.values()) / took, 1))
+            g["steps"].append(steps_between(h0, histogram(srv, STEP)))
+            g["cpu"].append(use.done())
+            g["preemptions"] += metric(srv, "steadyserve_preemptions_total") - preempted0
+    out = {}
+    for phase, g in got.items():
+        out[phase] = {"A": loads[phase].summary(), "output_tokens_per_s": round(sum(g["tokens"].values()) / g["seconds"], 2),
+                      "output_tokens": dict(g["tokens"]), "seconds": round(g["seconds"], 1),
+                      "rounds_output_tokens_per_s": g["rounds_tok_s"], "engine_steps": g["steps"], "cpu": g["cpu"]}
+    out["contended"].update({"B": b.summary(), "B_server": ttft_between(b_ttft0, tenant_ttft(srv, "B")),
+                             "preemptions": got["contended"]["preemptions"]})
+    return out["single"], out["contended"]
+
+
 async def main_server(a: argparse.Namespace, keys: Path) -> dict[str, Any]:
     out: dict[str, Any] = {}
     common = ("--api-keys", str(keys), "--max-num-seqs", str(a.max_num_seqs), "--max-queue", str(a.max_queue))
     with ServerProcess(a.model, *common, threads=a.threads, startup_timeout=600) as srv:
         await Load(srv.http_url, "B", a.max_tokens).one()  # warm-up
-        s, bs = a.phase_seconds, a.b_seconds
+        bs = a.b_seconds
         pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
         pool.submit(time.sleep, 0).result()  # the process is started (and imports done) before any phase
-        h0, t0 = histogram(srv, STEP), tenant_ttft(srv, "B")
-        quiet = asyncio.create_task(every_second_elsewhere(pool, srv, "B", a.max_tokens, bs))
-        await timed(srv, [quiet], bs)
-        out["quiet"] = {"B": quiet.result(), "B_server": ttft_between(t0, tenant_ttft(srv, "B")),
-                        "engine_steps": steps_between(h0, histogram(srv, STEP))}
-
-        single = Load(srv.http_url, "A", a.max_tokens)
-        h0 = histogram(srv, STEP)
-        toks, took = await timed(srv, [single.flood(a.flood * a.max_num_seqs, time.monotonic() + s)], s)
-        out["single"] = {"A": single.summary(), "output_tokens_per_s": round(sum(toks.values()) / took, 2),
-                         "engine_steps": steps_between(h0, histogram(srv, STEP))}
-
-        flood = Load(srv.http_url, "A", a.max_tokens)
-        until = time.monotonic() + bs
-        h0, preempted0 = histogram(srv, STEP), metric(srv, "steadyserve_preemptions_total")
-        t0 = tenant_ttft(srv, "B")
-        b = asyncio.create_task(every_second_elsewhere(pool, srv, "B", a.max_tokens, bs))
-        toks, took = await timed(srv, [flood.flood(a.flood * a.max_num_seqs, until), b], bs)
+        h0, t0, use = histogram(srv, STEP), tenant_ttft(srv, "B"), Usage(srv, pool)
+        quiet = Load(srv.http_url, "B", a.max_tokens)
+        await timed(srv, [every_second_elsewhere(pool, srv, quiet, bs)], bs)
+        out["quiet"] = {"B": quiet.summary(), "B_server": ttft_between(t0, tenant_ttft(srv, "B")),
+                        "engine_steps": steps_between(h0, histogram(srv, STEP)), "cpu": use.done()}
+        out["single"], out["contended"] = await single_and_contended(a, srv, pool)
         pool.shutdown()
-        out["contended"] = {"A": flood.summary(), "B": b.result(), "B_server": ttft_between(t0, tenant_ttft(srv, "B")),
-                            "output_tokens_per_s": round(sum(toks.values()) / took, 2),
-                            "output_tokens": dict(toks), "engine_steps": steps_between(h0, histogram(srv, STEP)),
-                            "preemptions": metric(srv, "steadyserve_preemptions_total") - preempted0}
 
         keys.write_text(keys_toml({"A": "weight = 0.001", "C": "weight = 3", "D": "weight = 1"}))
         srv.signal(signal.SIGHUP)
@@ -288,9 +355,11 @@ def main() -> None:
     ap.add_argument("--max-queue", type=int, default=24)
     ap.add_argument("--flood", type=int, default=5, help="A keeps this many times --max-num-seqs streams open")
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--phase-seconds", type=float, default=30.0, help="the single-tenant and KV-full phases")
+    ap.add_argument("--phase-seconds", type=float, default=30.0, help="the KV-full phase")
     ap.add_argument("--b-seconds", type=float, default=120.0,
-                    help="the quiet and contended phases: B's requests, one a second, that its TTFT p99 is taken over")
+                    help="the quiet, single and contended phases (each): B's requests, one a second, that its TTFT p99 is "
+                    "taken over")
+    ap.add_argument("--rounds", type=int, default=4, help="single and contended alternate over this many rounds")
     ap.add_argument("--shares-seconds", type=float, default=60.0)
     ap.add_argument("--kv-full-memory", default="4MiB", help="--kv-cache-memory of the KV-full server")
     ap.add_argument("--kv-full-tokens", type=int, default=96, help="max_tokens of A's batch flood there")
