@@ -536,12 +536,19 @@ def test_tenants_through_ray_keys_on_every_transport_and_a_flood_leaves_room(ray
         ray_app.wait_replicas(1)
         bearer = {"Authorization": f"Bearer {RAY_KEYS['B']}"}
         with httpx.Client(base_url=ray_app.http_url, timeout=120) as http:
+            # Ray replaces the ingress too (its arguments changed): until its proxy routes to the new one, the old
+            # one's engine replicas are gone and it answers 503 replica_lost. The deadline bounds a hang only.
+            deadline = time.monotonic() + 120
+            while http.get("/v1/models", headers=bearer).status_code == 503:
+                assert time.monotonic() < deadline, "the redeployed application never answered"
+                time.sleep(0.5)
             body = {"prompt": "hello", "max_tokens": 2}
             assert http.post("/v1/completions", json=body).status_code == 401
             assert http.post("/v1/completions", json=body, headers={"Authorization": "Bearer wrong"}).status_code == 401
             assert http.post("/v1/completions", json=body, headers=bearer).status_code == 200
+            served = http.get("/v1/models", headers=bearer).json()["data"][0]["id"]
             r = http.post("/v1/messages", headers={"x-api-key": RAY_KEYS["A"], "anthropic-version": "2023-06-01"},
-                          json={"model": "x", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+                          json={"model": served, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
             assert r.status_code == 200, r.text
         url = ray_app.http_url.replace("http://", "ws://") + "/v1/stream"
         with connect(url, open_timeout=30, additional_headers=bearer) as ws:
