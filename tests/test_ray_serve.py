@@ -521,8 +521,9 @@ RAY_KEYS = {"A": "ray-tenant-a-key-0123456789", "B": "ray-tenant-b-key-012345678
 
 def test_tenants_through_ray_keys_on_every_transport_and_a_flood_leaves_room(ray_app: Deployed, tmp_path) -> None:
     """The keys file's identities through Ray's proxies (bearer and x-api-key over HTTP, a WebSocket, gRPC metadata),
-    and A flooding a one-replica deployment (capacity 4 + 4 in the engine, 8 in Ray's queue: 16) with 40 streams
-    while B sends one request every half second: B is never refused, and every refusal A gets is its own 429
+    and A flooding a one-replica deployment (4 + 4 in the engine, 8 in Ray's queue: 16; Ray's own bound sits 4
+    above) with 40 streams while B sends one request every half second: B is never refused, and every refusal A
+    gets is its own 429
     (`tenant_share`), not Ray's `overloaded`. Without the ingress's shares (ray/shares.py) A fills Ray's queue and
     B's requests get Ray's 429. The deployment is put back as it was."""
     from steadyserve.tenants import keys_file_entry

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from steadyserve.limits import Refused
-from steadyserve.ray.app import deployment_capacity, engine_options, parse_serve_args
+from steadyserve.ray.app import deployment_capacity, engine_options, parse_serve_args, with_tenant_headroom
 from steadyserve.ray.ingress import relay_events
 from steadyserve.ray.shares import RELOAD_CHECK_S, IngressShares
 from steadyserve.tenants import keys_file_entry
@@ -144,3 +144,14 @@ def test_the_deployment_capacity_is_rays_admission() -> None:
     auto = engine_options(cfg, {"autoscaling_config": {"min_replicas": 1, "max_replicas": 3}})
     assert deployment_capacity(auto) == 3 * 32 + 32
     assert deployment_capacity(engine_options(cfg, {"max_queued_requests": -1})) == 32
+
+
+def test_with_keys_rays_queue_bound_sits_above_the_ingress_shares() -> None:
+    """Ray counts a request until its replica reports it finished, after the ingress released it: without headroom
+    its 429 `overloaded` comes first now and then, and falls on any tenant."""
+    o = engine_options(parse_serve_args(["--max-num-seqs", "4", "--max-queue", "4"]), {})
+    capacity = deployment_capacity(o)
+    raised = with_tenant_headroom(o, capacity)
+    assert capacity == 16 and raised["max_queued_requests"] == 8 + 4 and deployment_capacity(raised) == 20
+    unbounded = {**o, "max_queued_requests": -1}
+    assert with_tenant_headroom(unbounded, 8) == unbounded
