@@ -31,6 +31,7 @@ from .args import ModelArgs, rope_tables
 from .attention import AttentionFn, write_kv
 from .layer_spec import LayerSpec, layer_spec
 from .layers import RowProbe, RowTiler, apply_rope, rms_norm
+from .moe import MoeWeights, load_moe, moe_block, moe_slots, pack_moe
 from .native_forward import build_native_layers
 
 # Rows of one LM-head call at most: (64, V) float32 logits, and a calibration that stays cheap.
@@ -69,14 +70,15 @@ class LayerWeights:
     wo: Matrix  # (hidden, H * D)
     bo: torch.Tensor | None
     post_norm: torch.Tensor | None  # (hidden,), before the MLP (spec.pre_norm)
-    w_gate_up: Matrix  # (2 * inter, hidden)
+    w_gate_up: Matrix | None  # (2 * inter, hidden); None in a sparse layer (moe)
     b_gate_up: torch.Tensor | None
-    w_down: Matrix  # (hidden, inter)
+    w_down: Matrix | None  # (hidden, inter); None in a sparse layer
     b_down: torch.Tensor | None
     q_norm: torch.Tensor | None = None  # (D,) per head, or (H * D,) over all heads (spec.qk_norm)
     k_norm: torch.Tensor | None = None  # (D,) or (Hkv * D,)
     attn_out_norm: torch.Tensor | None = None  # (hidden,), on the attention output before its residual add
     mlp_out_norm: torch.Tensor | None = None  # (hidden,), on the MLP output before its residual add (spec.post_norms)
+    moe: MoeWeights | None = None  # a sparse layer's router and experts (spec.moe_layers), in place of the MLP
 
 
 class Transformer:
@@ -155,6 +157,8 @@ class Transformer:
         for i in range(args.num_layers):
             p = f"model.layers.{i}."
             a, m = p + "self_attn.", p + "mlp."
+            sparse = bool(spec.moe_layers) and spec.moe_layers[i]
+            dense = not sparse
             self.layers.append(LayerWeights(
                 input_norm=norm(p + "input_layernorm.weight", pre),
                 wqkv=mat([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]),
@@ -164,12 +168,13 @@ class Transformer:
                 # Gemma's MLP input norm is pre_feedforward_layernorm.
                 post_norm=norm(p + ("pre_feedforward_layernorm.weight" if post else "post_attention_layernorm.weight"),
                                pre),
-                w_gate_up=mat([m + "gate_proj.weight", m + "up_proj.weight"]),
+                w_gate_up=mat([m + "gate_proj.weight", m + "up_proj.weight"]) if dense else None,
                 b_gate_up=cat([m + "gate_proj.bias", m + "up_proj.bias"]),
-                w_down=mat([m + "down_proj.weight"]), b_down=maybe(m + "down_proj.bias"),
+                w_down=mat([m + "down_proj.weight"]) if dense else None, b_down=maybe(m + "down_proj.bias"),
                 q_norm=norm(a + "q_norm.weight", qk), k_norm=norm(a + "k_norm.weight", qk),
                 attn_out_norm=norm(p + "post_attention_layernorm.weight", post),
                 mlp_out_norm=norm(p + "post_feedforward_layernorm.weight", post),
+                moe=load_moe(weights, m, spec.moe, mat) if sparse and spec.moe is not None else None,
             ))
         for i, lw in enumerate(self.layers):
             _check_attention_shapes(args, lw, i)
@@ -192,7 +197,10 @@ class Transformer:
         out: dict[str, Matrix] = {}
         for i, lw in enumerate(self.layers):
             for name in _INT8_SLOTS:
-                out[f"layers.{i}.{name}"] = getattr(lw, name)
+                if getattr(lw, name) is not None:  # a sparse layer has no dense MLP
+                    out[f"layers.{i}.{name}"] = getattr(lw, name)
+            if lw.moe is not None:
+                out.update(moe_slots(lw.moe, i))
         out["lm_head"] = self.lm_head
         return out
 
@@ -210,7 +218,10 @@ class Transformer:
         self.native_layers = None
         for i, lw in enumerate(self.layers):
             for name in _INT8_SLOTS:
-                setattr(lw, name, make(f"layers.{i}.{name}", getattr(lw, name)))
+                if getattr(lw, name) is not None:
+                    setattr(lw, name, make(f"layers.{i}.{name}", getattr(lw, name)))
+            if lw.moe is not None:
+                pack_moe(lw.moe, i, make)
         self.lm_head = make("lm_head", self.lm_head)  # type: ignore[arg-type]
         self.native_layers = build_native_layers(self)
 
@@ -258,6 +269,11 @@ class Transformer:
         (T, hidden), (T, H, D) -> (T, hidden). NativeLayers.forward computes the same."""
         x = x + self._residual(self._linear(attn.reshape(attn.shape[0], -1), lw.wo, lw.bo), lw.attn_out_norm)
         pre = self._norm(x, lw.post_norm) if lw.post_norm is not None else x
+        if lw.moe is not None and self.spec.moe is not None:  # a sparse layer: router and experts (moe.py)
+            m = moe_block(pre, lw.moe, self.spec.moe, lambda v, w: self._linear(v, w, None), self._gated_act,
+                          self.tiler)  # (T, hidden)
+            return x + self._residual(m, lw.mlp_out_norm)
+        assert lw.w_gate_up is not None and lw.w_down is not None
         gate_up = self._linear(pre, lw.w_gate_up, lw.b_gate_up)  # (T, 2 * inter)
         m = self._linear(self._gated_act(gate_up), lw.w_down, lw.b_down)  # (T, hidden)
         return x + self._residual(m, lw.mlp_out_norm)
