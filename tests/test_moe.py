@@ -19,7 +19,6 @@ import httpx
 import pytest
 import torch
 
-from steadyserve.engine.offline import run_requests
 from steadyserve.engine.selftest import run_selftest
 from steadyserve.kernels import load
 from steadyserve.kernels.quant import QMatrix, QWeight
@@ -30,8 +29,7 @@ from steadyserve.testing.drift import install_batch_drift
 from steadyserve.testing.gguf_layout import layout, patch
 from steadyserve.testing.llama_converter import convert as llama_cpp_convert
 from steadyserve.testing.server import ServerProcess
-from test_engine_invariance import chunked_vs_whole, engine_for, expect, greedy, probe_vs_batches, same, \
-    score_vs_generate
+from test_engine_invariance import engine_for
 from test_models_parity import check_parity, hf_model, prompts_for
 
 pytestmark = pytest.mark.skipif(not load().available, reason="native kernels not built")
@@ -124,32 +122,11 @@ def mode(request, int8):
     return request.param, int8
 
 
-def test_alone_vs_batched(mode):
-    name, engine = mode
-    expect(name, probe_vs_batches(engine, [2, 7, 33], name=name))
-
-
-def test_prefill_equals_decode(mode):
-    name, engine = mode
-    expect(name, score_vs_generate(engine, ((5, 12), (40, 16)), name=name))
-
-
-def test_chunked_prefill_equals_whole(mode):
-    name, engine = mode
-    expect(name, chunked_vs_whole(engine, 7, 4, name))
-
-
-def test_thread_count_changes_no_bit(int8):
-    prompt = list(range(3, 60, 2))
-    threads = torch.get_num_threads()
-    try:
-        runs = []
-        for n in (1, 2):
-            torch.set_num_threads(n)
-            runs.append(run_requests(int8, [greedy("t", prompt, 12)])["t"])
-        assert same(runs[0], runs[1])
-    finally:
-        torch.set_num_threads(threads)
+# The engine checks of the other architectures and of the int8 path, collected here on this module's `mode` and `int8`
+# fixtures: alone vs batched, prefill vs decode, chunked vs whole prefill, and 1 vs 2 threads.
+from test_arch_variants import test_alone_vs_batched, test_chunked_prefill_equals_whole  # noqa: E402,F401
+from test_arch_variants import test_prefill_equals_decode  # noqa: E402,F401
+from test_int8_engine import test_thread_count_changes_no_bit  # noqa: E402,F401
 
 
 def test_experts_are_packed_once_and_counted(int8):
