@@ -122,11 +122,55 @@ def mode(request, int8):
     return request.param, int8
 
 
-# The engine checks of the other architectures and of the int8 path, collected here on this module's `mode` and `int8`
-# fixtures: alone vs batched, prefill vs decode, chunked vs whole prefill, and 1 vs 2 threads.
+@pytest.fixture(scope="module")
+def bi_engine(int8):
+    return int8
+
+
+# The engine checks of the other architectures and of the int8 path, collected here on this module's `mode`, `int8`
+# and `bi_engine` fixtures: alone vs batched, prefill vs decode, chunked vs whole prefill, a grammar, the prefix cache
+# (each with its TEST-ONLY break), and 1 vs 2 threads.
 from test_arch_variants import test_alone_vs_batched, test_chunked_prefill_equals_whole  # noqa: E402,F401
-from test_arch_variants import test_prefill_equals_decode  # noqa: E402,F401
+from test_arch_variants import test_prefill_equals_decode, test_prefix_cache_gives_the_uncached_bits  # noqa: E402,F401
+from test_arch_variants import test_structured_output_keeps_the_probe_invariant  # noqa: E402,F401
 from test_int8_engine import test_thread_count_changes_no_bit  # noqa: E402,F401
+
+
+def test_the_packed_cache_holds_the_experts(paths, paths_cache, tiny):
+    """The int8 panels of every expert are written to the packed-weight cache at the first load, and the next load
+    maps them from it (views of the cache file: no repacking), with the same bits."""
+    import json
+    import struct
+
+    (q8p,) = (paths_cache / "packed").glob("tiny-qwen3moe-*.q8p")
+    raw = q8p.read_bytes()
+    n = struct.unpack("<Q", raw[-16:-8])[0]
+    slots = json.loads(raw[-16 - n:-16])["slots"]
+    assert {f"layers.{i}.experts.{e}.{m}" for i in range(2) for e in range(8) for m in ("gate_up", "down")} <= set(slots)
+    again = load_model(tiny["gguf"], max_model_len=512, cache_dir=str(paths_cache), numerics="int8")
+    mapping = again.keepalive[1]  # repack.RepackResult.keepalive: the cache file's mapping, None when repacked
+    assert mapping is not None
+    lo, hi = mapping.ctypes.data, mapping.ctypes.data + mapping.size
+    lw, first = again.model.layers[1], paths["int8"].layers[1]
+    assert all(lo <= p.data.data_ptr() < hi for m in lw.moe.gate_up + lw.moe.down for p in m.parts)
+    x = torch.randn(9, again.args.hidden_size, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(_mlp_out(again.model, lw, x), _mlp_out(paths["int8"], first, x))
+
+
+def test_sparse_layers_follow_the_config():
+    """transformers' rule: a layer is sparse unless in mlp_only_layers, and only every decoder_sparse_step-th."""
+    from transformers import Qwen3MoeConfig
+
+    from steadyserve.models.qwen3moe import qwen3moe_args
+
+    base = dict(vocab_size=64, hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    assert qwen3moe_args(Qwen3MoeConfig(**base)).layer_moe == (True,) * 6
+    assert qwen3moe_args(Qwen3MoeConfig(decoder_sparse_step=2, **base)).layer_moe == (False, True) * 3
+    assert qwen3moe_args(Qwen3MoeConfig(mlp_only_layers=[0, 5], decoder_sparse_step=1, **base)).layer_moe == \
+        (False, True, True, True, True, False)
+    with pytest.raises(ValueError, match=r"num_experts_per_tok \(5\) must be 1 to num_experts \(4\)"):
+        qwen3moe_args(Qwen3MoeConfig(**{**base, "num_experts_per_tok": 5}))
 
 
 def test_experts_are_packed_once_and_counted(int8):
@@ -147,9 +191,13 @@ def test_experts_are_packed_once_and_counted(int8):
 # ---- the routing: ties and independent rows, on every path ---------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def paths(tiny, tmp_path_factory):
-    cache = str(tmp_path_factory.mktemp("paths"))
-    return {n: load_model(tiny["gguf"], max_model_len=512, cache_dir=cache, numerics=n).model
+def paths_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("paths")
+
+
+@pytest.fixture(scope="module")
+def paths(tiny, paths_cache):
+    return {n: load_model(tiny["gguf"], max_model_len=512, cache_dir=str(paths_cache), numerics=n).model
             for n in ("portable", "int8", "host")}
 
 
