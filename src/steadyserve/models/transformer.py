@@ -36,6 +36,9 @@ from .native_forward import build_native_layers
 
 # Rows of one LM-head call at most: (64, V) float32 logits, and a calibration that stays cheap.
 MAX_HEAD_TILE = 64
+# Rows of one expert call at most on the host path (moe.py): an expert sees the few rows that chose it, so its calls
+# are padded to counts verified on its own probe, not to the layers' (up to 512 rows for each of E experts).
+MAX_EXPERT_TILE = 64
 # Vocabulary entries per LM-head GEMM. One (64, 576) x (576, 49152) GEMM ran 33 ms on an AMD EPYC
 # (2 threads); 24 GEMMs of 2048 columns each, 27 ms; at 4 rows, 11.4 vs 7.9 ms (a weight slice
 # of 4.5 MiB stays in cache while MKL sweeps it). The split is fixed, so every logit is always
@@ -97,6 +100,7 @@ class Transformer:
         self.dtype = dtype
         self.tiler = tiler  # the layers' row-wise functions
         self.head_tiler = RowTiler(min(tiler.max_tile, MAX_HEAD_TILE), tiler.enabled)  # LM head + log-softmax
+        self.expert_tiler = RowTiler(min(tiler.max_tile, MAX_EXPERT_TILE), tiler.enabled)  # a sparse layer's experts
         self.attention = attention
         self.kernel_id = kernel_id  # names the attention kernel in the fingerprint: its bits differ per kernel
         # Whether this model runs the native extension's attention (and so has its other ops: softcap_, rope_): the
@@ -271,7 +275,7 @@ class Transformer:
         pre = self._norm(x, lw.post_norm) if lw.post_norm is not None else x
         if lw.moe is not None and self.spec.moe is not None:  # a sparse layer: router and experts (moe.py)
             m = moe_block(pre, lw.moe, self.spec.moe, lambda v, w: self._linear(v, w, None), self._gated_act,
-                          self.tiler)  # (T, hidden)
+                          self.expert_tiler)  # (T, hidden)
             return x + self._residual(m, lw.mlp_out_norm)
         assert lw.w_gate_up is not None and lw.w_down is not None
         gate_up = self._linear(pre, lw.w_gate_up, lw.b_gate_up)  # (T, 2 * inter)
@@ -370,6 +374,12 @@ class Transformer:
     def calibrate(self) -> tuple[list[int], list[int]]:
         """Find the row counts that keep every row bitwise the same (see RowTiler)."""
         layer, head = self.row_probes()
+        sparse = next((lw.moe for lw in self.layers if lw.moe is not None), None)
+        if sparse is not None:  # first: the layers' probes run the experts in its verified counts
+            gate_up, down = sparse.gate_up[0], sparse.down[0]
+            expert = (lambda x: self._linear(self._gated_act(self._linear(x, gate_up, None)), down, None),
+                      lambda n, g: (torch.randn(n, self.args.hidden_size, generator=g).to(self.device, self.dtype),))
+            self.expert_tiler.calibrate([expert])
         return self.tiler.calibrate(layer), self.head_tiler.calibrate(head)
 
 
