@@ -22,6 +22,7 @@ import torch
 from steadyserve.engine.selftest import run_selftest
 from steadyserve.kernels import load
 from steadyserve.kernels.quant import QMatrix, QWeight
+from steadyserve.memory import tensor_bytes
 from steadyserve.models import gguf_config, moe, registry
 from steadyserve.models.loader import LoadError, load_model
 from steadyserve.testing import build_tiny_model
@@ -197,7 +198,15 @@ def test_experts_are_packed_once_and_counted(int8):
             assert [p.format_name for p in m.parts] == ["Q8_0 packed"]  # gate|up joined: one part per expert
             panels += m.nbytes
     assert panels == 2 * 8 * 3 * 32 * 64 // 32 * 34  # layers x experts x (gate, up, down) x Q8_0 bytes
-    assert loaded.weights_bytes >= panels + sum(lw.moe.router.nbytes for lw in model.layers)
+    saved = [lw.moe for lw in model.layers]
+    try:  # the same model without its sparse blocks: the weight bytes the plan counts beside them
+        for lw in model.layers:
+            lw.moe = None
+        without = tensor_bytes(model)
+    finally:
+        for lw, m in zip(model.layers, saved):
+            lw.moe = m
+    assert loaded.weights_bytes - without == panels + sum(lw.moe.router.nbytes for lw in model.layers)
 
 
 # ---- the routing: ties and independent rows, on every path ---------------------------------------------------------
