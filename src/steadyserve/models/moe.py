@@ -13,7 +13,7 @@ each row's bits independent of the other rows, of the thread count and of the CP
   moves with the row count), and a sum folded in one fixed tree (`fold_sum`).
 * top-k: the k largest probabilities, **ties broken by the lower expert index** (a stable descending sort), so
   two experts with equal probabilities are chosen in the same way in every batch.
-* with `norm_topk_prob` the k weights are divided by their sum, added in rank order.
+* with `norm_topk_prob` the k weights are divided by their sum, folded in the same fixed tree (by rank).
 * experts: each a SwiGLU MLP (gate|up, act, down) on the path's matmuls. Rows are grouped by expert, so an
   expert's matmul sees whichever rows chose it; the kernels' per-row order (no kernel looks at how many rows it
   was given: qmm.h, q8.h) makes each row's result independent of them (tests/test_moe.py checks it).
@@ -98,10 +98,7 @@ def route(logits: torch.Tensor, spec: MoeSpec) -> tuple[torch.Tensor, torch.Tens
     experts = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :spec.top_k]  # ties: lower index
     weights = probs.gather(-1, experts)
     if spec.norm_topk_prob:
-        total = weights[:, :1]
-        for j in range(1, spec.top_k):  # in rank order
-            total = total + weights[:, j:j + 1]
-        weights = weights / total
+        weights = weights / fold_sum(weights)  # the k by rank, in the same fixed tree
     return weights, experts
 
 
@@ -119,17 +116,18 @@ def moe_block(x: torch.Tensor, w: MoeWeights, spec: MoeSpec, linear: Linear,
     flat = experts.reshape(-1)  # (T * k,): token t's rank-j expert at t * k + j
     order = torch.argsort(flat, stable=True)  # grouped by expert, ascending; tokens ascending inside a group
     counts = torch.bincount(flat, minlength=spec.num_experts).tolist()
-    tokens, scale = order // k, weights.reshape(-1)[order]
+    tokens, scale = order // k, weights.reshape(-1, 1)[order].to(x.dtype)  # (T * k,), (T * k, 1) in that order
     out = torch.zeros_like(x)
     start = 0
     for e, count in enumerate(counts):  # ascending expert index: each token's terms are added in that order
         if not count:
             continue
-        rows = tokens[start:start + count]
+        end = start + count
+        rows = tokens[start:end]
         gate_up, down = w.gate_up[e], w.down[e]
-        y = rows_fn(lambda xe: linear(act(linear(xe, gate_up)), down), x[rows])  # (count, hidden)
-        out.index_add_(0, rows, y * scale[start:start + count, None].to(y.dtype))  # one add per element
-        start += count
+        y = rows_fn(lambda xe: linear(act(linear(xe, gate_up)), down), x.index_select(0, rows))  # (count, hidden)
+        out.index_add_(0, rows, y.mul_(scale[start:end]))  # its weight, then one add per element
+        start = end
     return out
 
 
