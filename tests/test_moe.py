@@ -186,6 +186,11 @@ def test_the_host_path_keeps_what_its_self_test_confirms(tiny, tmp_path):
     assert all(v == 0.0 for v in diffs.values()), diffs
 
 
+def test_auto_speculation_is_off_for_a_sparse_model(int8):
+    """A draft row reads its own experts: not the cheap row the speculator's allocation assumes (engine._cheap_rows)."""
+    assert int8.speculator.cheap_rows == 1 and not int8.speculator.enabled
+
+
 def test_experts_are_packed_once_and_counted(int8):
     """Every expert runs on int8 panels, none keeps its GGUF view beside them, the router stays float32 (F32 rows),
     and the memory plan's weight bytes include every panel."""
