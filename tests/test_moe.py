@@ -7,7 +7,9 @@ The model: transformers' Qwen3MoeForCausalLM from a config with a fixed seed (2 
 converter (testing/llama_converter.py). The GGUF's reference is transformers reading that file (its own tensor map
 for qwen3moe, independent of steadyserve's), with the expert width its GGUF map drops put back. A second model,
 "mixed", has a dense first layer (mlp_only_layers) and top-3 of 4 experts without renormalization (HF only: a GGUF
-cannot say either). Every invariance check also runs against a TEST-ONLY break that it must catch.
+cannot say either). Every invariance check also runs against a TEST-ONLY break that it must catch. Also here: the
+host path's invariance where its self-test confirms it, the packed-weight cache of the experts, and `--speculation
+auto` off for a sparse model.
 """
 
 from __future__ import annotations
