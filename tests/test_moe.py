@@ -347,6 +347,19 @@ def test_a_missing_expert_tensor_is_named(tiny):
         check_tensors(f, args, native=True)
 
 
+@pytest.mark.parametrize("key", ["expert_count", "expert_used_count", "expert_feed_forward_length"])
+def test_a_missing_expert_key_is_named(tiny, key):
+    from steadyserve.models.gguf_check import check_metadata
+    from steadyserve.models.gguf_config import GgufConfigError
+    from steadyserve.models.gguf_file import read_gguf
+
+    f = read_gguf(tiny["gguf"])
+    check_metadata(f.metadata, "qwen3moe", len(f.tensors))  # the file as written passes
+    md = {k: v for k, v in f.metadata.items() if k != f"qwen3moe.{key}"}
+    with pytest.raises(GgufConfigError, match=rf"metadata key 'qwen3moe.{key}' is missing: a qwen3moe file states"):
+        check_metadata(md, "qwen3moe", len(f.tensors))
+
+
 # ---- one real server -------------------------------------------------------------------------------------------------
 
 def test_a_server_answers_with_the_moe_gguf(tiny):
