@@ -63,7 +63,7 @@ def _data(shape: tuple[int, ...], kind: str, rng: np.random.Generator) -> np.nda
     if kind == "F32":
         return (1.0 + 0.1 * rng.standard_normal(shape[::-1])).astype(np.float32)
     block, nbytes, scales = _BLOCKS[kind]
-    rows, blocks = shape[1], shape[0] // block
+    rows, blocks = int(np.prod(shape[1:])), shape[0] // block
     raw = rng.integers(0, 256, (rows, blocks, nbytes), dtype=np.uint8)
     for at in scales:  # finite, small: the values of a normal-ish weight matrix
         d = (rng.random((rows, blocks), dtype=np.float32) * 2e-3 + 1e-4).astype(np.float16)
@@ -73,28 +73,7 @@ def _data(shape: tuple[int, ...], kind: str, rng: np.random.Generator) -> np.nda
 
 def _metadata(writer, s: dict, default_gguf: Path) -> None:  # noqa: ANN001 - gguf.GGUFWriter
     """The shape's llama.* keys and the default model's tokenizer, its vocabulary padded to the shape's."""
-    from gguf import GGUFReader, GGUFValueType
-
-    src = GGUFReader(str(default_gguf))
-    for field in src.fields.values():
-        key = field.name
-        if not key.startswith("tokenizer.") and key not in ("general.quantization_version",):
-            continue
-        kind = field.types[0]
-        if kind == GGUFValueType.ARRAY:
-            values = [field.parts[i].tobytes().decode("utf-8") if field.types[1] == GGUFValueType.STRING
-                      else field.parts[i].tolist()[0] for i in field.data]
-            extra = s["vocab"] - len(values) if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.scores",
-                                                        "tokenizer.ggml.token_type") else 0
-            if extra > 0:
-                base = len(values)
-                values += ([f"<|reserved_{base + i}|>" for i in range(extra)] if key.endswith("tokens")
-                           else [0.0] * extra if key.endswith("scores") else [1] * extra)  # 1: NORMAL
-            writer.add_array(key, values)
-        elif kind == GGUFValueType.STRING:
-            writer.add_string(key, field.parts[field.data[0]].tobytes().decode("utf-8"))
-        else:
-            writer.add_key_value(key, field.parts[field.data[0]].tolist()[0], kind)
+    tokenizer_metadata(writer, s["vocab"], default_gguf)
     writer.add_name("random blocks")
     writer.add_block_count(s["layers"])
     writer.add_context_length(s["context"])
@@ -109,8 +88,34 @@ def _metadata(writer, s: dict, default_gguf: Path) -> None:  # noqa: ANN001 - gg
     writer.add_file_type(15)  # MOSTLY_Q4_K_M
 
 
+def tokenizer_metadata(writer, vocab: int, default_gguf: Path) -> None:  # noqa: ANN001 - gguf.GGUFWriter
+    """The default model's tokenizer keys (and quantization version), its vocabulary padded to `vocab` entries."""
+    from gguf import GGUFReader, GGUFValueType
+
+    src = GGUFReader(str(default_gguf))
+    for field in src.fields.values():
+        key = field.name
+        if not key.startswith("tokenizer.") and key not in ("general.quantization_version",):
+            continue
+        kind = field.types[0]
+        if kind == GGUFValueType.ARRAY:
+            values = [field.parts[i].tobytes().decode("utf-8") if field.types[1] == GGUFValueType.STRING
+                      else field.parts[i].tolist()[0] for i in field.data]
+            extra = vocab - len(values) if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.scores",
+                                                        "tokenizer.ggml.token_type") else 0
+            if extra > 0:
+                base = len(values)
+                values += ([f"<|reserved_{base + i}|>" for i in range(extra)] if key.endswith("tokens")
+                           else [0.0] * extra if key.endswith("scores") else [1] * extra)  # 1: NORMAL
+            writer.add_array(key, values)
+        elif kind == GGUFValueType.STRING:
+            writer.add_string(key, field.parts[field.data[0]].tobytes().decode("utf-8"))
+        else:
+            writer.add_key_value(key, field.parts[field.data[0]].tolist()[0], kind)
+
+
 def write(shape: str, out: Path, seed: int = 0) -> Path:
-    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf import GGUFWriter
 
     from steadyserve.models.loader import default_model_path
 
@@ -122,7 +127,16 @@ def write(shape: str, out: Path, seed: int = 0) -> Path:
     tmp = path.with_suffix(".tmp")
     writer = GGUFWriter(str(tmp), "llama")
     _metadata(writer, s, Path(default_model_path()))
-    table = _tensors(s)
+    write_tensors(writer, _tensors(s), seed)
+    tmp.rename(path)
+    return path
+
+
+def write_tensors(writer, table: list[tuple[str, tuple[int, ...], str]], seed: int) -> None:  # noqa: ANN001
+    """The tensor table's infos, then each tensor's random blocks (_data) one at a time, and close the file: nothing
+    the size of the model is in memory. `table`: (name, ggml shape (row length first), type) in file order."""
+    from gguf import GGMLQuantizationType
+
     for name, dims, kind in table:
         qtype = GGMLQuantizationType[kind]
         if kind == "F32":
@@ -130,8 +144,9 @@ def write(shape: str, out: Path, seed: int = 0) -> Path:
         else:
             block, nbytes, _ = _BLOCKS[kind]
             row_bytes = dims[0] // block * nbytes  # gguf-py takes a quantized tensor's shape in bytes
-            writer.add_tensor_info(name, (dims[1], row_bytes), np.dtype(np.uint8), dims[1] * row_bytes,
-                                   raw_dtype=qtype)
+            rows = int(np.prod(dims[1:]))  # a 3-D tensor (stacked experts) is its rows of all experts
+            shape = (*dims[1:][::-1], row_bytes)
+            writer.add_tensor_info(name, shape, np.dtype(np.uint8), rows * row_bytes, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
@@ -140,8 +155,6 @@ def write(shape: str, out: Path, seed: int = 0) -> Path:
         data = _data(dims, kind, rng) if name != "rope_freqs.weight" else np.ones(dims, np.float32)
         writer.write_tensor_data(data)
     writer.close()
-    tmp.rename(path)
-    return path
 
 
 def main() -> None:

@@ -182,13 +182,15 @@ _LEAVES = (str, bytes, int, float, bool, complex, type, types.ModuleType, types.
            types.BuiltinFunctionType)
 
 
-def tensor_bytes(obj: Any, max_depth: int = 6) -> int:
+def tensor_bytes(obj: Any, max_depth: int = 8) -> int:
     """Bytes of the distinct tensor storages reachable from `obj`: its attributes (vars() or __slots__),
     lists, tuples and dict values, and the same in the objects they hold, `max_depth` levels down.
 
     Each storage counts once (keyed by its data pointer), and whole: tied embeddings and views of one
     buffer are one allocation. Objects are matched by what they hold, not their type, so weights stored as
-    plain tensors, nn.Parameters, dataclasses of tensors or wrappers with a `.data` tensor all count."""
+    plain tensors, nn.Parameters, dataclasses of tensors or wrappers with a `.data` tensor all count. The default
+    depth reaches a sparse layer's expert panels (model, layers, a layer, its MoeWeights, a list of experts, a
+    QMatrix, its parts, a QWeight: its data tensor is the 8th level)."""
     seen_objs: set[int] = set()
     storages: dict[tuple[str, int], int] = {}
 

@@ -213,7 +213,11 @@ def _cheap_rows(model) -> int:  # noqa: ANN001 - a Transformer
     """Rows a step computes for little more than the cost of one (speculation.Speculator): on the native
     path the rows the matrix kernels multiply with weights dequantized in registers (kSmallM of
     kernels/csrc/qmm_scalar.cpp, qmm_avx2.cpp, qmm_avx512.cpp: 1, 4, 8); MKL's and CUDA's kernels are
-    memory-bound for a few rows more."""
+    memory-bound for a few rows more. A model with sparse MoE layers has none to spare: each row reads the
+    weights of its own experts (8 of 128 for Qwen3-30B-A3B, about two thirds of a layer's bytes), so a draft
+    row costs about as much as a step, not the 0.2 of one that the speculator assumes."""
+    if any(getattr(getattr(model, "spec", None), "moe_layers", ())):
+        return 1
     if model.native:
         return register_rows()
     return 16 if model.device.type == "cuda" else 4

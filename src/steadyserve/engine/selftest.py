@@ -84,7 +84,9 @@ def run_selftest(engine: LLMEngine, seed: int = 1234) -> SelfTestResult:
 def _matrices(model) -> list:  # noqa: ANN001 - a Transformer
     from ..kernels.quant import QMatrix
 
-    return [m for m in [model.lm_head] + [w for lw in model.layers for w in vars(lw).values()] if isinstance(m, QMatrix)]
+    experts = [w for lw in model.layers if getattr(lw, "moe", None) is not None for w in lw.moe.matrices()]
+    return [m for m in [model.lm_head] + [w for lw in model.layers for w in vars(lw).values()] + experts
+            if isinstance(m, QMatrix)]
 
 
 def _has_packed(model) -> bool:  # noqa: ANN001 - a Transformer

@@ -47,11 +47,20 @@ class ModelArgs:
     logits_divisor: float = 1.0  # Granite: logits are divided by this before the log-softmax
     attn_softcap: float = 0.0  # Gemma 2: scaled scores become tanh(s / cap) * cap; 0 = none
     final_softcap: float = 0.0  # Gemma 2: logits become tanh(l / cap) * cap; 0 = none
+    # Sparse mixture-of-experts layers (Qwen3-MoE, moe.py): the MLP of a layer in layer_moe is a router and experts.
+    num_experts: int = 0  # experts per sparse layer; 0 = every layer has the dense MLP
+    num_experts_per_tok: int = 0  # experts each token uses (top-k)
+    moe_intermediate_size: int = 0  # each expert's SwiGLU width
+    norm_topk_prob: bool = False  # the top-k probabilities renormalized to sum to 1
+    layer_moe: tuple[bool, ...] = ()  # per layer: a sparse block instead of the dense MLP; () = none
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_attention_heads ({self.num_heads}) is not a multiple of "
                              f"num_key_value_heads ({self.num_kv_heads})")
+        if any(self.layer_moe) and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be 1 to num_experts "
+                             f"({self.num_experts})")
 
     @property
     def extended(self) -> bool:
@@ -69,10 +78,11 @@ class ModelArgs:
         """Parameter count, counting a tied embedding once."""
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
         attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
-        mlp = 3 * h * i
-        per_layer = attn + mlp + 2 * h
+        sparse = sum(self.layer_moe)
+        mlp = 3 * h * i * (self.num_layers - sparse)
+        mlp += sparse * (self.num_experts * 3 * h * self.moe_intermediate_size + self.num_experts * h)
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + emb + h
+        return self.num_layers * (attn + 2 * h) + mlp + emb + h
 
 
 def rope_tables(args: ModelArgs, max_len: int, layer_type: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,6 +25,10 @@ from .args import ModelArgs
 from .gguf_config import GGUF_ARCHITECTURES
 from .gguf_file import GgufFile, GgufTensor, read_gguf
 
+# A 3-D tensor of stacked experts (ggml ne = {K, N, E}) gets this HF name prefix; _split_experts turns it into the
+# per-expert names a checkpoint saves ("mlp.experts.{e}.gate_proj.weight"), each a view of its N rows.
+_STACKED = "mlp.experts."
+_STACKED_NAME = re.compile(r"(model\.layers\.\d+\.mlp\.experts\.)(gate_proj|up_proj|down_proj)\.weight")
 # GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.").
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -39,6 +43,9 @@ _QK_NORM_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k
 # is Gemma's norm on the attention output.
 _ARCH_LAYER_NAMES = {
     "qwen3": {**_LAYER_NAMES, **_QK_NORM_NAMES},
+    # the router, and the experts stacked along a third dimension (split per expert by _split_experts)
+    "qwen3moe": {**_LAYER_NAMES, **_QK_NORM_NAMES, "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": _STACKED + "gate_proj",
+                 "ffn_up_exps": _STACKED + "up_proj", "ffn_down_exps": _STACKED + "down_proj"},
     "phi3": {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},  # fused
     "gemma2": {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
                "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
@@ -76,6 +83,23 @@ def hf_name(name: str, arch: str = "llama") -> str | None:
     if base in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[base]}.{kind}"
     raise UnsupportedFormat(f"{name}: tensor is not part of a supported architecture")
+
+
+def _split_experts(name: str, w: QWeight | torch.Tensor, dims: list[int]) -> dict[str, QWeight | torch.Tensor]:
+    """`name`: w under its HF name, or, for a stacked expert tensor (dims {K, N, E}), expert e's N rows under
+    "...experts.{e}.<proj>.weight": views of the stored rows (QWeight) or of the float32 matrix, no copy."""
+    m = _STACKED_NAME.fullmatch(name)
+    if m is None:
+        return {name: w}
+    if len(dims) != 3:
+        raise UnsupportedFormat(f"{name}: stacked experts must be 3-D (K, N, experts), not {tuple(dims)}")
+    n = dims[1]
+    out: dict[str, QWeight | torch.Tensor] = {}
+    for e in range(dims[2]):
+        rows = slice(e * n, (e + 1) * n)
+        out[f"{m[1]}{e}.{m[2]}.weight"] = QWeight(w.data[rows], w.fmt, w.k, f"{w.name}[{e}]") \
+            if isinstance(w, QWeight) else w[rows]
+    return out
 
 
 def unpermute_order(n_rows: int, n_head: int) -> torch.Tensor:
@@ -127,7 +151,7 @@ def read_tensors(reader: GgufFile, args: ModelArgs) -> tuple[dict[str, QWeight |
                 w = w - 1.0  # float32, as transformers' loader (see _NORM_SHIFTED_ARCHS)
         elif arch in _PERMUTED_ARCHS and t.name.endswith(".weight") and (".attn_q." in t.name or ".attn_k." in t.name):
             w = w.permute_rows(unpermute_order(w.n, num_heads if ".attn_q." in t.name else num_kv_heads))
-        out[name] = w
+        out.update(_split_experts(name, w, [int(d) for d in t.shape]))
     for name in list(out):  # q/k biases of permuted architectures move with their rows
         t = out[name]
         if arch in _PERMUTED_ARCHS and isinstance(t, torch.Tensor) and re.search(r"\.(q|k)_proj\.bias$", name):
@@ -160,7 +184,7 @@ def read_float32(path: Path, num_heads: int, num_kv_heads: int) -> dict[str, tor
             w = w - 1.0
         if arch in _PERMUTED_ARCHS and (".attn_q." in t.name or ".attn_k." in t.name):
             w = w[unpermute_order(w.shape[0], num_heads if ".attn_q." in t.name else num_kv_heads)].contiguous()
-        out[name] = w
+        out.update(_split_experts(name, w, dims))
     del reader
     return out
 

@@ -35,6 +35,7 @@ from .gguf_file import GgufFile, check_layout, read_gguf
 
 _MAX_CONTEXT = 1 << 24  # 16M positions: beyond any released model's; a larger value is a damaged field
 _MAX_WIDTH = (1 << 31) - 1  # config fields are int32 in transformers and in the kernels
+_MAX_EXPERTS = 1 << 16  # llama.cpp's LLAMA_MAX_EXPERTS is 512; a count beyond any model's is a damaged field
 # {arch}.<key> -> (required, lowest, highest): the integers the config is built from. The required ones every
 # converter writes (TextModel.set_gguf_parameters); block_count's bound is the tensor count (below).
 _INTS = {"context_length": (True, 1, _MAX_CONTEXT), "embedding_length": (True, 1, _MAX_WIDTH),
@@ -43,7 +44,8 @@ _INTS = {"context_length": (True, 1, _MAX_CONTEXT), "embedding_length": (True, 1
          "attention.key_length": (False, 1, _MAX_WIDTH), "attention.value_length": (False, 1, _MAX_WIDTH),
          "rope.dimension_count": (False, 1, _MAX_WIDTH), "vocab_size": (False, 1, _MAX_WIDTH),
          "rope.scaling.original_context_length": (False, 1, _MAX_CONTEXT),
-         "attention.sliding_window": (False, 0, _MAX_CONTEXT)}
+         "attention.sliding_window": (False, 0, _MAX_CONTEXT), "expert_count": (False, 1, _MAX_EXPERTS),
+         "expert_used_count": (False, 1, _MAX_EXPERTS), "expert_feed_forward_length": (False, 1, _MAX_WIDTH)}
 # {arch}.<key>: finite numbers above a bound
 _FLOATS = {"attention.layer_norm_rms_epsilon": 0.0, "rope.freq_base": 0.0, "rope.scaling.factor": 0.0}
 _INTEGER_TYPES = {GGMLQuantizationType.I8, GGMLQuantizationType.I16, GGMLQuantizationType.I32,
@@ -80,6 +82,14 @@ def check_metadata(md: dict[str, Any], arch: str, n_tensors: int) -> None:
                 type(value) is not int or not 0 <= value < vocab):
             raise GgufConfigError(f"metadata key {key!r} is {value!r}: not a token of 'tokenizer.ggml.tokens' "
                                   f"(0 to {vocab - 1})")
+    experts, used = md.get(f"{arch}.expert_count"), md.get(f"{arch}.expert_used_count")
+    if experts is not None and used is not None and used > experts:
+        raise GgufConfigError(f"metadata key '{arch}.expert_used_count' is {used}: more than "
+                              f"'{arch}.expert_count' {experts}")
+    if arch == "qwen3moe":  # llama.cpp reads all three for every qwen3moe file; absent, no model can be built
+        for name in ("expert_count", "expert_used_count", "expert_feed_forward_length"):
+            if f"{arch}.{name}" not in md:
+                raise GgufConfigError(f"metadata key '{arch}.{name}' is missing: a {arch} file states its experts")
     width, heads = md[f"{arch}.embedding_length"], md[f"{arch}.attention.head_count"]
     kv = md.get(f"{arch}.attention.head_count_kv", heads)
     if heads % kv:
@@ -99,6 +109,7 @@ def _sources(md: dict[str, Any], arch: str, args: ModelArgs) -> dict[str, str]:
         "num_kv_heads": [f"{arch}.attention.head_count_kv", f"{arch}.attention.head_count"],
         "head_dim": [f"{arch}.attention.key_length", f"{arch}.rope.dimension_count"],
         "vocab_size": [f"{arch}.vocab_size", "tokenizer.ggml.tokens"],
+        "num_experts": [f"{arch}.expert_count"], "moe_intermediate_size": [f"{arch}.expert_feed_forward_length"],
     }
     out = {}
     for field, keys in candidates.items():
@@ -130,6 +141,17 @@ def _expected(args: ModelArgs) -> dict[str, tuple[tuple[int, ...], tuple[str, ..
         layer.update({"attn_q": ((h, q), hq), "attn_k": ((h, kv), hkv), "attn_v": ((h, kv), hkv),
                       "ffn_gate": ((h, f), ("hidden_size", "intermediate_size")),
                       "ffn_up": ((h, f), ("hidden_size", "intermediate_size"))})
+    if any(args.layer_moe):  # llama.cpp's qwen3moe: every layer sparse (a dense one is refused as unread)
+        if not all(args.layer_moe):
+            raise GgufConfigError("a GGUF model with dense and sparse layers is not supported (llama.cpp's qwen3moe "
+                                  "makes every layer sparse)")
+        e, fe = args.num_experts, args.moe_intermediate_size
+        ex = ("hidden_size", "moe_intermediate_size", "num_experts")
+        for dense in ("ffn_gate", "ffn_up", "ffn_down"):
+            layer.pop(dense, None)
+        layer.update({"ffn_gate_inp": ((h, e), ("hidden_size", "num_experts")),
+                      "ffn_gate_exps": ((h, fe, e), ex), "ffn_up_exps": ((h, fe, e), ex),
+                      "ffn_down_exps": ((fe, h, e), ex)})
     if args.pre_norm:
         layer.update({"attn_norm": ((h,), ("hidden_size",)), "ffn_norm": ((h,), ("hidden_size",))})
     if args.sandwich_norm:

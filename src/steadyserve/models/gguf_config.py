@@ -1,6 +1,6 @@
 """A GGUF file's metadata as a transformers config dict, where transformers' GGUF loader has no map.
 
-transformers reads the config of a llama, qwen2, qwen3, gemma2, gemma3 or phi3 file
+transformers reads the config of a llama, qwen2, qwen3, qwen3moe, gemma2, gemma3 or phi3 file
 (modeling_gguf_pytorch_utils.load_gguf_checkpoint); it refuses olmo2, smollm3 and granite files,
 and it drops Qwen3's `attention.key_length` (every Qwen3 file then gets Qwen3Config's head_dim
 of 128). This module is the project's own map for those, from the keys llama.cpp's
@@ -44,6 +44,7 @@ GGUF_ARCHITECTURES: dict[str, GgufArch] = {
     "llama": GgufArch("LlamaForCausalLM", "llama", own_map=False, permuted=True),
     "qwen2": GgufArch("Qwen2ForCausalLM", "qwen2", own_map=False, permuted=False),
     "qwen3": GgufArch("Qwen3ForCausalLM", "qwen3", own_map=False, permuted=False),
+    "qwen3moe": GgufArch("Qwen3MoeForCausalLM", "qwen3_moe", own_map=False, permuted=False),
     "gemma2": GgufArch("Gemma2ForCausalLM", "gemma2", own_map=False, permuted=False),
     "gemma3": GgufArch("Gemma3ForCausalLM", "gemma3_text", own_map=False, permuted=False),
     "phi3": GgufArch("Phi3ForCausalLM", "phi3", own_map=False, permuted=False),
@@ -171,7 +172,14 @@ def own_config(md: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
 
 def fix_transformers_config(md: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]:
     """transformers' config dict for a file, with what its GGUF map drops put back: Qwen3's head_dim
-    (`qwen3.attention.key_length`, which transformers ignores, so every Qwen3 file got 128)."""
-    if md["general.architecture"] == "qwen3" and (head_dim := md.get("qwen3.attention.key_length")) is not None:
+    (`qwen3.attention.key_length`, which transformers ignores, so every Qwen3 file got 128), and Qwen3-MoE's
+    expert width (`qwen3moe.expert_feed_forward_length`, which it ignores too: every file got Qwen3MoeConfig's
+    768, Qwen3-30B-A3B's, and a file of another width did not load). transformers' map already sets
+    norm_topk_prob, which llama.cpp hardcodes for qwen3moe (there is no key), and every layer sparse."""
+    arch = md["general.architecture"]
+    if arch == "qwen3" and (head_dim := md.get("qwen3.attention.key_length")) is not None:
         cfg = {**cfg, "head_dim": int(head_dim)}
+    if arch == "qwen3moe" and (width := md.get("qwen3moe.expert_feed_forward_length")) is not None:
+        cfg = {**cfg, "moe_intermediate_size": int(width), "norm_topk_prob": True, "decoder_sparse_step": 1,
+               "mlp_only_layers": []}
     return cfg

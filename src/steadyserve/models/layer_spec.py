@@ -16,7 +16,7 @@ What is not in the spec, and why:
 * What happens before the first layer and after the last (the embedding scale, logit soft-cap and divisor,
   the final norm): model-level, in Transformer and ExtendedTransformer, shared by both layer paths.
 
-Every architecture's spec runs natively today: each feature is a kernel the per-op path also calls through
+Every architecture's spec but a sparse MoE one (Qwen3-MoE: moe.py, per op) runs natively today: each feature is a kernel the per-op path also calls through
 its torch op (qrms_norm for every norm including q/k, qsilu_mul and qgelu_tanh_mul, rope_, paged_attention
 with its window and soft-cap), or one exact IEEE operation per element (the residual multiplier, adds,
 copies), so the native call gives the per-op path's bits (tests/test_native_forward.py, per architecture).
@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .args import ModelArgs
+from .moe import MoeSpec
 
 ACTIVATIONS = ("silu", "gelu_tanh")  # the gated MLP activations the per-op path runs
 QK_NORMS = ("none", "per_head", "all_heads")
@@ -38,7 +39,8 @@ QK_NORMS = ("none", "per_head", "all_heads")
 class LayerSpec:
     """What one decoder layer computes, on top of the fixed skeleton: (norm) → q|k|v (+bias) → (q/k norm) →
     (RoPE) → KV write → attention → o (+bias) → (norm) → ×residual_scale → residual add → (norm) →
-    gate|up (+bias) → act(gate)·up → down (+bias) → (norm) → ×residual_scale → residual add."""
+    gate|up (+bias) → act(gate)·up → down (+bias) → (norm) → ×residual_scale → residual add; in a sparse layer
+    (moe_layers) the gated MLP is moe.py's router and experts."""
 
     num_heads: int  # query heads
     num_kv_heads: int  # key/value heads (grouped-query attention)
@@ -53,6 +55,8 @@ class LayerSpec:
     residual_scale: float  # each block's output is multiplied by this before its residual add (Granite); 1 = none
     windows: tuple[int, ...]  # per layer: its sliding window in tokens, 0 = global
     rope: tuple[str | None, ...]  # per layer: the key of its RoPE table ("" = the model's one table), None = no RoPE
+    moe_layers: tuple[bool, ...] = ()  # per layer: a sparse MoE block (moe.py) replaces the gated MLP; () = none
+    moe: MoeSpec | None = None  # what every sparse block computes; None where no layer is sparse
 
     @property
     def num_layers(self) -> int:
@@ -71,7 +75,8 @@ def layer_spec(args: ModelArgs) -> LayerSpec:
     n = args.num_layers
     kinds = args.layer_rope or ("",) * n
     use_rope = args.layer_use_rope or (True,) * n
-    if len(kinds) != n or len(use_rope) != n or (args.layer_windows and len(args.layer_windows) != n):
+    if len(kinds) != n or len(use_rope) != n or (args.layer_windows and len(args.layer_windows) != n) or (
+            args.layer_moe and len(args.layer_moe) != n):
         raise ValueError(f"per-layer settings do not cover the {n} layers")
     return LayerSpec(
         num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim, eps=args.rms_norm_eps,
@@ -81,6 +86,9 @@ def layer_spec(args: ModelArgs) -> LayerSpec:
         attn_softcap=args.attn_softcap, residual_scale=args.residual_scale,
         windows=tuple(args.window(i) for i in range(n)),
         rope=tuple(k if u else None for k, u in zip(kinds, use_rope)),
+        moe_layers=args.layer_moe,
+        moe=MoeSpec(args.num_experts, args.num_experts_per_tok, args.norm_topk_prob,
+                    args.moe_intermediate_size) if any(args.layer_moe) else None,
     )
 
 
@@ -93,4 +101,5 @@ def native_supports(spec: LayerSpec) -> bool:
     """Whether NativeLayers computes `spec`'s layers with the per-op path's bits: the one place that decides
     which layer path a model's spec may take (the numerics path and the attention kernel decide the rest,
     native_forward.build_native_layers). A feature joins only with its bitwise test."""
-    return spec.activation in NATIVE_ACTIVATIONS and spec.qk_norm in NATIVE_QK_NORMS
+    # Sparse MoE blocks run per op (moe.py: the routing and the expert groups are Python around the same kernels)
+    return spec.activation in NATIVE_ACTIVATIONS and spec.qk_norm in NATIVE_QK_NORMS and not any(spec.moe_layers)

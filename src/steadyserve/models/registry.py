@@ -18,6 +18,7 @@ from .olmo2 import olmo2_args
 from .phi3 import phi3_args
 from .qwen2 import qwen2_args
 from .qwen3 import qwen3_args
+from .qwen3moe import qwen3moe_args
 from .smollm3 import smollm3_args
 from .transformer import Transformer
 
@@ -27,6 +28,7 @@ ARCHITECTURES: dict[str, ArgsFromConfig] = {
     "MistralForCausalLM": mistral_args,
     "Qwen2ForCausalLM": qwen2_args,
     "Qwen3ForCausalLM": qwen3_args,
+    "Qwen3MoeForCausalLM": qwen3moe_args,
     "Gemma2ForCausalLM": gemma2_args,
     "Gemma3ForCausalLM": gemma3_args,
     "Phi3ForCausalLM": phi3_args,

@@ -31,10 +31,14 @@ from .args import ModelArgs, rope_tables
 from .attention import AttentionFn, write_kv
 from .layer_spec import LayerSpec, layer_spec
 from .layers import RowProbe, RowTiler, apply_rope, rms_norm
+from .moe import MoeWeights, load_moe, moe_block, moe_slots, pack_moe
 from .native_forward import build_native_layers
 
 # Rows of one LM-head call at most: (64, V) float32 logits, and a calibration that stays cheap.
 MAX_HEAD_TILE = 64
+# Rows of one expert call at most on the host path (moe.py): an expert sees the few rows that chose it, so its calls
+# are padded to counts verified on its own probe, not to the layers' (up to 512 rows for each of E experts).
+MAX_EXPERT_TILE = 64
 # Vocabulary entries per LM-head GEMM. One (64, 576) x (576, 49152) GEMM ran 33 ms on an AMD EPYC
 # (2 threads); 24 GEMMs of 2048 columns each, 27 ms; at 4 rows, 11.4 vs 7.9 ms (a weight slice
 # of 4.5 MiB stays in cache while MKL sweeps it). The split is fixed, so every logit is always
@@ -69,14 +73,15 @@ class LayerWeights:
     wo: Matrix  # (hidden, H * D)
     bo: torch.Tensor | None
     post_norm: torch.Tensor | None  # (hidden,), before the MLP (spec.pre_norm)
-    w_gate_up: Matrix  # (2 * inter, hidden)
+    w_gate_up: Matrix | None  # (2 * inter, hidden); None in a sparse layer (moe)
     b_gate_up: torch.Tensor | None
-    w_down: Matrix  # (hidden, inter)
+    w_down: Matrix | None  # (hidden, inter); None in a sparse layer
     b_down: torch.Tensor | None
     q_norm: torch.Tensor | None = None  # (D,) per head, or (H * D,) over all heads (spec.qk_norm)
     k_norm: torch.Tensor | None = None  # (D,) or (Hkv * D,)
     attn_out_norm: torch.Tensor | None = None  # (hidden,), on the attention output before its residual add
     mlp_out_norm: torch.Tensor | None = None  # (hidden,), on the MLP output before its residual add (spec.post_norms)
+    moe: MoeWeights | None = None  # a sparse layer's router and experts (spec.moe_layers), in place of the MLP
 
 
 class Transformer:
@@ -95,6 +100,7 @@ class Transformer:
         self.dtype = dtype
         self.tiler = tiler  # the layers' row-wise functions
         self.head_tiler = RowTiler(min(tiler.max_tile, MAX_HEAD_TILE), tiler.enabled)  # LM head + log-softmax
+        self.expert_tiler = RowTiler(min(tiler.max_tile, MAX_EXPERT_TILE), tiler.enabled)  # a sparse layer's experts
         self.attention = attention
         self.kernel_id = kernel_id  # names the attention kernel in the fingerprint: its bits differ per kernel
         # Whether this model runs the native extension's attention (and so has its other ops: softcap_, rope_): the
@@ -155,6 +161,8 @@ class Transformer:
         for i in range(args.num_layers):
             p = f"model.layers.{i}."
             a, m = p + "self_attn.", p + "mlp."
+            sparse = bool(spec.moe_layers) and spec.moe_layers[i]
+            dense = not sparse
             self.layers.append(LayerWeights(
                 input_norm=norm(p + "input_layernorm.weight", pre),
                 wqkv=mat([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]),
@@ -164,12 +172,13 @@ class Transformer:
                 # Gemma's MLP input norm is pre_feedforward_layernorm.
                 post_norm=norm(p + ("pre_feedforward_layernorm.weight" if post else "post_attention_layernorm.weight"),
                                pre),
-                w_gate_up=mat([m + "gate_proj.weight", m + "up_proj.weight"]),
+                w_gate_up=mat([m + "gate_proj.weight", m + "up_proj.weight"]) if dense else None,
                 b_gate_up=cat([m + "gate_proj.bias", m + "up_proj.bias"]),
-                w_down=mat([m + "down_proj.weight"]), b_down=maybe(m + "down_proj.bias"),
+                w_down=mat([m + "down_proj.weight"]) if dense else None, b_down=maybe(m + "down_proj.bias"),
                 q_norm=norm(a + "q_norm.weight", qk), k_norm=norm(a + "k_norm.weight", qk),
                 attn_out_norm=norm(p + "post_attention_layernorm.weight", post),
                 mlp_out_norm=norm(p + "post_feedforward_layernorm.weight", post),
+                moe=load_moe(weights, m, spec.moe, mat) if sparse and spec.moe is not None else None,
             ))
         for i, lw in enumerate(self.layers):
             _check_attention_shapes(args, lw, i)
@@ -192,7 +201,10 @@ class Transformer:
         out: dict[str, Matrix] = {}
         for i, lw in enumerate(self.layers):
             for name in _INT8_SLOTS:
-                out[f"layers.{i}.{name}"] = getattr(lw, name)
+                if getattr(lw, name) is not None:  # a sparse layer has no dense MLP
+                    out[f"layers.{i}.{name}"] = getattr(lw, name)
+            if lw.moe is not None:
+                out.update(moe_slots(lw.moe, i))
         out["lm_head"] = self.lm_head
         return out
 
@@ -210,7 +222,10 @@ class Transformer:
         self.native_layers = None
         for i, lw in enumerate(self.layers):
             for name in _INT8_SLOTS:
-                setattr(lw, name, make(f"layers.{i}.{name}", getattr(lw, name)))
+                if getattr(lw, name) is not None:
+                    setattr(lw, name, make(f"layers.{i}.{name}", getattr(lw, name)))
+            if lw.moe is not None:
+                pack_moe(lw.moe, i, make)
         self.lm_head = make("lm_head", self.lm_head)  # type: ignore[arg-type]
         self.native_layers = build_native_layers(self)
 
@@ -258,6 +273,11 @@ class Transformer:
         (T, hidden), (T, H, D) -> (T, hidden). NativeLayers.forward computes the same."""
         x = x + self._residual(self._linear(attn.reshape(attn.shape[0], -1), lw.wo, lw.bo), lw.attn_out_norm)
         pre = self._norm(x, lw.post_norm) if lw.post_norm is not None else x
+        if lw.moe is not None and self.spec.moe is not None:  # a sparse layer: router and experts (moe.py)
+            m = moe_block(pre, lw.moe, self.spec.moe, lambda v, w: self._linear(v, w, None), self._gated_act,
+                          self.expert_tiler)  # (T, hidden)
+            return x + self._residual(m, lw.mlp_out_norm)
+        assert lw.w_gate_up is not None and lw.w_down is not None
         gate_up = self._linear(pre, lw.w_gate_up, lw.b_gate_up)  # (T, 2 * inter)
         m = self._linear(self._gated_act(gate_up), lw.w_down, lw.b_down)  # (T, hidden)
         return x + self._residual(m, lw.mlp_out_norm)
@@ -354,6 +374,12 @@ class Transformer:
     def calibrate(self) -> tuple[list[int], list[int]]:
         """Find the row counts that keep every row bitwise the same (see RowTiler)."""
         layer, head = self.row_probes()
+        sparse = next((lw.moe for lw in self.layers if lw.moe is not None), None)
+        if sparse is not None:  # first: the layers' probes run the experts in its verified counts
+            gate_up, down = sparse.gate_up[0], sparse.down[0]
+            expert = (lambda x: self._linear(self._gated_act(self._linear(x, gate_up, None)), down, None),
+                      lambda n, g: (torch.randn(n, self.args.hidden_size, generator=g).to(self.device, self.dtype),))
+            self.expert_tiler.calibrate([expert])
         return self.tiler.calibrate(layer), self.head_tiler.calibrate(head)
 
 

@@ -49,13 +49,14 @@ def _tokenizer(vocab_size: int, chat_template: str | None = None):
 def build_tiny_model(out_dir: str | Path, arch: str = "llama", size: str = "tiny", seed: int = 0,
                      max_position_embeddings: int = 512, chat_template: str | None = None) -> Path:
     """Write a random model to out_dir and return it. arch: llama | qwen2 | mistral | llama3 | qwen3 | qwen3-hd48
-    | gemma3 | phi3 | phi3-longrope | olmo2 | smollm3 | granite | gemma2 | gemma3-linear.
+    | gemma3 | phi3 | phi3-longrope | olmo2 | smollm3 | granite | gemma2 | gemma3-linear | qwen3moe | qwen3moe-mixed.
     `chat_template`: another template than the ChatML default (tests of templates that know tools)."""
     import torch
     from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GraniteConfig, GraniteForCausalLM, LlamaConfig,
                               LlamaForCausalLM, MistralConfig, MistralForCausalLM, Olmo2Config, Olmo2ForCausalLM,
                               Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                              Qwen3ForCausalLM, SmolLM3Config, SmolLM3ForCausalLM)
+                              Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, SmolLM3Config,
+                              SmolLM3ForCausalLM)
 
     out = Path(out_dir)
     hidden, inter, layers, heads, kv_heads, vocab = SIZES[size]
@@ -116,6 +117,14 @@ def build_tiny_model(out_dir: str | Path, arch: str = "llama", size: str = "tiny
         cfg = GraniteConfig(tie_word_embeddings=True, embedding_multiplier=4.0, residual_multiplier=0.5,
                             attention_multiplier=0.2, logits_scaling=2.5, **common)
         cls = GraniteForCausalLM
+    elif arch == "qwen3moe":  # 8 experts of width 32, top-2 renormalized (Qwen3-30B-A3B's routing), every layer sparse
+        cfg = Qwen3MoeConfig(tie_word_embeddings=False, head_dim=hidden // heads, num_experts=8, num_experts_per_tok=2,
+                             moe_intermediate_size=32, norm_topk_prob=True, **common)
+        cls = Qwen3MoeForCausalLM
+    elif arch == "qwen3moe-mixed":  # a dense first layer (mlp_only_layers), top-3 of 4 without renormalization
+        cfg = Qwen3MoeConfig(tie_word_embeddings=False, head_dim=hidden // heads, num_experts=4, num_experts_per_tok=3,
+                             moe_intermediate_size=32, norm_topk_prob=False, mlp_only_layers=[0], **common)
+        cls = Qwen3MoeForCausalLM
     else:
         raise ValueError(f"unknown arch {arch!r}")
     torch.manual_seed(seed)
@@ -126,7 +135,7 @@ def build_tiny_model(out_dir: str | Path, arch: str = "llama", size: str = "tiny
                 p.normal_(0.0, 0.08 if size == "tiny" else 0.04)
             elif "bias" in name:
                 p.normal_(0.0, 0.05)
-            elif arch in ("qwen3", "qwen3-hd48", "gemma2", "gemma3", "gemma3-linear", "olmo2"):  # norm weights too: Gemma's (1 + w) must show
+            elif arch in ("qwen3", "qwen3-hd48", "qwen3moe", "qwen3moe-mixed", "gemma2", "gemma3", "gemma3-linear", "olmo2"):  # norm weights too: Gemma's (1 + w) must show
                 p.normal_(0.0 if arch.startswith("gemma") else 1.0, 0.2)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)

@@ -1,0 +1,130 @@
+"""Qwen3-30B-A3B's shape (GGUF `qwen3moe`) at reduced depth, from random blocks, and its c=1 decode rate.
+
+The file: random_blocks_gguf.py's method (llama.cpp's Q4_K_M table, each block random bytes from a fixed seed with
+small finite scales, written tensor by tensor: no full-precision copy, nothing the model's size in memory), at the
+qwen3moe shape: hidden 2048, 32 heads and 4 KV heads of 128, 128 experts of width 768 of which 8 are used,
+vocabulary 151,936, QK-norm; the router (`ffn_gate_inp`) F32 as llama.cpp keeps it, the stacked experts Q4_K with
+`ffn_down_exps` Q6_K in llama.cpp's "more bits" layers, as for a dense model's ffn_down. Only `--layers` of the 48
+(default 4): the experts are 0.35-0.39 GB a layer at Q4_K_M, so a full file (17 GB) does not fit next to its int8
+panels on a 24 GiB machine. The values are not a trained model's (the router picks experts at random): speed only.
+
+`--decode N` then loads it on the default (int8) path and times N decode steps of one greedy stream after a
+warm-up, as benchmarks/step_profile.py does: the mean step, its tokens/s, and per layer (the step less the LM head,
+embedding and sampling is not split out: the per-layer figure is the step over the layers, an upper bound).
+
+    .venv/bin/python benchmarks/moe_shape.py [--layers 4] [--out DIR] [--decode 16] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from peers import cpu_name
+from random_blocks_gguf import _more_bits, tokenizer_metadata, write_tensors
+
+SHAPE = dict(hidden=2048, heads=32, kv_heads=4, head_dim=128, experts=128, used=8, expert_ffn=768, vocab=151936,
+             context=40960, rope_theta=1000000.0, layers=48)
+
+
+def _tensors(s: dict, layers: int) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, ggml shape (row length first), type) in llama.cpp's order for qwen3moe."""
+    h, d, e, f = s["hidden"], s["head_dim"], s["experts"], s["expert_ffn"]
+    q, kv = s["heads"] * d, s["kv_heads"] * d
+    out = [("token_embd.weight", (h, s["vocab"]), "Q4_K")]
+    for i in range(layers):
+        more = "Q6_K" if _more_bits(i, s["layers"]) else "Q4_K"
+        p = f"blk.{i}."
+        out += [(p + "attn_norm.weight", (h,), "F32"), (p + "ffn_down_exps.weight", (f, h, e), more),
+                (p + "ffn_gate_exps.weight", (h, f, e), "Q4_K"), (p + "ffn_up_exps.weight", (h, f, e), "Q4_K"),
+                (p + "ffn_gate_inp.weight", (h, e), "F32"), (p + "ffn_norm.weight", (h,), "F32"),
+                (p + "attn_k_norm.weight", (d,), "F32"), (p + "attn_k.weight", (h, kv), "Q4_K"),
+                (p + "attn_output.weight", (q, h), "Q4_K"), (p + "attn_q_norm.weight", (d,), "F32"),
+                (p + "attn_q.weight", (h, q), "Q4_K"), (p + "attn_v.weight", (h, kv), more)]
+    out += [("output_norm.weight", (h,), "F32"), ("output.weight", (h, s["vocab"]), "Q6_K")]
+    return out
+
+
+def write(layers: int, out: Path, seed: int = 0) -> Path:
+    from gguf import GGUFWriter
+
+    from steadyserve.models.loader import default_model_path
+
+    s = SHAPE
+    path = out / f"qwen3-30b-a3b-{layers}of{s['layers']}-random-blocks-Q4_K_M.gguf"
+    if path.exists():
+        return path
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    writer = GGUFWriter(str(tmp), "qwen3moe")
+    tokenizer_metadata(writer, s["vocab"], Path(default_model_path()))
+    writer.add_name("random blocks")
+    writer.add_block_count(layers)
+    writer.add_context_length(s["context"])
+    writer.add_embedding_length(s["hidden"])
+    writer.add_feed_forward_length(6144)  # Qwen3-30B-A3B's intermediate_size: written, unused by a sparse layer
+    writer.add_head_count(s["heads"])
+    writer.add_head_count_kv(s["kv_heads"])
+    writer.add_rope_freq_base(s["rope_theta"])
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_key_length(s["head_dim"])
+    writer.add_value_length(s["head_dim"])
+    writer.add_expert_count(s["experts"])
+    writer.add_expert_used_count(s["used"])
+    writer.add_expert_feed_forward_length(s["expert_ffn"])
+    writer.add_file_type(15)  # MOSTLY_Q4_K_M
+    write_tensors(writer, _tensors(s, layers), seed)
+    tmp.rename(path)
+    return path
+
+
+def decode_rate(path: Path, steps: int, threads: int, cache: Path) -> dict:
+    """Mean c=1 decode step of a greedy stream (64-token prompt) after 3 warm-up steps, on the default path."""
+    import random
+    import time
+
+    import torch
+
+    from steadyserve.config import EngineConfig
+    from steadyserve.engine.engine import LLMEngine
+    from steadyserve.engine.sequence import Request, SamplingParams
+    from steadyserve.models.loader import load_model
+
+    torch.set_num_threads(threads)
+    t0 = time.perf_counter()
+    lm = load_model(str(path), max_model_len=4096, cache_dir=str(cache))
+    load_s = time.perf_counter() - t0
+    eng = LLMEngine(lm, EngineConfig(kv_cache_memory=256 * 1024**2, threads=threads, max_num_seqs=1,
+                                     speculation="off"))
+    rng = random.Random(0)
+    eng.add_request(Request("0", [rng.randrange(100, lm.args.vocab_size) for _ in range(64)],
+                            SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)))
+    durations = []
+    while eng.has_work() and len(durations) < steps + 3:
+        _, st = eng.step()
+        if st.num_tokens == 1:
+            durations.append(st.duration)
+    mean = sum(durations[3:]) / len(durations[3:])
+    return {"cpu": cpu_name(), "threads": threads, "layers": lm.args.num_layers, "numerics": lm.numerics.mode,
+            "load_s": round(load_s, 1), "weights_bytes": lm.weights_bytes, "decode_steps": len(durations) - 3,
+            "step_ms": round(mean * 1e3, 2), "tok_s": round(1 / mean, 2),
+            "ms_per_layer_upper_bound": round(mean * 1e3 / lm.args.num_layers, 2)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--out", type=Path, default=Path.home() / ".cache" / "steadyserve" / "bench-models")
+    p.add_argument("--decode", type=int, default=0, help="time this many c=1 decode steps (0: only write the file)")
+    p.add_argument("--threads", type=int, default=2)
+    a = p.parse_args()
+    path = write(a.layers, a.out)
+    print(path)
+    if a.decode:
+        import json
+
+        print(json.dumps(decode_rate(path, a.decode, a.threads, a.out / "cache"), indent=1))
+
+
+if __name__ == "__main__":
+    main()
