@@ -16,10 +16,11 @@ What is not in the spec, and why:
 * What happens before the first layer and after the last (the embedding scale, logit soft-cap and divisor,
   the final norm): model-level, in Transformer and ExtendedTransformer, shared by both layer paths.
 
-Every architecture's spec but a sparse MoE one (Qwen3-MoE: moe.py, per op) runs natively today: each feature is a kernel the per-op path also calls through
-its torch op (qrms_norm for every norm including q/k, qsilu_mul and qgelu_tanh_mul, rope_, paged_attention
-with its window and soft-cap), or one exact IEEE operation per element (the residual multiplier, adds,
-copies), so the native call gives the per-op path's bits (tests/test_native_forward.py, per architecture).
+Every architecture's spec but a sparse MoE one (Qwen3-MoE: moe.py, per op) runs natively today: each feature is a
+kernel the per-op path also calls through its torch op (qrms_norm for every norm including q/k, qsilu_mul and
+qgelu_tanh_mul, rope_, paged_attention with its window and soft-cap), or one exact IEEE operation per element (the
+residual multiplier, adds, copies), so the native call gives the per-op path's bits (tests/test_native_forward.py,
+per architecture).
 The host numerics path (PyTorch's ops: F.gelu, F.silu, rms_norm) has no native counterpart by design and
 always runs per op.
 """
