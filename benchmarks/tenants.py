@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import datetime
 import json
 import multiprocessing
 import os
@@ -373,6 +374,7 @@ def main() -> None:
         result = asyncio.run(main_server(a, keys))
         result["kv_full"] = asyncio.run(kv_server(a, keys))
     result["verdicts"] = verdicts(result)
+    result["date"] = datetime.datetime.now().isoformat(timespec="seconds")
     result["machine"] = {"cpu": cpu_model(), "cpus": os.cpu_count(), "python": platform.python_version(),
                          "loadavg_before": load_before, "loadavg_after": os.getloadavg()}
     result["settings"] = {k: v for k, v in vars(a).items() if k != "out"}
