@@ -169,9 +169,16 @@ def own_config(md: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
     return {"model_type": entry.model_type, "architectures": [entry.hf_architecture], **cfg}
 
 
-def fix_transformers_config(md: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]:
+def fix_transformers_config(md: dict[str, Any], cfg: dict[str, Any],
+                            rope_freqs: list[float] | None = None) -> dict[str, Any]:
     """transformers' config dict for a file, with what its GGUF map drops put back: Qwen3's head_dim
-    (`qwen3.attention.key_length`, which transformers ignores, so every Qwen3 file got 128)."""
+    (`qwen3.attention.key_length`, which transformers ignores, so every Qwen3 file got 128), and the
+    `rope_freqs.weight` tensor's per-frequency divisors as `rope_freq_factors` (args.rope_tables). That tensor is
+    how convert_hf_to_gguf.py stores Llama 3's rope_scaling ("llama3": factor, low/high_freq_factor,
+    original_max_position_embeddings), with no metadata key, and llama.cpp divides each frequency by it; without
+    it a Llama 3.1 file ran with unscaled RoPE."""
     if md["general.architecture"] == "qwen3" and (head_dim := md.get("qwen3.attention.key_length")) is not None:
         cfg = {**cfg, "head_dim": int(head_dim)}
+    if rope_freqs is not None:
+        cfg = {**cfg, "rope_freq_factors": list(rope_freqs)}
     return cfg
