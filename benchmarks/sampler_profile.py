@@ -111,6 +111,14 @@ def profile(lm, rows: torch.Tensor, hidden: torch.Tensor, repeat: int) -> list[t
     out.append(("sample: temperature 0.8", timed(sampling(SamplingParams(temperature=0.8)), repeat)))
     for label, p in (("top-p 0.95", SamplingParams(temperature=0.8, top_p=0.95)),
                      ("top-k 50 + top-p 0.9", SamplingParams(temperature=0.8, top_k=50, top_p=0.9))):
+        by_order, fallbacks = sampler.nucleus_by_order, []
+        sampler.nucleus_by_order = lambda *a: fallbacks.append(1) or by_order(*a)  # rows with a tie at the boundary
+        try:
+            sampling(p)()
+        finally:
+            sampler.nucleus_by_order = by_order
+        out.append((f"sample: temperature 0.8, {label} (rows with a boundary tie: {len(fallbacks)} of {n})",
+                    (0.0, 0.0)))
         out.append((f"sample: temperature 0.8, {label}", timed(sampling(p), repeat)))
         current = sampler.nucleus
         sampler.nucleus = sampler.nucleus_by_order  # the former code, for the before figure
@@ -158,10 +166,13 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=7)
     p.add_argument("--shape", default="Llama-3.1-8B shape (random weights)", help="what the JSON calls the model")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--save-rows", type=Path, default=None, help="torch.save the step's (batch, V) rows here")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     load_before = os.getloadavg()
     step, load_s, rows, hidden, lm = step_rows(str(a.model), a.batch, a.steps, a.threads, a.prompt)
+    if a.save_rows:
+        torch.save(rows, a.save_rows)
     parts = profile(lm, rows, hidden, a.repeat)
     load_after = os.getloadavg()
     table = [{"what": what, "ms": w * 1e3, "percent_of_step": 100 * w / step, "thread_cpu_ms": c * 1e3}

@@ -58,13 +58,16 @@ def nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     up to and including the one whose cumulative probability (float32, summed in that order) crosses top_p.
 
     The nucleus is decided on the descending values alone, and that vector is the same whichever sort makes it,
-    so NumPy's sort (AVX-512 where the CPU has it: about 1 ms for 128k values, where torch.sort takes 10 ms)
-    gives the same softmax and cumulative sum bits as torch.sort did. The kept tokens are then those at or above
+    so NumPy's sort (3-4x torch.sort's speed at 128k values) of the finite values, the -inf ones after them, gives
+    the same softmax and cumulative sum bits as torch.sort did; after top-k or a grammar only the few finite values
+    are sorted. The kept tokens are then those at or above
     the last kept value. That is the set torch.sort's order kept whenever the kept positions are a prefix and no
     tie straddles its end; otherwise (ties at the boundary, where only the sort's order of equal values decides)
     nucleus_by_order runs, the former code, unchanged."""
     x = logits.numpy()
-    desc = torch.from_numpy(np.negative(np.sort(np.negative(x))))  # negation is exact: the same values, descending
+    finite = x[x > -np.inf]  # top-k, a grammar and min_tokens leave -inf: those sort last, unsorted
+    desc = torch.full_like(logits, float("-inf"))
+    desc[:finite.shape[0]] = torch.from_numpy(np.sort(finite)[::-1].copy())
     p = torch.softmax(desc, dim=-1)
     drop = p.cumsum(-1) - p >= top_p  # keep the token that crosses top_p
     kept = int(drop.logical_not().sum())  # >= 1: the first token's cum - p is 0
