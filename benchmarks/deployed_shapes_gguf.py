@@ -14,13 +14,14 @@ The tokenizer has the real vocabulary: 128,000 regular and 256 special tokens (L
 Llama 3.1, 151,643 regular and 22 special (Qwen2.5's) for Qwen2.5, whose output layer the converter pads to
 152,064 rows as the real model's is. The regular tokens are the default model's byte-level BPE (49,152 tokens and
 its merges) followed by plain reserved tokens that no merge produces (not added tokens: transformers handles each
-added token in Python). The converter names the pre-tokenizer by hashing a fixed text's tokens, and transformers
-(5.x) encodes that text with the model type's own tokenizer class (Qwen2's rebuilds Qwen's pre-tokenizer), so no
-vocabulary but the published one can match a published hash: the converter runs with the one bypass the test
-files use (testing/llama_converter.py: an unknown hash gives tokenizer.ggml.pre "default", GPT-2's split, which is
-the base tokenizer's). Chat templates are Llama 3's and ChatML's.
+added token in Python). The converter names the pre-tokenizer by hashing a fixed text's tokens as transformers
+encodes it: the Llama file's is the default model's ("smollm", GPT-2's split), but for a qwen2 config
+transformers (5.x) picks Qwen2Tokenizer, which rebuilds Qwen's own pre-tokenizer, and no vocabulary but the
+published one can then match a published hash. The converter runs with the one bypass the test files use
+(testing/llama_converter.py: an unknown hash gives tokenizer.ggml.pre "default", GPT-2's split, the base
+tokenizer's). Chat templates are Llama 3's and ChatML's.
 
-Disk: the BF16 directory and the BF16 GGUF (about 16 GB each at 8B) exist together only while the converter runs;
+Disk: the bf16 safetensors directory and the BF16 GGUF (about 16 GB each at 8B) exist together only while the converter runs;
 the directory is deleted as soon as the GGUF exists and the GGUF once every requested type is written. Build the
 shapes one after the other (Qwen2.5 first keeps the peak lowest: about 37 GB with every file kept).
 
