@@ -73,14 +73,16 @@ def step_rows(model: str, batch: int, steps: int, threads: int, prompt: int):
     for i in range(batch):
         eng.add_request(Request(str(i), [rng.randrange(100, 20000) for _ in range(prompt)],
                                 SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)))
-    durations = []
+    durations, cpu = [], []  # wall seconds, and the process's CPU seconds (every thread) per step
     while eng.has_work() and len(durations) < steps + 2:
+        c0 = time.process_time()
         _, s = eng.step()
         if s.num_tokens == s.num_seqs == batch:
             durations.append(s.duration)
+            cpu.append(time.process_time() - c0)
     if len(durations) < steps + 2:
         sys.exit(f"only {len(durations)} steps ran all {batch} sequences at once")
-    return statistics.mean(durations[2:]), load_s, kept["rows"], kept["hidden"], lm
+    return (statistics.mean(durations[2:]), statistics.mean(cpu[2:])), load_s, kept["rows"], kept["hidden"], lm
 
 
 def profile(lm, rows: torch.Tensor, hidden: torch.Tensor, repeat: int) -> list[tuple[str, tuple[float, float]]]:
@@ -170,7 +172,7 @@ def main() -> int:
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     load_before = os.getloadavg()
-    step, load_s, rows, hidden, lm = step_rows(str(a.model), a.batch, a.steps, a.threads, a.prompt)
+    (step, step_cpu), load_s, rows, hidden, lm = step_rows(str(a.model), a.batch, a.steps, a.threads, a.prompt)
     if a.save_rows:
         torch.save(rows, a.save_rows)
     parts = profile(lm, rows, hidden, a.repeat)
@@ -181,13 +183,17 @@ def main() -> int:
            "cpu": cpu_name(), "threads": a.threads, "gguf": a.model.name, "model_shape": a.shape,
            "vocab_size": lm.args.vocab_size, "numerics": lm.numerics.mode if lm.numerics else "auto",
            "batch": a.batch, "step_s": step, "step_sampling": "greedy (temperature 0), the step timed",
+           # CPU seconds of all threads per step: on a machine shared with other work, the step's wall clock
+           # includes waits for a descheduled thread; step_cpu_s / threads is what the step costs its cores.
+           "step_cpu_s": step_cpu,
            "sampling_settings": {"temperature": 0.8, "top_p": [0.95, 0.9], "top_k": 50, **PENALTIES,
                                  "logit_bias_entries": 20, "penalty_history_tokens": 1000,
                                  "logprobs": [5, 20], "grammar": SCHEMA},
            "loadavg_before": load_before, "loadavg_after": load_after, "model_load_s": load_s,
            "command": " ".join(sys.argv), "rows": table}
     print(f"{res['cpu']}, {a.threads} threads, {a.model.name} (V={res['vocab_size']}), c={a.batch} decode step "
-          f"{step * 1e3:.1f} ms; load average {load_before[0]:.1f} -> {load_after[0]:.1f}\n")
+          f"{step * 1e3:.1f} ms ({step_cpu * 1e3:.1f} CPU ms); load average {load_before[0]:.1f} -> "
+          f"{load_after[0]:.1f}\n")
     print("| what | ms per step | % of step | engine-thread CPU ms |\n|---|---|---|---|")
     for r in table:
         print(f"| {r['what']} | {r['ms']:.2f} | {r['percent_of_step']:.2f} | {r['thread_cpu_ms']:.2f} |")

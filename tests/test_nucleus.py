@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from steadyserve.engine import sampler
-from steadyserve.engine.sampler import make_generator, nucleus, nucleus_by_order, sample
+from steadyserve.engine.sampler import descending, make_generator, nucleus, nucleus_by_order, sample
 from steadyserve.engine.sequence import SamplingParams
 
 V = 128256  # Llama 3's vocabulary
@@ -73,3 +73,12 @@ def test_sampled_tokens_are_the_former_samplers(params, monkeypatch):
     ours = draws()
     monkeypatch.setattr(sampler, "nucleus", sampler.nucleus_by_order)
     assert ours == draws()
+
+
+def test_descending_gives_the_values_torch_sort_gives():
+    """Every sign, zero, subnormal and extreme, and a row: the values of torch.sort(descending=True) (where -0.0 and
+    0.0 may change places: they are equal to softmax and to every comparison)."""
+    special = torch.tensor([0.0, -0.0, 1e-45, -1e-45, 1e-38, -1e-38, 3.4e38, -3.4e38, -1.0, 1.0, -1.0, 2.5])
+    for x in (special, rows()[1][1]):
+        ref = torch.sort(x, descending=True).values
+        assert torch.equal(descending(x), ref)
