@@ -278,7 +278,7 @@ def test_qwen3_head_dim_comes_from_key_length(tiny, numerics, monkeypatch, tmp_p
     (test_tiny_parity_from_gguf)."""
     from steadyserve.models.loader import LoadError
 
-    monkeypatch.setattr(gguf_config, "fix_transformers_config", lambda md, cfg: cfg)
+    monkeypatch.setattr(gguf_config, "fix_transformers_config", lambda md, cfg, rope_freqs=None: cfg)
     with pytest.raises(LoadError, match=r"has shape \(48,\), expected \(128,\) for head_dim 128 \(the config's"):
         load_model(tiny["qwen3-hd48-gguf"], max_model_len=512, cache_dir=str(tmp_path), numerics=numerics)
 

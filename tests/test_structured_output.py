@@ -11,12 +11,13 @@ import random
 
 import jsonschema
 import pytest
+import torch
 
 from steadyserve.config import EngineConfig
 from steadyserve.engine.engine import LLMEngine
 from steadyserve.engine.offline import run_requests
 from steadyserve.engine.sequence import Request, SamplingParams
-from steadyserve.engine.structured import json_schema_grammar
+from steadyserve.engine.structured import Grammars, json_schema_grammar
 from steadyserve.models.loader import load_model
 from steadyserve.testing.drift import install_batch_drift
 from steadyserve.testing.server import ServerProcess
@@ -124,3 +125,17 @@ def test_response_format_over_http_with_the_sdk(tiny_model: str) -> None:
         comp = client.completions.create(model="", prompt="x", max_tokens=64, seed=3, extra_body={
             "response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA}}})
         jsonschema.validate(json.loads(comp.choices[0].text), SCHEMA)
+
+
+def test_a_tokenizer_with_a_token_past_the_lm_heads_rows_still_constrains(engine) -> None:
+    """A Llama 3 GGUF's tokenizer, as transformers reads it, holds one token more than the LM head has rows (its
+    GPT-2 class adds <|endoftext|> as unk): llguidance refused such a tokenizer for the LM head's count. The row
+    is masked over its own length, and what is allowed next is a token of the grammar."""
+    tok = engine.loaded.tokenizer
+    grammars = Grammars(tok, len(tok) - 1)  # the LM head one row short of the tokenizer
+    m = grammars.matcher(json_schema_grammar(SCHEMA))
+    row = torch.zeros(len(tok) - 1)
+    m.mask_(row)
+    allowed = torch.isfinite(row).nonzero()[:, 0].tolist()
+    assert allowed and all(tok.decode([t]).startswith("{") for t in allowed)
+    m.advance(allowed[0])

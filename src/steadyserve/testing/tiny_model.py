@@ -26,6 +26,11 @@ SIZES = {
     "tiny": (64, 128, 2, 4, 2, 384),
     # SmolLM2-135M widths (where plain F.linear varies with the row count) but 2 layers.
     "smolwidth": (576, 1536, 2, 9, 3, 384),
+    # The grouped-query ratios of the models deployed at 7-8B, head_dim 16: Llama 3.1 8B's 4:1, Qwen2.5 7B's 7:1,
+    # and 8:1 (Llama 3.1 70B's).
+    "gqa4": (128, 256, 2, 8, 2, 384),
+    "gqa7": (224, 448, 2, 14, 2, 384),
+    "gqa8": (128, 256, 2, 8, 1, 384),
 }
 
 
