@@ -21,8 +21,9 @@ published one can then match a published hash. The converter runs with the one b
 (testing/llama_converter.py: an unknown hash gives tokenizer.ggml.pre "default", GPT-2's split, the base
 tokenizer's). Chat templates are Llama 3's and ChatML's.
 
-Disk: the bf16 safetensors directory and the BF16 GGUF (about 16 GB each at 8B) exist together only while the converter runs;
-the directory is deleted as soon as the GGUF exists and the GGUF once every requested type is written. Build the
+Disk: the bf16 safetensors directory and the BF16 GGUF (about 16 GB each at 8B) exist together only while the
+converter runs; the directory is deleted as soon as the GGUF exists and the GGUF once every requested type is
+written. Build the
 shapes one after the other (Qwen2.5 first keeps the peak lowest: about 37 GB with every file kept).
 
     python benchmarks/deployed_shapes_gguf.py --shape llama3.1-8b [--types Q4_K_M,Q8_0] [--layers N]

@@ -97,7 +97,8 @@ def profile(lm, rows: torch.Tensor, hidden: torch.Tensor, repeat: int) -> list[t
     model, n, vocab = lm.model, rows.shape[0], rows.shape[1]
     out: list[tuple[str, tuple[float, float]]] = []
     buf = torch.empty_like(rows)
-    out.append(("LM head: int8 matrix (for scale; part of the step)", timed(lambda: model.lm_head(hidden, out=buf), repeat)))
+    out.append(("LM head: int8 matrix (for scale; part of the step)",
+                timed(lambda: model.lm_head(hidden, out=buf), repeat)))
     both, copy = (timed(lambda: torch.ops.steadyserve.qlog_softmax_(buf.copy_(rows), -1), repeat),
                   timed(lambda: buf.copy_(rows), repeat))
     out.append(("LM head: log-softmax", (both[0] - copy[0], both[1] - copy[1])))

@@ -281,7 +281,8 @@ async def single_and_contended(a: argparse.Namespace, srv: ServerProcess,
             g["preemptions"] += metric(srv, "steadyserve_preemptions_total") - preempted0
     out = {}
     for phase, g in got.items():
-        out[phase] = {"A": loads[phase].summary(), "output_tokens_per_s": round(sum(g["tokens"].values()) / g["seconds"], 2),
+        out[phase] = {"A": loads[phase].summary(),
+                      "output_tokens_per_s": round(sum(g["tokens"].values()) / g["seconds"], 2),
                       "output_tokens": dict(g["tokens"]), "seconds": round(g["seconds"], 1),
                       "rounds_output_tokens_per_s": g["rounds_tok_s"], "engine_steps": g["steps"], "cpu": g["cpu"]}
     out["contended"].update({"B": b.summary(), "B_server": ttft_between(b_ttft0, tenant_ttft(srv, "B")),
@@ -358,8 +359,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--phase-seconds", type=float, default=30.0, help="the KV-full phase")
     ap.add_argument("--b-seconds", type=float, default=120.0,
-                    help="the quiet, single and contended phases (each): B's requests, one a second, that its TTFT p99 is "
-                    "taken over")
+                    help="the quiet, single and contended phases (each): B's requests, one a second, that its TTFT "
+                    "p99 is taken over")
     ap.add_argument("--rounds", type=int, default=4, help="single and contended alternate over this many rounds")
     ap.add_argument("--shares-seconds", type=float, default=60.0)
     ap.add_argument("--kv-full-memory", default="4MiB", help="--kv-cache-memory of the KV-full server")

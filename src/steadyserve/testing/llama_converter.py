@@ -32,8 +32,8 @@ CACHE = Path(os.environ.get("STEADYSERVE_CACHE", Path.home() / ".cache" / "stead
 _PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")  # under llama.cpp/ in the sdist
 _INPUTS = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
-# Runs in the subprocess: argv = sources, outtype, then (hf_dir, outfile) pairs. One process for all pairs (the converter's
-# torch import is most of its time); each pair is one call of its main(), with its own command line.
+# Runs in the subprocess: argv = sources, outtype, then (hf_dir, outfile) pairs. One process for all pairs (the
+# converter's torch import is most of its time); each pair is one call of its main(), with its own command line.
 _RUNNER = r"""
 import runpy, sys
 root, outtype, pairs = sys.argv[1], sys.argv[2], sys.argv[3:]
@@ -87,7 +87,8 @@ def run_converter(pairs: list[tuple[Path, Path]], outtype: str = "q8_0", capture
     """Run the converter (pre-tokenizer check bypassed as above) on (hf_dir, outfile) pairs in one subprocess; the
     CompletedProcess. capture=False lets its log through (the benchmarks' 8B conversions take minutes)."""
     root = converter_dir()
-    return subprocess.run([sys.executable, "-c", _RUNNER, str(root), outtype, *(str(p) for pair in pairs for p in pair)],
+    files = [str(p) for pair in pairs for p in pair]
+    return subprocess.run([sys.executable, "-c", _RUNNER, str(root), outtype, *files],
                           env={**os.environ, "PYTHONPATH": f"{root / 'gguf-py'}{os.pathsep}{root}"},
                           capture_output=capture, text=True)
 
