@@ -100,7 +100,7 @@ def test_parity_fails_when_routing_is_changed(tiny, broken, monkeypatch):
 def test_the_gguf_expert_width_comes_from_its_metadata(tiny, monkeypatch, tmp_path):
     """Without qwen3moe.expert_feed_forward_length (transformers' map drops it: 768), the file does not load, and
     the error names the tensor, the shape and the key."""
-    monkeypatch.setattr(gguf_config, "fix_transformers_config", lambda md, cfg: cfg)
+    monkeypatch.setattr(gguf_config, "fix_transformers_config", lambda md, cfg, rope_freqs=None: cfg)
     with pytest.raises(LoadError, match=r"ffn_down_exps.weight' has shape \(32, 64, 8\), expected \(768, 64, 8\) "
                                         r"for .* moe_intermediate_size 768 \(the config's: no key in the file"):
         load_model(tiny["gguf"], max_model_len=512, cache_dir=str(tmp_path), numerics="portable")
