@@ -32,14 +32,6 @@ class PeerMissing(RuntimeError):
     pass
 
 
-def cpu_model() -> str:
-    """The CPU's model name, as every result names it."""
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -21,7 +21,7 @@ import statistics
 import time
 from pathlib import Path
 
-from peers import Peer, cpu_model, free_port, thread_env
+from peers import Peer, cpu_name, free_port, thread_env
 
 from steadyserve.testing.server import ServerProcess
 
@@ -65,7 +65,7 @@ def main() -> None:
             times[name].append(round(took, 2))
             print(f"round {r}: {name} ready after {took:.2f} s", flush=True)
     med = {k: statistics.median(v) for k, v in times.items()}
-    out = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cpu": cpu_model(), "threads": a.threads,
+    out = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cpu": cpu_name(), "threads": a.threads,
            "gguf": Path(a.gguf).name, "gguf_bytes": Path(a.gguf).stat().st_size,
            "first_start_s": {k: round(v, 2) for k, v in warm.items()}, "ready_s": times,
            "median_ready_s": med, "ratio_steadyserve_to_llama": round(med["steadyserve"] / med["llama-server"], 2),
