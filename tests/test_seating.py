@@ -99,3 +99,23 @@ def test_no_sequence_gives_up_its_seat_twice() -> None:
         step(sched)  # A's preempted sequence takes the freed seat back
         assert len(sched.running) == 4
     assert sched.num_preemptions == 3 and max(s.num_preemptions for s in a) == 1, [s.num_preemptions for s in a]
+
+
+def test_a_seated_prompt_runs_in_a_step_of_its_own() -> None:
+    """Every seat taken by A's flood, B arrives: the step that seats B computes B's prompt alone, so B's first token
+    waits for a one-row step rather than a full batch's; the step after, A's rows and B's decode row run together
+    again. (With the seated prompt joining the batch's step, B's step holds 8 sequences: the first assertion
+    fails.)"""
+    sched = Scheduler(BlockManager(8192, 16), max_num_seqs=8, max_num_batched_tokens=512)
+    for _ in range(30):
+        while sum(1 for s in sched.waiting if s.request.tenant == "A") < 40:
+            sched.add(req("A", 32))
+        step(sched)
+    assert len(sched.running) == 8
+    b = req("B", 32)
+    sched.add(b)
+    out, _ = step(sched)
+    assert [i.seq for i in out.scheduled] == [b] and out.scheduled[0].num_new_tokens == b.num_prompt_tokens
+    assert len(out.preempted) == 1 and out.preempted[0].request.tenant == "A"
+    out, _ = step(sched)
+    assert b in [i.seq for i in out.scheduled] and len(out.scheduled) == 8

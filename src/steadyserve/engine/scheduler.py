@@ -9,7 +9,7 @@ tokens, fair_share.py; one tenant: first come, first served). When several tenan
 compute, the step's prompt tokens are divided among them by weight too (fair_share.split_step), and what they
 leave goes back to the running prompts in order (_top_up); with every seat taken, a tenant below its weighted
 share of the seats is seated at once in place of a batch tenant's or an over-share tenant's newest sequence
-(seating.py: preempted, recomputed later, bitwise the same); a prompt's cached prefix
+(seating.py: preempted, recomputed later, bitwise the same), its prompt in a step of its own; a prompt's cached prefix
 blocks (see block_manager.py) cost neither budget nor new blocks. When the cache runs out,
 the most recently admitted running sequence is preempted (a `batch`-priority one first, if any): its blocks are freed
 and it is recomputed later (batch-invariant numerics make the recomputed K/V
@@ -244,6 +244,10 @@ class Scheduler:
                 seq, victim = found
                 budget += self._unplan(victim, out)
                 self._preempt(victim, out)  # the loop ends after this admission: one seat a step
+                # The seated prompt runs in a step of its own: its first token then waits for a one-row step, not
+                # for a full batch's (a light tenant's TTFT under a flood stays near its TTFT on a quiet server);
+                # the batch's rows lose one short step, and a row's bits do not depend on who shares its step.
+                budget = self._unplan_all(out, budget)
             else:
                 seq = self.fair_share.pick(self.waiting)
                 assert seq is not None
@@ -269,6 +273,16 @@ class Scheduler:
         if caps is not None and budget > 0 and not out.preempted:
             self._top_up(out, budget)
         return out
+
+    @staticmethod
+    def _unplan_all(out: SchedulerOutput, budget: int) -> int:
+        """Take every sequence out of this step's plan (their blocks stay theirs, for the next step; their drafts
+        are dropped, as a step would have): the budget with theirs given back."""
+        for item in out.scheduled:
+            item.seq.draft_token_ids = []
+            budget += item.num_new_tokens
+        out.scheduled.clear()
+        return budget
 
     @staticmethod
     def _unplan(seq: Sequence, out: SchedulerOutput) -> int:

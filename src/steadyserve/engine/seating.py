@@ -6,7 +6,8 @@ Admission's deficit round-robin (fair_share.py) shares the seats over time, as t
 light tenant under a flood: its request would wait for a flood's stream to end (tens of steps) although its
 weight entitles it to more seats than it holds. So, with every seat taken, a waiting sequence is seated now in
 place of another tenant's newest sequence (preempted, first in line for the next free seat, recomputed later from
-the prefix cache: the numerics keep its bits) when:
+the prefix cache: the numerics keep its bits), its prompt in a step of its own (Scheduler: its first token then waits
+for a one-row step, not a full batch's), when:
 
 * its tenant holds fewer seats than the floor of its weighted share of --max-num-seqs (its weight over those of
   the tenants with work, running or waiting), or none at all;
