@@ -243,6 +243,27 @@ def ttft_between(before: dict[str, float], after: dict[str, float]) -> dict[str,
     return {"requests": int(n), "mean_ms": round(1000 * took / n, 1) if n else None, **share}
 
 
+def request_lines(logs: str, tenant: str) -> list[dict[str, Any]]:
+    """The server's "request done" lines of one tenant (JSON log format) in `logs`."""
+    got = []
+    for line in logs.splitlines():
+        if '"request done"' in line:
+            rec = json.loads(line)
+            if rec.get("tenant") == tenant:
+                got.append(rec)
+    return got
+
+
+def slowest(lines: list[dict[str, Any]], n: int = 5) -> list[dict[str, Any]]:
+    """The `n` requests of longest server-side TTFT, split where their wait was: the queue (admission to the first
+    step that scheduled it), the engine (to the step that emitted the first token), the event loop (to its
+    handling of that token)."""
+    timed_ = sorted((r for r in lines if r.get("ttft_s") is not None), key=lambda r: r["ttft_s"], reverse=True)
+    return [{"ttft_ms": round(1000 * r["ttft_s"], 1), "queue_ms": round(1000 * (r.get("queue_s") or 0), 1),
+             "engine_ttft_ms": round(1000 * (r.get("engine_ttft_s") or 0), 1),
+             "preemptions": r.get("preemptions")} for r in timed_[:n]]
+
+
 async def timed(srv: ServerProcess, coros: list, seconds: float) -> tuple[Counter, float]:
     """Run the loads for `seconds` (their requests then finish); output tokens per tenant within the window."""
     t0, before = time.monotonic(), output_tokens(srv)
@@ -264,6 +285,7 @@ async def single_and_contended(a: argparse.Namespace, srv: ServerProcess,
     got: dict[str, dict[str, Any]] = {k: {"tokens": Counter(), "seconds": 0.0, "rounds_tok_s": [], "steps": [],
                                           "cpu": [], "preemptions": 0.0} for k in loads}
     b_ttft0 = tenant_ttft(srv, "B")
+    b_lines: list[dict[str, Any]] = []
     for r in range(a.rounds):
         for phase in (("single", "contended") if r % 2 == 0 else ("contended", "single")):
             until = time.monotonic() + span
@@ -271,7 +293,10 @@ async def single_and_contended(a: argparse.Namespace, srv: ServerProcess,
             coros = [loads[phase].flood(a.flood * a.max_num_seqs, until)]
             if phase == "contended":
                 coros.append(every_second_elsewhere(pool, srv, b, span))
+            log_from = len(srv.logs())
             toks, took = await timed(srv, coros, span)
+            if phase == "contended":
+                b_lines += request_lines(srv.logs()[log_from:], "B")
             g = got[phase]
             g["tokens"].update(toks)
             g["seconds"] += took
@@ -286,13 +311,15 @@ async def single_and_contended(a: argparse.Namespace, srv: ServerProcess,
                       "output_tokens": dict(g["tokens"]), "seconds": round(g["seconds"], 1),
                       "rounds_output_tokens_per_s": g["rounds_tok_s"], "engine_steps": g["steps"], "cpu": g["cpu"]}
     out["contended"].update({"B": b.summary(), "B_server": ttft_between(b_ttft0, tenant_ttft(srv, "B")),
+                             "B_slowest": slowest(b_lines),
                              "preemptions": got["contended"]["preemptions"]})
     return out["single"], out["contended"]
 
 
 async def main_server(a: argparse.Namespace, keys: Path) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    common = ("--api-keys", str(keys), "--max-num-seqs", str(a.max_num_seqs), "--max-queue", str(a.max_queue))
+    common = ("--log-format", "json", "--api-keys", str(keys), "--max-num-seqs", str(a.max_num_seqs),
+              "--max-queue", str(a.max_queue))
     with ServerProcess(a.model, *common, threads=a.threads, startup_timeout=600) as srv:
         await Load(srv.http_url, "B", a.max_tokens).one()  # warm-up
         bs = a.b_seconds

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import socket
+import urllib.request
 import time
 
 import grpc
@@ -110,3 +111,16 @@ def test_a_thousand_requests_with_disconnects_leave_no_per_request_state(srv) ->
     time.sleep(0.5)
     assert finished_total(srv) == before + n
     assert srv.metric("steadyserve_requests_tracked") == 0
+
+
+def test_the_request_line_says_where_the_first_token_waited(srv) -> None:
+    """The line splits the time to first token: the queue wait, then the engine's step that emitted it, then the
+    event loop's handling of it (ttft_s): each later than the one before, all from the same admission."""
+    body = {"prompt": "the fox", "max_tokens": 4, "ignore_eos": True}
+    req = urllib.request.Request(f"{srv.http_url}/v1/completions", json.dumps(body).encode(),
+                                 {"content-type": "application/json", "x-request-id": "timed-1"})
+    urllib.request.urlopen(req, timeout=60).read()
+    wait_for(lambda: done_lines(srv, "timed-1"), 30, what="the request's line")
+    (rec,) = done_lines(srv, "timed-1")
+    assert rec["preemptions"] == 0
+    assert 0 <= rec["queue_s"] <= rec["engine_ttft_s"] <= rec["ttft_s"] <= rec["total_s"], rec

@@ -29,6 +29,20 @@ reqlog = logging.getLogger("steadyserve.request")
 T = TypeVar("T")
 
 
+def engine_times(out: RequestOutput, arrival: float) -> dict[str, float | None]:
+    """Where a request's time went on the engine's side, for its log line: the queue wait (admission to the first
+    step that scheduled it) and admission to the step that emitted its first token. The line's ttft_s is taken
+    when the event loop handled that token, so ttft_s less engine_ttft_s is the event loop's own delay."""
+    t = out.timings
+    if t is None:
+        return {}
+
+    def since(when: float | None) -> float | None:
+        return None if when is None else round(when - arrival, 4)
+    return {"queue_s": since(t.first_scheduled), "engine_ttft_s": since(t.first_token),
+            "preemptions": len(t.preempted)}
+
+
 def _tokenizer_pool() -> ThreadPoolExecutor:
     # One thread: HF tokenizers are not meant to be used from several threads at once.
     return ThreadPoolExecutor(1, thread_name_prefix="steadyserve-tokenize")
@@ -153,6 +167,7 @@ class ServerState:
                     "error": out.error, "fingerprint": fingerprint}
                 if tenant is not None:
                     fields["tenant"] = tenant.name
+                fields.update(engine_times(out, request.arrival_time))
                 reqlog.info("request done", extra={"fields": fields})
                 self.recent.append({**fields, "finished_at": time.time()})
 
