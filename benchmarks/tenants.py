@@ -254,6 +254,20 @@ def request_lines(logs: str, tenant: str) -> list[dict[str, Any]]:
     return got
 
 
+def split(lines: list[dict[str, Any]]) -> dict[str, Any]:
+    """Percentiles of where the requests' time to first token went: the queue (admission to the first step that
+    scheduled it: the step in progress when it arrived), the engine's steps from there to its first token, and
+    the event loop's handling of that token."""
+    parts: dict[str, list[float]] = {"queue_ms": [], "steps_ms": [], "loop_ms": []}
+    for r in lines:
+        if r.get("ttft_s") is None or r.get("engine_ttft_s") is None:
+            continue
+        parts["queue_ms"].append(1000 * r["queue_s"])
+        parts["steps_ms"].append(1000 * (r["engine_ttft_s"] - r["queue_s"]))
+        parts["loop_ms"].append(1000 * (r["ttft_s"] - r["engine_ttft_s"]))
+    return {k: {f"p{int(q * 100)}": round(p(v, q) or 0, 1) for q in (0.5, 0.9, 0.99)} for k, v in parts.items()}
+
+
 def slowest(lines: list[dict[str, Any]], n: int = 5) -> list[dict[str, Any]]:
     """The `n` requests of longest server-side TTFT, split where their wait was: the queue (admission to the first
     step that scheduled it), the engine (to the step that emitted the first token), the event loop (to its
@@ -311,7 +325,7 @@ async def single_and_contended(a: argparse.Namespace, srv: ServerProcess,
                       "output_tokens": dict(g["tokens"]), "seconds": round(g["seconds"], 1),
                       "rounds_output_tokens_per_s": g["rounds_tok_s"], "engine_steps": g["steps"], "cpu": g["cpu"]}
     out["contended"].update({"B": b.summary(), "B_server": ttft_between(b_ttft0, tenant_ttft(srv, "B")),
-                             "B_slowest": slowest(b_lines),
+                             "B_split": split(b_lines), "B_slowest": slowest(b_lines),
                              "preemptions": got["contended"]["preemptions"]})
     return out["single"], out["contended"]
 
@@ -327,8 +341,10 @@ async def main_server(a: argparse.Namespace, keys: Path) -> dict[str, Any]:
         pool.submit(time.sleep, 0).result()  # the process is started (and imports done) before any phase
         h0, t0, use = histogram(srv, STEP), tenant_ttft(srv, "B"), Usage(srv, pool)
         quiet = Load(srv.http_url, "B", a.max_tokens)
+        log_from = len(srv.logs())
         await timed(srv, [every_second_elsewhere(pool, srv, quiet, bs)], bs)
         out["quiet"] = {"B": quiet.summary(), "B_server": ttft_between(t0, tenant_ttft(srv, "B")),
+                        "B_split": split(request_lines(srv.logs()[log_from:], "B")),
                         "engine_steps": steps_between(h0, histogram(srv, STEP)), "cpu": use.done()}
         out["single"], out["contended"] = await single_and_contended(a, srv, pool)
         pool.shutdown()

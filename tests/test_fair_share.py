@@ -43,14 +43,17 @@ def admissions(sched: Scheduler, steps: int, refill: dict[str, tuple[float, int]
     keep that many of its sequences waiting (a flood that never lets up). `tokens`: counts each tenant's
     generated tokens."""
     order = []
+    seen: set[int] = set()
     for _ in range(steps):
         for tenant, (share, backlog) in (refill or {}).items():
             while sum(1 for s in sched.waiting if s.request.tenant == tenant) < backlog:
                 sched.add(seq(tenant, share=share))
-        waiting = {id(s) for s in sched.waiting}
         out, _ = step(sched)
-        # first admissions only: a sequence seated again after a preemption was counted when first admitted
-        order += [i.seq.request.tenant for i in out.scheduled if id(i.seq) in waiting and not i.seq.num_preemptions]
+        # first scheduling only (an admission whose prompt a light tenant's step put off counts when it runs): a
+        # sequence seated again after a preemption was counted when first scheduled
+        new = [i.seq for i in out.scheduled if i.seq.seq_id not in seen and not i.seq.num_preemptions]
+        seen.update(s.seq_id for s in new)
+        order += [s.request.tenant for s in new]
         if tokens is not None:
             tokens.update(i.seq.request.tenant for i in out.scheduled
                           if i.seq.num_computed_tokens >= i.seq.num_prompt_tokens)
@@ -101,8 +104,10 @@ def test_the_smallest_share_is_not_starved_by_a_flood() -> None:
     positions = [i for i, t in enumerate(order) if t == "tiny"]
     assert len(positions) == 5, Counter(order)
     # A round credits tiny one quantum (32 tokens: 2 of its 16-token requests) and the flood ten (20 of them):
-    # tiny's k-th request is admitted within round k // 2 + 1, i.e. after at most 22 admissions a round.
-    assert all(p < (k // 2 + 1) * 22 for k, p in enumerate(positions)), positions
+    # tiny's k-th request is admitted within round k // 2 + 1, i.e. after at most 22 admissions a round. Its prompt
+    # may then wait one step more: the flood, holding fewer than its 3.6 of the 4 seats, is the one below its share,
+    # and a step with its prompts holds no other tenant's (seating.Sharing): up to 3 of them come first.
+    assert all(p < (k // 2 + 1) * 22 + 3 for k, p in enumerate(positions)), positions
 
 
 def test_cost_is_what_a_sequence_may_compute_so_big_requests_count_more() -> None:

@@ -8,6 +8,7 @@ from test_fair_share import step  # one step as the engine runs it
 
 from steadyserve.engine.block_manager import BlockManager
 from steadyserve.engine.scheduler import Scheduler
+from steadyserve.engine.seating import SHARING_WINDOW_S, Sharing
 from steadyserve.engine.sequence import Request, SamplingParams, Sequence
 
 _ids = iter(range(10**9))
@@ -57,6 +58,7 @@ def test_a_heavier_tenant_below_its_seats_does_not_preempt_a_lighter_ones() -> N
     for s in [*light, *heavy]:
         sched.add(s)
     step(sched)
+    step(sched)  # the light tenant's second prompt: one a step while tenants share at weights 1 and 10
     assert len(sched.running) == 4
     for _ in range(10):
         sched.add(req("heavy", 50, share=10.0))
@@ -119,3 +121,75 @@ def test_a_seated_prompt_runs_in_a_step_of_its_own() -> None:
     assert len(out.preempted) == 1 and out.preempted[0].request.tenant == "A"
     out, _ = step(sched)
     assert b in [i.seq for i in out.scheduled] and len(out.scheduled) == 8
+
+
+def _prompts(out, tenant: str) -> int:
+    """Prompt chunks of `tenant` in a step's plan (a prompt computes more than one token; decode rows one)."""
+    return sum(1 for i in out.scheduled if i.seq.request.tenant == tenant and i.num_new_tokens > 1)
+
+
+def _flood_in_lockstep(sched: Scheduler, steps: int, clock: list[float] | None = None) -> int:
+    """A keeps 40 requests of 8 tokens waiting for the 8 seats, so its streams end together and their seats free
+    together; returns the most prompts of A that one step computed."""
+    most = 0
+    for _ in range(steps):
+        while sum(1 for s in sched.waiting if s.request.tenant == "A") < 40:
+            sched.add(req("A", 8))
+        out, _ = step(sched)
+        most = max(most, _prompts(out, "A"))
+        if clock is not None:
+            clock[0] += 0.02
+    return most
+
+
+def test_while_tenants_share_a_flood_computes_one_prompt_a_step() -> None:
+    """A's 8 streams end in the same step; alone on the server its next 8 prompts run in one step (as before tenants
+    existed). Once B has sent a request, within the sharing window, A's prompts come one a step, so a step in
+    progress when B's next request arrives is a batch's decode rows and one prompt, not 8 prompts. (Without the
+    rule every refill is again one step of 8 prompts: the second assertion fails.)"""
+    sched = Scheduler(BlockManager(8192, 16), max_num_seqs=8, max_num_batched_tokens=512)
+    assert _flood_in_lockstep(sched, 40) == 8
+    b = req("B", 2)
+    sched.add(b)
+    assert _flood_in_lockstep(sched, 120) == 1
+    assert b.status.name == "FINISHED"
+
+
+def test_sharing_ends_a_window_after_the_last_request_of_the_other_tenant() -> None:
+    """A test clock: 20 ms a step; B's one request; after SHARING_WINDOW_S without another, A alone fills freed
+    seats in one step again."""
+    clock = [0.0]
+    sched = Scheduler(BlockManager(8192, 16), max_num_seqs=8, max_num_batched_tokens=512)
+    sched.sharing = Sharing(clock=lambda: clock[0])
+    sched.add(req("B", 2))
+    assert _flood_in_lockstep(sched, 100, clock) == 1  # 2 s: sharing
+    clock[0] += SHARING_WINDOW_S
+    for s in list(sched.running):  # the 8 seats free at once (sharing spread A's streams over steps)
+        sched.abort(s.request_id)
+    assert _flood_in_lockstep(sched, 40, clock) == 8
+
+
+def test_a_light_tenants_prompt_shares_its_step_with_no_other_tenants_prompt() -> None:
+    """Seats free as A's streams end, A's prompts waiting, B's request arrives: the step that computes B's prompt
+    has A's decode rows in it but none of A's prompts (they go in the steps after) while A holds its share of the
+    seats, so B's first token waits for a step of decode rows and its own prompt. (Without the rule, A's one prompt of that step, admitted on its turn,
+    runs beside B's: the assertion fails.)"""
+    sched = Scheduler(BlockManager(8192, 16), max_num_seqs=8, max_num_batched_tokens=512)
+    sched.add(req("B", 2))
+    for _ in range(9):  # B's first request done; A's streams in lockstep, the last step ended all 8
+        while sum(1 for s in sched.waiting if s.request.tenant == "A") < 40:
+            sched.add(req("A", 8))
+        step(sched)
+    b_steps = []
+    for _ in range(200):
+        while sum(1 for s in sched.waiting if s.request.tenant == "A") < 40:
+            sched.add(req("A", 8))
+        if len(sched.running) < 8 and not any(s.request.tenant == "B" for s in [*sched.running, *sched.waiting]):
+            sched.add(req("B", 2))  # arrives as a seat frees
+        a_seats = sum(1 for s in sched.running if s.request.tenant == "A")
+        out, _ = step(sched)
+        if _prompts(out, "B") and a_seats >= 4:  # A at its share of the seats (below it, it is light too)
+            b_steps.append(out)
+    assert len(b_steps) >= 10
+    assert all(_prompts(out, "A") == 0 for out in b_steps), [_prompts(out, "A") for out in b_steps]
+    assert any(len(out.scheduled) > 1 for out in b_steps)  # A's decode rows ran with B's prompt

@@ -9,7 +9,9 @@ tokens, fair_share.py; one tenant: first come, first served). When several tenan
 compute, the step's prompt tokens are divided among them by weight too (fair_share.split_step), and what they
 leave goes back to the running prompts in order (_top_up); with every seat taken, a tenant below its weighted
 share of the seats is seated at once in place of a batch tenant's or an over-share tenant's newest sequence
-(seating.py: preempted, recomputed later, bitwise the same), its prompt in a step of its own; a prompt's cached prefix
+(seating.py: preempted, recomputed later, bitwise the same), its prompt in a step of its own; while tenants share
+the server, a step computes at most a weighted few prompts of each tenant, and a light tenant's prompt with no other
+tenant's (seating.Sharing), so the step a light tenant's request waits out is short; a prompt's cached prefix
 blocks (see block_manager.py) cost neither budget nor new blocks. When the cache runs out,
 the most recently admitted running sequence is preempted (a `batch`-priority one first, if any): its blocks are freed
 and it is recomputed later (batch-invariant numerics make the recomputed K/V
@@ -25,12 +27,13 @@ sequences leave the batch.
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from .block_manager import BlockManager
 from .fair_share import FairShare, split_step
-from .seating import seat_for_waiting
+from .seating import Sharing, light_tenants, prompt_limits, seat_for_waiting
 from .sequence import RequestOutput, Sequence, SequenceStatus
 from .speculation import Speculator
 
@@ -67,6 +70,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         # Which waiting sequence goes next when several tenants wait (fair_share.py).
         self.fair_share = FairShare()
+        # Whether tenants share the server now: then a step holds one prompt at most of each tenant not below its
+        # share of the seats, and a light tenant's prompt none of theirs (seating.py).
+        self.sharing = Sharing()
         self.running: list[Sequence] = []
         self.num_preemptions = 0  # total, for metrics
 
@@ -84,6 +90,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
+        self.sharing.saw(seq.request.tenant, seq.request.share)
 
     def abort(self, request_id: str) -> Sequence | None:
         """Remove a request wherever it is and free its blocks. Returns it, or None."""
@@ -208,11 +215,26 @@ class Scheduler:
         # 1. Running sequences, oldest first. Preempt from the newest end when out of blocks.
         running = list(self.running)
         caps = self._prefill_caps(budget)  # tenant -> prompt tokens it may compute this step; None: no sharing
+        # While tenants share the server (seating.Sharing): a step computes at most `prompt_limit` prompts of each
+        # tenant (`prompting` counts those planned), and one with a prompt of a tenant below its share of the
+        # seats (`light`) none of the others'. Without sharing, neither limits anything.
+        sharing = self.sharing.active()
+        light = light_tenants(self.running, self.waiting, self.max_num_seqs) if sharing else set()
+        limit = prompt_limits(self.sharing.weights(), self.max_num_seqs) if sharing else {}
+        prompting: Counter[str] = Counter()
+
+        def at_limit(tenant: str) -> bool:
+            return prompting[tenant] >= limit.get(tenant, 1)
+
         for pos, seq in enumerate(running):
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
+            if sharing and seq.num_uncomputed_tokens > 1:
+                if at_limit(seq.request.tenant):
+                    continue  # its tenant's prompts of this step are planned: this one goes on next step
+                prompting[seq.request.tenant] += 1
             n = min(seq.num_uncomputed_tokens, budget)
             if caps is not None and seq.num_uncomputed_tokens > 1:  # a prompt chunk (decode rows stay out of it)
                 n = min(n, caps[seq.request.tenant])
@@ -236,6 +258,7 @@ class Scheduler:
             budget -= n
         # 2. Admit waiting sequences while budget, seats and blocks last: first come first served within a
         # tenant, tenants by weight (fair_share.py).
+        light_step = False  # a light tenant's prompt is planned: no other tenant's prompt joins this step
         while self.waiting and budget > 0 and not out.preempted:
             if len(self.running) >= self.max_num_seqs:
                 found = seat_for_waiting(self.waiting, self.running, self.max_num_seqs)
@@ -251,6 +274,20 @@ class Scheduler:
             else:
                 seq = self.fair_share.pick(self.waiting)
                 assert seq is not None
+                t = seq.request.tenant
+                if sharing and (at_limit(t) or light_step and t not in light):
+                    # Its tenant's prompts for this step are planned (or a light one's step): a light tenant's
+                    # waiting prompt may still come in ahead of the turn, or nobody.
+                    seq = next((s for s in self.waiting if s.request.tenant in light
+                                and not at_limit(s.request.tenant)), None)
+                    if seq is None:
+                        break
+                if sharing and seq.request.tenant in light and not light_step:
+                    # A light tenant's prompt, e.g. its request arriving with a flood's seats freeing: its first
+                    # token waits for the batch's decode rows only, not for the flood's prompts, which go next step.
+                    budget += self._unplan_prompts(out, light)
+                    light_step = True
+                prompting[seq.request.tenant] += 1
             hits = self.block_manager.match_prefix(seq)
             if self._twin_in_prefill(seq, len(hits)):
                 break  # wait for the twin's blocks rather than compute them twice
@@ -271,7 +308,12 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
         if caps is not None and budget > 0 and not out.preempted:
-            self._top_up(out, budget)
+            def may_start(tenant: str) -> bool:  # the step-2 rules, for a running prompt not planned yet
+                if at_limit(tenant) or light_step and tenant not in light:
+                    return False
+                prompting[tenant] += 1
+                return True
+            self._top_up(out, budget, may_start if sharing else None)
         return out
 
     @staticmethod
@@ -283,6 +325,19 @@ class Scheduler:
             budget += item.num_new_tokens
         out.scheduled.clear()
         return budget
+
+    @staticmethod
+    def _unplan_prompts(out: SchedulerOutput, light: set[str]) -> int:
+        """Take the prompt chunks of tenants not in `light` out of this step's plan (blocks stay theirs; decode rows
+        stay): the budget they held."""
+        keep, freed = [], 0
+        for item in out.scheduled:
+            if item.seq.request.tenant not in light and item.seq.num_uncomputed_tokens > 1:
+                freed += item.num_new_tokens
+            else:
+                keep.append(item)
+        out.scheduled[:] = keep
+        return freed
 
     @staticmethod
     def _unplan(seq: Sequence, out: SchedulerOutput) -> int:
@@ -313,9 +368,10 @@ class Scheduler:
             return None
         return split_step(wants, shares, batch, max(0, budget - decode_rows))
 
-    def _top_up(self, out: SchedulerOutput, budget: int) -> None:
+    def _top_up(self, out: SchedulerOutput, budget: int, may_start: Callable[[str], bool] | None = None) -> None:
         """Give the budget the split left unused (a tenant short of seats or blocks, rounding) to the running
-        prompts in admission order, from free blocks only: sharing never idles budget that someone could use."""
+        prompts in admission order, from free blocks only: sharing never idles budget that someone could use.
+        `may_start(tenant)`: whether a prompt not planned yet may join the step, counting it if so (None: any)."""
         planned = {id(item.seq): item for item in out.scheduled}
         for seq in self.running:
             if budget == 0:
@@ -326,6 +382,8 @@ class Scheduler:
             if extra <= 0 or seq.draft_token_ids or seq.num_uncomputed_tokens <= 1:
                 continue
             if not self.block_manager.can_grow(seq, done + extra):
+                continue
+            if item is None and may_start is not None and not may_start(seq.request.tenant):
                 continue
             self.block_manager.grow(seq, done + extra)
             if item is not None:

@@ -29,9 +29,85 @@ tenants existed.
 from __future__ import annotations
 
 import math
-from typing import Iterable, Sequence as Seq
+import time
+from typing import Callable, Iterable, Sequence as Seq
 
 from .sequence import Sequence
+
+# How long a tenant counts as sharing the server after its last request arrived. A light tenant's next request
+# comes while it has nothing running (one a second, each done in half a second): the steps must already be short
+# when it arrives, since a step in progress is never interrupted.
+SHARING_WINDOW_S = 10.0
+
+
+class Sharing:
+    """Whether two or more tenants sent requests within the last SHARING_WINDOW_S seconds. While they do, a step
+    carries a few prompts at most of each tenant (prompt_limits; Scheduler), so a burst of a flood's admissions (its
+    streams end together, their seats free together) spreads over steps instead of making one step of all of them,
+    which a light tenant's request arriving meanwhile would wait out: that long step, a flood's six prompts beside
+    the batch, was the tail of the light tenant's time to first token. With one tenant (every server without a keys
+    file) it is never active: steps are as before tenants existed."""
+
+    def __init__(self, window_s: float = SHARING_WINDOW_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self.window_s = window_s  # seconds a tenant's last arrival keeps it counted
+        self.clock = clock  # monotonic seconds (a test's own clock)
+        self._last: dict[str, tuple[float, float]] = {}  # tenant -> when its last request arrived, its weight
+
+    def saw(self, tenant: str, share: float) -> None:
+        self._last[tenant] = (self.clock(), share)
+
+    def active(self) -> bool:
+        if len(self._last) < 2:
+            return False
+        now = self.clock()
+        self._last = {t: seen for t, seen in self._last.items() if now - seen[0] <= self.window_s}
+        return len(self._last) >= 2
+
+    def weights(self) -> dict[str, float]:
+        """The tenants sharing the server (as of the last `active()`), with their weights."""
+        return {t: share for t, (_, share) in self._last.items()}
+
+
+def seat_counts(running: Seq[Sequence], waiting: Iterable[Sequence],
+                max_num_seqs: int) -> tuple[dict[str, int], dict[str, float]] | None:
+    """Seats each tenant holds and its weighted share of --max-num-seqs (over the tenants with work, running or
+    waiting); None when fewer than two tenants have work."""
+    shares = {s.request.tenant: s.request.share for s in [*running, *waiting]}
+    if len(shares) < 2:
+        return None
+    counts: dict[str, int] = {}
+    for s in running:
+        counts[s.request.tenant] = counts.get(s.request.tenant, 0) + 1
+    total = sum(shares.values())
+    return counts, {t: max_num_seqs * w / total for t, w in shares.items()}
+
+
+def light_tenants(running: Seq[Sequence], waiting: Iterable[Sequence], max_num_seqs: int) -> set[str]:
+    """The tenants below their weighted share of the seats: holding none, or fewer than its floor (the rule that
+    seats a waiting sequence at once). Empty when fewer than two tenants have work."""
+    got = seat_counts(running, waiting, max_num_seqs)
+    if got is None:
+        return set()
+    counts, fair = got
+    return {t for t in fair if not _holds_its_share(counts.get(t, 0), fair[t])}
+
+
+def prompt_limits(shares: dict[str, float], max_num_seqs: int) -> dict[str, int]:
+    """Prompts each tenant sharing the server (`shares`: tenant -> weight) may compute in one step: a quarter of
+    the seats' worth in all (at least one per unit of the smallest weight), split by weight (each tenant's weight
+    over the smallest, rounded, at least one). So a flood whose seats all free in one step refills them over four
+    steps or more, not in one step of all its prompts, and shares 3:1 start prompts 3:1, so the shares hold.
+    Eight seats between two equal tenants: one prompt each a step; sixty-four: eight."""
+    if not shares:
+        return {}
+    smallest = min(shares.values())
+    units = {t: max(1, round(w / smallest)) for t, w in shares.items()}
+    per_unit = max(1, max_num_seqs // (4 * sum(units.values())))
+    return {t: u * per_unit for t, u in units.items()}
+
+
+def _holds_its_share(held: int, fair: float) -> bool:
+    return bool(held) and held >= math.floor(fair)
 
 
 def seat_for_waiting(waiting: Iterable[Sequence], running: Seq[Sequence],
@@ -40,14 +116,10 @@ def seat_for_waiting(waiting: Iterable[Sequence], running: Seq[Sequence],
     seat for, and that victim; else None. Outside the DRR turn: a tenant below its share is the one whose turn
     would keep it waiting for seats a flood holds."""
     waiting = list(waiting)
-    shares = {s.request.tenant: s.request.share for s in [*running, *waiting]}
-    if len(shares) < 2:
+    got = seat_counts(running, waiting, max_num_seqs)
+    if got is None:
         return None
-    counts: dict[str, int] = {}
-    for s in running:
-        counts[s.request.tenant] = counts.get(s.request.tenant, 0) + 1
-    total = sum(shares.values())
-    fair = {t: max_num_seqs * w / total for t, w in shares.items()}
+    counts, fair = got
     tried: set[str] = set()
     for seq in waiting:
         t = seq.request.tenant
@@ -67,7 +139,7 @@ def seat_victim(seq: Sequence, running: Seq[Sequence], counts: dict[str, int],
     held = counts.get(mine, 0)
     if seq.num_preemptions:
         return None
-    if held and held >= math.floor(fair[mine]):
+    if _holds_its_share(held, fair[mine]):
         return None
     batch = {s.request.tenant: s.request.batch for s in running}
     candidates: list[str] = []
