@@ -16,6 +16,10 @@ end. Ratios against the issue's targets are in the JSON. A peer that does not st
 
     .venv/bin/python benchmarks/int8_serving.py --model PATH.gguf [--levels 1,16] [--output-tokens 32]
         [--kv-cache-memory 1GiB] [--kv-cache-dtype auto] [--llama-cpp DIR] [--vllm VENV] [--out FILE]
+        [--temperature 0.9] [--rows default,speculation-off,llama-server]
+
+Greedy by default; `--temperature` samples (seed 1 per request, every server alike): greedy repetition is what
+n-gram drafts predict best, so the default row's c=1 is also given with `--speculation off` (row speculation-off).
 """
 
 from __future__ import annotations
@@ -88,7 +92,8 @@ def start_row(name: str, a: argparse.Namespace, gguf: str, res: dict) -> tuple[s
                    startup_timeout=a.vllm_startup_s)
         res["servers"][name] = srv.settings
         return srv.url, srv.pid, srv.stop
-    flags = [] if name == "default" else ["--numerics", name, "--kv-cache-dtype", a.kv_cache_dtype]
+    flags = ([] if name == "default" else ["--speculation", "off"] if name == "speculation-off"
+             else ["--numerics", name, "--kv-cache-dtype", a.kv_cache_dtype])
     sp = ServerProcess(gguf, *flags, "--kv-cache-memory", a.kv_cache_memory, "--max-num-seqs", "64",
                        "--max-queue", "512", threads=a.threads)
     res["servers"][name] = {"command": " ".join(sp.argv), "fingerprint":
@@ -106,12 +111,15 @@ def main() -> int:
                    help="how long vLLM may take to answer /health (its warm-up compiles and runs a full batch)")
     p.add_argument("--levels", default="1,64")
     p.add_argument("--output-tokens", type=int, default=64)
-    p.add_argument("--long-prompt", type=int, default=1000)
+    p.add_argument("--long-prompt", type=int, default=1000, help="0: no long-prompt TTFT")
     p.add_argument("--kv-cache-memory", default="1GiB")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--kv-cache-dtype", default="auto", help="steadyserve's rows: --kv-cache-dtype (auto | fp32 | f16 | bf16 | q8_0)")
     p.add_argument("--rows", default="default,portable,llama-server,llama-server --no-repack",
-                   help="default (steadyserve's default flags), int8, portable, llama-server, llama-server --no-repack")
+                   help="default (steadyserve's default flags), speculation-off (default flags and --speculation off), "
+                   "int8, portable, llama-server, llama-server --no-repack")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0: greedy; above: sampled text at that temperature, seed 1 per request (every server)")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args()
     gguf = a.model or default_model_path()
@@ -121,9 +129,11 @@ def main() -> int:
                  "cpus": os.cpu_count(), "gguf": Path(gguf).name, "gguf_bytes": Path(gguf).stat().st_size,
                  "threads": a.threads, "output_tokens": a.output_tokens, "kv_cache": a.kv_cache_memory, "kv_cache_dtype": a.kv_cache_dtype,
                  "command": " ".join([".venv/bin/python benchmarks/int8_serving.py", *sys.argv[1:]]),
-                 "servers": {}, "levels": {}, "ttft_long_prompt_s": {}, "peak_rss_mib": {}}
+                 "servers": {}, "levels": {}, "ttft_long_prompt_s": {}, "peak_rss_mib": {},
+                 "sampling": "greedy" if not a.temperature else f"sampled (temperature {a.temperature}, seed 1)"}
+    body = {"temperature": a.temperature, "seed": 1} if a.temperature else None
     rows = [r.strip() for r in a.rows.split(",") if r.strip()]
-    ours = ("default", "int8", "portable")
+    ours = ("default", "speculation-off", "int8", "portable")
     main_row = "default" if "default" in rows else "int8"  # the row the targets are held to
     if a.vllm:
         rows.append("vllm")
@@ -147,7 +157,7 @@ def main() -> int:
                 bracket = name == main_row and c == min(levels)  # the bound this level is held to, at its moment
                 if bracket:
                     before = read_bandwidth_gb_s(a.threads)
-                r = bench(url, c, n, a.output_tokens, None, True)
+                r = bench(url, c, n, a.output_tokens, body, True)
                 if bracket:
                     res["read_bandwidth_around_c1_gb_s"] = [before, read_bandwidth_gb_s(a.threads)]
                 res["levels"].setdefault(str(c), {})[name] = r
@@ -155,6 +165,8 @@ def main() -> int:
                       file=sys.stderr)
             res["peak_rss_mib"][name] = peak_rss_mib(pid)["peak_rss_mib"]  # the serving configuration's
             model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+            if a.long_prompt <= 0:
+                continue
             if name.startswith("llama-server"):  # its 64 slots hold 256 tokens each: one slot of 4096 instead
                 stop()
                 srv = start_llama_server(a.llama_cpp, gguf, a.threads, repack="--no-repack" not in name, slots=1)
@@ -177,8 +189,9 @@ def main() -> int:
     for peer in [r for r in rows if r not in ours]:
         for c in (lo, hi):
             ratios[f"c{c} {m} / {peer}"] = tps(c, m) / tps(c, peer)
-        ratios[f"TTFT {a.long_prompt} {m} / {peer} (target <= 1)"] = (res["ttft_long_prompt_s"][m]
-                                                                      / res["ttft_long_prompt_s"][peer])
+        if a.long_prompt > 0:
+            ratios[f"TTFT {a.long_prompt} {m} / {peer} (target <= 1)"] = (res["ttft_long_prompt_s"][m]
+                                                                          / res["ttft_long_prompt_s"][peer])
     for other in [r for r in rows if r in ours and r != m]:
         for c in (lo, hi):
             ratios[f"c{c} {m} / {other}"] = tps(c, m) / tps(c, other)

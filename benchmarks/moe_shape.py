@@ -13,11 +13,17 @@ warm-up, as benchmarks/step_profile.py does: the mean step, its tokens/s, and pe
 embedding and sampling is not split out: the per-layer figure is the step over the layers, an upper bound).
 
     .venv/bin/python benchmarks/moe_shape.py [--layers 4] [--out DIR] [--decode 16] [--threads 2]
+        [--llama-cpp /tmp/llama/bin --json benchmarks/results/FILE.json]
+
+With `--llama-cpp`, llama-bench decodes the same file, and each rate is set against the read-bandwidth bound (the
+bytes a token reads: attention and shared weights, 8 of the 128 experts, the output layer; over torch.sum's
+read bandwidth measured right before and after it).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from peers import cpu_name
@@ -111,19 +117,85 @@ def decode_rate(path: Path, steps: int, threads: int, cache: Path) -> dict:
             "ms_per_layer_upper_bound": round(mean * 1e3 / lm.args.num_layers, 2)}
 
 
+def bytes_per_token(path: Path) -> int:
+    """Weight bytes one decoded token reads: every tensor but the experts and the embedding whole, `used` of
+    the `experts` experts of each stacked expert tensor, one row of the embedding (a KV cache of a few dozen
+    tokens is noise beside them). The bound on c=1 is the read bandwidth over this."""
+    from gguf import GGUFReader
+
+    r = GGUFReader(str(path))
+    total = 0
+    for t in r.tensors:
+        n = int(t.n_bytes)
+        if "_exps." in t.name:
+            n = n * SHAPE["used"] // SHAPE["experts"]
+        elif t.name == "token_embd.weight":
+            n //= SHAPE["vocab"]
+        total += n
+    return total
+
+
+def llama_bench_tg(bin_dir: Path, path: Path, threads: int, tokens: int = 32) -> dict:
+    """llama-bench's decode rate on the same file (`-p 0 -n tokens`, 5 repetitions), in tokens/s."""
+    import json
+    import subprocess
+
+    r = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(path), "-t", str(threads), "-p", "0", "-n",
+                        str(tokens), "-r", "5", "-o", "json"], capture_output=True, text=True, timeout=1800,
+                       check=True)
+    row = json.loads(r.stdout)[0]
+    return {"tok_s": round(row["avg_ts"], 2), "stddev": round(row["stddev_ts"], 2), "tokens": tokens}
+
+
+def bound(path: Path, decode: int, threads: int, cache: Path, llama_cpp: Path | None) -> dict:
+    """c=1 of steadyserve and of llama-bench on one file, each against the read-bandwidth bound measured right
+    before and after it (the host's bandwidth drifts), as the issue counts it."""
+    from gguf_serving import read_bandwidth_gb_s
+
+    per_token = bytes_per_token(path)
+    out: dict = {"file": path.name, "file_bytes": path.stat().st_size, "bytes_per_token": per_token}
+    runs = {"steadyserve": lambda: decode_rate(path, decode, threads, cache)}
+    if llama_cpp is not None:
+        runs["llama-bench"] = lambda: llama_bench_tg(llama_cpp, path, threads)
+    for name, run in runs.items():
+        before = read_bandwidth_gb_s(threads)
+        got = run()
+        after = read_bandwidth_gb_s(threads)
+        bw = (before + after) / 2
+        got.update({"read_bandwidth_gb_s": [round(before, 2), round(after, 2)],
+                    "bound_tok_s": round(bw * 1e9 / per_token, 2)})
+        got["of_bound"] = round(got["tok_s"] / got["bound_tok_s"], 3)
+        out[name] = got
+    if llama_cpp is not None:
+        out["steadyserve / llama-bench"] = round(out["steadyserve"]["tok_s"] / out["llama-bench"]["tok_s"], 3)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--out", type=Path, default=Path.home() / ".cache" / "steadyserve" / "bench-models")
     p.add_argument("--decode", type=int, default=0, help="time this many c=1 decode steps (0: only write the file)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--llama-cpp", type=Path, default=None,
+                   help="with --decode: llama.cpp's bin/ (benchmarks/build_llama_cpp.sh): llama-bench on the same "
+                   "file, both against the read-bandwidth bound (--json then names the results file)")
+    p.add_argument("--json", type=Path, default=None)
     a = p.parse_args()
     path = write(a.layers, a.out)
     print(path)
     if a.decode:
+        import datetime
         import json
+        import os
 
-        print(json.dumps(decode_rate(path, a.decode, a.threads, a.out / "cache"), indent=1))
+        got = bound(path, a.decode, a.threads, a.out / "cache", a.llama_cpp)
+        got.update({"cpu": cpu_name(), "threads": a.threads, "load_before": os.getloadavg(),
+                    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
+                    "sampling": "greedy", "command": "benchmarks/moe_shape.py " + " ".join(sys.argv[1:])})
+        print(json.dumps(got, indent=1))
+        if a.json:
+            a.json.write_text(json.dumps(got, indent=2) + "\n")
 
 
 if __name__ == "__main__":
