@@ -172,8 +172,8 @@ def test_sharing_ends_a_window_after_the_last_request_of_the_other_tenant() -> N
 def test_a_light_tenants_prompt_shares_its_step_with_no_other_tenants_prompt() -> None:
     """Seats free as A's streams end, A's prompts waiting, B's request arrives: the step that computes B's prompt
     has A's decode rows in it but none of A's prompts (they go in the steps after) while A holds its share of the
-    seats, so B's first token waits for a step of decode rows and its own prompt. (Without the rule, A's one prompt of that step, admitted on its turn,
-    runs beside B's: the assertion fails.)"""
+    seats, so B's first token waits for a step of decode rows and its own prompt. (Without the rule, A's one prompt
+    of that step, admitted on its turn, runs beside B's: the assertion fails.)"""
     sched = Scheduler(BlockManager(8192, 16), max_num_seqs=8, max_num_batched_tokens=512)
     sched.add(req("B", 2))
     for _ in range(9):  # B's first request done; A's streams in lockstep, the last step ended all 8

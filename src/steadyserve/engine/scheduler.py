@@ -27,13 +27,13 @@ sequences leave the batch.
 from __future__ import annotations
 
 import time
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
 from .block_manager import BlockManager
 from .fair_share import FairShare, split_step
-from .seating import Sharing, light_tenants, prompt_limits, seat_for_waiting
+from .seating import Sharing, seat_for_waiting
 from .sequence import RequestOutput, Sequence, SequenceStatus
 from .speculation import Speculator
 
@@ -215,26 +215,15 @@ class Scheduler:
         # 1. Running sequences, oldest first. Preempt from the newest end when out of blocks.
         running = list(self.running)
         caps = self._prefill_caps(budget)  # tenant -> prompt tokens it may compute this step; None: no sharing
-        # While tenants share the server (seating.Sharing): a step computes at most `prompt_limit` prompts of each
-        # tenant (`prompting` counts those planned), and one with a prompt of a tenant below its share of the
-        # seats (`light`) none of the others'. Without sharing, neither limits anything.
-        sharing = self.sharing.active()
-        light = light_tenants(self.running, self.waiting, self.max_num_seqs) if sharing else set()
-        limit = prompt_limits(self.sharing.weights(), self.max_num_seqs) if sharing else {}
-        prompting: Counter[str] = Counter()
-
-        def at_limit(tenant: str) -> bool:
-            return prompting[tenant] >= limit.get(tenant, 1)
-
+        # While tenants share the server, the prompts each may start in this step (seating.StepPrompts); None: any.
+        prompts = self.sharing.step(self.running, self.waiting, self.max_num_seqs)
         for pos, seq in enumerate(running):
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            if sharing and seq.num_uncomputed_tokens > 1:
-                if at_limit(seq.request.tenant):
-                    continue  # its tenant's prompts of this step are planned: this one goes on next step
-                prompting[seq.request.tenant] += 1
+            if prompts is not None and seq.num_uncomputed_tokens > 1 and not prompts.start(seq.request.tenant):
+                continue  # its tenant's prompts of this step are planned: this one goes on next step
             n = min(seq.num_uncomputed_tokens, budget)
             if caps is not None and seq.num_uncomputed_tokens > 1:  # a prompt chunk (decode rows stay out of it)
                 n = min(n, caps[seq.request.tenant])
@@ -258,7 +247,6 @@ class Scheduler:
             budget -= n
         # 2. Admit waiting sequences while budget, seats and blocks last: first come first served within a
         # tenant, tenants by weight (fair_share.py).
-        light_step = False  # a light tenant's prompt is planned: no other tenant's prompt joins this step
         while self.waiting and budget > 0 and not out.preempted:
             if len(self.running) >= self.max_num_seqs:
                 found = seat_for_waiting(self.waiting, self.running, self.max_num_seqs)
@@ -274,20 +262,16 @@ class Scheduler:
             else:
                 seq = self.fair_share.pick(self.waiting)
                 assert seq is not None
-                t = seq.request.tenant
-                if sharing and (at_limit(t) or light_step and t not in light):
+                if prompts is not None and not prompts.start(seq.request.tenant):
                     # Its tenant's prompts for this step are planned (or a light one's step): a light tenant's
                     # waiting prompt may still come in ahead of the turn, or nobody.
-                    seq = next((s for s in self.waiting if s.request.tenant in light
-                                and not at_limit(s.request.tenant)), None)
+                    seq = next((s for s in self.waiting if prompts.start_light(s.request.tenant)), None)
                     if seq is None:
                         break
-                if sharing and seq.request.tenant in light and not light_step:
+                if prompts is not None and prompts.opens_light_step(seq.request.tenant):
                     # A light tenant's prompt, e.g. its request arriving with a flood's seats freeing: its first
                     # token waits for the batch's decode rows only, not for the flood's prompts, which go next step.
-                    budget += self._unplan_prompts(out, light)
-                    light_step = True
-                prompting[seq.request.tenant] += 1
+                    budget += self._unplan_prompts(out, prompts.light)
             hits = self.block_manager.match_prefix(seq)
             if self._twin_in_prefill(seq, len(hits)):
                 break  # wait for the twin's blocks rather than compute them twice
@@ -308,12 +292,7 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
         if caps is not None and budget > 0 and not out.preempted:
-            def may_start(tenant: str) -> bool:  # the step-2 rules, for a running prompt not planned yet
-                if at_limit(tenant) or light_step and tenant not in light:
-                    return False
-                prompting[tenant] += 1
-                return True
-            self._top_up(out, budget, may_start if sharing else None)
+            self._top_up(out, budget, None if prompts is None else prompts.start)
         return out
 
     @staticmethod

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence as Seq
 
 from .sequence import Sequence
@@ -63,9 +65,41 @@ class Sharing:
         self._last = {t: seen for t, seen in self._last.items() if now - seen[0] <= self.window_s}
         return len(self._last) >= 2
 
-    def weights(self) -> dict[str, float]:
-        """The tenants sharing the server (as of the last `active()`), with their weights."""
-        return {t: share for t, (_, share) in self._last.items()}
+    def step(self, running: Seq[Sequence], waiting: Iterable[Sequence], max_num_seqs: int) -> StepPrompts | None:
+        """The prompt rules of the step being planned while tenants share the server; None when they do not."""
+        if not self.active():
+            return None
+        weights = {t: share for t, (_, share) in self._last.items()}
+        return StepPrompts(light_tenants(running, waiting, max_num_seqs), prompt_limits(weights, max_num_seqs))
+
+
+@dataclass
+class StepPrompts:
+    """Which prompts one step may compute while tenants share the server (Scheduler._schedule asks it)."""
+
+    light: set[str]  # tenants below their share of the seats at the step's start (light_tenants)
+    limit: dict[str, int]  # prompts a tenant may compute in the step (prompt_limits; 1 for one not listed)
+    started: Counter[str] = field(default_factory=Counter)  # prompts planned so far, by tenant
+    light_step: bool = False  # a light tenant's prompt is planned: no other tenant's prompt joins the step
+
+    def start(self, tenant: str) -> bool:
+        """Whether a prompt of `tenant` may join the step; counted if so."""
+        if self.started[tenant] >= self.limit.get(tenant, 1) or self.light_step and tenant not in self.light:
+            return False
+        self.started[tenant] += 1
+        return True
+
+    def start_light(self, tenant: str) -> bool:
+        """`start` for a light tenant only (one whose waiting prompt may come in ahead of the turn)."""
+        return tenant in self.light and self.start(tenant)
+
+    def opens_light_step(self, tenant: str) -> bool:
+        """Whether `tenant`'s prompt, just started, is the step's first light one: the other tenants' prompts then
+        leave the step (the caller takes them out of its plan)."""
+        if tenant in self.light and not self.light_step:
+            self.light_step = True
+            return True
+        return False
 
 
 def seat_counts(running: Seq[Sequence], waiting: Iterable[Sequence],
