@@ -371,3 +371,28 @@ def test_a_server_answers_with_the_moe_gguf(tiny):
     choice = body["choices"][0]
     assert choice["finish_reason"] == "length" and len(choice["logprobs"]["tokens"]) == 8
     assert body["system_fingerprint"].endswith("-bi") and "-i" in body["system_fingerprint"]
+
+
+def test_a_lone_row_adds_its_experts_as_a_batch_does():
+    """moe_block on one row (a lone stream's decode step) against the same row among others: bitwise equal, with 4
+    of 8 experts per token so the order of the adds matters (by expert index, ascending; two terms, as the tiny
+    models' top-2, add the same either way). Row-wise float matmuls stand in for the path's. (A one-row shortcut
+    that adds its experts by rank instead fails it.)"""
+    g = torch.Generator().manual_seed(7)
+    hidden, width, e = 16, 8, 8
+    spec = moe.MoeSpec(num_experts=e, top_k=4, norm_topk_prob=True, expert_size=width)
+    w = moe.MoeWeights(router=torch.randn(e, hidden, generator=g),
+                       gate_up=[torch.randn(2 * width, hidden, generator=g) for _ in range(e)],
+                       down=[torch.randn(hidden, width, generator=g) for _ in range(e)])
+
+    def linear(v: torch.Tensor, m: torch.Tensor) -> torch.Tensor:  # each row alone, whatever the row count
+        return torch.stack([(r * m).sum(-1) for r in v])
+
+    def act(gu: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.silu(gu[:, :width]) * gu[:, width:]
+
+    x = torch.randn(5, hidden, generator=g)
+    batched = moe.moe_block(x, w, spec, linear, act, lambda fn, rows: fn(rows))
+    for i in range(5):
+        alone = moe.moe_block(x[i:i + 1], w, spec, linear, act, lambda fn, rows: fn(rows))
+        assert torch.equal(alone[0], batched[i]), i
