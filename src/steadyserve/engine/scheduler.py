@@ -70,8 +70,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         # Which waiting sequence goes next when several tenants wait (fair_share.py).
         self.fair_share = FairShare()
-        # Whether tenants share the server now: then a step holds one prompt at most of each tenant not below its
-        # share of the seats, and a light tenant's prompt none of theirs (seating.py).
+        # Whether tenants share the server now: then a step holds a few prompts at most of each tenant (by weight,
+        # seating.prompt_limits), and a light tenant's prompt none of the other tenants' (seating.py).
         self.sharing = Sharing()
         self.running: list[Sequence] = []
         self.num_preemptions = 0  # total, for metrics
