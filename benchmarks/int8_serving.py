@@ -165,15 +165,16 @@ def main() -> int:
                       file=sys.stderr)
             res["peak_rss_mib"][name] = peak_rss_mib(pid)["peak_rss_mib"]  # the serving configuration's
             model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
-            if a.long_prompt <= 0:
-                continue
-            if name.startswith("llama-server"):  # its 64 slots hold 256 tokens each: one slot of 4096 instead
-                stop()
-                srv = start_llama_server(a.llama_cpp, gguf, a.threads, repack="--no-repack" not in name, slots=1)
-                url, pid, stop = srv.url, srv.pid, srv.stop
-                res["servers"][name]["long_prompt_argv"] = srv.settings["argv"]
-            res["ttft_long_prompt_s"][name] = long_prompt_ttft(url, model, a.long_prompt, vocab)
-            print(f"  TTFT {a.long_prompt}-token prompt: {res['ttft_long_prompt_s'][name]:.2f} s", file=sys.stderr)
+            if a.long_prompt > 0:
+                if name.startswith("llama-server"):  # its 64 slots hold 256 tokens each: one slot of 4096 instead
+                    stop()
+                    srv = start_llama_server(a.llama_cpp, gguf, a.threads, repack="--no-repack" not in name,
+                                             slots=1)
+                    url, pid, stop = srv.url, srv.pid, srv.stop
+                    res["servers"][name]["long_prompt_argv"] = srv.settings["argv"]
+                res["ttft_long_prompt_s"][name] = long_prompt_ttft(url, model, a.long_prompt, vocab)
+                print(f"  TTFT {a.long_prompt}-token prompt: {res['ttft_long_prompt_s'][name]:.2f} s",
+                      file=sys.stderr)
         finally:
             stop()
         time.sleep(2)
