@@ -1,7 +1,9 @@
 """A keys-file reload during 64 open streams drops none of them (issue 61): a real server on 127.0.0.1.
 
 Two tenants, "stays" and "goes", open 32 streams each (the TEST-ONLY slow-request fault keeps each step of them
->= 64 x 5 ms, so a 12-token stream lasts seconds on any CPU). Once every stream has its first token, the keys file
+>= 64 x 5 ms, so a 12-token stream lasts seconds on any CPU). Two tenants share the server, so a step starts at
+most a quarter of the 64 seats' prompts, 8 of each tenant (engine/seating.py prompt_limits): every stream has its
+first token by the 4th step of prompts, and the first streams end 12 steps after theirs, a margin of 8 steps. Once every stream has its first token, the keys file
 loses "goes" and the server gets SIGHUP: a new request with that key is 401 while all 64 are still open, and every
 one of them then ends with its finish reason and [DONE].
 """
