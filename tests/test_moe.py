@@ -27,6 +27,7 @@ from steadyserve.kernels.quant import QMatrix, QWeight
 from steadyserve.memory import tensor_bytes
 from steadyserve.models import gguf_config, moe, registry
 from steadyserve.models.loader import LoadError, load_model
+from steadyserve.models.native_forward import build_native_layers
 from steadyserve.testing import build_tiny_model
 from steadyserve.testing.drift import install_batch_drift
 from steadyserve.testing.gguf_layout import layout, patch
@@ -235,6 +236,17 @@ def _mlp_out(model, lw, x: torch.Tensor) -> torch.Tensor:
     return model._out_mlp(lw, x, torch.zeros(x.shape[0], s.num_heads, s.head_dim))
 
 
+def _one_call_block(model, i: int, x: torch.Tensor) -> torch.Tensor:
+    """Layer i's sparse block on rows x (T, hidden) as the one-call layers run it (kernels/csrc/moe.cpp), built from
+    the model's weights as they are now; its input normed as _out_mlp norms it."""
+    lw = model.layers[i]
+    return build_native_layers(model).sparse_block(i, model._norm(x, lw.post_norm))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
 _ROUTE = moe.route
 
 
@@ -278,20 +290,90 @@ def test_a_router_tie_goes_to_the_lower_index(paths, numerics, routing, monkeypa
     saved = dataclasses.replace(lw.moe, gate_up=list(lw.moe.gate_up), down=list(lw.moe.down))
     if routing == "broken":
         monkeypatch.setattr(moe, "route", _high_index_route)
+    # The per-op block, and on the native paths the one-call layers' (whose routing is moe.cpp's, not moe.route)
+    paths = [lambda: _mlp_out(model, lw, x)] + ([lambda: _one_call_block(model, 0, x)] if model.native else [])
     try:
         lw.moe.router = QMatrix([QWeight.from_tensor(rows)]) if model.native else rows
-        base = _mlp_out(model, lw, x)
+        base = [run() for run in paths]
         lw.moe.gate_up[5], lw.moe.down[5] = saved.gate_up[6], saved.down[6]
-        five_changed = _mlp_out(model, lw, x)
+        five_changed = [run() for run in paths]
         lw.moe.gate_up[3], lw.moe.down[3] = saved.gate_up[6], saved.down[6]
-        three_changed = _mlp_out(model, lw, x)
+        three_changed = [run() for run in paths]
     finally:
         lw.moe = saved
-    assert not torch.equal(base, three_changed)  # expert 3 is used: the construction has teeth
-    if routing == "lower-index":
-        assert torch.equal(base, five_changed)
-    else:
-        assert not torch.equal(base, five_changed)
+    for path, (b, five, three) in enumerate(zip(base, five_changed, three_changed)):
+        assert not torch.equal(b, three), path  # expert 3 is used: the construction has teeth
+        if routing == "lower-index" or path == 1:  # the broken routing is moe.py's: the one call keeps its own
+            assert torch.equal(b, five), path
+        else:
+            assert not torch.equal(b, five)
+
+
+def _tie_logits() -> torch.Tensor:
+    """Router logits (T, 128) with every case the routing must decide as moe.py does: random rows, rows of many
+    exact ties (a few distinct values), a constant row, -inf entries, a row with a NaN, a row all NaN, and rows far
+    below and above the exp's domain after the max is taken."""
+    g = torch.Generator().manual_seed(11)
+    rand = torch.randn(200, 128, generator=g) * 4
+    ties = torch.randint(0, 3, (40, 128), generator=g).float()
+    special = torch.randn(6, 128, generator=g)
+    special[0] = 0.25
+    special[1, ::3] = float("-inf")
+    special[2, 17] = float("nan")
+    special[3] = float("nan")
+    special[4, 5] = 200.0
+    special[5] *= 1e30
+    return torch.cat([rand, ties, special])
+
+
+@pytest.mark.parametrize("top_k,norm", [(8, True), (8, False), (1, True), (3, False), (128, True)])
+def test_the_one_call_routing_is_moe_py_routing(top_k, norm):
+    """steadyserve::moe_route (what the one-call layers route with) gives moe.route's weights and experts bit for
+    bit, on every row _tie_logits makes, alone or among the others, at 1 and at 2 threads."""
+    logits = _tie_logits()
+    spec = moe.MoeSpec(num_experts=128, top_k=top_k, norm_topk_prob=norm, expert_size=32)
+    w_ref, e_ref = moe.route(logits, spec)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            w, e = torch.ops.steadyserve.moe_route(logits, top_k, norm)
+            assert torch.equal(e, e_ref) and torch.equal(_bits(w), _bits(w_ref)), n
+            for i in (0, 200, 240, 243, 245):
+                w1, e1 = torch.ops.steadyserve.moe_route(logits[i:i + 1].contiguous(), top_k, norm)
+                assert torch.equal(e1[0], e_ref[i]) and torch.equal(_bits(w1[0]), _bits(w_ref[i])), i
+    finally:
+        torch.set_num_threads(threads)
+    assert all(logits[i].unique().numel() <= 3 for i in range(200, 240))  # the tie rows do tie
+
+
+def test_the_one_call_routing_refuses_a_bad_top_k():
+    with pytest.raises(RuntimeError, match=r"moe_route: top_k = 9 is not in \[1, E = 8\]"):
+        torch.ops.steadyserve.moe_route(torch.zeros(2, 8), 9, True)
+
+
+@pytest.mark.parametrize("numerics", ["portable", "int8"])
+def test_the_one_call_block_is_the_per_op_block(paths, numerics):
+    """Both sparse layers through NativeLayers.sparse_block against moe.moe_block on the same normed rows: the same
+    bits for 1 row and for 70 rows (experts' groups of every size)."""
+    model = paths[numerics]
+    layers = build_native_layers(model)
+    x = torch.randn(70, model.args.hidden_size, generator=torch.Generator().manual_seed(8))
+    for i, lw in enumerate(model.layers):
+        pre = model._norm(x, lw.post_norm)
+        ref = moe.moe_block(pre, lw.moe, model.spec.moe, lambda v, w: model._linear(v, w, None), model._gated_act,
+                            model.expert_tiler)
+        assert torch.equal(_bits(layers.sparse_block(i, pre)), _bits(ref)), i
+        assert torch.equal(_bits(layers.sparse_block(i, pre[3:4])), _bits(ref[3:4])), i
+
+
+def test_the_one_call_layers_match_the_per_op_path_on_the_int8_gguf(tiny):
+    """Prefill and decode, chunked and whole, 1 and 2 threads: the served logprobs, tokens and KV cache of the
+    tiny GGUF on its default (int8) path are the per-op path's (test_native_forward's check; its dropped-feature
+    tests catch a changed routing there)."""
+    from test_native_forward import _check_bitwise
+
+    _check_bitwise(tiny["gguf"])
 
 
 @pytest.mark.parametrize("numerics", ["portable", "int8"])

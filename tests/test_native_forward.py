@@ -25,6 +25,7 @@ from steadyserve.engine.engine import LLMEngine
 from steadyserve.engine.offline import run_requests
 from steadyserve.engine.sequence import Request, SamplingParams
 from steadyserve.models import load_model
+from steadyserve.models.moe import MoeSpec
 from steadyserve.models.native_forward import build_native_layers
 from steadyserve.testing import build_tiny_model
 
@@ -113,6 +114,8 @@ ARCH_FEATURES = {
     "olmo2": "no pre-norms, output norms, q/k norm over all heads at once",
     "smollm3": "the 4th layer without RoPE",
     "granite": "residual multiplier 0.5, attention multiplier 0.2 as the score scale",
+    "qwen3moe": "sparse blocks on every layer: router, top-2 of 8 experts renormalized, experts grouped",
+    "qwen3moe-mixed": "a dense layer, then a sparse one: top-3 of 4 experts, not renormalized",
 }
 
 
@@ -151,6 +154,11 @@ DROPPED = {
     "gemma2-no-softcap": ("gemma2", {"attn_softcap": 0.0}),
     "granite-no-residual-scale": ("granite", {"residual_scale": 1.0}),
     "granite-default-score-scale": ("granite", {"attn_scale": 16 ** -0.5}),
+    "qwen3moe-top-1": ("qwen3moe", {"moe": MoeSpec(num_experts=8, top_k=1, norm_topk_prob=True, expert_size=32)}),
+    "qwen3moe-no-renormalization": ("qwen3moe", {"moe": MoeSpec(num_experts=8, top_k=2, norm_topk_prob=False,
+                                                                expert_size=32)}),
+    "qwen3moe-mixed-renormalized": ("qwen3moe-mixed", {"moe": MoeSpec(num_experts=4, top_k=3, norm_topk_prob=True,
+                                                                      expert_size=32)}),
 }
 
 

@@ -16,11 +16,11 @@ What is not in the spec, and why:
 * What happens before the first layer and after the last (the embedding scale, logit soft-cap and divisor,
   the final norm): model-level, in Transformer and ExtendedTransformer, shared by both layer paths.
 
-Every architecture's spec but a sparse MoE one (Qwen3-MoE: moe.py, per op) runs natively today: each feature is a
-kernel the per-op path also calls through its torch op (qrms_norm for every norm including q/k, qsilu_mul and
-qgelu_tanh_mul, rope_, paged_attention with its window and soft-cap), or one exact IEEE operation per element (the
-residual multiplier, adds, copies), so the native call gives the per-op path's bits (tests/test_native_forward.py,
-per architecture).
+Every architecture's spec runs natively today: each feature is a kernel the per-op path also calls through its torch
+op (qrms_norm for every norm including q/k, qsilu_mul and qgelu_tanh_mul, rope_, paged_attention with its window and
+soft-cap), one exact IEEE operation per element (the residual multiplier, adds, copies), or, for a sparse MoE block,
+moe.py's routing and expert groups written op for op in kernels/csrc/moe.cpp, so the native call gives the per-op
+path's bits (tests/test_native_forward.py, per architecture).
 The host numerics path (PyTorch's ops: F.gelu, F.silu, rms_norm) has no native counterpart by design and
 always runs per op.
 """
@@ -102,5 +102,5 @@ def native_supports(spec: LayerSpec) -> bool:
     """Whether NativeLayers computes `spec`'s layers with the per-op path's bits: the one place that decides
     which layer path a model's spec may take (the numerics path and the attention kernel decide the rest,
     native_forward.build_native_layers). A feature joins only with its bitwise test."""
-    # Sparse MoE blocks run per op (moe.py: the routing and the expert groups are Python around the same kernels)
-    return spec.activation in NATIVE_ACTIVATIONS and spec.qk_norm in NATIVE_QK_NORMS and not any(spec.moe_layers)
+    # Sparse blocks: kernels/csrc/moe.cpp, moe.py's routing and expert groups op for op
+    return spec.activation in NATIVE_ACTIVATIONS and spec.qk_norm in NATIVE_QK_NORMS

@@ -37,15 +37,23 @@ def build_native_layers(model: Any, spec: LayerSpec | None = None) -> Any | None
     kinds = list(model.rope)  # the order Transformer.forward passes the tables in
     empty = torch.empty(0)
     for i, lw in enumerate(model.layers):
-        mats = (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down)
-        assert all(isinstance(m, QMatrix) for m in mats)
-        parts = [p for m in mats for p in m.parts]  # type: ignore[union-attr]
+        mats = [lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down]  # a sparse layer has no gate|up or down
         pre, qk, post = spec.pre_norm, spec.qk_norm != "none", spec.post_norms
         norms = (lw.input_norm if pre else None, lw.post_norm if pre else None, lw.q_norm if qk else None,
                  lw.k_norm if qk else None, lw.attn_out_norm if post else None, lw.mlp_out_norm if post else None)
         rope = spec.rope[i]
-        layers.add_layer([n if n is not None else empty for n in norms], [p.data for p in parts],
-                         [p.fmt for p in parts], [len(m.parts) for m in mats],  # type: ignore[union-attr]
+        layers.add_layer([n if n is not None else empty for n in norms], *_parts(mats),
                          [b if b is not None else empty for b in (lw.bqkv, lw.bo, lw.b_gate_up, lw.b_down)],
                          int(spec.windows[i]), kinds.index(rope) if rope is not None else -1)
+        if lw.moe is not None and spec.moe is not None:
+            layers.add_experts(spec.moe.top_k, spec.moe.norm_topk_prob, spec.moe.expert_size,
+                               *_parts(lw.moe.matrices()))
     return layers
+
+
+def _parts(mats: list[Any]) -> tuple[list[torch.Tensor], list[int], list[int]]:
+    """NativeLayers' flat form of matrices (QMatrix, or None for one it does not have): every part's data and
+    format id, and how many parts each matrix has."""
+    assert all(m is None or isinstance(m, QMatrix) for m in mats)
+    parts = [p for m in mats if m is not None for p in m.parts]
+    return [p.data for p in parts], [p.fmt for p in parts], [len(m.parts) if m is not None else 0 for m in mats]

@@ -52,6 +52,10 @@ TORCH_LIBRARY(steadyserve, m) {
         "Tensor slot_offsets) -> ()");
   STEADY_IMPL("kv_write", kv_write);
 
+  // A sparse block's routing (the one NativeLayers runs), for its tests against models/moe.py's.
+  m.def("moe_route(Tensor logits, int top_k, bool norm_topk_prob) -> (Tensor, Tensor)");
+  STEADY_IMPL("moe_route", moe_route);
+
   // The decoder layers in one native call.
   register_native_layers(m);
 }

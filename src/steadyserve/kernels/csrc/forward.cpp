@@ -26,26 +26,25 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "fp_env.h"
+#include "matrix.h"
+#include "moe.h"
 #include "ops.h"
 
 namespace {
+
+using steady_layers::Experts;
+using steady_layers::Matrix;
+using steady_layers::linear_into;
 
 // Rows per pass through the MLP. A prefill of 2048 tokens would otherwise hold (2048, 2 I) and (2048, I)
 // float32 temporaries at once (37 MiB for SmolLM2), the largest of the step; slices bound them. Every kernel
 // here computes a row the same way whatever the number of rows in the call (the matmul family's contract,
 // tests/test_qmm.py), so slicing changes memory and never a bit.
 constexpr int64_t kMlpRows = 128;
-
-// One weight matrix, stacked by rows from parts that may each have their own stored format.
-struct Matrix {
-  std::vector<at::Tensor> parts;  // (N_i, row_bytes) uint8, GGML blocks
-  std::vector<int64_t> fmts;      // GGML type of each part
-  int64_t n = 0;                  // rows in all: the output width
-  at::Tensor bias;                // (n,) float32, or undefined
-};
 
 // Norms are undefined where the spec has none (OLMo 2's pre-norms, Llama's q/k and output norms).
 struct Layer {
@@ -56,20 +55,10 @@ struct Layer {
   Matrix wo;                               // (hidden, H D)
   Matrix w_gate_up;                        // (2 I, hidden)
   Matrix w_down;                           // (hidden, I)
+  std::unique_ptr<Experts> experts;        // a sparse layer's router and experts (moe.h), in place of the MLP
   int64_t window = 0;                      // sliding window in tokens, 0 for none (paged_attention's mask)
   int64_t rope = 0;                        // index of its cos/sin table in forward's lists; -1: no RoPE
 };
-
-// y = x · Wᵀ (+ b), as QMatrix.__call__ and Transformer._linear compute it: parts left to right into
-// one output, then the bias added elementwise. y: (M, n) with unit column stride.
-void linear_into(const Matrix& w, const at::Tensor& x, at::Tensor& y) {
-  int64_t col = 0;
-  for (size_t i = 0; i < w.parts.size(); ++i) {
-    steady_ops::qmatmul_(x, w.parts[i], w.fmts[i], y, col, -1);
-    col += w.parts[i].size(0);
-  }
-  if (w.bias.defined()) y.add_(w.bias);
-}
 
 // The first `rows` rows of a flat buffer as a contiguous (rows, width) matrix.
 at::Tensor rows_of(const at::Tensor& flat, int64_t rows, int64_t width) {
@@ -116,12 +105,7 @@ class NativeLayers : public torch::CustomClassHolder {
     Matrix* mats[4] = {&layer.wqkv, &layer.wo, &layer.w_gate_up, &layer.w_down};
     size_t next = 0;
     for (int m = 0; m < 4; ++m) {
-      for (int64_t i = 0; i < parts_per_matrix[m]; ++i, ++next) {
-        TORCH_CHECK(next < parts.size(), "NativeLayers.add_layer: fewer parts than parts_per_matrix says");
-        mats[m]->parts.push_back(parts[next]);
-        mats[m]->fmts.push_back(fmts[next]);
-        mats[m]->n += parts[next].size(0);
-      }
+      next = steady_layers::take_parts(*mats[m], parts, fmts, next, parts_per_matrix[m], "NativeLayers.add_layer");
       if (biases[m].numel() > 0) {
         TORCH_CHECK(biases[m].numel() == mats[m]->n, "NativeLayers.add_layer: a bias does not match its matrix");
         mats[m]->bias = biases[m].contiguous();
@@ -133,7 +117,52 @@ class NativeLayers : public torch::CustomClassHolder {
     layers_.push_back(std::move(layer));
   }
 
+  // The last added layer becomes sparse (models/moe.py): its MLP matrices must have been given no parts. parts and
+  // fmts: the router's, then each expert's gate|up, then each expert's down, parts_per_matrix giving how many
+  // each of those 1 + 2 E matrices has.
+  void add_experts(int64_t top_k, bool norm_topk_prob, int64_t width, std::vector<at::Tensor> parts,
+                   std::vector<int64_t> fmts, std::vector<int64_t> parts_per_matrix) {
+    TORCH_CHECK(!layers_.empty(), "NativeLayers.add_experts: no layer to add them to");
+    Layer& layer = layers_.back();
+    TORCH_CHECK(layer.w_gate_up.n == 0 && layer.w_down.n == 0 && !layer.experts,
+                "NativeLayers.add_experts: the layer already has an MLP");
+    TORCH_CHECK(parts_per_matrix.size() % 2 == 1 && parts_per_matrix.size() >= 3 && parts.size() == fmts.size(),
+                "NativeLayers.add_experts: a router and E >= 1 gate|up and down matrices");
+    const size_t E = parts_per_matrix.size() / 2;
+    auto ex = std::make_unique<Experts>();
+    ex->top_k = top_k;
+    ex->norm_topk = norm_topk_prob;
+    ex->width = width;
+    ex->gate_up.resize(E);
+    ex->down.resize(E);
+    const char* who = "NativeLayers.add_experts";
+    size_t next = steady_layers::take_parts(ex->router, parts, fmts, 0, parts_per_matrix[0], who);
+    for (size_t e = 0; e < E; ++e) next = steady_layers::take_parts(ex->gate_up[e], parts, fmts, next, parts_per_matrix[1 + e], who);
+    for (size_t e = 0; e < E; ++e) next = steady_layers::take_parts(ex->down[e], parts, fmts, next, parts_per_matrix[1 + E + e], who);
+    TORCH_CHECK(next == parts.size(), who, ": more parts than parts_per_matrix says");
+    TORCH_CHECK(ex->router.n == int64_t(E) && top_k >= 1 && top_k <= int64_t(E), who, ": the router has ",
+                ex->router.n, " rows for ", E, " experts, top_k ", top_k);
+    for (size_t e = 0; e < E; ++e) {
+      TORCH_CHECK(ex->gate_up[e].n == 2 * width && ex->down[e].n == ex->down[0].n, who, ": expert ", e,
+                  " has gate|up of ", ex->gate_up[e].n, " rows for width ", width);
+    }
+    layer.experts = std::move(ex);
+  }
+
   int64_t num_layers() const { return int64_t(layers_.size()); }
+
+  // Layer i's sparse block alone on normed rows x (T, hidden) -> (T, hidden), as forward runs it (the tests set it
+  // against models/moe.py's moe_block).
+  at::Tensor sparse_block(int64_t i, at::Tensor x) const {
+    const steady_fp::Scope fp;
+    TORCH_CHECK(i >= 0 && i < num_layers() && layers_[size_t(i)].experts, "NativeLayers.sparse_block: layer ", i,
+                " is not sparse");
+    TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "NativeLayers.sparse_block: x must be (T, hidden) float32");
+    x = x.contiguous();
+    at::Tensor out = at::empty({x.size(0), layers_[size_t(i)].experts->down[0].n}, x.options());
+    steady_layers::sparse_block_into(*layers_[size_t(i)].experts, x, gelu_, out);
+    return out;
+  }
 
   // Runs every layer over the step's rows; fills the KV cache; returns the hidden states (T, hidden)
   // before the final norm, as Transformer.forward's loop leaves them. cos[i], sin[i]: table i's rows.
@@ -181,6 +210,11 @@ class NativeLayers : public torch::CustomClassHolder {
       steady_ops::paged_attention(q, kc, vc, block_tables, seq_of, positions, attn, scale_, L.window, softcap_);
       linear_into(L.wo, attn.view({T, qd}), out);
       add_residual(x, out, L.attn_out_norm);
+      if (L.experts) {  // a sparse layer: router and experts over every row at once (an expert's group is larger)
+        steady_layers::sparse_block_into(*L.experts, pre_norm_ ? norm_into(x, L.post_norm, normed) : x, gelu_, out);
+        add_residual(x, out, L.mlp_out_norm);
+        continue;
+      }
       for (int64_t r0 = 0; r0 < T; r0 += kMlpRows) {  // a slice of rows at a time, each updated in place
         const int64_t n = std::min(kMlpRows, T - r0);
         at::Tensor rows = x.narrow(0, r0, n), normed_rows = normed.narrow(0, r0, n), down = out.narrow(0, r0, n);
@@ -235,7 +269,9 @@ void register_native_layers(torch::Library& m) {
   m.class_<NativeLayers>("NativeLayers")
       .def(torch::init<int64_t, int64_t, int64_t, double, double, double, bool, int64_t, bool, double>())
       .def("add_layer", &NativeLayers::add_layer)
+      .def("add_experts", &NativeLayers::add_experts)
       .def("num_layers", &NativeLayers::num_layers)
+      .def("sparse_block", &NativeLayers::sparse_block)
       .def("forward", &NativeLayers::forward);
 }
 }  // namespace steady_ops

@@ -54,6 +54,10 @@ void kv_write_rows(at::Tensor& k_cache, at::Tensor& v_cache, const float* k, con
 at::Tensor kv_halves_to_floats(const at::Tensor& h, int64_t isa);
 at::Tensor kv_floats_to_halves(const at::Tensor& x, int64_t isa);
 
+// ---- moe.cpp ------------------------------------------------------------------------------------------------------
+// Router logits (T, E) float32 -> (weights (T, k) float32, experts (T, k) int64) by rank: models/moe.py's route.
+std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& logits, int64_t top_k, bool norm_topk_prob);
+
 // ---- forward.cpp --------------------------------------------------------------------------------------------------
 void register_native_layers(torch::Library& m);  // the NativeLayers class
 
