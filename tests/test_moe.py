@@ -353,15 +353,20 @@ def test_the_one_call_routing_refuses_a_bad_top_k():
 
 
 @pytest.mark.parametrize("numerics", ["portable", "int8"])
-def test_the_one_call_block_is_the_per_op_block(paths, numerics):
+@pytest.mark.parametrize("top_k", [2, 4])
+def test_the_one_call_block_is_the_per_op_block(paths, numerics, top_k):
     """Both sparse layers through NativeLayers.sparse_block against moe.moe_block on the same normed rows: the same
-    bits for 1 row and for 70 rows (experts' groups of every size)."""
+    bits for 1 row and for 300 rows (experts' groups of every size; at top-4, 1,200 pairs: two of moe.cpp's slices
+    of 1,024, one expert's rows cut between them). At top-4 (the model's 2 widened for both) a
+    token's terms add differently by rank than by expert index, so the order of the adds is checked too; on int8
+    the experts run grouped (matmul_packed_groups), on portable one at a time."""
     model = paths[numerics]
-    layers = build_native_layers(model)
-    x = torch.randn(70, model.args.hidden_size, generator=torch.Generator().manual_seed(8))
+    spec = dataclasses.replace(model.spec, moe=dataclasses.replace(model.spec.moe, top_k=top_k))
+    layers = build_native_layers(model, spec)
+    x = torch.randn(300, model.args.hidden_size, generator=torch.Generator().manual_seed(8))
     for i, lw in enumerate(model.layers):
         pre = model._norm(x, lw.post_norm)
-        ref = moe.moe_block(pre, lw.moe, model.spec.moe, lambda v, w: model._linear(v, w, None), model._gated_act,
+        ref = moe.moe_block(pre, lw.moe, spec.moe, lambda v, w: model._linear(v, w, None), model._gated_act,
                             model.expert_tiler)
         assert torch.equal(_bits(layers.sparse_block(i, pre)), _bits(ref)), i
         assert torch.equal(_bits(layers.sparse_block(i, pre[3:4])), _bits(ref[3:4])), i

@@ -12,6 +12,7 @@
 //   weights w_j = p of rank j; with norm_topk: w_j / fold(w_0 .. w_{k-1}), the same fold by rank
 //   experts for each expert in ascending index, its rows (ascending token) through gate|up, act(gate)·up, down;
 //           each output row times its weight (one rounding), then one add into the token's sum, which starts at +0
+//           (the pairs go in slices of kPairs, in that same order, so slicing moves no add)
 // A row's bits depend on its own logits and the kernels' per-row order only: never on which rows share a call.
 #include "moe.h"
 
@@ -25,6 +26,7 @@
 
 #include "fp_env.h"
 #include "ops.h"
+#include "q8.h"
 
 namespace {
 
@@ -125,40 +127,128 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& logits, int64_t t
 
 namespace steady_layers {
 
+namespace {
+
+// The packed format every expert's matrix has as its one part (gate|up joined: QMatrix.packed), or -1.
+int64_t one_packed_format(const std::vector<Matrix>& ms) {
+  const int64_t fmt = ms[0].fmts.size() == 1 ? ms[0].fmts[0] : -1;
+  for (const Matrix& m : ms) {
+    if (m.parts.size() != 1 || m.fmts[0] != fmt || m.bias.defined()) return -1;
+  }
+  return fmt >= steady_q8::kPacked ? fmt : -1;
+}
+
+// Pairs (token, expert) per pass: a long prompt's T k pairs go through the experts in slices of this many, whole
+// experts where they fit, so an expert's weights are read about once per prompt while the slice's buffers
+// (kPairs (2 hidden + 3 I) floats: 25 MiB at Qwen3-30B-A3B's widths) stay reused from call to call instead of
+// faulting in fresh pages for every layer.
+constexpr int64_t kPairs = 1024;
+
+// The calling thread's buffers for one slice of pairs, grown to the largest slice it has run.
+struct Slice {
+  std::vector<float> data;
+  float *xs = nullptr, *gu = nullptr, *act = nullptr, *ys = nullptr;  // (n, H), (n, 2I), (n, I), (n, H)
+};
+Slice& slice_buffers(int64_t n, int64_t H, int64_t I2) {
+  thread_local Slice s;
+  const size_t need = size_t(n * (2 * H + I2 + I2 / 2));
+  if (s.data.size() < need) s.data.resize(need);
+  s.xs = s.data.data();
+  s.gu = s.xs + n * H;
+  s.act = s.gu + n * I2;
+  s.ys = s.act + n * I2 / 2;
+  return s;
+}
+
+// The slice's pairs through their experts: rows tokens[0, n) of x (n = bounds.back()), pairs [bounds[g],
+// bounds[g + 1]) through expert group_experts[g]; returns their outputs (n, H), in the thread's Slice. The int8
+// path runs every expert of the slice in one call per matrix (matmul_packed_groups); otherwise one at a time.
+const float* experts_into(const Experts& w, const at::Tensor& x, bool gelu, const int64_t* tokens,
+                  const std::vector<int64_t>& group_experts, const std::vector<int64_t>& bounds) {
+  const int64_t n = bounds.back(), H = x.size(1), I2 = w.gate_up[0].n;
+  Slice& s = slice_buffers(n, H, I2);
+  const float* xp = x.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) std::memcpy(s.xs + i * H, xp + tokens[i] * x.stride(0), size_t(H) * sizeof(float));
+  const auto opts = x.options();
+  at::Tensor xs = at::from_blob(s.xs, {n, H}, opts), gu = at::from_blob(s.gu, {n, I2}, opts);
+  at::Tensor act = at::from_blob(s.act, {n, I2 / 2}, opts), ys = at::from_blob(s.ys, {n, H}, opts);
+  const int64_t fmt_gu = one_packed_format(w.gate_up), fmt_down = one_packed_format(w.down);
+  if (fmt_gu >= 0 && fmt_down >= 0) {
+    std::vector<at::Tensor> wg, wd;
+    for (int64_t e : group_experts) {
+      wg.push_back(w.gate_up[size_t(e)].parts[0]);
+      wd.push_back(w.down[size_t(e)].parts[0]);
+    }
+    steady_q8_ops::matmul_packed_groups(xs, wg, fmt_gu, bounds, gu);
+    steady_ops::gated_act_into(gu, -1, gelu, act);
+    steady_q8_ops::matmul_packed_groups(act, wd, fmt_down, bounds, ys);
+    return s.ys;
+  }
+  for (size_t g = 0; g < group_experts.size(); ++g) {
+    const int64_t a = bounds[g], count = bounds[g + 1] - a, e = group_experts[g];
+    at::Tensor gg = gu.narrow(0, a, count), aa = act.narrow(0, a, count), yy = ys.narrow(0, a, count);
+    linear_into(w.gate_up[size_t(e)], xs.narrow(0, a, count), gg);
+    steady_ops::gated_act_into(gg, -1, gelu, aa);
+    linear_into(w.down[size_t(e)], aa, yy);
+  }
+  return s.ys;
+}
+
+}  // namespace
+
 void sparse_block_into(const Experts& w, const at::Tensor& x, bool gelu, at::Tensor& out) {
-  const int64_t T = x.size(0), E = int64_t(w.gate_up.size()), k = w.top_k;
+  const int64_t T = x.size(0), H = x.size(1), E = int64_t(w.gate_up.size()), k = w.top_k;
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == T && out.size(1) == w.down[0].n && out.stride(1) == 1,
+              "sparse block: out must be (T, hidden) with unit column stride");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1, "sparse block: x must be (T, hidden) float32");
   at::Tensor logits = at::empty({T, w.router.n}, x.options());
   linear_into(w.router, x, logits);
   check_logits(logits, k);
   std::vector<float> weights(size_t(T * k));
   std::vector<int64_t> experts(size_t(T * k));
   route_rows(logits, k, w.norm_topk, weights.data(), experts.data());
-  // Each expert's (token, weight) pairs, tokens ascending: moe.py's stable argsort of the flat choices.
-  std::vector<std::vector<int64_t>> rows(static_cast<size_t>(E));
-  std::vector<std::vector<float>> scales(static_cast<size_t>(E));
+  // The (token, weight) pairs grouped by expert, ascending, tokens ascending inside a group: moe.py's stable
+  // argsort of the flat choices. starts[e]: expert e's first pair.
+  std::vector<int64_t> starts(size_t(E) + 1, 0);
+  for (int64_t i = 0; i < T * k; ++i) {
+    const int64_t e = experts[size_t(i)];
+    TORCH_CHECK(e >= 0 && e < E, "sparse block: expert ", e, " of ", E);
+    ++starts[size_t(e) + 1];
+  }
+  for (int64_t e = 0; e < E; ++e) starts[size_t(e) + 1] += starts[size_t(e)];
+  std::vector<int64_t> tokens(size_t(T * k)), next(starts.begin(), starts.end() - 1);
+  std::vector<float> scale(size_t(T * k));
   for (int64_t t = 0; t < T; ++t) {
     for (int64_t j = 0; j < k; ++j) {
-      const int64_t e = experts[size_t(t * k + j)];
-      TORCH_CHECK(e >= 0 && e < E, "sparse block: expert ", e, " of ", E);
-      rows[size_t(e)].push_back(t);
-      scales[size_t(e)].push_back(weights[size_t(t * k + j)]);
+      const int64_t p = next[size_t(experts[size_t(t * k + j)])]++;
+      tokens[size_t(p)] = t;
+      scale[size_t(p)] = weights[size_t(t * k + j)];
     }
   }
   out.zero_();
-  const auto opts = x.options();
-  for (int64_t e = 0; e < E; ++e) {  // ascending expert index: each token's terms are added in that order
-    const int64_t count = int64_t(rows[size_t(e)].size());
-    if (count == 0) continue;
-    at::Tensor index = at::from_blob(rows[size_t(e)].data(), {count}, opts.dtype(at::kLong));
-    at::Tensor scale = at::from_blob(scales[size_t(e)].data(), {count, 1}, opts);
-    at::Tensor xe = x.index_select(0, index);  // (count, hidden)
-    at::Tensor gu = at::empty({count, w.gate_up[size_t(e)].n}, opts);
-    linear_into(w.gate_up[size_t(e)], xe, gu);
-    at::Tensor act = at::empty({count, w.gate_up[size_t(e)].n / 2}, opts);
-    steady_ops::gated_act_into(gu, -1, gelu, act);
-    at::Tensor y = at::empty({count, w.down[size_t(e)].n}, opts);
-    linear_into(w.down[size_t(e)], act, y);
-    out.index_add_(0, index, y.mul_(scale));  // its weight, then one add per element
+  const int64_t P = T * k;
+  for (int64_t p0 = 0; p0 < P; p0 += kPairs) {  // in pair order, so each token's terms stay in expert order
+    const int64_t p1 = std::min(P, p0 + kPairs);
+    std::vector<int64_t> group_experts, bounds{0};  // the experts with pairs in [p0, p1), and where theirs start
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t a = std::max(p0, starts[size_t(e)]), b = std::min(p1, starts[size_t(e) + 1]);
+      if (a >= b) continue;
+      group_experts.push_back(e);
+      bounds.push_back(b - p0);
+    }
+    const float* yp = experts_into(w, x, gelu, tokens.data() + p0, group_experts, bounds);
+    // Each pair's term into its token, in pair order: weight * y rounded, then one add, per element (threads
+    // split the columns, never a token's chain)
+    float* op = out.data_ptr<float>();
+    const int64_t os = out.stride(0);
+    steady_fp::parallel_for(0, H, 256, [&](int64_t h0, int64_t h1) {
+      for (int64_t p = p0; p < p1; ++p) {
+        float* o = op + tokens[size_t(p)] * os;
+        const float* y = yp + (p - p0) * H;
+        const float s = scale[size_t(p)];
+        for (int64_t h = h0; h < h1; ++h) o[h] = o[h] + y[h] * s;
+      }
+    });
   }
 }
 

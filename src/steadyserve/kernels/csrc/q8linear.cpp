@@ -5,6 +5,8 @@
 //   q8_isa()                              the int8 build this CPU runs: 0 scalar, 1 AVX2, 2 AVX-512 VNNI, 3 AMX
 //   steady_q8_ops::matmul_packed          y[:, col0 : col0 + N] = x · Wᵀ; reached through qmatmul_ (qlinear.cpp)
 //                                         when its format id is kPacked + a GGML type
+//   steady_q8_ops::matmul_packed_groups   each group of rows of x times its own matrix (a sparse layer's experts,
+//                                         moe.cpp), in one parallel region: every row as matmul_packed computes it
 //
 // `isa` picks the build: -1 the best this CPU has (by CPUID), 0 scalar, 1 AVX2, 2 AVX-512 VNNI, 3 AMX; the tests
 // run every one the machine has and compare bits. Threads split panels of 16 output columns, never a sum.
@@ -13,6 +15,7 @@
 #include <torch/library.h>
 
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <string>
@@ -163,6 +166,45 @@ void matmul_packed(const at::Tensor& x, const at::Tensor& w, int64_t packed_fmt,
     a.p_begin = p0;
     a.p_end = p1;
     kBuilds[use].matmul(a);
+  });
+}
+
+void matmul_packed_groups(const at::Tensor& x, const std::vector<at::Tensor>& ws, int64_t packed_fmt,
+                          const std::vector<int64_t>& starts, at::Tensor& y) {
+  const int32_t fmt = int32_t(packed_fmt - kPacked);
+  PackedLayout lay;
+  TORCH_CHECK(packed_layout(fmt, &lay), "matmul_packed_groups: no int8 kernel for packed type ", packed_fmt);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "matmul_packed_groups: x must be contiguous (P, K) float32");
+  TORCH_CHECK(!ws.empty() && starts.size() == ws.size() + 1 && starts.front() == 0 && starts.back() == x.size(0),
+              "matmul_packed_groups: one matrix per group, groups covering x's rows");
+  const int64_t P = x.size(0), K = x.size(1), N = ws[0].size(0);
+  TORCH_CHECK(y.scalar_type() == at::kFloat && y.dim() == 2 && y.is_contiguous() && y.size(0) == P && y.size(1) == N,
+              "matmul_packed_groups: y must be contiguous (P, N) float32");
+  TORCH_CHECK(K > 0 && K % (lay.k_quant ? 256 : kBlock) == 0 && N % kPanel == 0, "matmul_packed_groups: K = ", K,
+              ", N = ", N, " do not fit the format");
+  for (size_t g = 0; g < ws.size(); ++g) {
+    TORCH_CHECK(ws[g].scalar_type() == at::kByte && ws[g].dim() == 2 && ws[g].is_contiguous() && ws[g].size(0) == N &&
+                    ws[g].size(1) * kPanel == K / kBlock / (lay.k_quant ? 8 : 1) * lay.record,
+                "matmul_packed_groups: matrix ", g, " is not (N, K) in packed panels of the format");
+    TORCH_CHECK(starts[g] <= starts[g + 1], "matmul_packed_groups: group starts must ascend");
+  }
+  const int use = pick(-1);
+  if (P == 0) return;
+  const Quantized q = workspace(P, K);
+  quantize(x, use, q);  // each row's blocks alone: the values matmul_packed would quantize for that row
+  const int64_t panels = N / kPanel, blocks = K / kBlock;
+  const Prefetch ahead = prefetch_plan();
+  float* yp = y.data_ptr<float>();
+  // Items are (group, panel), group-major: threads split them evenly, so two threads share the groups' weights
+  steady_fp::parallel_for(0, int64_t(ws.size()) * panels, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t g = i0 / panels; g * panels < i1; ++g) {
+      const int64_t r0 = starts[size_t(g)], m = starts[size_t(g) + 1] - r0;
+      if (m == 0) continue;
+      Q8Args a{fmt, lay, q.xq + r0 * K, q.dx + r0 * blocks, q.sxd + r0 * blocks, q.sx + r0 * blocks,
+               q.sx16 + r0 * 2 * blocks, m, K, ws[size_t(g)].data_ptr<uint8_t>(), yp + r0 * N, N,
+               std::max(i0, g * panels) - g * panels, std::min(i1, (g + 1) * panels) - g * panels, ahead};
+      kBuilds[use].matmul(a);
+    }
   });
 }
 
