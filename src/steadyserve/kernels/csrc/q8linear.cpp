@@ -192,11 +192,22 @@ void matmul_packed_groups(const at::Tensor& x, const std::vector<at::Tensor>& ws
   if (P == 0) return;
   const Quantized q = workspace(P, K);
   quantize(x, use, q);  // each row's blocks alone: the values matmul_packed would quantize for that row
-  const int64_t panels = N / kPanel, blocks = K / kBlock;
+  const int64_t panels = N / kPanel, blocks = K / kBlock, G = int64_t(ws.size());
   const Prefetch ahead = prefetch_plan();
   float* yp = y.data_ptr<float>();
-  // Items are (group, panel), group-major: threads split them evenly, so two threads share the groups' weights
-  steady_fp::parallel_for(0, int64_t(ws.size()) * panels, 1, [&](int64_t i0, int64_t i1) {
+  // Items are (group, panel), group-major; a thread takes a run of them costing its share of the rows x panels
+  // (a long prompt's experts have unequal row counts; a decode step's, one row each, split evenly)
+  std::vector<int64_t> cost(size_t(G) + 1, 0);  // cost[g]: rows x panels of the groups before g
+  for (int64_t g = 0; g < G; ++g) cost[size_t(g) + 1] = cost[size_t(g)] + (starts[size_t(g) + 1] - starts[size_t(g)]) * panels;
+  const auto item_at = [&](int64_t c) {  // the first item whose cost starts at or after c
+    if (c >= cost.back()) return G * panels;
+    const int64_t g = int64_t(std::upper_bound(cost.begin(), cost.end(), c) - cost.begin()) - 1;
+    const int64_t m = starts[size_t(g) + 1] - starts[size_t(g)];
+    return g * panels + (c - cost[size_t(g)] + m - 1) / m;
+  };
+  const int64_t shares = std::max<int64_t>(1, at::get_num_threads());
+  steady_fp::parallel_for(0, shares, 1, [&](int64_t s0, int64_t s1) {
+    const int64_t i0 = item_at(cost.back() * s0 / shares), i1 = item_at(cost.back() * s1 / shares);
     for (int64_t g = i0 / panels; g * panels < i1; ++g) {
       const int64_t r0 = starts[size_t(g)], m = starts[size_t(g) + 1] - r0;
       if (m == 0) continue;
