@@ -147,6 +147,16 @@ def llama_bench_tg(bin_dir: Path, path: Path, threads: int, tokens: int = 32) ->
     return {"tok_s": round(row["avg_ts"], 2), "stddev": round(row["stddev_ts"], 2), "tokens": tokens}
 
 
+def _in_child(fn, *args):  # type: ignore[no-untyped-def]
+    """fn(*args) in a fresh process, so the model it loads is freed before the next run: a full-depth file's panels
+    and llama-bench's mapping of the same file do not fit in 24 GiB together."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as ex:
+        return ex.submit(fn, *args).result()
+
+
 def bound(path: Path, decode: int, threads: int, cache: Path, llama_cpp: Path | None) -> dict:
     """c=1 of steadyserve and of llama-bench on one file, each against the read-bandwidth bound measured right
     before and after it (the host's bandwidth drifts), as the issue counts it."""
@@ -154,7 +164,7 @@ def bound(path: Path, decode: int, threads: int, cache: Path, llama_cpp: Path | 
 
     per_token = bytes_per_token(path)
     out: dict = {"file": path.name, "file_bytes": path.stat().st_size, "bytes_per_token": per_token}
-    runs = {"steadyserve": lambda: decode_rate(path, decode, threads, cache)}
+    runs = {"steadyserve": lambda: _in_child(decode_rate, path, decode, threads, cache)}
     if llama_cpp is not None:
         runs["llama-bench"] = lambda: llama_bench_tg(llama_cpp, path, threads)
     for name, run in runs.items():
