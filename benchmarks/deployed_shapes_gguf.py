@@ -27,7 +27,7 @@ written. Build the
 shapes one after the other (Qwen2.5 first keeps the peak lowest: about 37 GB with every file kept).
 
     python benchmarks/deployed_shapes_gguf.py --shape llama3.1-8b [--types Q4_K_M,Q8_0] [--layers N]
-        [--llama-cpp /tmp/llama] [--out ~/.cache/steadyserve/bench-models]
+        [--llama-cpp /tmp/llama] [--out ~/.cache/steadyserve/bench-models] [--hf-only DIR]
 
 Prints each step's seconds and the output paths; an existing file is kept. `--layers 2` makes a small file of the
 same widths (a quick check of the pipeline).
@@ -184,8 +184,16 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=None, help="fewer layers, same widths (a pipeline check)")
     p.add_argument("--llama-cpp", type=Path, default=Path(os.environ.get("LLAMA_CPP_DIR", "/tmp/llama")))
     p.add_argument("--out", type=Path, default=Path.home() / ".cache" / "steadyserve" / "bench-models")
+    p.add_argument("--hf-only", type=Path, default=None,
+                   help="write only the Hugging Face directory, here, and keep it (the bf16 weights vLLM's CPU build "
+                        "serves: the same values the GGUF files are made from)")
     a = p.parse_args()
     layers = a.layers or SHAPES[a.shape]["num_hidden_layers"]
+    if a.hf_only is not None:
+        t = time.monotonic()
+        write_hf_dir(a.hf_only, a.shape, layers)
+        _step(f"Hugging Face directory {a.hf_only}", t)
+        return
     stem = f"{a.shape}-shape" + ("" if layers == SHAPES[a.shape]["num_hidden_layers"] else f"-{layers}l")
     wanted = {t: a.out / f"{stem}-{t}.gguf" for t in a.types.split(",")}
     quantize = a.llama_cpp / "bin" / "llama-quantize"
