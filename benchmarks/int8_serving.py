@@ -135,7 +135,7 @@ def main() -> int:
     rows = [r.strip() for r in a.rows.split(",") if r.strip()]
     ours = ("default", "speculation-off", "int8", "portable")
     main_row = "default" if "default" in rows else "int8"  # the row the targets are held to
-    if a.vllm:
+    if a.vllm and "vllm" not in rows:  # named in --rows too, it runs once
         rows.append("vllm")
     from steadyserve.models.gguf_config import read_metadata
 

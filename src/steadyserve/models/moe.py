@@ -19,6 +19,9 @@ each row's bits independent of the other rows, of the thread count and of the CP
   was given: qmm.h, q8.h) makes each row's result independent of them (tests/test_moe.py checks it).
 * the token's output: the weighted expert outputs added **by expert index, ascending**, from +0, as transformers'
   Qwen3MoeExperts adds them (its loop over experts and index_add_), one exact IEEE add per element each.
+
+This module is the reference and the host path's block; the native paths run the same steps, op for op, inside
+the one-call layers (kernels/csrc/moe.cpp; tests/test_native_forward.py and tests/test_moe.py check the bits).
 """
 
 from __future__ import annotations

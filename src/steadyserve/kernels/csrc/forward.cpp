@@ -4,7 +4,8 @@
 // add_layer's arguments: norms before and/or after attention and MLP, a q/k RMSNorm per head or over
 // all heads, SiLU or GELU-tanh, the score scale and soft-cap, a residual multiplier, and per layer its
 // sliding window and RoPE table (or none). Each is a kernel the per-op path (Transformer._qkv,
-// _out_mlp) calls through its torch op, or one exact elementwise operation.
+// _out_mlp) calls through its torch op, or one exact elementwise operation. A sparse layer (add_experts)
+// runs moe.h's block, models/moe.py's router and experts op for op, in place of the gated MLP.
 //
 // models/transformer.py runs a layer as about twenty op calls from Python: norm, the fused q|k|v
 // projection, RoPE, the KV write, attention, the output projection and residual, norm, gate|up,

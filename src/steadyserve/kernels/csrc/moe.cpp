@@ -64,7 +64,7 @@ float fold(const float* v, int64_t n, float* pad) {
 // Whether a ranks strictly before b in a descending sort that puts NaN first (equal values: neither).
 bool before(float a, float b) { return (std::isnan(a) && !std::isnan(b)) || a > b; }
 
-// One row: logits (E) -> weights (k) by rank, experts (k). scratch: 3 E floats.
+// One row: logits (E) -> weights (k) by rank, experts (k). scratch: E floats, then fold's pad (up to 2 E).
 void route_row(const float* logits, int64_t E, int64_t k, bool norm, float* weights, int64_t* experts,
                float* scratch) {
   float* p = scratch;
@@ -138,8 +138,9 @@ int64_t one_packed_format(const std::vector<Matrix>& ms) {
   return fmt >= steady_q8::kPacked ? fmt : -1;
 }
 
-// Pairs (token, expert) per pass: a long prompt's T k pairs go through the experts in slices of this many, whole
-// experts where they fit, so an expert's weights are read about once per prompt while the slice's buffers
+// Pairs (token, expert) per pass: a long prompt's T k pairs go through the experts in slices of this many, in
+// expert order (an expert whose rows straddle a slice boundary is read once more, once per boundary), so an
+// expert's weights are read about once per prompt while the slice's buffers
 // (kPairs (2 hidden + 3 I) floats: 25 MiB at Qwen3-30B-A3B's widths) stay reused from call to call instead of
 // faulting in fresh pages for every layer.
 constexpr int64_t kPairs = 1024;
@@ -164,7 +165,7 @@ Slice& slice_buffers(int64_t n, int64_t H, int64_t I2) {
 // bounds[g + 1]) through expert group_experts[g]; returns their outputs (n, H), in the thread's Slice. The int8
 // path runs every expert of the slice in one call per matrix (matmul_packed_groups); otherwise one at a time.
 const float* experts_into(const Experts& w, const at::Tensor& x, bool gelu, const int64_t* tokens,
-                  const std::vector<int64_t>& group_experts, const std::vector<int64_t>& bounds) {
+                          const std::vector<int64_t>& group_experts, const std::vector<int64_t>& bounds) {
   const int64_t n = bounds.back(), H = x.size(1), I2 = w.gate_up[0].n;
   Slice& s = slice_buffers(n, H, I2);
   const float* xp = x.data_ptr<float>();
