@@ -36,6 +36,7 @@ from typing import Callable
 
 import httpx
 from gguf_serving import bench, read_bandwidth_gb_s
+from moe_shape import bytes_per_token as moe_bytes_per_token
 from peers import Peer, cpu_name, free_port, peak_rss_mib, thread_env, warm_up
 
 from steadyserve.models.loader import default_model_path
@@ -127,6 +128,8 @@ def main() -> int:
     out = a.out or HERE / "results" / f"int8_serving_{Path(gguf).stem}.json"
     res: dict = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"), "cpu": cpu_name(),
                  "cpus": os.cpu_count(), "gguf": Path(gguf).name, "gguf_bytes": Path(gguf).stat().st_size,
+                 # the weight bytes a token reads: the file, or for a mixture of experts its chosen experts' share
+                 "bytes_per_token": moe_bytes_per_token(Path(gguf)) or Path(gguf).stat().st_size,
                  "threads": a.threads, "output_tokens": a.output_tokens, "kv_cache": a.kv_cache_memory, "kv_cache_dtype": a.kv_cache_dtype,
                  "command": " ".join([".venv/bin/python benchmarks/int8_serving.py", *sys.argv[1:]]),
                  "servers": {}, "levels": {}, "ttft_long_prompt_s": {}, "peak_rss_mib": {},
@@ -179,7 +182,7 @@ def main() -> int:
             stop()
         time.sleep(2)
     res["read_bandwidth_gb_s"] = bw = read_bandwidth_gb_s(a.threads)
-    res["bandwidth_bound_c1_tok_s"] = bw * 1e9 / res["gguf_bytes"]
+    res["bandwidth_bound_c1_tok_s"] = bw * 1e9 / res["bytes_per_token"]
 
     def tps(c: int, name: str) -> float:
         return res["levels"][str(c)][name]["output_tokens_per_s"]
@@ -200,7 +203,7 @@ def main() -> int:
     # c=1 level (their mean), not only minutes later at the end of the run (also reported).
     around = res.get("read_bandwidth_around_c1_gb_s")
     if around:
-        bound_then = sum(around) / 2 * 1e9 / res["gguf_bytes"]
+        bound_then = sum(around) / 2 * 1e9 / res["bytes_per_token"]
         ratios[f"c1 {m} / read-bandwidth bound around it (target >= 0.6)"] = tps(lo, m) / bound_then
     ratios[f"c1 {m} / read-bandwidth bound at the end of the run"] = tps(lo, m) / res["bandwidth_bound_c1_tok_s"]
     res["ratios"] = ratios

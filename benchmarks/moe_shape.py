@@ -117,20 +117,37 @@ def decode_rate(path: Path, steps: int, threads: int, cache: Path) -> dict:
             "ms_per_layer_upper_bound": round(mean * 1e3 / lm.args.num_layers, 2)}
 
 
-def bytes_per_token(path: Path) -> int:
-    """Weight bytes one decoded token reads: every tensor but the experts and the embedding whole, `used` of
-    the `experts` experts of each stacked expert tensor, one row of the embedding (a KV cache of a few dozen
-    tokens is noise beside them). The bound on c=1 is the read bandwidth over this."""
+def _field(r, key: str):  # type: ignore[no-untyped-def]
+    """A GGUF metadata value (int or str), or None where the file has no such key."""
+    from gguf import GGUFValueType
+
+    f = r.fields.get(key)
+    if f is None:
+        return None
+    v = f.parts[f.data[0]]
+    return bytes(v).decode() if f.types[0] == GGUFValueType.STRING else int(v[0])
+
+
+def bytes_per_token(path: Path) -> int | None:
+    """Weight bytes one decoded token reads from a mixture-of-experts GGUF: every tensor whole but the stacked
+    experts, of which it reads expert_used_count of expert_count (the file's metadata), and an untied embedding,
+    of which it reads one row (a KV cache of a few dozen tokens is noise beside them). None for a file without
+    experts, whose bound is its whole size. The bound on c=1 is the read bandwidth over this."""
     from gguf import GGUFReader
 
     r = GGUFReader(str(path))
+    arch = _field(r, "general.architecture")
+    experts, used = _field(r, f"{arch}.expert_count"), _field(r, f"{arch}.expert_used_count")
+    if not experts or not used:
+        return None
+    tied = all(t.name != "output.weight" for t in r.tensors)  # then the embedding is the output layer, read whole
     total = 0
     for t in r.tensors:
         n = int(t.n_bytes)
         if "_exps." in t.name:
-            n = n * SHAPE["used"] // SHAPE["experts"]
-        elif t.name == "token_embd.weight":
-            n //= SHAPE["vocab"]
+            n = n * used // experts
+        elif t.name == "token_embd.weight" and not tied:
+            n //= int(t.shape[1])  # ggml's ne: (hidden, vocab)
         total += n
     return total
 
@@ -163,6 +180,7 @@ def bound(path: Path, decode: int, threads: int, cache: Path, llama_cpp: Path | 
     from gguf_serving import read_bandwidth_gb_s
 
     per_token = bytes_per_token(path)
+    assert per_token is not None, f"{path} has no experts"
     out: dict = {"file": path.name, "file_bytes": path.stat().st_size, "bytes_per_token": per_token}
     runs = {"steadyserve": lambda: _in_child(decode_rate, path, decode, threads, cache)}
     if llama_cpp is not None:
