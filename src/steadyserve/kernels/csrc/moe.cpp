@@ -32,7 +32,8 @@ namespace {
 
 constexpr float kExpLow = -87.0f;  // moe.py's EXP_LOW: fexp's domain here
 
-// lanes_math.h's fexp_bounded on one float (the same constants and operations, in the same order).
+// lanes_math.h's fexp_bounded on one float (the same constants and operations, in the same order), written out
+// because only a build file includes the lanes (tests/test_kernel_library.py); test_moe.py holds it to exp_fixed.
 float fexp(float x) {
   const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round(x log2 e), exact
   const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
