@@ -114,6 +114,38 @@ def test_soft_capped_scores_match_float64_and_keep_prefill_equal_to_decode(fn) -
         assert torch.equal(one, out[i:i + 1]), i
 
 
+@pytest.mark.parametrize("fn", [attention_native, attention_invariant], ids=["native", "python"])
+def test_attention_sinks_match_float64_and_keep_prefill_equal_to_decode(fn) -> None:
+    """gpt-oss's sinks: one logit per query head that joins the softmax with no value. Against float64 with the
+    sink as an extra key; a sink of -inf is exactly no sink; each token alone gives its bits from the batch."""
+    k, v = paged_cache(40)
+    lengths = [70, 33]
+    tables = tables_for(lengths, 40)
+    seq_of, pos = prefill_batch(lengths)
+    q = torch.randn(len(pos), H, D, generator=torch.Generator().manual_seed(2))
+    sinks = torch.linspace(-3.0, 4.0, H)  # some heads send most of their weight to the sink
+    out = fn(q, k, v, tables, seq_of, pos, D ** -0.5, 24, sinks=sinks)
+    ref = attention_plain(q.double(), k.double(), v.double(), tables, seq_of, pos, D ** -0.5, 24, sinks=sinks)
+    plain = attention_plain(q.double(), k.double(), v.double(), tables, seq_of, pos, D ** -0.5, 24)
+    assert (ref - plain).abs().max() > 1e-2  # the sinks change the result
+    assert (out.double() - ref).abs().max() < 1e-5
+    none = fn(q, k, v, tables, seq_of, pos, D ** -0.5, 24)
+    assert torch.equal(fn(q, k, v, tables, seq_of, pos, D ** -0.5, 24, sinks=torch.full((H,), float("-inf"))), none)
+    for i in (0, 50, 69, 70, 102):  # each token alone (= decode) gives its bits from the whole batch
+        one = fn(q[i:i + 1], k, v, tables, seq_of[i:i + 1], pos[i:i + 1], D ** -0.5, 24, sinks=sinks)
+        assert torch.equal(one, out[i:i + 1]), i
+
+
+def test_sinks_are_refused_unless_one_float_per_query_head() -> None:
+    k, v = paged_cache(4)
+    tables, (seq_of, pos) = tables_for([5], 4), prefill_batch([5])
+    q = torch.randn(5, H, D)
+    for bad in (torch.zeros(H - 1), torch.zeros(H, dtype=torch.float64), torch.zeros(1, H)):
+        with pytest.raises(RuntimeError, match="sinks must be a contiguous float32"):
+            torch.ops.steadyserve.paged_attention(q, k, v, tables, seq_of, pos, torch.empty_like(q), 0.125, 0, 0.0,
+                                                  bad)
+
+
 def test_native_softcap_op_is_elementwise_and_close_to_tanh() -> None:
     g = torch.Generator().manual_seed(3)
     x = torch.randn(9, 1000, generator=g) * 50  # 1000 = 62 * 16 + 8: a tail
@@ -314,15 +346,16 @@ def digest(attend):
     tables = torch.randperm(20, generator=g)[:10].view(1, 10)
     pos = torch.arange(300); seq_of = torch.zeros(300, dtype=torch.int64)
     q = torch.randn(300, 9, 64, generator=g)
+    sinks = torch.randn(9, generator=g) * 3  # gpt-oss's attention sinks, one per query head
     h = hashlib.sha256()
     for k, v in caches():
-        for window in (0, 40):
+        for window, sink in ((0, None), (40, None), (40, sinks)):
             # 300 rows at once, in tiles, and every third row alone (untiled): one build's bits must agree.
-            whole = attend(q, k, v, tables, seq_of, pos, window)
+            whole = attend(q, k, v, tables, seq_of, pos, window, sink)
             for t in range(0, 300, 3):
-                alone = attend(q[t:t + 1], k, v, tables, seq_of[:1], pos[t:t + 1], window)
+                alone = attend(q[t:t + 1], k, v, tables, seq_of[:1], pos[t:t + 1], window, sink)
                 if not torch.equal(alone[0], whole[t]):
-                    raise SystemExit(f"tiled row {t} != the row alone ({k.dtype}, window {window})")
+                    raise SystemExit(f"tiled row {t} != the row alone ({k.dtype}, window {window}, sinks {sink})")
             h.update(whole.numpy().tobytes())
     return h.hexdigest()
 """
@@ -330,9 +363,9 @@ VECTOR_WIDTH_SCRIPT = VECTOR_WIDTH_CASE + r"""
 import sys, torch
 from steadyserve.kernels import load
 assert load().available
-def attend(q, k, v, tables, seq_of, pos, window):
+def attend(q, k, v, tables, seq_of, pos, window, sinks):
     out = torch.empty_like(q)
-    torch.ops.steadyserve.paged_attention(q, k, v, tables, seq_of, pos, out, 0.125, window)
+    torch.ops.steadyserve.paged_attention(q, k, v, tables, seq_of, pos, out, 0.125, window, 0.0, sinks)
     return out
 print(torch.ops.steadyserve.qmm_isa(), digest(attend), extras())
 """
@@ -346,8 +379,8 @@ def test_each_vector_width_gives_the_same_bits(isa: int) -> None:
     (300 at once) equal the same rows alone (the untiled loop)."""
     case: dict = {}
     exec(VECTOR_WIDTH_CASE, case)
-    here = case["digest"](lambda q, k, v, tables, seq_of, pos, window:
-                          attention_native(q, k, v, tables, seq_of, pos, 0.125, window))
+    here = case["digest"](lambda q, k, v, tables, seq_of, pos, window, sinks:
+                          attention_native(q, k, v, tables, seq_of, pos, 0.125, window, sinks=sinks))
     r = subprocess.run([sys.executable, "-c", VECTOR_WIDTH_SCRIPT], capture_output=True, text=True, timeout=600,
                        env={**os.environ, "STEADYSERVE_ISA": NAMES[isa]})
     assert r.returncode == 0, r.stderr[-3000:]

@@ -116,6 +116,8 @@ ARCH_FEATURES = {
     "granite": "residual multiplier 0.5, attention multiplier 0.2 as the score scale",
     "qwen3moe": "sparse blocks on every layer: router, top-2 of 8 experts renormalized, experts grouped",
     "qwen3moe-mixed": "a dense layer, then a sparse one: top-3 of 4 experts, not renormalized",
+    "gptoss": "attention sinks, a window (16) on layer 0, biased router and experts, top-2 of 8 then softmax, clamped "
+              "SwiGLU, YaRN",
 }
 
 
@@ -159,6 +161,11 @@ DROPPED = {
                                                                 expert_size=32)}),
     "qwen3moe-mixed-renormalized": ("qwen3moe-mixed", {"moe": MoeSpec(num_experts=4, top_k=3, norm_topk_prob=True,
                                                                       expert_size=32)}),
+    "gptoss-no-sinks": ("gptoss", {"attn_sinks": False}),
+    "gptoss-no-clamp": ("gptoss", {"act_limit": 1e9}),
+    "gptoss-softmax-then-top-k": ("gptoss", {"moe": MoeSpec(num_experts=8, top_k=2, norm_topk_prob=False,
+                                                            expert_size=32)}),
+    "gptoss-no-window": ("gptoss", {"windows": (0, 0)}),
 }
 
 

@@ -185,7 +185,7 @@ def test_formats_without_a_kernel_are_refused_by_name():
         OPS.qmatmul_(torch.zeros(1, 256), torch.zeros(4, 84, dtype=torch.uint8), 10, torch.empty(1, 4), 0, -1)
 
 
-@pytest.mark.parametrize("op", ["rms_norm", "silu_mul", "gelu_tanh_mul", "log_softmax"])
+@pytest.mark.parametrize("op", ["rms_norm", "silu_mul", "gelu_tanh_mul", "swiglu_oai_mul", "log_softmax"])
 def test_row_ops_are_row_and_build_invariant_and_match_pytorch(op):
     g = torch.Generator().manual_seed(8)
     width = 200 if op == "log_softmax" else 96  # log-softmax takes any width: a tail of 8
@@ -199,6 +199,8 @@ def test_row_ops_are_row_and_build_invariant_and_match_pytorch(op):
             return OPS.qsilu_mul(rows.contiguous(), isa)
         if op == "gelu_tanh_mul":
             return OPS.qgelu_tanh_mul(rows.contiguous(), isa)
+        if op == "swiglu_oai_mul":  # gpt-oss's; a limit of 4 clamps a sixth of these values
+            return OPS.qswiglu_oai_mul(rows.contiguous(), 1.702, 4.0, isa)
         return OPS.qlog_softmax(rows.contiguous(), isa)
 
     full = run(x)
@@ -212,6 +214,9 @@ def test_row_ops_are_row_and_build_invariant_and_match_pytorch(op):
         ref = torch.nn.functional.silu(x[:, :width]) * x[:, width:]
     elif op == "gelu_tanh_mul":  # Gemma's MLP: transformers' gelu_pytorch_tanh
         ref = torch.nn.functional.gelu(x[:, :width], approximate="tanh") * x[:, width:]
+    elif op == "swiglu_oai_mul":  # transformers' GptOssExperts._apply_gate, on the halves
+        gate, up = x[:, :width].clamp(max=4.0), x[:, width:].clamp(-4.0, 4.0)
+        ref = (up + 1) * (gate * torch.sigmoid(gate * 1.702))
     else:
         ref = torch.log_softmax(x, dim=-1)
     assert torch.allclose(full, ref, rtol=1e-5, atol=1e-5), (full - ref).abs().max()

@@ -53,6 +53,12 @@ class ModelArgs:
     moe_intermediate_size: int = 0  # each expert's SwiGLU width
     norm_topk_prob: bool = False  # the top-k probabilities renormalized to sum to 1
     layer_moe: tuple[bool, ...] = ()  # per layer: a sparse block instead of the dense MLP; () = none
+    moe_routing: str = "softmax_topk"  # moe.route's order: softmax then top-k (Qwen3), or "topk_softmax" (gpt-oss)
+    experts_layout: str = "stacked"  # a checkpoint's fused experts: transformers' (E, 2I, H) gate|up, or "gptoss"
+    # gpt-oss (gptoss.py): attention sinks, and the clamped SwiGLU of hidden_act "swiglu_oai"
+    attn_sinks: bool = False  # one learned logit per query head joins each row's softmax (self_attn.sinks)
+    swiglu_alpha: float = 0.0  # the swish's slope: gate * sigmoid(alpha * gate)
+    swiglu_limit: float = 0.0  # gate clamped above at this, up to +-this
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

@@ -21,7 +21,8 @@ read fp32, f16 and bf16 ones, upcast to the queries' dtype (exact), and refuse q
 All take q: (T, H, D); k_cache: (NB, Hkv, D, Bs); v_cache: (NB, Hkv, Bs, D);
 block_tables: (S, NBmax) int64, one row per sequence; seq_of: (T,) int64,
 each token's row in block_tables; positions: (T,) int64; softcap > 0: Gemma 2's soft-capping of the
-scaled scores, tanh(s / cap) * cap (0: none). They return (T, H, D).
+scaled scores, tanh(s / cap) * cap (0: none); sinks: (H,) float attention-sink logits (gpt-oss), one per query
+head, each a key with no value that joins every row's softmax (None: none). They return (T, H, D).
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def _readable(k_cache: torch.Tensor) -> None:
 
 def attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_of: torch.Tensor, positions: torch.Tensor, scale: float, window: int = 0,
-                     softcap: float = 0.0) -> torch.Tensor:
+                     softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The C++ kernel (kernels/csrc/paged_attention.cpp): reads the paged cache in place.
 
     q: (T, H, D); block_tables: (S, NBmax), one row per sequence (padded with
@@ -76,7 +77,10 @@ def attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     fixed by construction and documented in the source.
     """
     out = torch.empty_like(q)
-    if softcap:
+    if sinks is not None:
+        torch.ops.steadyserve.paged_attention(q.contiguous(), k_cache, v_cache, block_tables, seq_of, positions, out,
+                                              scale, window, softcap, sinks.float().contiguous())
+    elif softcap:
         torch.ops.steadyserve.paged_attention(q.contiguous(), k_cache, v_cache, block_tables, seq_of, positions, out,
                                               scale, window, softcap)
     else:  # the call as it always was
@@ -87,7 +91,7 @@ def attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def attention_invariant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                         seq_of: torch.Tensor, positions: torch.Tensor, scale: float,
-                        window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                        window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of each token over its own sequence's cached keys (Python fallback).
 
     Same arguments as attention_native. Returns (T, H, D).
@@ -104,6 +108,9 @@ def attention_invariant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     qg = (q * scale).reshape(t * hkv, rep, d)  # (T*Hkv, rep, D)
     m = q.new_full((t * hkv, rep, 1), float("-inf"))
     l = q.new_zeros((t * hkv, rep, 1))
+    if sinks is not None:  # the sink is a key with no value: it starts the running max, with exp(0) = 1 in the sum
+        m = sinks.to(q.dtype).view(1, hkv, rep, 1).expand(t, hkv, rep, 1).reshape(t * hkv, rep, 1).clone()
+        l = torch.ones_like(m)
     acc = q.new_zeros((t * hkv, rep, d))
     num_blocks = int(positions.max().item()) // bs + 1
     offsets = torch.arange(bs, device=q.device)
@@ -133,7 +140,7 @@ def attention_invariant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 def attention_plain(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_of: torch.Tensor, positions: torch.Tensor, scale: float, window: int = 0,
-                    softcap: float = 0.0) -> torch.Tensor:
+                    softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The usual way: gather each token's keys, one padded SDPA call. Not batch-invariant."""
     _readable(k_cache)
     t, h, d = q.shape
@@ -146,11 +153,17 @@ def attention_plain(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     allowed = key_pos[None, :] <= positions[:, None]
     if window:
         allowed &= key_pos[None, :] > positions[:, None] - window
-    if softcap:  # SDPA has no soft-capping: the scores by hand
+    if softcap or sinks is not None:  # SDPA has neither soft-capping nor sinks: the scores by hand
         qg = q.view(t, hkv, h // hkv, d)
         s = torch.einsum("tgrd,tgkd->tgrk", qg, keys) * scale
-        s = (torch.tanh(s / softcap) * softcap).masked_fill(~allowed[:, None, None, :], float("-inf"))
-        return torch.einsum("tgrk,tgkd->tgrd", torch.softmax(s, dim=-1), values).reshape(t, h, d)
+        if softcap:
+            s = torch.tanh(s / softcap) * softcap
+        s = s.masked_fill(~allowed[:, None, None, :], float("-inf"))
+        if sinks is None:
+            return torch.einsum("tgrk,tgkd->tgrd", torch.softmax(s, dim=-1), values).reshape(t, h, d)
+        sink = sinks.to(s.dtype).view(1, hkv, h // hkv, 1).expand(t, -1, -1, 1)
+        p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]  # the sink's share has no value
+        return torch.einsum("tgrk,tgkd->tgrd", p, values).reshape(t, h, d)
     out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=allowed[:, None, None, :],
                                          scale=scale, enable_gqa=True)
     return out.view(t, h, d)

@@ -32,14 +32,14 @@ from dataclasses import dataclass
 from .args import ModelArgs
 from .moe import MoeSpec
 
-ACTIVATIONS = ("silu", "gelu_tanh")  # the gated MLP activations the per-op path runs
+ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_oai")  # the gated MLP activations the per-op path runs
 QK_NORMS = ("none", "per_head", "all_heads")
 
 
 @dataclass(frozen=True)
 class LayerSpec:
     """What one decoder layer computes, on top of the fixed skeleton: (norm) → q|k|v (+bias) → (q/k norm) →
-    (RoPE) → KV write → attention → o (+bias) → (norm) → ×residual_scale → residual add → (norm) →
+    (RoPE) → KV write → attention (+sinks) → o (+bias) → (norm) → ×residual_scale → residual add → (norm) →
     gate|up (+bias) → act(gate)·up → down (+bias) → (norm) → ×residual_scale → residual add; in a sparse layer
     (moe_layers) the gated MLP is moe.py's router and experts."""
 
@@ -50,7 +50,7 @@ class LayerSpec:
     pre_norm: bool  # an RMSNorm before attention and before the MLP (every model but OLMo 2)
     post_norms: bool  # an RMSNorm on the attention and on the MLP output, before each residual add (Gemma, OLMo 2)
     qk_norm: str  # "none"; "per_head": one RMSNorm row per q and per k head (Qwen3, Gemma 3); "all_heads" (OLMo 2)
-    activation: str  # the gated MLP's: "silu" or "gelu_tanh" (Gemma)
+    activation: str  # the gated MLP's: "silu", "gelu_tanh" (Gemma) or "swiglu_oai" (gpt-oss: act_alpha, act_limit)
     attn_scale: float  # the attention score scale, resolved: head_dim ** -0.5 unless the config sets one
     attn_softcap: float  # scores become tanh(s / cap) * cap (Gemma 2); 0 = none
     residual_scale: float  # each block's output is multiplied by this before its residual add (Granite); 1 = none
@@ -58,6 +58,9 @@ class LayerSpec:
     rope: tuple[str | None, ...]  # per layer: the key of its RoPE table ("" = the model's one table), None = no RoPE
     moe_layers: tuple[bool, ...] = ()  # per layer: a sparse MoE block (moe.py) replaces the gated MLP; () = none
     moe: MoeSpec | None = None  # what every sparse block computes; None where no layer is sparse
+    attn_sinks: bool = False  # a learned logit per query head joins every row's softmax (gpt-oss)
+    act_alpha: float = 0.0  # swiglu_oai: (clamped up + 1) * gate * sigmoid(act_alpha * gate)
+    act_limit: float = 0.0  # swiglu_oai: gate clamped above at act_limit, up to +-act_limit
 
     @property
     def num_layers(self) -> int:
@@ -89,7 +92,8 @@ def layer_spec(args: ModelArgs) -> LayerSpec:
         rope=tuple(k if u else None for k, u in zip(kinds, use_rope)),
         moe_layers=args.layer_moe,
         moe=MoeSpec(args.num_experts, args.num_experts_per_tok, args.norm_topk_prob,
-                    args.moe_intermediate_size) if any(args.layer_moe) else None,
+                    args.moe_intermediate_size, args.moe_routing) if any(args.layer_moe) else None,
+        attn_sinks=args.attn_sinks, act_alpha=args.swiglu_alpha, act_limit=args.swiglu_limit,
     )
 
 

@@ -4,7 +4,8 @@ Which experts a token uses is a discrete choice, so a last-bit difference in the
 request and a batched one could switch an expert and change everything after it. Every step here therefore keeps
 each row's bits independent of the other rows, of the thread count and of the CPU:
 
-* logits: the router matrix through the path's matmul (`linear`): the native float32 family on the native paths
+* logits: the router matrix through the path's matmul (`linear`), plus its bias where it has one (gpt-oss): the
+  native float32 family on the native paths
   (one fixed reduction order; the router is never repacked for int8 activations, so the choice is made from
   float32 activations, as llama.cpp keeps `ffn_gate_inp` unquantized), F.linear under the row tiler on the host.
 * softmax over the E experts as transformers' Qwen3MoeTopKRouter computes it, in float32, with a fixed order:
@@ -12,7 +13,8 @@ each row's bits independent of the other rows, of the thread count and of the CP
   vectorized exp may differ between machines, and PyTorch's between a vector body and its scalar tail, which
   moves with the row count), and a sum folded in one fixed tree (`fold_sum`).
 * top-k: the k largest probabilities, **ties broken by the lower expert index** (a stable descending sort), so
-  two experts with equal probabilities are chosen in the same way in every batch.
+  two experts with equal probabilities are chosen in the same way in every batch. gpt-oss ("topk_softmax") takes
+  the k largest logits by the same sort first, then the softmax above over those k.
 * with `norm_topk_prob` the k weights are divided by their sum, folded in the same fixed tree (by rank).
 * experts: each a SwiGLU MLP (gate|up, act, down) on the path's matmuls. Rows are grouped by expert, so an
   expert's matmul sees whichever rows chose it; the kernels' per-row order (no kernel looks at how many rows it
@@ -51,6 +53,12 @@ class MoeSpec:
     top_k: int  # experts each token uses (num_experts_per_tok)
     norm_topk_prob: bool  # the k chosen probabilities renormalized to sum to 1 (Qwen3-30B-A3B; llama.cpp always)
     expert_size: int  # each expert's SwiGLU width (moe_intermediate_size)
+    routing: str = "softmax_topk"  # "softmax_topk" (Qwen3), or "topk_softmax": the k largest logits, then their
+    # softmax (gpt-oss: the weights sum to 1 with no renormalization)
+
+    def __post_init__(self) -> None:
+        if self.routing not in ("softmax_topk", "topk_softmax"):
+            raise ValueError(f"unknown MoE routing {self.routing!r}")
 
 
 @dataclass
@@ -60,10 +68,19 @@ class MoeWeights:
     router: Any  # (E, hidden): a QMatrix (native paths) or a float tensor (host)
     gate_up: list[Any]  # E matrices of (2 * expert_size, hidden): gate rows, then up rows
     down: list[Any]  # E matrices of (hidden, expert_size)
+    # gpt-oss's biases, in matrices()' order (router, each gate|up, each down), each a float tensor; () = none
+    biases: tuple[Any, ...] = ()
 
     def matrices(self) -> list[Any]:
         """Every matrix, router first (the self-test's list of weight formats)."""
         return [self.router, *self.gate_up, *self.down]
+
+    def bias(self, kind: str, e: int = 0) -> Any:
+        """The bias of the router ("router") or of expert e's "gate_up" or "down", or None."""
+        if not self.biases:
+            return None
+        n = len(self.gate_up)
+        return self.biases[{"router": 0, "gate_up": 1 + e, "down": 1 + n + e}[kind]]
 
 
 def exp_fixed(x: torch.Tensor) -> torch.Tensor:
@@ -91,13 +108,22 @@ def fold_sum(v: torch.Tensor) -> torch.Tensor:
     return v
 
 
+def _softmax(v: torch.Tensor) -> torch.Tensor:
+    """(T, n) -> (T, n) float32: an exact max, exp_fixed, the fold's sum, one division per element."""
+    m = v.amax(dim=-1, keepdim=True)  # exact
+    e = exp_fixed((v - m).clamp(min=EXP_LOW))
+    return e / fold_sum(e)
+
+
 def route(logits: torch.Tensor, spec: MoeSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits (T, E) -> (weights (T, k) float32, experts (T, k) int64), by rank (the best first): softmax,
-    top-k with ties to the lower index, renormalized when spec.norm_topk_prob. Each row from its own logits alone."""
+    top-k with ties to the lower index, renormalized when spec.norm_topk_prob; or, for "topk_softmax" (gpt-oss),
+    the top-k of the logits by the same sort, then the softmax over those k. Each row from its own logits alone."""
     lf = logits.float()
-    m = lf.amax(dim=-1, keepdim=True)  # exact
-    e = exp_fixed((lf - m).clamp(min=EXP_LOW))
-    probs = e / fold_sum(e)  # (T, E): transformers' softmax, in a fixed order
+    if spec.routing == "topk_softmax":
+        experts = torch.sort(lf, dim=-1, descending=True, stable=True).indices[:, :spec.top_k]  # ties: lower index
+        return _softmax(lf.gather(-1, experts)), experts
+    probs = _softmax(lf)  # (T, E): transformers' softmax, in a fixed order
     experts = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :spec.top_k]  # ties: lower index
     weights = probs.gather(-1, experts)
     if spec.norm_topk_prob:
@@ -114,7 +140,7 @@ def moe_block(x: torch.Tensor, w: MoeWeights, spec: MoeSpec, linear: Linear,
     """(T, hidden) normed input -> (T, hidden): the module docstring's steps. `linear` and `act` are the path's
     matmul and gated activation; `rows_fn(fn, rows)` runs each expert's row-wise MLP (the host path's row tiler,
     which pads a call to a verified row count; the native paths' kernels need none)."""
-    weights, experts = route(linear(x, w.router), spec)  # (T, k), (T, k)
+    weights, experts = route(_biased(linear(x, w.router), w.bias("router")), spec)  # (T, k), (T, k)
     k = spec.top_k
     flat = experts.reshape(-1)  # (T * k,): token t's rank-j expert at t * k + j
     order = torch.argsort(flat, stable=True)  # grouped by expert, ascending; tokens ascending inside a group
@@ -127,11 +153,17 @@ def moe_block(x: torch.Tensor, w: MoeWeights, spec: MoeSpec, linear: Linear,
             continue
         end = start + count
         rows = tokens[start:end]
-        gate_up, down = w.gate_up[e], w.down[e]
-        y = rows_fn(lambda xe: linear(act(linear(xe, gate_up)), down), x.index_select(0, rows))  # (count, hidden)
+        gate_up, down, b_gu, b_d = w.gate_up[e], w.down[e], w.bias("gate_up", e), w.bias("down", e)
+        y = rows_fn(lambda xe: _biased(linear(act(_biased(linear(xe, gate_up), b_gu)), down), b_d),
+                    x.index_select(0, rows))  # (count, hidden)
         out.index_add_(0, rows, y.mul_(scale[start:end]))  # its weight, then one add per element
         start = end
     return out
+
+
+def _biased(y: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """y + b as Transformer._linear adds a bias: in place, one exact add per element."""
+    return y.add_(b) if b is not None else y
 
 
 def expert_names(prefix: str, e: int) -> tuple[str, str, str]:
@@ -158,17 +190,26 @@ def split_fused_experts(weights: dict[str, Any], prefix: str, spec: MoeSpec) -> 
         weights[g], weights[u], weights[d] = gate_up[x, :i], gate_up[x, i:], down[x]
 
 
-def load_moe(weights: dict[str, Any], prefix: str, spec: MoeSpec,
-             mat: Callable[[list[str]], Any]) -> MoeWeights:
+def load_moe(weights: dict[str, Any], prefix: str, spec: MoeSpec, mat: Callable[[list[str]], Any],
+             cat: Callable[[list[str]], Any],
+             split: Callable[[dict[str, Any], str, MoeSpec], None] = split_fused_experts) -> MoeWeights:
     """One sparse layer's weights, taken out of `weights` by `mat` (the builder's: stored parts or owned tensors),
-    each expert's gate and up fused along N as a dense layer's are. KeyError names a missing tensor."""
-    split_fused_experts(weights, prefix, spec)
-    gate_up, down = [], []
+    each expert's gate and up fused along N as a dense layer's are, and their biases where the layer has them by
+    `cat` (the builder's: the named vectors fused, or None where none is present). `split`: the checkpoint's fused
+    expert layout into per-expert names (transformers' stacked one, or gptoss.split_gptoss_experts). KeyError names
+    a missing tensor."""
+    split(weights, prefix, spec)
+    gate_up, down, b_gu, b_d = [], [], [], []
     for e in range(spec.num_experts):
         g, u, d = expert_names(prefix, e)
         gate_up.append(mat([g, u]))
         down.append(mat([d]))
-    return MoeWeights(router=mat([prefix + "gate.weight"]), gate_up=gate_up, down=down)
+        b_gu.append(cat([g.replace(".weight", ".bias"), u.replace(".weight", ".bias")]))
+        b_d.append(cat([d.replace(".weight", ".bias")]))
+    b_router = cat([prefix + "gate.bias"])
+    biases = (b_router, *b_gu, *b_d)
+    return MoeWeights(router=mat([prefix + "gate.weight"]), gate_up=gate_up, down=down,
+                      biases=biases if any(b is not None for b in biases) else ())
 
 
 def pack_moe(w: MoeWeights, layer: int, make: Callable[[str, QMatrix], QMatrix]) -> None:

@@ -19,6 +19,7 @@ from ..kernels.quant import QMatrix
 from .layer_spec import LayerSpec, native_supports
 
 _QK_NORM_HEADS = {"none": 0, "per_head": 1, "all_heads": 2}  # NativeLayers' qk_norm_heads argument
+_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "swiglu_oai": 2}  # its act argument (ops.h's GatedAct kinds)
 
 
 def build_native_layers(model: Any, spec: LayerSpec | None = None) -> Any | None:
@@ -32,8 +33,8 @@ def build_native_layers(model: Any, spec: LayerSpec | None = None) -> Any | None
         return None
     layers = torch.classes.steadyserve.NativeLayers(
         spec.num_heads, spec.num_kv_heads, spec.head_dim, float(spec.eps), float(spec.attn_scale),
-        float(spec.attn_softcap), spec.pre_norm, _QK_NORM_HEADS[spec.qk_norm], spec.activation == "gelu_tanh",
-        float(spec.residual_scale))
+        float(spec.attn_softcap), spec.pre_norm, _QK_NORM_HEADS[spec.qk_norm], _ACTIVATIONS[spec.activation],
+        float(spec.act_alpha), float(spec.act_limit), float(spec.residual_scale))
     kinds = list(model.rope)  # the order Transformer.forward passes the tables in
     empty = torch.empty(0)
     for i, lw in enumerate(model.layers):
@@ -44,10 +45,12 @@ def build_native_layers(model: Any, spec: LayerSpec | None = None) -> Any | None
         rope = spec.rope[i]
         layers.add_layer([n if n is not None else empty for n in norms], *_parts(mats),
                          [b if b is not None else empty for b in (lw.bqkv, lw.bo, lw.b_gate_up, lw.b_down)],
-                         int(spec.windows[i]), kinds.index(rope) if rope is not None else -1)
+                         int(spec.windows[i]), kinds.index(rope) if rope is not None else -1,
+                         lw.sinks if spec.attn_sinks and lw.sinks is not None else empty)
         if lw.moe is not None and spec.moe is not None:
-            layers.add_experts(spec.moe.top_k, spec.moe.norm_topk_prob, spec.moe.expert_size,
-                               *_parts(lw.moe.matrices()))
+            layers.add_experts(spec.moe.top_k, spec.moe.norm_topk_prob, spec.moe.routing == "topk_softmax",
+                               spec.moe.expert_size, *_parts(lw.moe.matrices()),
+                               [b if b is not None else empty for b in lw.moe.biases])
     return layers
 
 

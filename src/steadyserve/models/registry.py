@@ -11,6 +11,7 @@ from typing import Any, Callable
 from .args import ModelArgs
 from .extended import ExtendedTransformer
 from .gemma3 import gemma2_args, gemma3_args
+from .gptoss import gptoss_args
 from .granite import granite_args
 from .llama import llama_args
 from .mistral import mistral_args
@@ -35,6 +36,7 @@ ARCHITECTURES: dict[str, ArgsFromConfig] = {
     "Olmo2ForCausalLM": olmo2_args,
     "SmolLM3ForCausalLM": smollm3_args,
     "GraniteForCausalLM": granite_args,
+    "GptOssForCausalLM": gptoss_args,
 }
 
 

@@ -31,7 +31,8 @@ from .args import ModelArgs, rope_tables
 from .attention import AttentionFn, write_kv
 from .layer_spec import LayerSpec, layer_spec
 from .layers import RowProbe, RowTiler, apply_rope, rms_norm
-from .moe import MoeWeights, load_moe, moe_block, moe_slots, pack_moe
+from .gptoss import split_gptoss_experts, swiglu_oai
+from .moe import MoeWeights, load_moe, moe_block, moe_slots, pack_moe, split_fused_experts
 from .native_forward import build_native_layers
 
 # Rows of one LM-head call at most: (64, V) float32 logits, and a calibration that stays cheap.
@@ -82,6 +83,7 @@ class LayerWeights:
     attn_out_norm: torch.Tensor | None = None  # (hidden,), on the attention output before its residual add
     mlp_out_norm: torch.Tensor | None = None  # (hidden,), on the MLP output before its residual add (spec.post_norms)
     moe: MoeWeights | None = None  # a sparse layer's router and experts (spec.moe_layers), in place of the MLP
+    sinks: torch.Tensor | None = None  # (H,) attention-sink logits (spec.attn_sinks), float32 on the native path
 
 
 class Transformer:
@@ -157,6 +159,7 @@ class Transformer:
         self.final_norm = vec("model.norm.weight")
         spec = self.spec
         qk, pre, post = spec.qk_norm != "none", spec.pre_norm, spec.post_norms
+        split = split_gptoss_experts if args.experts_layout == "gptoss" else split_fused_experts
         self.layers: list[LayerWeights] = []
         for i in range(args.num_layers):
             p = f"model.layers.{i}."
@@ -178,7 +181,8 @@ class Transformer:
                 q_norm=norm(a + "q_norm.weight", qk), k_norm=norm(a + "k_norm.weight", qk),
                 attn_out_norm=norm(p + "post_attention_layernorm.weight", post),
                 mlp_out_norm=norm(p + "post_feedforward_layernorm.weight", post),
-                moe=load_moe(weights, m, spec.moe, mat) if sparse and spec.moe is not None else None,
+                moe=load_moe(weights, m, spec.moe, mat, cat, split) if sparse and spec.moe is not None else None,
+                sinks=norm(a + "sinks", spec.attn_sinks),
             ))
         for i, lw in enumerate(self.layers):
             _check_attention_shapes(args, lw, i)
@@ -253,8 +257,14 @@ class Transformer:
         return qk[:, :h], qk[:, h:], v
 
     def _gated_act(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """(T, 2 * inter) -> act(gate) * up, (T, inter): the native kernel, or PyTorch's op on the host path."""
-        gelu = self.spec.activation == "gelu_tanh"
+        """(T, 2 * inter) -> act(gate) * up, (T, inter), or gpt-oss's clamped form: the native kernel, or PyTorch's
+        ops on the host path."""
+        s = self.spec
+        if s.activation == "swiglu_oai":
+            if self.native:
+                return torch.ops.steadyserve.qswiglu_oai_mul(gate_up, s.act_alpha, s.act_limit, -1)
+            return swiglu_oai(gate_up, s.act_alpha, s.act_limit)
+        gelu = s.activation == "gelu_tanh"
         if self.native:
             op = torch.ops.steadyserve.qgelu_tanh_mul if gelu else torch.ops.steadyserve.qsilu_mul
             return op(gate_up, -1)
@@ -334,8 +344,9 @@ class Transformer:
             cos, sin = trig[kind] if kind is not None else unrotated
             q, k, v = self.tiler(partial(self._qkv, lw, rope=kind is not None), x, cos, sin)  # (T,H,D), (T,Hkv,D) x2
             write_kv(k_cache[i], v_cache[i], k, v, batch.slot_blocks, batch.slot_offsets)
+            sinks = {"sinks": lw.sinks} if lw.sinks is not None else {}
             attn = self.attention(q, k_cache[i], v_cache[i], batch.block_tables, batch.seq_of, batch.positions,
-                                  self.scale, spec.windows[i], *softcap)  # (T, H, D)
+                                  self.scale, spec.windows[i], *softcap, **sinks)  # (T, H, D)
             x = self.tiler(partial(self._out_mlp, lw), x, attn)  # (T, hidden)
         return self.tiler(self._final_norm, x)
 

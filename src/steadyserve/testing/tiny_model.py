@@ -54,10 +54,11 @@ def _tokenizer(vocab_size: int, chat_template: str | None = None):
 def build_tiny_model(out_dir: str | Path, arch: str = "llama", size: str = "tiny", seed: int = 0,
                      max_position_embeddings: int = 512, chat_template: str | None = None) -> Path:
     """Write a random model to out_dir and return it. arch: llama | qwen2 | mistral | llama3 | qwen3 | qwen3-hd48
-    | gemma3 | phi3 | phi3-longrope | olmo2 | smollm3 | granite | gemma2 | gemma3-linear | qwen3moe | qwen3moe-mixed.
+    | gemma3 | phi3 | phi3-longrope | olmo2 | smollm3 | granite | gemma2 | gemma3-linear | qwen3moe | qwen3moe-mixed
+    | gptoss.
     `chat_template`: another template than the ChatML default (tests of templates that know tools)."""
     import torch
-    from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GraniteConfig, GraniteForCausalLM, LlamaConfig,
+    from transformers import (GptOssConfig, GptOssForCausalLM, Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GraniteConfig, GraniteForCausalLM, LlamaConfig,
                               LlamaForCausalLM, MistralConfig, MistralForCausalLM, Olmo2Config, Olmo2ForCausalLM,
                               Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
                               Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, SmolLM3Config,
@@ -130,6 +131,15 @@ def build_tiny_model(out_dir: str | Path, arch: str = "llama", size: str = "tiny
         cfg = Qwen3MoeConfig(tie_word_embeddings=False, head_dim=hidden // heads, num_experts=4, num_experts_per_tok=3,
                              moe_intermediate_size=32, norm_topk_prob=False, mlp_only_layers=[0], **common)
         cls = Qwen3MoeForCausalLM
+    elif arch == "gptoss":  # 8 experts of width 32, top-2 then softmax; sliding (window 16) and full layers
+        # alternating; YaRN; a SwiGLU limit low enough to clamp these activations; sinks (below) that take weight
+        cfg = GptOssConfig(tie_word_embeddings=False, head_dim=hidden // heads, num_local_experts=8,
+                           num_experts_per_tok=2, sliding_window=16, swiglu_limit=0.6,
+                           rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                            "truncate": False, "original_max_position_embeddings": 128,
+                                            "rope_theta": 150000.0},
+                           **{**common, "intermediate_size": 32})
+        cls = GptOssForCausalLM
     else:
         raise ValueError(f"unknown arch {arch!r}")
     torch.manual_seed(seed)
@@ -140,7 +150,9 @@ def build_tiny_model(out_dir: str | Path, arch: str = "llama", size: str = "tiny
                 p.normal_(0.0, 0.08 if size == "tiny" else 0.04)
             elif "bias" in name:
                 p.normal_(0.0, 0.05)
-            elif arch in ("qwen3", "qwen3-hd48", "qwen3moe", "qwen3moe-mixed", "gemma2", "gemma3", "gemma3-linear", "olmo2"):  # norm weights too: Gemma's (1 + w) must show
+            elif name.endswith("sinks"):  # gpt-oss: logits of the order of the scores, so the sinks take weight
+                p.normal_(0.0, 1.0)
+            elif arch in ("qwen3", "qwen3-hd48", "qwen3moe", "qwen3moe-mixed", "gptoss", "gemma2", "gemma3", "gemma3-linear", "olmo2"):  # norm weights too: Gemma's (1 + w) must show
                 p.normal_(0.0 if arch.startswith("gemma") else 1.0, 0.2)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)

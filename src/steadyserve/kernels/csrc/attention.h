@@ -24,6 +24,7 @@ struct Problem {
   float scale;
   int64_t window;
   float softcap;  // 0: none
+  const float* sinks = nullptr;  // (H,) attention-sink logits, one per query head (gpt-oss); null: none
 };
 
 // The first key the token at position p attends to: 0, or the start of its sliding window.

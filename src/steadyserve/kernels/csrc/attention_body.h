@@ -46,7 +46,7 @@ void attend_one(const Problem& P, int64_t t, int64_t g, float* scores, int64_t s
     }
   }
   float total[G];
-  softmax_rows<G>(scores, stride, (p - c0) / kLanes + 1, total);
+  softmax_rows<G>(scores, stride, (p - c0) / kLanes + 1, total, P.sinks ? P.sinks + g * G : nullptr);
   // 5. Weighted values over the attended keys, ascending, block by block; one lane per
   //    output dimension, NV dimensions per pass.
   constexpr int NV = W ? 4 * kLanes : kLanes;
@@ -125,7 +125,8 @@ void attend_tile(const Problem& P, int64_t t0, int64_t t1, int64_t g, float* sco
   }
   // 2-4. Each token's softmax, as attend_one.
   float total[kTile][G];
-  for (int64_t i = 0; i < M; ++i) softmax_rows<G>(scores + i * G * stride, stride, (pos[i] - c0[i]) / kLanes + 1, total[i]);
+  for (int64_t i = 0; i < M; ++i) softmax_rows<G>(scores + i * G * stride, stride, (pos[i] - c0[i]) / kLanes + 1, total[i],
+                                                    P.sinks ? P.sinks + g * G : nullptr);
   // 5. Weighted values: per token and output element, fma over its attended keys ascending, block by block.
   constexpr int NV = W ? 4 * kLanes : kLanes;
   std::fill(acc, acc + M * G * D, 0.0f);

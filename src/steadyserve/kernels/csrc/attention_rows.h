@@ -157,8 +157,10 @@ STEADY_INLINE const float* v_row(const uint8_t* vh, int64_t row, int64_t d0, int
 
 // Steps 2-4 for G score rows of `stride` floats, n_chunks 16-key chunks each: exponentials in place,
 // total[r] = row r's sum. Shared by the untiled and the tiled loop, so both run the same operations.
+// sinks (or null): row r's attention-sink logit (gpt-oss), a score with no value: it joins the max, and its
+// exponential, computed by the same exp_det16 as any score, is added to the lane tree's sum last.
 template <int G>
-STEADY_INLINE void softmax_rows(float* scores, int64_t stride, int64_t n_chunks, float* total) {
+STEADY_INLINE void softmax_rows(float* scores, int64_t stride, int64_t n_chunks, float* total, const float* sinks) {
   for (int r = 0; r < G; ++r) {
     float* sr = scores + r * stride;
     // 2. Max (exact in any order), as 16 lanes.
@@ -168,6 +170,7 @@ STEADY_INLINE void softmax_rows(float* scores, int64_t stride, int64_t n_chunks,
     fstore(mlane, mv);
     float m = mlane[0];
     for (int l = 1; l < kLanes; ++l) m = mlane[l] > m ? mlane[l] : m;
+    if (sinks != nullptr) m = sinks[r] > m ? sinks[r] : m;
     // 3-4. Exponentials in place (masked keys give exact zeros), summed in 16 lanes: lane l adds its keys in
     // ascending c. Written on the lanes, because GCC left the array form as 16 scalar adds per chunk (11% of
     // a 2k-token prefill's attention).
@@ -183,6 +186,13 @@ STEADY_INLINE void softmax_rows(float* scores, int64_t stride, int64_t n_chunks,
     for (int i = 0; i < 4; ++i) l4[i] = l8[2 * i] + l8[2 * i + 1];
     for (int i = 0; i < 2; ++i) l2[i] = l4[2 * i] + l4[2 * i + 1];
     total[r] = l2[0] + l2[1];
+    if (sinks != nullptr) {  // the sink's exponential in lane 0 of a chunk whose other lanes are masked
+      alignas(64) float sink[kLanes];
+      sink[0] = sinks[r];
+      for (int l = 1; l < kLanes; ++l) sink[l] = -std::numeric_limits<float>::infinity();
+      exp_det16(sink, m);
+      total[r] = total[r] + sink[0];
+    }
   }
 }
 

@@ -33,6 +33,8 @@ TORCH_LIBRARY(steadyserve, m) {
   STEADY_IMPL("qrms_norm", qrms_norm);
   m.def("qsilu_mul(Tensor gate_up, int isa=-1) -> Tensor");
   STEADY_IMPL("qsilu_mul", qsilu_mul);
+  m.def("qswiglu_oai_mul(Tensor gate_up, float alpha, float limit, int isa=-1) -> Tensor");
+  STEADY_IMPL("qswiglu_oai_mul", qswiglu_oai_mul);
   m.def("qgelu_tanh_mul(Tensor gate_up, int isa=-1) -> Tensor");
   STEADY_IMPL("qgelu_tanh_mul", qgelu_tanh_mul);
   m.def("qlog_softmax_(Tensor(a!) x, int isa=-1) -> ()");
@@ -46,14 +48,14 @@ TORCH_LIBRARY(steadyserve, m) {
 
   // Attention and the KV cache.
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_of, "
-        "Tensor positions, Tensor(a!) out, float scale, int window, float softcap=0.0) -> ()");
+        "Tensor positions, Tensor(a!) out, float scale, int window, float softcap=0.0, Tensor? sinks=None) -> ()");
   STEADY_IMPL("paged_attention", paged_attention);
   m.def("kv_write(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slot_blocks, "
         "Tensor slot_offsets) -> ()");
   STEADY_IMPL("kv_write", kv_write);
 
   // A sparse block's routing (the one NativeLayers runs), for its tests against models/moe.py's.
-  m.def("moe_route(Tensor logits, int top_k, bool norm_topk_prob) -> (Tensor, Tensor)");
+  m.def("moe_route(Tensor logits, int top_k, bool norm_topk_prob, bool topk_softmax=False) -> (Tensor, Tensor)");
   STEADY_IMPL("moe_route", moe_route);
 
   // The decoder layers in one native call.

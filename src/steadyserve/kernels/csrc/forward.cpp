@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "fp_env.h"
@@ -58,6 +59,7 @@ struct Layer {
   Matrix w_down;                           // (hidden, I)
   std::unique_ptr<Experts> experts;        // a sparse layer's router and experts (moe.h), in place of the MLP
   int64_t window = 0;                      // sliding window in tokens, 0 for none (paged_attention's mask)
+  at::Tensor sinks;                        // (H,) float32 attention-sink logits (gpt-oss), or undefined
   int64_t rope = 0;                        // index of its cos/sin table in forward's lists; -1: no RoPE
 };
 
@@ -71,21 +73,26 @@ at::Tensor defined_or_none(const at::Tensor& t) { return t.numel() > 0 ? t.conti
 class NativeLayers : public torch::CustomClassHolder {
  public:
   // The model-wide part of the LayerSpec. qk_norm_heads: 0 for no q/k norm, 1 for one norm row per head
-  // (Qwen3, Gemma 3), 2 for one row over all heads (OLMo 2). gelu: GELU-tanh instead of SiLU.
+  // (Qwen3, Gemma 3), 2 for one row over all heads (OLMo 2). act: the gated MLP's activation (ops.h's GatedAct
+  // kinds: 0 SiLU, 1 GELU-tanh, 2 gpt-oss's clamped SwiGLU with act_alpha and act_limit).
   NativeLayers(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale, double softcap,
-               bool pre_norm, int64_t qk_norm_heads, bool gelu, double residual_scale)
+               bool pre_norm, int64_t qk_norm_heads, int64_t act, double act_alpha, double act_limit,
+               double residual_scale)
       : h_(num_heads), hkv_(num_kv_heads), d_(head_dim), eps_(eps), scale_(scale), softcap_(softcap),
-        pre_norm_(pre_norm), qk_norm_heads_(qk_norm_heads), gelu_(gelu), residual_scale_(residual_scale) {
+        pre_norm_(pre_norm), qk_norm_heads_(qk_norm_heads), residual_scale_(residual_scale) {
     TORCH_CHECK(qk_norm_heads >= 0 && qk_norm_heads <= 2, "NativeLayers: qk_norm_heads is 0, 1 or 2");
+    TORCH_CHECK(act >= 0 && act <= 2, "NativeLayers: act is 0 (SiLU), 1 (GELU-tanh) or 2 (clamped SwiGLU)");
+    act_ = {steady_ops::GatedAct::Kind(act), float(act_alpha), float(act_limit)};
   }
 
   // One layer's weights, in forward order. norms: input, post (pre-MLP), q, k, attention-output and
   // MLP-output norms, each empty when the spec has none; parts and formats of wqkv, wo, w_gate_up, w_down,
   // with parts_per_matrix giving how many parts each has; biases: four (n,) tensors, empty when absent;
-  // window and rope: the layer's sliding window (0: none) and cos/sin table index (-1: no RoPE).
+  // window and rope: the layer's sliding window (0: none) and cos/sin table index (-1: no RoPE); sinks: (H,)
+  // attention-sink logits, empty for none.
   void add_layer(std::vector<at::Tensor> norms, std::vector<at::Tensor> parts, std::vector<int64_t> fmts,
                  std::vector<int64_t> parts_per_matrix, std::vector<at::Tensor> biases, int64_t window,
-                 int64_t rope) {
+                 int64_t rope, at::Tensor sinks) {
     TORCH_CHECK(norms.size() == 6 && parts.size() == fmts.size() && parts_per_matrix.size() == 4 && biases.size() == 4,
                 "NativeLayers.add_layer: 6 norms, 4 matrices, one format per part, 4 biases");
     Layer layer;
@@ -103,6 +110,8 @@ class NativeLayers : public torch::CustomClassHolder {
                 "NativeLayers.add_layer: both output norms or neither");
     layer.window = window;
     layer.rope = rope;
+    layer.sinks = defined_or_none(sinks);
+    TORCH_CHECK(!layer.sinks.defined() || layer.sinks.numel() == h_, "NativeLayers.add_layer: one sink per query head");
     Matrix* mats[4] = {&layer.wqkv, &layer.wo, &layer.w_gate_up, &layer.w_down};
     size_t next = 0;
     for (int m = 0; m < 4; ++m) {
@@ -120,9 +129,10 @@ class NativeLayers : public torch::CustomClassHolder {
 
   // The last added layer becomes sparse (models/moe.py): its MLP matrices must have been given no parts. parts and
   // fmts: the router's, then each expert's gate|up, then each expert's down, parts_per_matrix giving how many
-  // each of those 1 + 2 E matrices has.
-  void add_experts(int64_t top_k, bool norm_topk_prob, int64_t width, std::vector<at::Tensor> parts,
-                   std::vector<int64_t> fmts, std::vector<int64_t> parts_per_matrix) {
+  // each of those 1 + 2 E matrices has; biases: none, or one (n,) tensor per matrix in the same order (empty for
+  // none). topk_softmax: gpt-oss's routing (the k largest logits, then their softmax).
+  void add_experts(int64_t top_k, bool norm_topk_prob, bool topk_softmax, int64_t width, std::vector<at::Tensor> parts,
+                   std::vector<int64_t> fmts, std::vector<int64_t> parts_per_matrix, std::vector<at::Tensor> biases) {
     TORCH_CHECK(!layers_.empty(), "NativeLayers.add_experts: no layer to add them to");
     Layer& layer = layers_.back();
     TORCH_CHECK(layer.w_gate_up.n == 0 && layer.w_down.n == 0 && !layer.experts,
@@ -133,6 +143,7 @@ class NativeLayers : public torch::CustomClassHolder {
     auto ex = std::make_unique<Experts>();
     ex->top_k = top_k;
     ex->norm_topk = norm_topk_prob;
+    ex->topk_softmax = topk_softmax;
     ex->width = width;
     ex->gate_up.resize(E);
     ex->down.resize(E);
@@ -141,6 +152,13 @@ class NativeLayers : public torch::CustomClassHolder {
     for (size_t e = 0; e < E; ++e) next = steady_layers::take_parts(ex->gate_up[e], parts, fmts, next, parts_per_matrix[1 + e], who);
     for (size_t e = 0; e < E; ++e) next = steady_layers::take_parts(ex->down[e], parts, fmts, next, parts_per_matrix[1 + E + e], who);
     TORCH_CHECK(next == parts.size(), who, ": more parts than parts_per_matrix says");
+    TORCH_CHECK(biases.empty() || biases.size() == 1 + 2 * E, who, ": no biases, or one per matrix");
+    for (size_t m = 0; m < biases.size(); ++m) {
+      Matrix& mat = m == 0 ? ex->router : m <= E ? ex->gate_up[m - 1] : ex->down[m - 1 - E];
+      if (biases[m].numel() == 0) continue;
+      TORCH_CHECK(biases[m].numel() == mat.n, who, ": bias ", m, " does not match its matrix");
+      mat.bias = biases[m].contiguous();
+    }
     TORCH_CHECK(ex->router.n == int64_t(E) && top_k >= 1 && top_k <= int64_t(E), who, ": the router has ",
                 ex->router.n, " rows for ", E, " experts, top_k ", top_k);
     for (size_t e = 0; e < E; ++e) {
@@ -161,7 +179,7 @@ class NativeLayers : public torch::CustomClassHolder {
     TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "NativeLayers.sparse_block: x must be (T, hidden) float32");
     x = x.contiguous();
     at::Tensor out = at::empty({x.size(0), layers_[size_t(i)].experts->down[0].n}, x.options());
-    steady_layers::sparse_block_into(*layers_[size_t(i)].experts, x, gelu_, out);
+    steady_layers::sparse_block_into(*layers_[size_t(i)].experts, x, act_, out);
     return out;
   }
 
@@ -208,11 +226,12 @@ class NativeLayers : public torch::CustomClassHolder {
       const float* row = qkv.data_ptr<float>();  // k at column qd, v at qd + kvd of each row
       steady_ops::kv_write_rows(kc, vc, row + qd, row + qd + kvd, qkv.stride(0), T, hkv_, d_, blocks, offsets);
       at::Tensor q = qkv.narrow(1, 0, qd).contiguous().view({T, h_, d_});  // (T, H, D): a view at one row
-      steady_ops::paged_attention(q, kc, vc, block_tables, seq_of, positions, attn, scale_, L.window, softcap_);
+      steady_ops::paged_attention(q, kc, vc, block_tables, seq_of, positions, attn, scale_, L.window, softcap_,
+                                  L.sinks.defined() ? std::optional<at::Tensor>(L.sinks) : std::nullopt);
       linear_into(L.wo, attn.view({T, qd}), out);
       add_residual(x, out, L.attn_out_norm);
       if (L.experts) {  // a sparse layer: router and experts over every row at once (an expert's group is larger)
-        steady_layers::sparse_block_into(*L.experts, pre_norm_ ? norm_into(x, L.post_norm, normed) : x, gelu_, out);
+        steady_layers::sparse_block_into(*L.experts, pre_norm_ ? norm_into(x, L.post_norm, normed) : x, act_, out);
         add_residual(x, out, L.mlp_out_norm);
         continue;
       }
@@ -221,7 +240,7 @@ class NativeLayers : public torch::CustomClassHolder {
         at::Tensor rows = x.narrow(0, r0, n), normed_rows = normed.narrow(0, r0, n), down = out.narrow(0, r0, n);
         at::Tensor gu = rows_of(gate_up, n, L.w_gate_up.n), a = rows_of(act, n, L.w_gate_up.n / 2);
         linear_into(L.w_gate_up, pre_norm_ ? norm_into(rows, L.post_norm, normed_rows) : rows, gu);
-        steady_ops::gated_act_into(gu, -1, gelu_, a);
+        steady_ops::gated_act_into(gu, -1, act_, a);
         linear_into(L.w_down, a, down);  // (n, hidden)
         add_residual(rows, down, L.mlp_out_norm);
       }
@@ -257,7 +276,7 @@ class NativeLayers : public torch::CustomClassHolder {
   double eps_, scale_, softcap_;  // softcap 0: none
   bool pre_norm_;
   int64_t qk_norm_heads_;
-  bool gelu_;
+  steady_ops::GatedAct act_;
   double residual_scale_;
   std::vector<Layer> layers_;
   int64_t max_gate_up_ = 0;  // the widest gate|up of any layer: the MLP slices' buffers hold it
@@ -268,7 +287,7 @@ class NativeLayers : public torch::CustomClassHolder {
 namespace steady_ops {  // ops.h
 void register_native_layers(torch::Library& m) {
   m.class_<NativeLayers>("NativeLayers")
-      .def(torch::init<int64_t, int64_t, int64_t, double, double, double, bool, int64_t, bool, double>())
+      .def(torch::init<int64_t, int64_t, int64_t, double, double, double, bool, int64_t, int64_t, double, double, double>())
       .def("add_layer", &NativeLayers::add_layer)
       .def("add_experts", &NativeLayers::add_experts)
       .def("num_layers", &NativeLayers::num_layers)

@@ -10,7 +10,10 @@
 //   top-k   the k largest p by a stable descending sort: ties to the lower expert index, NaN above every number
 //           (torch.sort's rule, so a NaN row routes as moe.py's does)
 //   weights w_j = p of rank j; with norm_topk: w_j / fold(w_0 .. w_{k-1}), the same fold by rank
-//   experts for each expert in ascending index, its rows (ascending token) through gate|up, act(gate)·up, down;
+//   (gpt-oss, topk_softmax: the top-k by the same sort on the logits themselves, then the softmax above over
+//   those k logits by rank: m = max of the k, e_j = fexp(max(l_j - m, -87)), w_j = e_j / fold(e))
+//   experts for each expert in ascending index, its rows (ascending token) through gate|up (+ bias), act(gate)·up,
+//           down (+ bias; each bias one exact add per element after its matmul);
 //           each output row times its weight (one rounding), then one add into the token's sum, which starts at +0
 //           (the pairs go in slices of kPairs, in that same order, so slicing moves no add)
 // A row's bits depend on its own logits and the kernels' per-row order only: never on which rows share a call.
@@ -65,29 +68,46 @@ float fold(const float* v, int64_t n, float* pad) {
 // Whether a ranks strictly before b in a descending sort that puts NaN first (equal values: neither).
 bool before(float a, float b) { return (std::isnan(a) && !std::isnan(b)) || a > b; }
 
-// One row: logits (E) -> weights (k) by rank, experts (k). scratch: E floats, then fold's pad (up to 2 E).
-void route_row(const float* logits, int64_t E, int64_t k, bool norm, float* weights, int64_t* experts,
-               float* scratch) {
-  float* p = scratch;
-  float* pad = scratch + E;
-  float m = logits[0];
-  for (int64_t e = 1; e < E; ++e) m = std::isnan(m) || std::isnan(logits[e]) ? NAN : std::max(m, logits[e]);
-  for (int64_t e = 0; e < E; ++e) {
-    float d = logits[e] - m;
+// p[0, n) = the softmax of v[0, n) in moe.py's order (exact max with NaN kept, fexp, the fold, one division each).
+void softmax_into(const float* v, int64_t n, float* p, float* pad) {
+  float m = v[0];
+  for (int64_t e = 1; e < n; ++e) m = std::isnan(m) || std::isnan(v[e]) ? NAN : std::max(m, v[e]);
+  for (int64_t e = 0; e < n; ++e) {
+    float d = v[e] - m;
     p[e] = fexp(d < kExpLow ? kExpLow : d);  // NaN is kept, as torch.clamp keeps it
   }
-  const float s = fold(p, E, pad);
-  for (int64_t e = 0; e < E; ++e) p[e] = p[e] / s;
-  for (int64_t j = 0; j < k; ++j) {  // selection by rank: the first of the equal-best among those not yet taken
+  const float s = fold(p, n, pad);
+  for (int64_t e = 0; e < n; ++e) p[e] = p[e] / s;
+}
+
+// experts[0, k) = the k best of v[0, E) by rank: the first of the equal-best among those not yet taken.
+void top_k(const float* v, int64_t E, int64_t k, int64_t* experts) {
+  for (int64_t j = 0; j < k; ++j) {
     int64_t best = -1;
     for (int64_t e = 0; e < E; ++e) {
       bool taken = false;
       for (int64_t i = 0; i < j; ++i) taken = taken || experts[i] == e;
-      if (!taken && (best < 0 || before(p[e], p[best]))) best = e;
+      if (!taken && (best < 0 || before(v[e], v[best]))) best = e;
     }
     experts[j] = best;
-    weights[j] = p[best];
   }
+}
+
+// One row: logits (E) -> weights (k) by rank, experts (k). scratch: E floats, then fold's pad (up to 2 E), then k.
+void route_row(const float* logits, int64_t E, int64_t k, bool norm, bool topk_softmax, float* weights,
+               int64_t* experts, float* scratch) {
+  float* p = scratch;
+  float* pad = scratch + E;
+  if (topk_softmax) {  // gpt-oss: the k largest logits, then their softmax (the weights sum to 1 by construction)
+    top_k(logits, E, k, experts);
+    float* chosen = pad + 2 * E;
+    for (int64_t j = 0; j < k; ++j) chosen[j] = logits[experts[j]];
+    softmax_into(chosen, k, weights, pad);
+    return;
+  }
+  softmax_into(logits, E, p, pad);
+  top_k(p, E, k, experts);
+  for (int64_t j = 0; j < k; ++j) weights[j] = p[experts[j]];
   if (norm) {
     const float s_k = fold(weights, k, pad);
     for (int64_t j = 0; j < k; ++j) weights[j] = weights[j] / s_k;
@@ -102,12 +122,13 @@ void check_logits(const at::Tensor& logits, int64_t top_k) {
 }
 
 // Routes every row of logits (T, E) into weights (T, k) and experts (T, k); rows split between threads.
-void route_rows(const at::Tensor& logits, int64_t k, bool norm, float* weights, int64_t* experts) {
+void route_rows(const at::Tensor& logits, int64_t k, bool norm, bool topk_softmax, float* weights, int64_t* experts) {
   const int64_t T = logits.size(0), E = logits.size(1);
   const float* lp = logits.data_ptr<float>();
   steady_fp::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
     std::vector<float> scratch(size_t(3 * E + k));
-    for (int64_t t = t0; t < t1; ++t) route_row(lp + t * E, E, k, norm, weights + t * k, experts + t * k, scratch.data());
+    for (int64_t t = t0; t < t1; ++t)
+      route_row(lp + t * E, E, k, norm, topk_softmax, weights + t * k, experts + t * k, scratch.data());
   });
 }
 
@@ -115,12 +136,13 @@ void route_rows(const at::Tensor& logits, int64_t k, bool norm, float* weights, 
 
 namespace steady_ops {
 
-std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& logits, int64_t top_k, bool norm_topk_prob) {
+std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& logits, int64_t top_k, bool norm_topk_prob,
+                                              bool topk_softmax) {
   check_logits(logits, top_k);
   const int64_t T = logits.size(0);
   at::Tensor weights = at::empty({T, top_k}, logits.options());
   at::Tensor experts = at::empty({T, top_k}, logits.options().dtype(at::kLong));
-  route_rows(logits, top_k, norm_topk_prob, weights.data_ptr<float>(), experts.data_ptr<int64_t>());
+  route_rows(logits, top_k, norm_topk_prob, topk_softmax, weights.data_ptr<float>(), experts.data_ptr<int64_t>());
   return {weights, experts};
 }
 
@@ -134,9 +156,18 @@ namespace {
 int64_t one_packed_format(const std::vector<Matrix>& ms) {
   const int64_t fmt = ms[0].fmts.size() == 1 ? ms[0].fmts[0] : -1;
   for (const Matrix& m : ms) {
-    if (m.parts.size() != 1 || m.fmts[0] != fmt || m.bias.defined()) return -1;
+    if (m.parts.size() != 1 || m.fmts[0] != fmt) return -1;
   }
   return fmt >= steady_q8::kPacked ? fmt : -1;
+}
+
+// Each group's rows of y plus its expert's bias (gpt-oss), as linear_into adds it: one exact add per element.
+void add_group_biases(const std::vector<Matrix>& ms, const std::vector<int64_t>& group_experts,
+                      const std::vector<int64_t>& bounds, at::Tensor& y) {
+  for (size_t g = 0; g < group_experts.size(); ++g) {
+    const Matrix& m = ms[size_t(group_experts[g])];
+    if (m.bias.defined()) y.narrow(0, bounds[g], bounds[g + 1] - bounds[g]).add_(m.bias);
+  }
 }
 
 // Pairs (token, expert) per pass: a long prompt's T k pairs go through the experts in slices of this many, in
@@ -165,7 +196,8 @@ Slice& slice_buffers(int64_t n, int64_t H, int64_t I2) {
 // The slice's pairs through their experts: rows tokens[0, n) of x (n = bounds.back()), pairs [bounds[g],
 // bounds[g + 1]) through expert group_experts[g]; returns their outputs (n, H), in the thread's Slice. The int8
 // path runs every expert of the slice in one call per matrix (matmul_packed_groups); otherwise one at a time.
-const float* experts_into(const Experts& w, const at::Tensor& x, bool gelu, const int64_t* tokens,
+const float* experts_into(const Experts& w, const at::Tensor& x, const steady_ops::GatedAct& act_kind,
+                          const int64_t* tokens,
                           const std::vector<int64_t>& group_experts, const std::vector<int64_t>& bounds) {
   const int64_t n = bounds.back(), H = x.size(1), I2 = w.gate_up[0].n;
   Slice& s = slice_buffers(n, H, I2);
@@ -182,15 +214,17 @@ const float* experts_into(const Experts& w, const at::Tensor& x, bool gelu, cons
       wd.push_back(w.down[size_t(e)].parts[0]);
     }
     steady_q8_ops::matmul_packed_groups(xs, wg, fmt_gu, bounds, gu);
-    steady_ops::gated_act_into(gu, -1, gelu, act);
+    add_group_biases(w.gate_up, group_experts, bounds, gu);
+    steady_ops::gated_act_into(gu, -1, act_kind, act);
     steady_q8_ops::matmul_packed_groups(act, wd, fmt_down, bounds, ys);
+    add_group_biases(w.down, group_experts, bounds, ys);
     return s.ys;
   }
   for (size_t g = 0; g < group_experts.size(); ++g) {
     const int64_t a = bounds[g], count = bounds[g + 1] - a, e = group_experts[g];
     at::Tensor gg = gu.narrow(0, a, count), aa = act.narrow(0, a, count), yy = ys.narrow(0, a, count);
     linear_into(w.gate_up[size_t(e)], xs.narrow(0, a, count), gg);
-    steady_ops::gated_act_into(gg, -1, gelu, aa);
+    steady_ops::gated_act_into(gg, -1, act_kind, aa);
     linear_into(w.down[size_t(e)], aa, yy);
   }
   return s.ys;
@@ -198,7 +232,7 @@ const float* experts_into(const Experts& w, const at::Tensor& x, bool gelu, cons
 
 }  // namespace
 
-void sparse_block_into(const Experts& w, const at::Tensor& x, bool gelu, at::Tensor& out) {
+void sparse_block_into(const Experts& w, const at::Tensor& x, const steady_ops::GatedAct& act, at::Tensor& out) {
   const int64_t T = x.size(0), H = x.size(1), E = int64_t(w.gate_up.size()), k = w.top_k;
   TORCH_CHECK(out.dim() == 2 && out.size(0) == T && out.size(1) == w.down[0].n && out.stride(1) == 1,
               "sparse block: out must be (T, hidden) with unit column stride");
@@ -208,7 +242,7 @@ void sparse_block_into(const Experts& w, const at::Tensor& x, bool gelu, at::Ten
   check_logits(logits, k);
   std::vector<float> weights(size_t(T * k));
   std::vector<int64_t> experts(size_t(T * k));
-  route_rows(logits, k, w.norm_topk, weights.data(), experts.data());
+  route_rows(logits, k, w.norm_topk, w.topk_softmax, weights.data(), experts.data());
   // The (token, weight) pairs grouped by expert, ascending, tokens ascending inside a group: moe.py's stable
   // argsort of the flat choices. starts[e]: expert e's first pair.
   std::vector<int64_t> starts(size_t(E) + 1, 0);
@@ -238,7 +272,7 @@ void sparse_block_into(const Experts& w, const at::Tensor& x, bool gelu, at::Ten
       group_experts.push_back(e);
       bounds.push_back(b - p0);
     }
-    const float* yp = experts_into(w, x, gelu, tokens.data() + p0, group_experts, bounds);
+    const float* yp = experts_into(w, x, act, tokens.data() + p0, group_experts, bounds);
     // Each pair's term into its token, in pair order: weight * y rounded, then one add, per element (threads
     // split the columns, never a token's chain)
     float* op = out.data_ptr<float>();

@@ -18,10 +18,11 @@ struct Experts {
   std::vector<Matrix> down;     // E matrices of (hidden, I)
   int64_t top_k = 0;            // experts a token uses
   bool norm_topk = false;       // the k chosen probabilities divided by their sum
+  bool topk_softmax = false;    // gpt-oss: the k largest logits first, then the softmax over those k
   int64_t width = 0;            // I: each expert's SwiGLU width
 };
 
-// out (T, hidden) = the block on normed rows x (T, hidden); out is overwritten. gelu: GELU-tanh instead of SiLU.
-void sparse_block_into(const Experts& w, const at::Tensor& x, bool gelu, at::Tensor& out);
+// out (T, hidden) = the block on normed rows x (T, hidden); out is overwritten. act: the experts' activation.
+void sparse_block_into(const Experts& w, const at::Tensor& x, const steady_ops::GatedAct& act, at::Tensor& out);
 
 }  // namespace steady_layers

@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 #include <tuple>
 
@@ -22,10 +23,17 @@ at::Tensor qdequant(const at::Tensor& w, int64_t fmt, int64_t K, const at::Tenso
 at::Tensor qrms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, int64_t isa);
 // The same into y (T, D) contiguous, which may be x itself.
 void qrms_norm_into(const at::Tensor& x, const at::Tensor& weight, double eps, int64_t isa, at::Tensor& y);
-// (T, 2I) -> y (T, I) contiguous: gelu_tanh(gate) * up when `gelu`, else silu(gate) * up.
-void gated_act_into(const at::Tensor& gate_up, int64_t isa, bool gelu, at::Tensor& y);
+// A gated MLP's activation (layer_spec.py's `activation`): act(gate) * up, or gpt-oss's clamped form.
+struct GatedAct {
+  enum Kind : int64_t { kSilu = 0, kGeluTanh = 1, kSwigluOai = 2 } kind = kSilu;
+  float alpha = 0.0f;  // kSwigluOai: the swish's slope
+  float limit = 0.0f;  // kSwigluOai: the clamp of gate (above) and up (both sides)
+};
+// (T, 2I) -> y (T, I) contiguous: the activation of gate (the first I columns) times up (the rest).
+void gated_act_into(const at::Tensor& gate_up, int64_t isa, const GatedAct& act, at::Tensor& y);
 at::Tensor qsilu_mul(const at::Tensor& gate_up, int64_t isa);
 at::Tensor qgelu_tanh_mul(const at::Tensor& gate_up, int64_t isa);
+at::Tensor qswiglu_oai_mul(const at::Tensor& gate_up, double alpha, double limit, int64_t isa);
 // (T, V) log-softmax per row, out of place (tests) and in place (the sampler).
 at::Tensor qlog_softmax(const at::Tensor& x, int64_t isa);
 void qlog_softmax_(at::Tensor& x, int64_t isa);
@@ -38,10 +46,11 @@ int64_t qmm_register_rows();  // rows up to which a matmul costs little more tha
 // ---- rope.cpp, paged_attention.cpp, kv_write.cpp ----------------------------------------------------------------
 // RoPE in place on heads [0, num_heads) of each row.
 void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads);
-// Causal attention over the paged cache; softcap 0 for none.
+// Causal attention over the paged cache; softcap 0 for none; sinks: (H,) attention-sink logits, or none.
 void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_of, const at::Tensor& positions,
-                     at::Tensor& out, double scale, int64_t window, double softcap);
+                     at::Tensor& out, double scale, int64_t window, double softcap,
+                     const std::optional<at::Tensor>& sinks = std::nullopt);
 // x = tanh(x / cap) * cap in place (Gemma 2's final-logit soft-capping).
 void softcap_(at::Tensor& x, double cap);
 // k, v (T, Hkv, D) float32 into their cache slots, in the cache's storage format (kv_format.h).
@@ -56,7 +65,8 @@ at::Tensor kv_floats_to_halves(const at::Tensor& x, int64_t isa);
 
 // ---- moe.cpp ------------------------------------------------------------------------------------------------------
 // Router logits (T, E) float32 -> (weights (T, k) float32, experts (T, k) int64) by rank: models/moe.py's route.
-std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& logits, int64_t top_k, bool norm_topk_prob);
+std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& logits, int64_t top_k, bool norm_topk_prob,
+                                              bool topk_softmax = false);
 
 // ---- forward.cpp --------------------------------------------------------------------------------------------------
 void register_native_layers(torch::Library& m);  // the NativeLayers class

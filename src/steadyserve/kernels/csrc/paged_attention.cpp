@@ -13,6 +13,8 @@
 //   3. e[j] = exp_det16(score[j] - m), a polynomial exp made of IEEE mul/add only.
 //   4. l = sum_j e[j] over 16 lanes: lane i sums the keys with j % 16 == i in
 //      ascending j; the 16 lanes are then added in one fixed pairwise tree.
+//      With attention sinks (gpt-oss: one logit s per query head, a key without a value),
+//      m in step 2 is max(m, s), and l = l + exp_det16(s - m), added after the tree.
 //   5. out[d] = a / l, where a accumulates fma(e[j], v_j[d], a) over j ascending.
 // The pieces of each step (the exponential, the score chains, the softmax sums, the exact conversions of stored
 // values) are in attention_rows.h; this file walks the blocks and tiles and registers the op.
@@ -48,6 +50,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <vector>
 
 #include "attention.h"
@@ -125,7 +128,8 @@ void check_indices(const Problem& P, int64_t T, int64_t S, int64_t NB, const int
 
 void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_of, const at::Tensor& positions,
-                     at::Tensor& out, double scale, int64_t window, double softcap) {
+                     at::Tensor& out, double scale, int64_t window, double softcap,
+                     const std::optional<at::Tensor>& sinks) {
   const int fmt = kv_fmt(k_cache);
   TORCH_CHECK(q.scalar_type() == at::kFloat && fmt >= 0 && v_cache.scalar_type() == k_cache.scalar_type(),
               "paged_attention: float32 queries; a float32, float16, bfloat16 or int8 (q8_0) K/V cache");
@@ -156,6 +160,13 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   TORCH_CHECK(block_tables.dim() == 2 && seq_of.dim() == 1 && positions.dim() == 1 && seq_of.numel() == T &&
                   positions.numel() == T,
               "paged_attention: block_tables must be (S, NBmax), seq_of and positions (T,) for T = ", T, " queries");
+  if (sinks.has_value() && sinks->defined()) {
+    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->dim() == 1 &&
+                    sinks->size(0) == P.h,
+                "paged_attention: sinks must be a contiguous float32 (H,) tensor, one logit per query head (H = ",
+                P.h, ")");
+    P.sinks = sinks->data_ptr<float>();
+  }
   P.window = window;
   check_indices(P, T, block_tables.size(0), k_cache.size(0), seq_of.data_ptr<int64_t>(), positions.data_ptr<int64_t>(),
                 block_tables.data_ptr<int64_t>());

@@ -3,7 +3,8 @@
 //   qmatmul_(x, w, fmt, y, col0, isa)   y[:, col0 : col0 + N] = x · Wᵀ; a packed format id (q8.h: kPacked + a
 //                                       GGML type) runs the int8 family (q8linear.cpp) instead
 //   qdequant(w, fmt, K, rows, isa)      the fp32 values of the given weight rows (embedding lookups, tests)
-//   qrms_norm(x, weight, eps, isa), qsilu_mul(gate_up, isa), qgelu_tanh_mul(gate_up, isa), qlog_softmax(x, isa)
+//   qrms_norm(x, weight, eps, isa), qsilu_mul(gate_up, isa), qgelu_tanh_mul(gate_up, isa),
+//   qswiglu_oai_mul(gate_up, alpha, limit, isa), qlog_softmax(x, isa)
 //   qlog_softmax_(x, isa)               the same, in place: each output element is written after its row's
 //                                       max and sum were read, from the input element at the same index
 //   qargmax(x, isa)                     (T,) int64: each row's first NaN, else its first maximum (NumPy's argmax)
@@ -42,14 +43,15 @@ struct Build {
   decltype(&scalar::gelu_tanh_mul) gelu_tanh_mul;
   decltype(&scalar::register_rows) register_rows;
   decltype(&scalar::argmax) argmax;
+  decltype(&scalar::swiglu_oai_mul) swiglu_oai_mul;
 };
 const Build kBuilds[3] = {
     {scalar::matmul, scalar::dequant_rows, scalar::rms_norm, scalar::silu_mul, scalar::log_softmax, scalar::gelu_tanh_mul,
-     scalar::register_rows, scalar::argmax},
+     scalar::register_rows, scalar::argmax, scalar::swiglu_oai_mul},
     {avx2::matmul, avx2::dequant_rows, avx2::rms_norm, avx2::silu_mul, avx2::log_softmax, avx2::gelu_tanh_mul,
-     avx2::register_rows, avx2::argmax},
+     avx2::register_rows, avx2::argmax, avx2::swiglu_oai_mul},
     {avx512::matmul, avx512::dequant_rows, avx512::rms_norm, avx512::silu_mul, avx512::log_softmax, avx512::gelu_tanh_mul,
-     avx512::register_rows, avx512::argmax},
+     avx512::register_rows, avx512::argmax, avx512::swiglu_oai_mul},
 };
 
 // Output columns per task: a multiple of every build's panel width, so a task boundary never
@@ -148,8 +150,9 @@ at::Tensor qrms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, 
 }
 
 // y = act(gate) * up; y (T, I) contiguous float32.
-void gated_act_into(const at::Tensor& gate_up, int64_t isa, bool gelu, at::Tensor& y) {
-  const char* name = gelu ? "qgelu_tanh_mul" : "qsilu_mul";
+void gated_act_into(const at::Tensor& gate_up, int64_t isa, const GatedAct& act, at::Tensor& y) {
+  const char* name = act.kind == GatedAct::kGeluTanh ? "qgelu_tanh_mul"
+                     : act.kind == GatedAct::kSwigluOai ? "qswiglu_oai_mul" : "qsilu_mul";
   TORCH_CHECK(gate_up.scalar_type() == at::kFloat && gate_up.dim() == 2 && gate_up.is_contiguous(),
               name, ": gate_up must be contiguous (T, 2 * I) float32");
   const int64_t T = gate_up.size(0), I2 = gate_up.size(1);
@@ -159,22 +162,31 @@ void gated_act_into(const at::Tensor& gate_up, int64_t isa, bool gelu, at::Tenso
   const int use = pick_isa(isa);
   const float* gp = gate_up.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const auto fn = gelu ? kBuilds[use].gelu_tanh_mul : kBuilds[use].silu_mul;
-  steady_fp::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) { fn(gp, I2 / 2, yp, t0, t1); });
+  const Build& b = kBuilds[use];
+  steady_fp::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    if (act.kind == GatedAct::kSwigluOai) b.swiglu_oai_mul(gp, I2 / 2, yp, t0, t1, act.alpha, act.limit);
+    else (act.kind == GatedAct::kGeluTanh ? b.gelu_tanh_mul : b.silu_mul)(gp, I2 / 2, yp, t0, t1);
+  });
 }
 
 namespace {
-at::Tensor gated_act(const at::Tensor& gate_up, int64_t isa, bool gelu) {
-  TORCH_CHECK(gate_up.dim() == 2, gelu ? "qgelu_tanh_mul" : "qsilu_mul", ": gate_up must be contiguous (T, 2 * I) float32");
+at::Tensor gated_act(const at::Tensor& gate_up, int64_t isa, const GatedAct& act) {
+  TORCH_CHECK(gate_up.dim() == 2, "gated activation: gate_up must be contiguous (T, 2 * I) float32");
   at::Tensor y = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
-  gated_act_into(gate_up, isa, gelu, y);
+  gated_act_into(gate_up, isa, act, y);
   return y;
 }
 }  // namespace
 
-at::Tensor qsilu_mul(const at::Tensor& gate_up, int64_t isa) { return gated_act(gate_up, isa, false); }
+at::Tensor qsilu_mul(const at::Tensor& gate_up, int64_t isa) { return gated_act(gate_up, isa, {GatedAct::kSilu}); }
 
-at::Tensor qgelu_tanh_mul(const at::Tensor& gate_up, int64_t isa) { return gated_act(gate_up, isa, true); }
+at::Tensor qgelu_tanh_mul(const at::Tensor& gate_up, int64_t isa) {
+  return gated_act(gate_up, isa, {GatedAct::kGeluTanh});
+}
+
+at::Tensor qswiglu_oai_mul(const at::Tensor& gate_up, double alpha, double limit, int64_t isa) {
+  return gated_act(gate_up, isa, {GatedAct::kSwigluOai, static_cast<float>(alpha), static_cast<float>(limit)});
+}
 
 at::Tensor qlog_softmax(const at::Tensor& x, int64_t isa) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "qlog_softmax: x must be contiguous (T, V) float32");

@@ -73,6 +73,8 @@ constexpr int64_t kScratchRows = 8;  // dequantized weight rows a thread keeps a
   void silu_mul(const float* gu, int64_t I, float* y, int64_t t0, int64_t t1);                     \
   /* y[t, i] = gelu_tanh(g[t, i]) * u[t, i], the same halves as silu_mul, rows [t0, t1) */         \
   void gelu_tanh_mul(const float* gu, int64_t I, float* y, int64_t t0, int64_t t1);                \
+  /* y[t, i] = (clamp(u, -limit, limit) + 1) * swish_alpha(min(g, limit)), gpt-oss's, the same halves */ \
+  void swiglu_oai_mul(const float* gu, int64_t I, float* y, int64_t t0, int64_t t1, float alpha, float limit); \
   /* y[t] = (x[t] - max) - log(sum exp(x[t] - max)), rows [t0, t1); y may be x (each y[k] is written after */ \
   /* the row's max and sum were read, from x[k] alone) */                                                  \
   void log_softmax(const float* x, int64_t V, float* y, int64_t t0, int64_t t1);                     \

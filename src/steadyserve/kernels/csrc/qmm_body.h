@@ -323,6 +323,24 @@ void gelu_tanh_mul(const float* gu, int64_t I_, float* y, int64_t t0, int64_t t1
   }
 }
 
+// gpt-oss's clamped SwiGLU (transformers' GptOssExperts._apply_gate, on halves already de-interleaved at load):
+// g = min(gate, limit), u = max(min(up, limit), -limit), y = (u + 1) * (g / (1 + exp(-(alpha g)))), the swish in
+// silu_mul's form with the same deterministic exp. The clamps keep a NaN (minps returns its second operand where
+// either is NaN, and the gate or up value is that operand). Elementwise, so no reduction order.
+void swiglu_oai_mul(const float* gu, int64_t I_, float* y, int64_t t0, int64_t t1, float alpha, float limit) {
+  const F one = fset1(1.0f), a = fset1(alpha), hi = fset1(limit), lo = fset1(-limit);
+  for (int64_t t = t0; t < t1; ++t) {
+    const float* g = gu + t * 2 * I_;
+    const float* u = g + I_;
+    for (int64_t k = 0; k < I_; k += 16) {
+      const F gv = fmin(hi, fload(g + k));
+      const F uv = fmax(lo, fmin(hi, fload(u + k)));
+      const F swish = fdiv(gv, fadd(one, fexp(fsub(fzero(), fmul(gv, a)))));
+      fstore(y + t * I_ + k, fmul(fadd(uv, one), swish));
+    }
+  }
+}
+
 // One pass for the row's maximum and whether it has a NaN, a second up to the maximum's first lane. A row with a
 // NaN (never one log_softmax wrote from finite logits) takes the scalar loop, which is NumPy's definition.
 void argmax(const float* x, int64_t V, int64_t* out, int64_t t0, int64_t t1) {
