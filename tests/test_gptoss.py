@@ -7,6 +7,12 @@ The model: transformers' GptOssForCausalLM from a config with a fixed seed (test
 hidden 64, 4 heads of 16 over 2 KV heads, 8 experts of width 32, top-2, a sliding window of 16 on layer 0 and a
 full layer 1, YaRN, biases on attention, router and experts, attention sinks of the scores' size, and a SwiGLU limit
 of 0.6 so the clamps bite). The prompts (test_models_parity.prompts_for) run past the window.
+
+The same model as a Q8_0 GGUF written by llama.cpp's own converter (testing/llama_converter.py). transformers cannot
+read that file (its gpt-oss GGUF map fails on the converter's rope.scaling keys), so its reference is transformers on
+the checkpoint's weights rounded as the converter rounds them (gguf-py's Q8_0, row by row along K), with the SwiGLU
+limit llama.cpp hardcodes (7.0: a GGUF has no key for it). The engine's invariance checks run on that file's default
+path (int8: the experts packed and grouped, their biases added per group).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from steadyserve.models.gptoss import swiglu_oai
 from steadyserve.models.loader import load_model
 from steadyserve.testing import build_tiny_model
 from steadyserve.testing.drift import install_batch_drift
+from steadyserve.testing.llama_converter import convert as llama_cpp_convert
 from test_engine_invariance import engine_for
 from test_models_parity import check_parity, prompts_for
 
@@ -38,6 +45,36 @@ def tiny(models_dir: Path) -> str:
     return str(d)
 
 
+@pytest.fixture(scope="module")
+def tiny_gguf(tiny, models_dir: Path) -> str:
+    g = models_dir / "tiny-gptoss.gguf"
+    if not g.exists():
+        llama_cpp_convert({Path(tiny): g})
+    return str(g)
+
+
+def gguf_reference(hf_dir: str):
+    """transformers' GptOssForCausalLM on the checkpoint's weights as the converter's Q8_0 file holds them, with
+    llama.cpp's SwiGLU limit (module docstring)."""
+    from gguf import GGMLQuantizationType, quants
+    from transformers import AutoConfig, GptOssForCausalLM
+
+    def q8(w: torch.Tensor) -> torch.Tensor:  # rows along the last dim, as the GGUF's (N, K) rows
+        q = quants.quantize(w.contiguous().numpy(), GGMLQuantizationType.Q8_0)
+        return torch.from_numpy(quants.dequantize(q, GGMLQuantizationType.Q8_0).copy())
+
+    cfg = AutoConfig.from_pretrained(hf_dir)
+    cfg.swiglu_limit = 7.0
+    model = GptOssForCausalLM.from_pretrained(hf_dir, config=cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("proj.weight", "embed_tokens.weight")) or name == "lm_head.weight":
+                p.copy_(q8(p))
+            elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # (E, K, N): K is the middle dim
+                p.copy_(q8(p.transpose(1, 2)).transpose(1, 2))
+    return model
+
+
 # ---- parity with transformers ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("numerics", ["portable", "host"])
@@ -48,6 +85,18 @@ def test_parity_with_transformers(tiny, numerics, tmp_path):
     assert a.attn_sinks and a.hidden_act == "swiglu_oai" and (a.swiglu_alpha, a.swiglu_limit) == (1.702, 0.6)
     assert (loaded.model.native_layers is not None) == (numerics == "portable")  # the one-call layers run it
     check_parity(f"tiny-gptoss-{numerics}", loaded, tiny, prompts_for(loaded.tokenizer, a.vocab_size))
+
+
+@pytest.mark.parametrize("numerics", ["portable", "host"])  # int8 rounds activations: its accuracy is int8's own
+def test_gguf_parity_with_transformers(tiny, tiny_gguf, numerics, tmp_path):
+    """llama.cpp's converter's file: its config from the file alone (gguf_config's gpt-oss map), every tensor
+    under its name (sinks, the router's and the stacked experts' biases), against transformers on the same values."""
+    loaded = load_model(tiny_gguf, max_model_len=512, cache_dir=str(tmp_path), numerics=numerics)
+    a = loaded.args
+    assert (a.num_experts, a.num_experts_per_tok, a.moe_intermediate_size, a.layer_windows) == (8, 2, 32, (16, 0))
+    assert (a.swiglu_alpha, a.swiglu_limit, a.attn_sinks, a.qkv_bias, a.o_bias) == (1.702, 7.0, True, True, True)
+    check_parity(f"tiny-gptoss-gguf-{numerics}", loaded, tiny_gguf, prompts_for(loaded.tokenizer, a.vocab_size),
+                 ref=gguf_reference(tiny))
 
 
 # A feature switched off in the adapter (ModelArgs fields to override). Softmax-then-top-k *with* renormalization is
@@ -91,9 +140,11 @@ def test_the_native_experts_follow_the_biases_of_the_checkpoint(tiny, tmp_path):
 # ---- batch invariance of the engine ---------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def int8(tiny, tmp_path_factory):
-    loaded = load_model(tiny, max_model_len=512, cache_dir=str(tmp_path_factory.mktemp("cache")))
-    assert loaded.numerics is not None and loaded.model.native_layers is not None
+def int8(tiny_gguf, tmp_path_factory):
+    loaded = load_model(tiny_gguf, max_model_len=512, cache_dir=str(tmp_path_factory.mktemp("cache")))
+    assert loaded.numerics is not None and loaded.numerics.mode == "int8" and loaded.model.native_layers is not None
+    gate_up = loaded.model.layers[0].moe.gate_up[0]
+    assert [p.format_name for p in gate_up.parts] == ["Q8_0 packed"]  # the experts' grouped int8 path
     engine = engine_for(loaded)
     result = run_selftest(engine)
     assert result.passed, result.detail

@@ -28,7 +28,7 @@ from .gguf_file import GgufFile, GgufTensor, read_gguf
 # A 3-D tensor of stacked experts (ggml ne = {K, N, E}) gets this HF name prefix; _split_experts turns it into the
 # per-expert names a checkpoint saves ("mlp.experts.{e}.gate_proj.weight"), each a view of its N rows.
 _STACKED = "mlp.experts."
-_STACKED_NAME = re.compile(r"(model\.layers\.\d+\.mlp\.experts\.)(gate_proj|up_proj|down_proj)\.weight")
+_STACKED_NAME = re.compile(r"(model\.layers\.\d+\.mlp\.experts\.)(gate_proj|up_proj|down_proj)\.(weight|bias)")
 # GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.").
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -54,6 +54,12 @@ _ARCH_LAYER_NAMES = {
     # OLMo 2 has no norm before attention or the MLP, only after each (and its q/k norms span all heads)
     "olmo2": {**{k: v for k, v in _LAYER_NAMES.items() if k not in ("attn_norm", "ffn_norm")}, **_QK_NORM_NAMES,
               "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
+    # gpt-oss: its MLP's input norm is post_attention_norm; the router and the stacked experts carry biases (a
+    # stacked bias is (N, E): one row of N per expert); attn_sinks are one logit per query head
+    "gpt-oss": {**{k: v for k, v in _LAYER_NAMES.items() if k != "ffn_norm"},
+                "post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks",
+                "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": _STACKED + "gate_proj", "ffn_up_exps": _STACKED + "up_proj",
+                "ffn_down_exps": _STACKED + "down_proj"},
     "smollm3": _LAYER_NAMES,  # Llama's names (its rope_freqs and attn_rot_embd are not written for it)
     "granite": _LAYER_NAMES,
 }
@@ -76,6 +82,8 @@ def hf_name(name: str, arch: str = "llama") -> str | None:
         names = _ARCH_LAYER_NAMES.get(arch, _LAYER_NAMES)
         if base not in names:
             raise UnsupportedFormat(f"{name}: tensor {base!r} is not part of a supported architecture")
+        if names[base].endswith(".sinks"):  # a parameter of its own in transformers, not a module's weight
+            return f"model.layers.{layer}.{names[base]}"
         return f"model.layers.{layer}.{names[base]}.{kind}"
     base, _, kind = name.rpartition(".")
     if base in _SKIPPED:
@@ -91,6 +99,11 @@ def _split_experts(name: str, w: QWeight | torch.Tensor, dims: list[int]) -> dic
     m = _STACKED_NAME.fullmatch(name)
     if m is None:
         return {name: w}
+    if m[3] == "bias":  # (N, E) in ggml order: expert e's N values, as float32 (gpt-oss)
+        if len(dims) != 2 or (isinstance(w, QWeight) and w.fmt != 0):
+            raise UnsupportedFormat(f"{name}: stacked expert biases must be 2-D F32 (N, experts), not {tuple(dims)}")
+        flat = (w.data.view(torch.float32) if isinstance(w, QWeight) else w).reshape(dims[1], dims[0])
+        return {f"{m[1]}{e}.{m[2]}.bias": flat[e].clone() for e in range(dims[1])}
     if len(dims) != 3:
         raise UnsupportedFormat(f"{name}: stacked experts must be 3-D (K, N, experts), not {tuple(dims)}")
     n = dims[1]

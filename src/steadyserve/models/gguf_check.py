@@ -86,7 +86,7 @@ def check_metadata(md: dict[str, Any], arch: str, n_tensors: int) -> None:
     if experts is not None and used is not None and used > experts:
         raise GgufConfigError(f"metadata key '{arch}.expert_used_count' is {used}: more than "
                               f"'{arch}.expert_count' {experts}")
-    if arch == "qwen3moe":  # llama.cpp reads all three for every qwen3moe file; absent, no model can be built
+    if arch in ("qwen3moe", "gpt-oss"):  # llama.cpp reads all three for every such file; absent, no model is built
         for name in ("expert_count", "expert_used_count", "expert_feed_forward_length"):
             if f"{arch}.{name}" not in md:
                 raise GgufConfigError(f"metadata key '{arch}.{name}' is missing: a {arch} file states its experts")
@@ -124,9 +124,10 @@ def _sources(md: dict[str, Any], arch: str, args: ModelArgs) -> dict[str, str]:
     return out
 
 
-def _expected(args: ModelArgs) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+def _expected(args: ModelArgs, arch: str) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
     """GGUF base name (after "blk.N.", or a global name) -> (shape in ggml order, the config fields it comes from),
-    for every weight the model builder reads with this config (the flags are the ones it reads: args.py)."""
+    for every weight the model builder reads with this config (the flags are the ones it reads: args.py) from a
+    file of `arch`."""
     h, f, d = args.hidden_size, args.intermediate_size, args.head_dim
     q, kv = args.num_heads * d, args.num_kv_heads * d
     hq, hkv = ("hidden_size", "num_heads", "head_dim"), ("hidden_size", "num_kv_heads", "head_dim")
@@ -141,9 +142,9 @@ def _expected(args: ModelArgs) -> dict[str, tuple[tuple[int, ...], tuple[str, ..
         layer.update({"attn_q": ((h, q), hq), "attn_k": ((h, kv), hkv), "attn_v": ((h, kv), hkv),
                       "ffn_gate": ((h, f), ("hidden_size", "intermediate_size")),
                       "ffn_up": ((h, f), ("hidden_size", "intermediate_size"))})
-    if any(args.layer_moe):  # llama.cpp's qwen3moe: every layer sparse (a dense one is refused as unread)
+    if any(args.layer_moe):  # llama.cpp's qwen3moe and gpt-oss: every layer sparse (a dense one is refused as unread)
         if not all(args.layer_moe):
-            raise GgufConfigError("a GGUF model with dense and sparse layers is not supported (llama.cpp's qwen3moe "
+            raise GgufConfigError(f"a GGUF model with dense and sparse layers is not supported (llama.cpp's {arch} "
                                   "makes every layer sparse)")
         e, fe = args.num_experts, args.moe_intermediate_size
         ex = ("hidden_size", "moe_intermediate_size", "num_experts")
@@ -152,8 +153,11 @@ def _expected(args: ModelArgs) -> dict[str, tuple[tuple[int, ...], tuple[str, ..
         layer.update({"ffn_gate_inp": ((h, e), ("hidden_size", "num_experts")),
                       "ffn_gate_exps": ((h, fe, e), ex), "ffn_up_exps": ((h, fe, e), ex),
                       "ffn_down_exps": ((fe, h, e), ex)})
-    if args.pre_norm:
-        layer.update({"attn_norm": ((h,), ("hidden_size",)), "ffn_norm": ((h,), ("hidden_size",))})
+    if args.pre_norm:  # gpt-oss names its MLP's input norm post_attention_norm
+        layer.update({"attn_norm": ((h,), ("hidden_size",)),
+                      "post_attention_norm" if arch == "gpt-oss" else "ffn_norm": ((h,), ("hidden_size",))})
+    if args.attn_sinks:
+        layer["attn_sinks"] = ((args.num_heads,), ("num_heads",))
     if args.sandwich_norm:
         layer.update({"post_attention_norm": ((h,), ("hidden_size",)), "post_ffw_norm": ((h,), ("hidden_size",))})
     if args.qk_norm:
@@ -166,6 +170,11 @@ def _expected(args: ModelArgs) -> dict[str, tuple[tuple[int, ...], tuple[str, ..
     out = {f"{base}.weight": v for base, v in layer.items()}
     out.update({f"{base}.bias": ((out[f"{base}.weight"][0][1],), out[f"{base}.weight"][1])
                 for base, on in biased if on and f"{base}.weight" in out})
+    if arch == "gpt-oss":  # the router's bias (E,), and each stacked expert matrix's (N, E): one row of N per expert
+        out["ffn_gate_inp.bias"] = ((args.num_experts,), ("num_experts",))
+        for base in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
+            (_, n, e), fields = out[f"{base}.weight"]
+            out[f"{base}.bias"] = ((n, e), fields)
     return out
 
 
@@ -174,7 +183,7 @@ def check_tensors(f: GgufFile, args: ModelArgs, native: bool) -> None:
     problem as a GgufConfigError (or UnsupportedFormat) naming the tensor and the key at fault."""
     arch = str(f.metadata["general.architecture"])
     why = _sources(f.metadata, arch, args)
-    layer = _expected(args)
+    layer = _expected(args, arch)
     vocab = ("hidden_size", "vocab_size")
     glob = {"token_embd.weight": ((args.hidden_size, args.vocab_size), vocab),
             "output_norm.weight": ((args.hidden_size,), ("hidden_size",)),

@@ -1,7 +1,8 @@
 """A GGUF file's metadata as a transformers config dict, where transformers' GGUF loader has no map.
 
 transformers reads the config of a llama, qwen2, qwen3, qwen3moe, gemma2, gemma3 or phi3 file
-(modeling_gguf_pytorch_utils.load_gguf_checkpoint); it refuses olmo2, smollm3 and granite files,
+(modeling_gguf_pytorch_utils.load_gguf_checkpoint); it refuses olmo2, smollm3 and granite files, fails on the
+gpt-oss files llama.cpp's converter writes (it reads the array behind a rope.scaling.* key as a scalar),
 and it drops Qwen3's `attention.key_length` (every Qwen3 file then gets Qwen3Config's head_dim
 of 128). This module is the project's own map for those, from the keys llama.cpp's
 convert_hf_to_gguf.py writes (gguf-py's `Keys`), to the fields of transformers' config class for
@@ -15,6 +16,11 @@ the architecture, so that a file loads on its own, without a config.json:
 - granite: `embedding_scale`, `residual_scale`, `attention.scale` and `logit_scale` (the
   converter's names for the four *_multiplier/logits_scaling fields, each written only when
   nonzero; absent, llama.cpp applies none, and 1/sqrt(head_dim) as the score scale);
+- gpt-oss: `expert_count`, `expert_used_count`, `expert_feed_forward_length` (the experts' width is the config's
+  intermediate_size), `attention.sliding_window`, and YaRN's `rope.scaling.yarn_beta_fast` / `_slow`. llama.cpp
+  hardcodes the rest: the window on even layers (its swa pattern of 2, transformers' default layer_types), the
+  SwiGLU's alpha 1.702 and limit 7.0, biases on attention; and YaRN as gpt-oss defines it (`truncate` false:
+  the correction range unrounded, as the model's own config.json says);
 - smollm3: no key. llama.cpp hardcodes the no-RoPE step (`hparams.n_no_rope_layer_step = 4`:
   layer i rotates unless (i + 1) % 4 == 0), which is SmolLM3Config's `no_rope_layer_interval`.
 
@@ -51,9 +57,11 @@ GGUF_ARCHITECTURES: dict[str, GgufArch] = {
     "olmo2": GgufArch("Olmo2ForCausalLM", "olmo2", own_map=True, permuted=False),  # Olmo2Model(TextModel): NEOX
     "smollm3": GgufArch("SmolLM3ForCausalLM", "smollm3", own_map=True, permuted=True),  # SmolLM3Model(LlamaModel)
     "granite": GgufArch("GraniteForCausalLM", "granite", own_map=True, permuted=True),  # GraniteModel(LlamaModel)
+    "gpt-oss": GgufArch("GptOssForCausalLM", "gpt_oss", own_map=True, permuted=False),  # GptOssModel(TextModel)
 }
 
 _SMOLLM3_NO_ROPE_STEP = 4  # llama.cpp src/llama-model.cpp, LLM_ARCH_SMOLLM3: no GGUF key holds it
+_GPTOSS_SWIGLU = {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}  # llama.cpp's LLM_ARCH_OPENAI_MOE graph: no key
 _ROPE_FREQ_BASE_DEFAULT = 10000.0  # llama.cpp's default where a file has no rope.freq_base
 
 
@@ -132,6 +140,9 @@ def _rope(md: dict[str, Any], arch: str) -> dict[str, Any]:
                   "original_max_position_embeddings": md[f"{arch}.rope.scaling.original_context_length"]}
         if (attn := md.get(f"{arch}.rope.scaling.yarn_attn_factor")) is not None:
             params["attention_factor"] = float(attn)
+        for key, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+            if (beta := md.get(f"{arch}.rope.scaling.{key}")) is not None:
+                params[name] = float(beta)
         return params
     raise GgufConfigError(f"GGUF architecture {arch!r}: rope.scaling.type {kind!r} is not supported")
 
@@ -158,8 +169,20 @@ def _granite(md: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
             "logits_scaling": float(md.get("granite.logit_scale", 1.0))}
 
 
+def _gptoss(md: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
+    cfg = _common(md, names, "gpt-oss")  # the three expert keys are there: gguf_check.check_metadata
+    n = cfg["num_hidden_layers"]
+    rope = {**cfg["rope_parameters"], "truncate": False}
+    return {**cfg, "rope_parameters": rope, "num_local_experts": md["gpt-oss.expert_count"],
+            "num_experts_per_tok": md["gpt-oss.expert_used_count"],
+            "intermediate_size": md["gpt-oss.expert_feed_forward_length"],
+            "sliding_window": md.get("gpt-oss.attention.sliding_window", 0),
+            "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)],
+            **_GPTOSS_SWIGLU}
+
+
 _OWN_MAPS: dict[str, Callable[[dict[str, Any], tuple[str, ...]], dict[str, Any]]] = {
-    "olmo2": _olmo2, "smollm3": _smollm3, "granite": _granite}
+    "olmo2": _olmo2, "smollm3": _smollm3, "granite": _granite, "gpt-oss": _gptoss}
 
 
 def own_config(md: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
