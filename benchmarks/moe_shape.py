@@ -1,4 +1,5 @@
-"""Qwen3-30B-A3B's shape (GGUF `qwen3moe`) at reduced depth, from random blocks, and its c=1 decode rate.
+"""Qwen3-30B-A3B's shape (GGUF `qwen3moe`) or gpt-oss-20b's (GGUF `gpt-oss`), from random blocks, at full or
+reduced depth, and its c=1 decode rate.
 
 The file: random_blocks_gguf.py's method (llama.cpp's Q4_K_M table, each block random bytes from a fixed seed with
 small finite scales, written tensor by tensor: no full-precision copy, nothing the model's size in memory), at the
@@ -7,6 +8,11 @@ vocabulary 151,936, QK-norm; the router (`ffn_gate_inp`) F32 as llama.cpp keeps 
 `ffn_down_exps` Q6_K in llama.cpp's "more bits" layers, as for a dense model's ffn_down. Only `--layers` of the 48
 (default 4): the experts are 0.35-0.39 GB a layer at Q4_K_M, so a full file (17 GB) does not fit next to its int8
 panels on a 24 GiB machine. The values are not a trained model's (the router picks experts at random): speed only.
+
+`--shape gpt-oss-20b`: 24 layers, hidden 2880, 64 heads of 64 over 8 KV heads, 32 experts of width 2880 of which 4
+are used, vocabulary 201,088, biases on attention, router and experts, attention sinks, a 128-token window on even
+layers, YaRN; the experts MXFP4 as gpt-oss ships them, the rest Q8_0 (llama-quantize's MXFP4_MOE), the router F32.
+The full file is 12.2 GB.
 
 `--decode N` then loads it on the default (int8) path and times N decode steps of one greedy stream after a
 warm-up, as benchmarks/step_profile.py does: the mean step, its tokens/s, and per layer (the step less the LM head,
@@ -31,6 +37,8 @@ from random_blocks_gguf import _more_bits, tokenizer_metadata, write_tensors
 
 SHAPE = dict(hidden=2048, heads=32, kv_heads=4, head_dim=128, experts=128, used=8, expert_ffn=768, vocab=151936,
              context=40960, rope_theta=1000000.0, layers=48)
+GPTOSS = dict(hidden=2880, heads=64, kv_heads=8, head_dim=64, experts=32, used=4, expert_ffn=2880, vocab=201088,
+              context=131072, rope_theta=150000.0, layers=24, window=128)
 
 
 def _tensors(s: dict, layers: int) -> list[tuple[str, tuple[int, ...], str]]:
@@ -49,6 +57,63 @@ def _tensors(s: dict, layers: int) -> list[tuple[str, tuple[int, ...], str]]:
                 (p + "attn_q.weight", (h, q), "Q4_K"), (p + "attn_v.weight", (h, kv), more)]
     out += [("output_norm.weight", (h,), "F32"), ("output.weight", (h, s["vocab"]), "Q6_K")]
     return out
+
+
+def _gptoss_tensors(s: dict, layers: int) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, ggml shape, type) in llama.cpp's order for gpt-oss (its converter's names)."""
+    h, d, e, f = s["hidden"], s["head_dim"], s["experts"], s["expert_ffn"]
+    q, kv = s["heads"] * d, s["kv_heads"] * d
+    out = [("token_embd.weight", (h, s["vocab"]), "Q8_0")]
+    for i in range(layers):
+        p = f"blk.{i}."
+        out += [(p + "attn_norm.weight", (h,), "F32"), (p + "attn_q.weight", (h, q), "Q8_0"),
+                (p + "attn_q.bias", (q,), "F32"), (p + "attn_k.weight", (h, kv), "Q8_0"), (p + "attn_k.bias", (kv,), "F32"),
+                (p + "attn_v.weight", (h, kv), "Q8_0"), (p + "attn_v.bias", (kv,), "F32"),
+                (p + "attn_output.weight", (q, h), "Q8_0"), (p + "attn_output.bias", (h,), "F32"),
+                (p + "attn_sinks.weight", (s["heads"],), "F32"), (p + "post_attention_norm.weight", (h,), "F32"),
+                (p + "ffn_gate_inp.weight", (h, e), "F32"), (p + "ffn_gate_inp.bias", (e,), "F32"),
+                (p + "ffn_gate_exps.weight", (h, f, e), "MXFP4"), (p + "ffn_gate_exps.bias", (f, e), "F32"),
+                (p + "ffn_up_exps.weight", (h, f, e), "MXFP4"), (p + "ffn_up_exps.bias", (f, e), "F32"),
+                (p + "ffn_down_exps.weight", (f, h, e), "MXFP4"), (p + "ffn_down_exps.bias", (h, e), "F32")]
+    out += [("output_norm.weight", (h,), "F32"), ("output.weight", (h, s["vocab"]), "Q8_0")]
+    return out
+
+
+def write_gptoss(layers: int, out: Path, seed: int = 0) -> Path:
+    from gguf import GGUFWriter, RopeScalingType
+
+    from steadyserve.models.loader import default_model_path
+
+    s = GPTOSS
+    path = out / f"gpt-oss-20b-{layers}of{s['layers']}-random-blocks-MXFP4.gguf"
+    if path.exists():
+        return path
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    writer = GGUFWriter(str(tmp), "gpt-oss")
+    tokenizer_metadata(writer, s["vocab"], Path(default_model_path()))
+    writer.add_name("random blocks")
+    writer.add_block_count(layers)
+    writer.add_context_length(s["context"])
+    writer.add_embedding_length(s["hidden"])
+    writer.add_feed_forward_length(s["expert_ffn"])
+    writer.add_head_count(s["heads"])
+    writer.add_head_count_kv(s["kv_heads"])
+    writer.add_rope_freq_base(s["rope_theta"])
+    writer.add_rope_scaling_type(RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(32.0)
+    writer.add_rope_scaling_orig_ctx_len(4096)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_key_length(s["head_dim"])
+    writer.add_value_length(s["head_dim"])
+    writer.add_expert_count(s["experts"])
+    writer.add_expert_used_count(s["used"])
+    writer.add_expert_feed_forward_length(s["expert_ffn"])
+    writer.add_sliding_window(s["window"])
+    writer.add_file_type(38)  # MOSTLY_MXFP4_MOE
+    write_tensors(writer, _gptoss_tensors(s, layers), seed)
+    tmp.rename(path)
+    return path
 
 
 def write(layers: int, out: Path, seed: int = 0) -> Path:
@@ -201,6 +266,7 @@ def bound(path: Path, decode: int, threads: int, cache: Path, llama_cpp: Path | 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", choices=["qwen3-30b-a3b", "gpt-oss-20b"], default="qwen3-30b-a3b")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--out", type=Path, default=Path.home() / ".cache" / "steadyserve" / "bench-models")
     p.add_argument("--decode", type=int, default=0, help="time this many c=1 decode steps (0: only write the file)")
@@ -210,7 +276,7 @@ def main() -> None:
                    "file, both against the read-bandwidth bound (--json then names the results file)")
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args()
-    path = write(a.layers, a.out)
+    path = (write_gptoss if a.shape == "gpt-oss-20b" else write)(a.layers, a.out)
     print(path)
     if a.decode:
         import datetime

@@ -30,8 +30,11 @@ SHAPES = {
     "llama3.1-8b": dict(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256, tied=False,
                         rope_theta=500000.0, context=131072, llama3_rope=True),
 }
-# (block weights, block bytes, byte offsets of the float16 scales in a block)
-_BLOCKS = {"Q4_K": (256, 144, (0, 2)), "Q6_K": (256, 210, (208,))}
+# (block weights, block bytes, byte offsets of the float16 scales in a block); MXFP4's one scale is an E8M0 byte
+_BLOCKS = {"Q4_K": (256, 144, (0, 2)), "Q6_K": (256, 210, (208,)), "Q8_0": (32, 34, (0,)), "MXFP4": (32, 17, ())}
+# MXFP4's exponent bytes: 2^(e - 128) times integers up to 12, so weights up to 0.09 (as a trained layer's), and every
+# scale within binary16's range (the int8 family packs it exactly there)
+_E8M0 = (117, 123)
 
 
 def _more_bits(layer: int, layers: int) -> bool:
@@ -68,6 +71,8 @@ def _data(shape: tuple[int, ...], kind: str, rng: np.random.Generator) -> np.nda
     for at in scales:  # finite, small: the values of a normal-ish weight matrix
         d = (rng.random((rows, blocks), dtype=np.float32) * 2e-3 + 1e-4).astype(np.float16)
         raw[:, :, at:at + 2] = d.view(np.uint8).reshape(rows, blocks, 2)
+    if kind == "MXFP4":
+        raw[:, :, 0] = rng.integers(*_E8M0, (rows, blocks), dtype=np.uint8)
     return raw.reshape(rows, blocks * nbytes)
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -31,6 +32,7 @@ from steadyserve.models.loader import load_model
 from steadyserve.testing import build_tiny_model
 from steadyserve.testing.drift import install_batch_drift
 from steadyserve.testing.llama_converter import convert as llama_cpp_convert
+from steadyserve.testing.server import ServerProcess
 from test_engine_invariance import engine_for
 from test_models_parity import check_parity, prompts_for
 
@@ -216,3 +218,19 @@ def test_the_clamped_swiglu_kernel_is_transformers_gate_and_elementwise():
     for rows in (slice(0, 1), slice(5, 21)):
         assert torch.equal(torch.ops.steadyserve.qswiglu_oai_mul(gate_up[rows].contiguous(), 1.702, 3.0, -1),
                            ours[rows])
+
+
+# ---- one real server -------------------------------------------------------------------------------------------------
+
+def test_a_server_answers_chat_with_the_gptoss_gguf(tiny_gguf):
+    """The converter's file behind the real server: a chat completion through the file's own template, its
+    fingerprint naming the batch-invariant int8 path."""
+    with ServerProcess(tiny_gguf, "--max-model-len", "512") as s:
+        r = httpx.post(f"http://127.0.0.1:{s.http_port}/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "The quick brown fox"}], "max_tokens": 8, "temperature": 0,
+            "logprobs": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    choice = body["choices"][0]
+    assert choice["finish_reason"] in ("length", "stop") and choice["logprobs"]["content"]
+    assert body["system_fingerprint"].endswith("-bi") and "-i" in body["system_fingerprint"]
