@@ -192,3 +192,36 @@ def test_the_own_gguf_map_refuses_what_it_cannot_read_naming_it():
     with pytest.raises(GgufConfigError, match=r"rope.scaling.type 'longrope' is not supported"):
         own_config(_metadata("granite", **{"granite.rope.scaling.type": "longrope",
                                            "granite.rope.scaling.factor": 2.0}), ())
+
+
+def test_an_mxfp4_matrix_is_read_as_stored_blocks_and_an_unknown_type_is_still_refused(tmp_path):
+    """gpt-oss stores its experts as MXFP4 (GGML type 39): the reader gives a QWeight over the file's blocks, bitwise
+    gguf-py's values; a type with no kernel (Q2_K) keeps its refusal naming the tensor, the type and the list."""
+    import gguf
+    import numpy as np
+
+    from steadyserve.kernels import load
+    from steadyserve.kernels.quant import FORMAT_IDS, UnsupportedFormat
+    from steadyserve.models.gguf import stored_tensor
+    from steadyserve.models.gguf_file import read_gguf
+
+    assert load().available, load().detail  # QWeight.dequantize is the native qdequant
+
+    rng = np.random.default_rng(0)
+    mx = gguf.quants.quantize(rng.standard_normal((32, 64)).astype(np.float32), gguf.GGMLQuantizationType.MXFP4)
+    path = tmp_path / "mx.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tensor("blk.0.ffn_up.weight", mx, raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+    w.add_tensor("blk.0.ffn_down.weight", rng.integers(0, 256, (32, 84), dtype=np.uint8),
+                 raw_dtype=gguf.GGMLQuantizationType.Q2_K)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    up, down = read_gguf(path).tensors
+    qw = stored_tensor(up)
+    assert qw.fmt == FORMAT_IDS["MXFP4"] == 39 and (qw.n, qw.k) == (32, 64) and qw.format_name == "MXFP4"
+    assert torch.equal(qw.dequantize(), torch.from_numpy(gguf.quants.dequantize(mx, gguf.GGMLQuantizationType.MXFP4)))
+    with pytest.raises(UnsupportedFormat, match=r"blk\.0\.ffn_down\.weight: GGUF type Q2_K has no native kernel "
+                                                r"\(supported: .*MXFP4.*\); --numerics host dequantizes it"):
+        stored_tensor(down)

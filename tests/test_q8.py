@@ -13,16 +13,18 @@ What it promises, on any x86-64 machine:
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from cpu_builds import INT8_BUILDS, NAMES
-from test_qmm import _qweight, _reference_values
+from test_qmm import _qweight, _reference_values, documented_matmul, fma32
 
 from steadyserve.kernels import load
 from steadyserve.kernels.build import load_test_ops
-from steadyserve.kernels.quant import FORMAT_IDS, FORMATS, PACKABLE, PACKED, QMatrix
+from steadyserve.kernels.quant import FORMAT_IDS, FORMATS, PACKABLE, PACKED, QMatrix, QWeight
 
 pytestmark = pytest.mark.skipif(not load().available, reason="native kernels not built")
+gguf = pytest.importorskip("gguf")
 OPS = torch.ops.steadyserve
 if load().available:
     load_test_ops()  # q8quantize, qlog_softmax, kv_*: the test-only ops' own library
@@ -128,8 +130,8 @@ def test_the_integer_sums_are_exact_dot_products_of_the_quantized_operands(name)
 # Each format's stored-integer bytes within its GGUF block: set to EXTREME, every stored integer is its largest
 # (15, 31, 63), or for Q8_0 -128 (|w| = 128, the sign trick's largest operand). The scale fields stay sane.
 QUANT_BYTES = {"Q4_0": (2, 18), "Q4_1": (4, 20), "Q5_0": (2, 22), "Q8_0": (2, 34), "Q4_K": (16, 144),
-               "Q5_K": (16, 176), "Q6_K": (0, 192)}
-EXTREME = {"Q8_0": 0x80}
+               "Q5_K": (16, 176), "Q6_K": (0, 192), "MXFP4": (1, 17)}
+EXTREME = {"Q8_0": 0x80, "MXFP4": 0x77}  # MXFP4: nibble 7, kvalue 12, the largest stored u = 28
 
 
 @pytest.mark.parametrize("name", PACKABLE_NAMES)
@@ -207,4 +209,98 @@ def test_packed_matrices_cost_their_gguf_size():
     for name in PACKABLE_NAMES:
         qw = _qweight(FORMAT_IDS[name], 32, 512, seed=13)
         ratio = OPS.q8pack(qw.data, qw.fmt, qw.k).numel() / qw.data.numel()
+        if name == "MXFP4":  # Q5_0's record: a fifth bit per value and a binary16 scale, 22 bytes per 17 (q8.h)
+            assert ratio == 22 / 17, ratio
+            continue
         assert 1.0 <= ratio <= 1.03, (name, ratio)  # K-quants keep their 6-bit scales as bytes (q8.h)
+
+
+# ---- MXFP4: exact scales only (csrc/formats.h) ----------------------------------------------------------------------
+
+def _mxfp4(e: np.ndarray, seed: int) -> QWeight:
+    """An MXFP4 matrix of random nibbles with the exponents `e` (N, K / 32)."""
+    blocks = np.random.default_rng(seed).integers(0, 256, size=(*e.shape, 17), dtype=np.uint8)
+    blocks[..., 0] = e
+    return QWeight(torch.from_numpy(blocks.reshape(e.shape[0], -1)), FORMAT_IDS["MXFP4"], 32 * e.shape[1], "mx")
+
+
+def _documented_int8_chain(qw: QWeight, x: torch.Tensor) -> torch.Tensor:
+    """q8.h's chain for MXFP4 in NumPy: I_c = sum kvalue q exactly, t = float(I_c) * dx, acc = fma(a, t, acc) with
+    a = 2^(e - 128) (gguf-py's e8m0_to_fp32_half), blocks in ascending order."""
+    xq, dx = (t.numpy() for t in OPS.q8quantize(x))
+    blocks = qw.data.numpy().reshape(qw.n, -1, 17)
+    kv = np.array(gguf.quants.MXFP4.kvalues, np.int64)
+    vals = np.concatenate([kv[blocks[..., 1:] & 15], kv[blocks[..., 1:] >> 4]], axis=-1)  # (N, C, 32)
+    a = gguf.quants.MXFP4.e8m0_to_fp32_half(blocks[..., 0])  # (N, C) float32
+    dots = np.einsum("ncj,mcj->mnc", vals, xq.astype(np.int64).reshape(x.shape[0], -1, 32))
+    acc = np.zeros((x.shape[0], qw.n), np.float32)
+    for c in range(dots.shape[2]):
+        acc = fma32(a[None, :, c], dots[..., c].astype(np.float32) * dx[:, None, c], acc)
+    return torch.from_numpy(acc)
+
+
+def test_mxfp4_packs_its_exact_scales_and_gives_the_documented_chain_on_every_build():
+    """The extreme exponents the panels hold (104: 2^-24, a subnormal binary16; 143: 2^15) and every one between,
+    against q8.h's chain computed in NumPy from gguf-py's own decode: a scale rounded on its way into the panels, a
+    wrong zero point or nibble order changes these bits."""
+    e = (104 + np.arange(32 * 8) % 40).astype(np.uint8).reshape(32, 8)  # each of the 40, mixed within rows
+    qw = _mxfp4(e, seed=15)
+    assert qw.packs
+    packed = qw.pack()
+    assert packed.packed
+    x = torch.randn(9, qw.k, generator=torch.Generator().manual_seed(16))
+    want = _documented_int8_chain(qw, x)
+    threads = torch.get_num_threads()
+    try:
+        for isa in BUILDS:
+            for n_threads in sorted({1, threads}):
+                torch.set_num_threads(n_threads)
+                for rows in (1, 4, 9):
+                    got = _mm(packed.data, qw.fmt, x[:rows], isa)
+                    assert torch.equal(_bits(got), _bits(want[:rows])), (isa, n_threads, rows)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("exponent", [0, 103, 144, 200])
+def test_an_mxfp4_scale_no_binary16_holds_keeps_the_matrix_on_the_float32_family(exponent):
+    """One block outside [104, 143] with a nonzero value: packing would round its scale, so the matrix is not
+    packed (QWeight.pack, QMatrix.packed, the packed cache's plan), q8pack refuses it by name, and the float32
+    family gives it the documented order on gguf-py's values, bitwise."""
+    from steadyserve.models.packed_cache import packed_plan
+
+    e = np.full((32, 4), 120, np.uint8)
+    e[17, 2] = exponent
+    qw = _mxfp4(e, seed=17)
+    qw.data.view(32, 4, 17)[17, 2, 1] = 0x31  # a nonzero value in that block, whatever the random bytes were
+    assert not qw.packs and qw.pack() is qw
+    m = QMatrix([qw]).packed()
+    assert not m.parts[0].packed and packed_plan(QMatrix([qw])) == [("mx", FORMAT_IDS["MXFP4"], 128, 32)]
+    with pytest.raises(RuntimeError, match=f"q8pack: MXFP4 row 17, block 2 has exponent {exponent}: its scale is no "
+                                           "binary16"):
+        OPS.q8pack(qw.data, qw.fmt, qw.k)
+    x = torch.randn(5, qw.k, generator=torch.Generator().manual_seed(18))
+    want = torch.from_numpy(documented_matmul(x.numpy(), _reference_values(qw).numpy()))
+    assert torch.equal(_bits(m(x)), _bits(want))
+
+
+def test_mxfp4_all_zero_blocks_pack_whatever_their_exponent():
+    """gguf-py (as llama.cpp) writes e = 0 for a block of zeros: such a block, or one of +-0 nibbles under any
+    exponent, packs with d = +0 (formats.h), and the outputs are those of the same matrix with an exact scale there."""
+    w = np.random.default_rng(19).standard_normal((32, 256)).astype(np.float32) * 0.05
+    w[3, 64:96] = 0.0  # gguf-py: e = 0
+    w[20, :32] = 0.0
+    raw = np.ascontiguousarray(gguf.quants.quantize(w, gguf.GGMLQuantizationType.MXFP4)).view(np.uint8)
+    qw = QWeight(torch.from_numpy(raw.reshape(32, -1).copy()), FORMAT_IDS["MXFP4"], 256, "mx")
+    blocks = qw.data.view(32, 8, 17)
+    assert blocks[3, 2, 0] == 0 and blocks[20, 0, 0] == 0
+    blocks[7, 5, 0], blocks[7, 5, 1:] = 255, torch.tensor([0x08, 0x80, 0x88, 0x00] * 4, dtype=torch.uint8)  # -0s, 2^127
+    assert qw.packs
+    exact = qw.data.clone()
+    exact.view(32, 8, 17)[[3, 20, 7], [2, 0, 5], 0] = 128  # the same zeros under an in-range scale
+    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(20))
+    want = _mm(OPS.q8pack(exact, qw.fmt, 256), qw.fmt, x, 0)
+    got_packed = qw.pack()
+    assert got_packed.packed
+    for isa in BUILDS:
+        assert torch.equal(_bits(_mm(got_packed.data, qw.fmt, x, isa)), _bits(want)), isa

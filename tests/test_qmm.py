@@ -20,7 +20,7 @@ from cpu_builds import FLOAT_BUILDS, NAMES
 
 from steadyserve.kernels import load
 from steadyserve.kernels.build import load_test_ops
-from steadyserve.kernels.quant import FORMAT_IDS, FORMATS, QMatrix, QWeight, UnsupportedFormat
+from steadyserve.kernels.quant import FORMAT_IDS, FORMATS, MXFP4_EXPONENTS, QMatrix, QWeight, UnsupportedFormat
 
 pytestmark = pytest.mark.skipif(not load().available, reason="native kernels not built")
 gguf = pytest.importorskip("gguf")
@@ -37,6 +37,11 @@ def _random_blocks(fmt: int, n: int, k: int, g: np.random.Generator) -> np.ndarr
     name, block, nbytes = FORMATS[fmt]
     w = g.standard_normal((n, k)).astype(np.float32) * 0.05
     qtype = gguf.GGMLQuantizationType[name]
+    if name == "MXFP4":  # random nibbles (+-0 and +-12 among them); exponents across the range binary16 holds
+        raw = g.integers(0, 256, size=(n, k // block, nbytes), dtype=np.uint8)
+        raw[..., 0] = g.integers(MXFP4_EXPONENTS.start, MXFP4_EXPONENTS.stop, size=(n, k // block))
+        raw[0::2, 0, 0], raw[1::2, -1, 0] = MXFP4_EXPONENTS[0], MXFP4_EXPONENTS[-1]  # its two ends, in every row
+        return raw.reshape(n, -1)
     if name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0"):
         return np.ascontiguousarray(gguf.quants.quantize(w, qtype)).view(np.uint8).reshape(n, -1)
     raw = g.integers(0, 256, size=(n, k // block, nbytes), dtype=np.uint8)
@@ -57,6 +62,34 @@ def _qweight(fmt: int, n: int, k: int, seed: int = 0) -> QWeight:
 def _reference_values(qw: QWeight) -> torch.Tensor:
     qtype = gguf.GGMLQuantizationType[qw.format_name]
     return torch.from_numpy(gguf.quants.dequantize(qw.data.numpy(), qtype).astype(np.float32)).reshape(qw.n, qw.k)
+
+
+def fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """IEEE binary32 fma (one rounding of a * b + c), exactly, in NumPy: the product is exact in float64 (24 + 24
+    bits), TwoSum finds the sum's rounding error, and rounding the float64 sum to odd where it was inexact makes its
+    conversion to float32 round as the exact value would (float64 keeps 29 bits more)."""
+    p = np.asarray(a, np.float64) * np.asarray(b, np.float64)
+    c = np.asarray(c, np.float64)
+    s = p + c
+    bp = s - c
+    err = (p - bp) + (c - (s - bp))  # s + err == p + c exactly
+    even = (s.view(np.int64) & 1) == 0
+    s = np.where((err != 0) & even, np.nextafter(s, np.where(err > 0, np.inf, -np.inf)), s)
+    return s.astype(np.float32)
+
+
+def documented_matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """qmm.h's reduction order, step by step in NumPy: (M, K) float32 x (N, K) float32 values -> (M, N). Lane j
+    fmas the k with k % 16 == j in ascending k, then the fixed tree."""
+    m, k = x.shape
+    xl, wl = x.reshape(m, k // 16, 16), w.reshape(w.shape[0], k // 16, 16)
+    acc = np.zeros((m, w.shape[0], 16), np.float32)
+    for step in range(k // 16):
+        acc = fma32(xl[:, None, step], wl[None, :, step], acc)
+    s8 = acc[..., :8] + acc[..., 8:]
+    s4 = s8[..., :4] + s8[..., 4:]
+    s2 = s4[..., :2] + s4[..., 2:]
+    return s2[..., 0] + s2[..., 1]
 
 
 def _mm(qw: QWeight, x: torch.Tensor, isa: int = -1) -> torch.Tensor:
@@ -148,6 +181,44 @@ def test_every_vector_build_gives_the_scalar_builds_bits(name, isa):
     assert torch.equal(_mm(qw, x, isa), full), (name, isa)
     for m in (1, 2, 3, 4, 5, 8, 9):  # each side of every build's register rows (1, 4, 8)
         assert torch.equal(_mm(qw, x[:m], isa), full[:m]), (name, isa, m)
+
+
+@pytest.mark.parametrize("name", ALL_FORMATS)
+def test_the_bits_are_the_documented_order_on_gguf_pys_values(name):
+    """qmm.h's order computed in NumPy (exact fma) on gguf-py's dequantized values gives every build's bits: the
+    decode and the order both, with no tolerance. M = 3 (registers) and 9 (the panel path)."""
+    qw = _qweight(FORMAT_IDS[name], 20, 256, seed=6)
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(7))
+    want = torch.from_numpy(documented_matmul(x.numpy(), _reference_values(qw).numpy()))
+    for isa in BUILDS:
+        for m in (3, 9):
+            assert torch.equal(_mm(qw, x[:m], isa).view(torch.int32), want[:m].view(torch.int32)), (name, isa, m)
+
+
+def _mxfp4_every_exponent_and_nibble() -> QWeight:
+    """256 rows, row e: exponent e in every block, and every pair of nibbles (byte values 0..255, so +0 with -0,
+    -0 with +-12, ...) in its 16 blocks: every value the format has, from 2^-128 (subnormal) to inf (12 * 2^127)."""
+    blocks = np.zeros((256, 16, 17), np.uint8)
+    blocks[..., 0] = np.arange(256, dtype=np.uint8)[:, None]
+    blocks[..., 1:] = np.arange(256, dtype=np.uint8).reshape(16, 16)[None]
+    return QWeight(torch.from_numpy(blocks.reshape(256, -1)), FORMAT_IDS["MXFP4"], 512, "MXFP4")
+
+
+def test_mxfp4_decodes_every_exponent_and_nibble_as_gguf_py_in_every_build():
+    qw = _mxfp4_every_exponent_and_nibble()
+    with np.errstate(over="ignore"):  # 8 * 2^127 and up: inf, as the kernels' product gives it
+        ref = _reference_values(qw)
+    assert torch.isinf(ref).any() and (ref[:2] != 0).any() and (ref.view(torch.int32) == 0).any()
+    for isa in BUILDS:
+        got = OPS.qdequant(qw.data, qw.fmt, qw.k, torch.arange(qw.n), isa)
+        assert torch.equal(got.view(torch.int32), ref.view(torch.int32)), isa
+    # The float32 family multiplies them in the documented order in every build: the rows up to e = 239, whose
+    # sums stay finite (an inf meeting a -inf would give a NaN, whose bits are not promised).
+    finite = QWeight(qw.data[:240].contiguous(), qw.fmt, qw.k, "MXFP4")
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(8))
+    want = torch.from_numpy(documented_matmul(x.numpy(), ref[:240].numpy()))
+    for isa in BUILDS:
+        assert torch.equal(_mm(finite, x, isa).view(torch.int32), want.view(torch.int32)), isa
 
 
 @pytest.mark.parametrize("name", ["Q4_1", "Q8_0", "Q6_K"])

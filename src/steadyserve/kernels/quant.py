@@ -19,13 +19,16 @@ import torch
 FORMATS: dict[int, tuple[str, int, int]] = {
     0: ("F32", 32, 128), 1: ("F16", 32, 64), 30: ("BF16", 32, 64), 8: ("Q8_0", 32, 34),
     2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
-    12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210),
+    12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 39: ("MXFP4", 32, 17),
 }
 FORMAT_IDS = {name: fmt for fmt, (name, _, _) in FORMATS.items()}
 # The int8 family (csrc/q8.h) reads these formats from 16-row panels packed once at load; a packed
 # matrix's format id is PACKED + its GGML type. F32/F16/BF16 stay on the float32 family.
 PACKED = 256
-PACKABLE = frozenset(FORMAT_IDS[n] for n in ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"))
+PACKABLE = frozenset(FORMAT_IDS[n] for n in ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4"))
+# MXFP4's E8M0 exponents e whose scale 2^(e - 128) a binary16 holds exactly (csrc/formats.h): the int8 family packs
+# an MXFP4 matrix only where every block's e is in this range or its 32 values are all +-0 (QWeight.packs).
+MXFP4_EXPONENTS = range(104, 144)
 _TORCH_FORMATS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
 
 
@@ -55,10 +58,27 @@ class QWeight:
         """Panels for the int8 family (csrc/q8.h), not the GGUF's rows."""
         return self.fmt >= PACKED
 
+    @property
+    def packs(self) -> bool:
+        """Whether pack() makes panels of this matrix: a packable format, whole panels of 16 rows, and for MXFP4
+        every block's scale exact as the binary16 the panels hold (csrc/formats.h; MXFP4_EXPONENTS), or the block
+        all zeros. An MXFP4 matrix with any other block stays on the float32 family, whose decode is exact for every
+        exponent: a rounded scale would change its values. Reads one byte per block (the exponents), and the
+        nibbles of the blocks outside the range."""
+        if self.packed or self.fmt not in PACKABLE or self.n % 16:
+            return False
+        if FORMATS[self.fmt][0] != "MXFP4":
+            return True
+        blocks = self.data.reshape(self.n, -1, 17)
+        e = blocks[..., 0]
+        outside = (e < MXFP4_EXPONENTS.start) | (e >= MXFP4_EXPONENTS.stop)
+        return not outside.any() or not (blocks[outside][:, 1:] & 0x77).any()  # 0x77: the nibbles' magnitudes
+
     def pack(self) -> QWeight:
         """This matrix as the int8 family's panels (a new copy, about the GGUF's size), or itself where that
-        family has no kernel for it (F16/BF16/F32, or N not a multiple of 16): it stays on the float32 path."""
-        if self.packed or self.fmt not in PACKABLE or self.n % 16:
+        family has no kernel for it (F16/BF16/F32, N not a multiple of 16, an MXFP4 scale no binary16 holds:
+        `packs`): it stays on the float32 path."""
+        if not self.packs:
             return self
         return QWeight(torch.ops.steadyserve.q8pack(self.data, self.fmt, self.k), PACKED + self.fmt, self.k, self.name)
 

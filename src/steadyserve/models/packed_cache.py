@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from ..kernel_versions import KERNELS
-from ..kernels.quant import PACKABLE, PACKED, QMatrix, QWeight
+from ..kernels.quant import PACKED, QMatrix, QWeight
 from ..progress import Progress
 
 MAGIC = b"SSQ8PCK1"  # the last 8 bytes of a cache file; the 1 is the layout's version
@@ -90,7 +90,7 @@ def packed_plan(m: QMatrix) -> list[tuple[str, int, int, int]]:
     file must hold for it."""
     out: list[tuple[str, int, int, int]] = []
     for p in m.parts:
-        packs = p.packed or (p.fmt in PACKABLE and p.n % 16 == 0)
+        packs = p.packed or p.packs
         fmt = p.fmt if p.packed or not packs else PACKED + p.fmt
         if out and packs and out[-1][1] == fmt:
             name, _, k, n = out[-1]

@@ -14,7 +14,7 @@
 //   b = m, or -(dmin * mn)). Q6_K keeps its two int8 sub-scales sc_lo, sc_hi as integers.
 //   For one output y[m, n], blocks c in ascending order, acc starting at +0:
 //     I_c = sum_k (u_k - z) * q_k, exact in int32 whatever order or instruction computes it
-//           (z: 8 for Q4_0, 16 for Q5_0, 0 otherwise; for Q6_K, sc_lo * sum over the first 16 of
+//           (z: 8 for Q4_0, 16 for Q5_0 and MXFP4, 0 otherwise; for Q6_K, sc_lo * sum over the first 16 of
 //           (u - 32) q + sc_hi * sum over the last 16). |I_c| < 2^25: no overflow (bounds in q8_pack.cpp).
 //     t   = float(I_c) * dx_c                   (one rounding; float() rounds to nearest even)
 //     acc = fma(a_c, t, acc)                    (one rounding)
@@ -62,9 +62,11 @@ struct PackedLayout {
 // Then the GGUF's own scale fields, the 16 rows side by side (binary16 as stored, 6-bit scales as bytes),
 // from which a and b are computed at each use with gguf-py's operations:
 //   Q4_0, Q5_0, Q8_0: d[16] (a = d).          Q4_1: d[16], m[16] (a = d, b = m).
+//   MXFP4: d[16] = 2^(e - 128) as binary16, exactly (formats.h says which exponents pack; a = d).
 //   Q4_K, Q5_K: d[16], dmin[16], sc[8][16], mn[8][16] uint8 (block s: a = d * sc[s], b = -(dmin * mn[s])).
 //   Q6_K: d[16], sc[16][16] int8 (a = d; block s: sc_lo = sc[2 s], sc_hi = sc[2 s + 1]).
-// A packed matrix is as large as the GGUF's (K-quants: 2-3% more, the 6-bit scales as bytes).
+// A packed matrix is as large as the GGUF's (K-quants: 2-3% more, the 6-bit scales as bytes), except MXFP4's: 22
+// bytes per 17 (Q5_0's record: a fifth bit per value, a binary16 d for the exponent byte).
 bool packed_layout(int32_t ggml_type, PackedLayout* out);
 
 // How far ahead of its reads a thread asks for its weight stream (q8_unpack.h's prefetch_ahead), in bytes; 0: no
@@ -91,6 +93,9 @@ struct Q8Args {
   Prefetch ahead;         // this CPU's prefetch distances
 };
 
+// Whether every block of an MXFP4 matrix packs exactly (formats.h's mxfp4_packs); else false, with the first block
+// that does not (row, block). pack() takes an MXFP4 matrix only where this holds (q8pack checks it).
+bool mxfp4_packable(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, int64_t* bad_row, int64_t* bad_block);
 // Repacks N rows (N a multiple of 16) of a GGUF matrix into panels (q8_pack.cpp).
 void pack(int32_t ggml_type, const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, uint8_t* out);
 // Quantizes rows [m0, m1) of x (row stride x_stride) as the order above says: q8_quantize.h, compiled in every

@@ -5,7 +5,8 @@
 // Q8_0: 32 * 128 * 127 = 520192; Q6_K: 2 * 128 * 16 * 32 * 127 = 16646144 < 2^25. The AVX2 build's int16
 // pair sums (maddubs): 2 * 63 * 127 = 16002 for the unsigned formats, 2 * 128 * 127 = 32512 for Q8_0 through
 // the sign trick (|w| times x with w's sign): below 32767, so nothing saturates; it adds up to kSumRun of them in
-// int16 before widening (8, 4, 2 for 4, 5, 6 bits: at most 30480, 31496, 32004; q8_avx2.cpp).
+// int16 before widening (8, 4, 2 for 4, 5, 6 bits: at most 30480, 31496, 32004; q8_avx2.cpp). MXFP4 packs as a
+// 5-bit format (u = kvalue + 16 in [4, 28], |u - z| <= 12), inside the 5-bit bounds.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -35,17 +36,6 @@ struct Block {
   int8_t sc_hi = 0;
 };
 
-// The 6-bit scale and min of sub-block s of a Q4_K / Q5_K block (gguf-py get_scale_min; as qmm_body.h).
-void scale_min_k4(const uint8_t* sc, int s, int* scale, int* min) {
-  if (s < 4) {
-    *scale = sc[s] & 63;
-    *min = sc[s + 4] & 63;
-  } else {
-    *scale = (sc[s + 4] & 0xF) | ((sc[s - 4] >> 6) << 4);
-    *min = (sc[s + 4] >> 4) | ((sc[s] >> 6) << 4);
-  }
-}
-
 Block read_block(int32_t fmt, const uint8_t* row, int64_t c) {
   Block k;
   if (fmt == Q4_0 || fmt == Q4_1) {  // d * (q - 8) | d * q + m; weights 0-15 low nibbles, 16-31 high
@@ -67,11 +57,20 @@ Block read_block(int32_t fmt, const uint8_t* row, int64_t c) {
     const uint8_t* b = row + 34 * c;
     k.d = u16_at(b);
     std::memcpy(k.u, b + 2, 32);
+  } else if (fmt == MXFP4) {  // kvalue[q] * 2^(e - 128) as Q5_0's d * (u - 16): u = kvalue + 16
+    const uint8_t* b = row + 17 * c;
+    int8_t v[32];
+    steady_fmt::mxfp4_values(b, v);
+    for (int i = 0; i < 32; ++i) k.u[i] = uint8_t(v[i] + 16);
+    // d exactly; outside the binary16 range only an all-zero block reaches here (pack's caller checked
+    // mxfp4_packable), and its d = +0 changes no output (formats.h).
+    const bool exact = b[0] >= steady_fmt::kMxfp4MinExp && b[0] <= steady_fmt::kMxfp4MaxExp;
+    k.d = exact ? steady_fmt::e8m0_half_binary16(b[0]) : 0;
   } else if (fmt == Q4_K || fmt == Q5_K) {  // (d * sc) * q - (dmin * m)
     const int s = int(c % 8);
     const uint8_t* b = row + (fmt == Q4_K ? 144 : 176) * (c / 8);
     int sc, mn;
-    scale_min_k4(b + 4, s, &sc, &mn);
+    steady_fmt::scale_min_k4(b + 4, s, &sc, &mn);
     k.d = u16_at(b);
     k.m = u16_at(b + 2);
     k.sc = uint8_t(sc);
@@ -102,6 +101,18 @@ bool packed_layout(int32_t ggml_type, PackedLayout* out) {
   const steady_fmt::Traits* t = steady_fmt::traits(ggml_type);
   if (!t || t->bits == 0) return false;
   *out = {t->bits, t->zero, t->has_min, t->sub_scales, t->k_quant, steady_fmt::qbytes(t->bits), steady_fmt::record_bytes(*t)};
+  return true;
+}
+
+bool mxfp4_packable(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, int64_t* bad_row, int64_t* bad_block) {
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t c = 0; c < K / kBlock; ++c) {
+      if (!steady_fmt::mxfp4_packs(w + n * row_bytes + 17 * c)) {
+        *bad_row = n, *bad_block = c;
+        return false;
+      }
+    }
+  }
   return true;
 }
 

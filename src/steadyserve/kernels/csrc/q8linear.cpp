@@ -117,6 +117,12 @@ at::Tensor q8pack(const at::Tensor& w, int64_t fmt, int64_t K) {
   steady_qmm::Layout gguf;
   TORCH_CHECK(steady_qmm::layout_of(int32_t(fmt), &gguf) && w.size(1) == K / gguf.block * gguf.bytes, "q8pack: w has ",
               w.size(1), " bytes per row, GGML type ", fmt, " stores K = ", K, " in ", K / gguf.block * gguf.bytes);
+  int64_t bad_row = 0, bad_block = 0;  // MXFP4: no block may need a rounded scale (formats.h)
+  TORCH_CHECK(fmt != steady_fmt::MXFP4 || mxfp4_packable(w.data_ptr<uint8_t>(), w.size(1), N, K, &bad_row, &bad_block),
+              "q8pack: MXFP4 row ", bad_row, ", block ", bad_block, " has exponent ",
+              int(w.data_ptr<uint8_t>()[bad_row * w.size(1) + 17 * bad_block]),
+              ": its scale is no binary16, so the int8 family cannot hold it exactly (QWeight.pack keeps such a "
+              "matrix on the float32 family)");
   const int64_t panel_bytes = K / kBlock / (lay.k_quant ? 8 : 1) * lay.record;
   at::Tensor out = at::empty({N, panel_bytes / kPanel}, w.options());
   const int64_t row_bytes = w.size(1);

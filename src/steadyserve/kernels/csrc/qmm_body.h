@@ -48,17 +48,6 @@ inline F fexp(F x) { return fexp_bounded(fmin(fmax(x, fset1(-87.0f)), fset1(88.0
 // Each format uses gguf-py's operations in gguf-py's order (gguf/quants.py), so the values
 // equal its dequantizer's bitwise (tests/test_qmm.py checks it on real tensors).
 
-// The 6-bit scale and min of sub-block s (0..7) of a Q4_K / Q5_K block (gguf-py get_scale_min).
-inline void scale_min_k4(const uint8_t* sc, int s, int* scale, int* min) {
-  if (s < 4) {
-    *scale = sc[s] & 63;
-    *min = sc[s + 4] & 63;
-  } else {
-    *scale = (sc[s + 4] & 0xF) | ((sc[s - 4] >> 6) << 4);
-    *min = (sc[s + 4] >> 4) | ((sc[s] >> 6) << 4);
-  }
-}
-
 template <int FMT>
 inline void deq32(const uint8_t* row, int64_t c, F& lo, F& hi) {
   if constexpr (FMT == F32) {
@@ -104,7 +93,7 @@ inline void deq32(const uint8_t* row, int64_t c, F& lo, F& hi) {
     const int s = int(c % 8);
     const uint8_t* b = row + (FMT == Q4_K ? 144 : 176) * (c / 8);
     int sc, mn;
-    scale_min_k4(b + 4, s, &sc, &mn);
+    steady_fmt::scale_min_k4(b + 4, s, &sc, &mn);
     const F ds = fset1(half_at(b) * float(sc)), dm = fset1(half_at(b + 2) * float(mn));
     const uint8_t* qs = b + (FMT == Q4_K ? 16 : 48) + 32 * (s / 2);
     const int shift = 4 * (s % 2);
@@ -129,6 +118,13 @@ inline void deq32(const uint8_t* row, int64_t c, F& lo, F& hi) {
         isub(ior(iand(isrl(iload_u8(ql + 16), qs), 15), isll(iand(isrl(iload_u8(qh + 16), hs), 3), 4)), iset1(32));
     lo = fmul(fset1(d * float(sc[0])), i2f(q_lo));
     hi = fmul(fset1(d * float(sc[1])), i2f(q_hi));
+  } else if constexpr (FMT == MXFP4) {  // d * kvalue[q], d = 2^(e - 128): one product, exact (inf where it overflows)
+    const uint8_t* b = row + 17 * c;
+    int8_t v[32];  // the kvalues as bytes, then the lanes: no lane op looks a table up
+    steady_fmt::mxfp4_values(b, v);
+    const F d = fset1(steady_fmt::e8m0_half(b[0]));
+    lo = fmul(d, i2f(iload_i8(reinterpret_cast<const uint8_t*>(v))));
+    hi = fmul(d, i2f(iload_i8(reinterpret_cast<const uint8_t*>(v + 16))));
   }
 }
 
