@@ -115,7 +115,7 @@ def test_every_build_is_one_lanes_header_and_one_pragma():
                 assert not included and "#pragma GCC target" not in text, f"{src.name}: not a build file"
     assert all(builds.values()), builds
     scalar, avx2, avx512 = (_lane_names(CSRC / f"lanes_{b}.h") for b in ("scalar", "avx2", "avx512"))
-    int8_products = {"W", "S", "wload", "wand", "wsrl16", "wsll16", "wor", "szero", "sdot", "sdot_signed", "widen",
+    int8_products = {"W", "S", "wload", "wand", "wsrl16", "wsll16", "wor", "wlut16", "szero", "sdot", "sdot_signed", "widen",
                      "kSumRun", "kSignedBias"}
     assert int8_products <= avx2 and int8_products <= avx512, (int8_products - avx2, int8_products - avx512)
     common = {n for n in scalar}

@@ -6,8 +6,10 @@
 //
 // MXFP4 (gpt-oss's experts) is the one format whose scale is no binary16: 17 bytes per 32 weights, an E8M0 exponent e,
 // then nibbles as Q4_0's (weight i < 16 low, 16 + i high); weight = kvalue[nibble] * 2^(e - 128) (mxfp4_values,
-// e8m0_half below). Its values are integers in [-12, 12] times a power of two, so the int8 family takes them exactly
-// as Q5_0's planes (u = kvalue + 16, z = 16: |u - z| <= 12) with d = 2^(e - 128) as binary16, which holds it exactly
+// e8m0_half below). Its values are integers in [-12, 12] times a power of two, so the int8 family takes them exactly:
+// its panels keep the nibbles as Q4_0's planes do (4 bits, `lut`), and each build's unpack turns a nibble into
+// u = kvalue + 16 through kMxfp4Stored (a byte shuffle), so the integer sums see Q5_0's values (z = 16,
+// |u - z| <= 12) at Q4_0's 4.5 bits a weight; d = 2^(e - 128) is stored as binary16, which holds it exactly
 // only for e in [104, 143] (subnormal halves from 2^-24 up, 2^15 the largest power below 65504). A block outside that
 // range whose 32 values are all +-0 (gguf-py and llama.cpp write e = 0 for an all-zero block) packs with d = +0: its
 // integer sum is 0 whatever d is, so every build's chain adds fma(d, +0, acc) = acc either way. Any other block
@@ -40,6 +42,7 @@ struct Traits {
   bool has_min;     // an offset b per block (Q4_1's m, the K-quants' dmin * mn)
   bool sub_scales;  // Q6_K: two int8 sub-scales per block of 32, kept as integers
   bool k_quant;     // a GGUF block is a 256-value super-block (8 blocks of 32) with 6-bit scales
+  bool lut = false;  // MXFP4: a stored nibble is an index; the integer it stands for is kMxfp4Stored[nibble]
 };
 
 constexpr Traits kFormats[] = {
@@ -48,7 +51,7 @@ constexpr Traits kFormats[] = {
     {Q4_0, 32, 18, 4, 8, false, false, false},  {Q4_1, 32, 20, 4, 0, true, false, false},
     {Q5_0, 32, 22, 5, 16, false, false, false}, {Q4_K, 256, 144, 4, 0, true, false, true},
     {Q5_K, 256, 176, 5, 0, true, false, true},  {Q6_K, 256, 210, 6, 32, false, true, true},
-    {MXFP4, 32, 17, 5, 16, false, false, false},  // u = kvalue + 16 in Q5_0's planes, d = 2^(e - 128) (above)
+    {MXFP4, 32, 17, 4, 16, false, false, false, true},  // nibbles; u = kMxfp4Stored[nibble], d = 2^(e - 128)
 };
 
 // The traits of a GGML type, or nullptr where no kernel reads it.
@@ -101,6 +104,8 @@ inline void scale_min_k4(const uint8_t* sc, int s, int* scale, int* min) {
 // MXFP4 (gguf-py's MXFP4: kvalues, e8m0_to_fp32_half).
 // E2M1's values doubled (the scale is halved to match): nibble 8 is a negative zero, read as the integer 0.
 constexpr int8_t kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+// The int8 family's integers for the nibbles: kvalue + 16, in [4, 28] (zero point 16), as the unpack's byte table.
+constexpr uint8_t kMxfp4Stored[16] = {16, 17, 18, 19, 20, 22, 24, 28, 16, 15, 14, 13, 12, 10, 8, 4};
 // The 32 values' kvalues of the MXFP4 block at b: weight i < 16 from byte 1 + i's low nibble, 16 + i from its high.
 inline void mxfp4_values(const uint8_t* b, int8_t (&v)[32]) {
   for (int i = 0; i < 16; ++i) v[i] = kMxfp4Values[b[1 + i] & 15], v[16 + i] = kMxfp4Values[b[1 + i] >> 4];
@@ -128,6 +133,22 @@ inline bool mxfp4_packs(const uint8_t* b) {
 static_assert(e8m0_half_binary16(104) == 0x0001 && e8m0_half_binary16(113) == 0x0200);
 static_assert(e8m0_half_binary16(114) == 0x0400 && e8m0_half_binary16(128) == 0x3c00);
 static_assert(e8m0_half_binary16(143) == 0x7800);
+static_assert([] {
+  for (int i = 0; i < 16; ++i)
+    if (kMxfp4Stored[i] != kMxfp4Values[i] + 16) return false;
+  return true;
+}());
+
+// Whether a packed format's stored integers are table indexes (kMxfp4Stored): the one record with `lut`, which is also
+// the one with 4 bits and zero point 16, so the builds' templates (which take bits and zero) can tell it.
+constexpr bool lut_of(int32_t bits, int32_t zero) { return bits == 4 && zero == 16; }
+// The bits the integer sums' bounds count for a format's values (q8_pack.cpp): a table's values reach 28, 5 bits.
+constexpr int32_t value_bits(int32_t bits, int32_t zero) { return lut_of(bits, zero) ? 5 : bits; }
+static_assert([] {
+  for (const Traits& t : kFormats)
+    if (t.bits != 0 && t.lut != lut_of(t.bits, t.zero)) return false;
+  return true;
+}());
 
 // ---- the int8 family's packed record (q8.h describes it) --------------------------------------------------------
 constexpr int32_t kPanelRows = 16;
@@ -149,6 +170,6 @@ static_assert(record_bytes(*traits(Q4_0)) == 256 + 32 && record_bytes(*traits(Q4
 static_assert(record_bytes(*traits(Q5_0)) == 320 + 32 && record_bytes(*traits(Q8_0)) == 512 + 32);
 static_assert(record_bytes(*traits(Q4_K)) == 8 * 256 + 320 && record_bytes(*traits(Q5_K)) == 8 * 320 + 320);
 static_assert(record_bytes(*traits(Q6_K)) == 8 * 384 + 32 + 256);
-static_assert(record_bytes(*traits(MXFP4)) == record_bytes(*traits(Q5_0)));
+static_assert(record_bytes(*traits(MXFP4)) == record_bytes(*traits(Q4_0)));  // 18 bytes per 32 weights
 
 }  // namespace steady_fmt

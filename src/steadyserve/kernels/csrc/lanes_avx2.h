@@ -125,6 +125,11 @@ inline W wand(W w, int m) { return {_mm256_and_si256(w.a, bytes(m)), _mm256_and_
 inline W wsrl16(W w, int n) { return {_mm256_srli_epi16(w.a, n), _mm256_srli_epi16(w.b, n)}; }
 inline W wsll16(W w, int n) { return {_mm256_slli_epi16(w.a, n), _mm256_slli_epi16(w.b, n)}; }
 inline W wor(W x, W y) { return {_mm256_or_si256(x.a, y.a), _mm256_or_si256(x.b, y.b)}; }
+// Each byte (a value 0..15) replaced by table[byte] (vpshufb in each 128-bit half, the table in both).
+inline W wlut16(W w, const uint8_t* table) {
+  const __m256i t = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(table)));
+  return {_mm256_shuffle_epi8(t, w.a), _mm256_shuffle_epi8(t, w.b)};
+}
 // Partial sums in int16 lanes (two per panel row): maddubs adds each pair of u8 x s8 products into one, and up to
 // kSumRun<BITS> quads' maddubs results add up in int16 before one madd (by ones) widens them to int32. maddubs and
 // madd both run on the vector multiplier (one port on AMD Zen 1 and 2), so widening once per run, not once per quad,

@@ -89,6 +89,10 @@ inline W wand(W w, int m) { return _mm512_and_si512(w, _mm512_set1_epi8(char(m))
 inline W wsrl16(W w, int n) { return _mm512_srli_epi16(w, unsigned(n)); }
 inline W wsll16(W w, int n) { return _mm512_slli_epi16(w, unsigned(n)); }
 inline W wor(W a, W b) { return _mm512_or_si512(a, b); }
+// Each byte (a value 0..15) replaced by table[byte] (vpshufb in each 128-bit lane, the table in all four).
+inline W wlut16(W w, const uint8_t* table) {
+  return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(table))), w);
+}
 // vpdpbusd sums straight into int32 lanes: the partial sums S are int32 already, all 8 quads of a block go into one,
 // and widen is a plain add.
 using S = __m512i;

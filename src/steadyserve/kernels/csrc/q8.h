@@ -47,6 +47,7 @@ struct PackedLayout {
   bool has_min;     // b present
   bool sub_scales;  // Q6_K: two int8 sub-scales per block
   bool k_quant;     // a record covers a 256-value super-block (8 blocks) and keeps its 6-bit scales as bytes
+  bool lut;         // MXFP4: the 4-bit planes hold indexes; the integer is formats.h's kMxfp4Stored[index]
   int32_t qbytes;   // bytes of one block's stored integers (the quant planes below)
   int32_t record;   // bytes per (panel, record) = blocks per record * qbytes + the scale fields
 };
@@ -65,8 +66,9 @@ struct PackedLayout {
 //   MXFP4: d[16] = 2^(e - 128) as binary16, exactly (formats.h says which exponents pack; a = d).
 //   Q4_K, Q5_K: d[16], dmin[16], sc[8][16], mn[8][16] uint8 (block s: a = d * sc[s], b = -(dmin * mn[s])).
 //   Q6_K: d[16], sc[16][16] int8 (a = d; block s: sc_lo = sc[2 s], sc_hi = sc[2 s + 1]).
-// A packed matrix is as large as the GGUF's (K-quants: 2-3% more, the 6-bit scales as bytes), except MXFP4's: 22
-// bytes per 17 (Q5_0's record: a fifth bit per value, a binary16 d for the exponent byte).
+// A packed matrix is as large as the GGUF's (K-quants: 2-3% more, the 6-bit scales as bytes), except MXFP4's: 18
+// bytes per 17 (Q4_0's record, its nibbles kept as indexes into formats.h's kMxfp4Stored, which each build's
+// unpack applies with a byte shuffle; a binary16 d for the exponent byte).
 bool packed_layout(int32_t ggml_type, PackedLayout* out);
 
 // How far ahead of its reads a thread asks for its weight stream (q8_unpack.h's prefetch_ahead), in bytes; 0: no

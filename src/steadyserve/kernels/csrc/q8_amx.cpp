@@ -145,7 +145,7 @@ inline void prefetch_share(const NextPanel& next, int64_t b0, int64_t b1, int64_
 }
 
 // Block c of panel p (record `rec`, block i of its `per`) as a B tile at `tile` (512 bytes) and its scales.
-template <int BITS, bool MIN, bool SUB, bool KQ>
+template <int BITS, int ZERO, bool MIN, bool SUB, bool KQ>
 inline void unpack_block(const uint8_t* rec, int i, uint8_t* tile, BlockScales& s) {
   constexpr int per = KQ ? 8 : 1;
   constexpr int qbytes = steady_fmt::qbytes(BITS);
@@ -153,7 +153,7 @@ inline void unpack_block(const uint8_t* rec, int i, uint8_t* tile, BlockScales& 
   const F d = h2f(sc);
   const F d2 = MIN ? h2f(sc + steady_fmt::kScaleM) : fzero();
   W w[8];
-  unpack<BITS>(rec + i * qbytes, w);
+  unpack<BITS, ZERO>(rec + i * qbytes, w);
   for (int j = 0; j < 8; ++j) _mm512_storeu_si512(tile + 64 * j, w[j]);
   F wa = d, wb = d2;
   if constexpr (KQ && MIN) {  // a = d * sc, b = -(dmin * mn), as the VNNI build
@@ -175,7 +175,7 @@ void panel_one_group(const Q8Args& a, int64_t p, uint8_t* ring, BlockScales* sca
   constexpr bool SIGNED = BITS == 8;
   const uint8_t* rec0 = a.w + p * (blocks / per) * a.lay.record;
   auto unpack_at = [&](int64_t c) {
-    unpack_block<BITS, MIN, SUB, KQ>(rec0 + (c / per) * a.lay.record, int(c % per), ring + 512 * (c & 3),
+    unpack_block<BITS, ZERO, MIN, SUB, KQ>(rec0 + (c / per) * a.lay.record, int(c % per), ring + 512 * (c & 3),
                                      scales[c & 3]);
   };
   const NextPanel next = next_panel(a, p, blocks / per);
@@ -234,7 +234,7 @@ void panel(const Q8Args& a, int64_t p, int64_t rows, uint8_t* tiles, BlockScales
   // The panel's blocks as tile rows (512 bytes each) and scales, once for every group of rows.
   const uint8_t* rec = a.w + p * (blocks / per) * a.lay.record;
   for (int64_t c0 = 0; c0 < blocks; c0 += per, rec += a.lay.record)
-    for (int i = 0; i < per; ++i) unpack_block<BITS, MIN, SUB, KQ>(rec, i, tiles + 512 * (c0 + i), scales[c0 + i]);
+    for (int i = 0; i < per; ++i) unpack_block<BITS, ZERO, MIN, SUB, KQ>(rec, i, tiles + 512 * (c0 + i), scales[c0 + i]);
   // Each block's products are stored one step before its epilogue reads them, and a tile's store is issued after
   // the previous block's epilogue, not before: the store waits for its product, and an epilogue issued behind that
   // waiting store did not start until it was done. Issued first, the epilogue of block b - 1 runs while block b's

@@ -64,7 +64,8 @@ inline void sub_block_floats(const W (&w)[8], const int8_t* x, int64_t K, const 
 // while the 8 operands, the chains and the float accumulators stay in registers. sx: row m's sum at sx[m * blocks].
 template <int BITS, int ZERO, int MM>
 inline void tile_dots(const W (&w)[8], const int8_t* x, int64_t K, const int32_t* sx, int64_t blocks, I (&out)[MM]) {
-  constexpr int run = kSumRun<BITS> < 8 ? kSumRun<BITS> : 8;  // quads per partial sum
+  constexpr int VB = steady_fmt::value_bits(BITS, ZERO);  // MXFP4's table values count as 5 bits
+  constexpr int run = kSumRun<VB> < 8 ? kSumRun<VB> : 8;  // quads per partial sum
   static_assert(8 % run == 0, "runs tile a block's 8 quads exactly");
 #pragma GCC unroll 16
   for (int m = 0; m < MM; ++m) out[m] = izero();
@@ -78,7 +79,7 @@ inline void tile_dots(const W (&w)[8], const int8_t* x, int64_t K, const int32_t
 #pragma GCC unroll 16
       for (int m = 0; m < MM; ++m) {
         const int32_t x4 = x4_at(x + m * K + 4 * j);
-        s[m] = BITS == 8 ? sdot_signed(s[m], w[j], x4) : sdot<BITS>(s[m], w[j], x4);
+        s[m] = BITS == 8 ? sdot_signed(s[m], w[j], x4) : sdot<VB>(s[m], w[j], x4);
       }
     }
 #pragma GCC unroll 16
@@ -112,7 +113,7 @@ inline void panel_tile(const Q8Args& a, int64_t p, int64_t m0) {
       const int64_t c = c0 + i;
       if (m0 == 0) prefetch_ahead(rec, a.lay.record, per, i, ahead);  // later tiles of rows find the panel in cache
       W w[8];
-      unpack<BITS>(rec + i * qbytes, w);
+      unpack<BITS, ZERO>(rec + i * qbytes, w);
       F wa = d, wb = d2;
       if constexpr (KQ && MIN) {  // a = d * sc, b = -(dmin * mn)
         wa = fmul(d, i2f(iload_u8(sc + steady_fmt::kScaleSc + 16 * i)));

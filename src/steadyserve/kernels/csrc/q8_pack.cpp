@@ -5,8 +5,9 @@
 // Q8_0: 32 * 128 * 127 = 520192; Q6_K: 2 * 128 * 16 * 32 * 127 = 16646144 < 2^25. The AVX2 build's int16
 // pair sums (maddubs): 2 * 63 * 127 = 16002 for the unsigned formats, 2 * 128 * 127 = 32512 for Q8_0 through
 // the sign trick (|w| times x with w's sign): below 32767, so nothing saturates; it adds up to kSumRun of them in
-// int16 before widening (8, 4, 2 for 4, 5, 6 bits: at most 30480, 31496, 32004; q8_avx2.cpp). MXFP4 packs as a
-// 5-bit format (u = kvalue + 16 in [4, 28], |u - z| <= 12), inside the 5-bit bounds.
+// int16 before widening (8, 4, 2 for 4, 5, 6 bits: at most 30480, 31496, 32004; q8_avx2.cpp). MXFP4 stores 4-bit
+// indexes whose integers (kMxfp4Stored: u = kvalue + 16 in [4, 28], |u - z| <= 12) are inside the 5-bit bounds,
+// which its sums use (formats.h value_bits).
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -57,11 +58,9 @@ Block read_block(int32_t fmt, const uint8_t* row, int64_t c) {
     const uint8_t* b = row + 34 * c;
     k.d = u16_at(b);
     std::memcpy(k.u, b + 2, 32);
-  } else if (fmt == MXFP4) {  // kvalue[q] * 2^(e - 128) as Q5_0's d * (u - 16): u = kvalue + 16
+  } else if (fmt == MXFP4) {  // kvalue[q] * 2^(e - 128) as d * (kMxfp4Stored[q] - 16): the nibbles kept as Q4_0's
     const uint8_t* b = row + 17 * c;
-    int8_t v[32];
-    steady_fmt::mxfp4_values(b, v);
-    for (int i = 0; i < 32; ++i) k.u[i] = uint8_t(v[i] + 16);
+    for (int i = 0; i < 16; ++i) k.u[i] = b[1 + i] & 15, k.u[16 + i] = b[1 + i] >> 4;
     // d exactly; outside the binary16 range only an all-zero block reaches here (pack's caller checked
     // mxfp4_packable), and its d = +0 changes no output (formats.h).
     const bool exact = b[0] >= steady_fmt::kMxfp4MinExp && b[0] <= steady_fmt::kMxfp4MaxExp;
@@ -100,7 +99,8 @@ Block read_block(int32_t fmt, const uint8_t* row, int64_t c) {
 bool packed_layout(int32_t ggml_type, PackedLayout* out) {
   const steady_fmt::Traits* t = steady_fmt::traits(ggml_type);
   if (!t || t->bits == 0) return false;
-  *out = {t->bits, t->zero, t->has_min, t->sub_scales, t->k_quant, steady_fmt::qbytes(t->bits), steady_fmt::record_bytes(*t)};
+  *out = {t->bits, t->zero, t->has_min, t->sub_scales, t->k_quant, t->lut, steady_fmt::qbytes(t->bits),
+          steady_fmt::record_bytes(*t)};
   return true;
 }
 

@@ -24,7 +24,7 @@ int32_t stored(const uint8_t* q, const PackedLayout& lay, int r, int kk) {
   int32_t u = j < 4 ? q[64 * j + 4 * r + i] & 15 : q[64 * (j - 4) + 4 * r + i] >> 4;
   if (lay.bits == 5) u |= ((q[256 + 4 * r + i] >> j) & 1) << 4;
   if (lay.bits == 6) u |= ((q[256 + 64 * (j / 4) + 4 * r + i] >> (2 * (j % 4))) & 3) << 4;
-  return u;
+  return lay.lut ? steady_fmt::kMxfp4Stored[u] : u;
 }
 
 // One block's constants for row r of a panel (q8.h: a, b and Q6_K's sub-scales from the scale fields).

@@ -23,8 +23,9 @@ inline void prefetch_ahead(const uint8_t* rec, int32_t record, int per, int i, c
   }
 }
 
-// The 8 weight operands of one panel's block: operand j holds values 4 j .. 4 j + 3 of every row.
-template <int BITS>
+// The 8 weight operands of one panel's block: operand j holds values 4 j .. 4 j + 3 of every row. A format whose
+// nibbles are table indexes (MXFP4: formats.h lut_of) turns each into its integer by the lanes' byte shuffle.
+template <int BITS, int ZERO>
 inline void unpack(const uint8_t* rec, W (&w)[8]) {
   if constexpr (BITS == 8) {
     for (int j = 0; j < 8; ++j) w[j] = wload(rec + 64 * j);
@@ -33,6 +34,9 @@ inline void unpack(const uint8_t* rec, W (&w)[8]) {
       const W lo = wload(rec + 64 * j);
       w[j] = wand(lo, 0x0F);
       w[j + 4] = wand(wsrl16(lo, 4), 0x0F);  // 16-bit shifts then a byte mask: no bit crosses a byte
+    }
+    if constexpr (steady_fmt::lut_of(BITS, ZERO)) {
+      for (int j = 0; j < 8; ++j) w[j] = wlut16(w[j], steady_fmt::kMxfp4Stored);
     }
     if constexpr (BITS == 5) {
       const W h = wload(rec + 256);  // bit j of each byte: bit 4 of operand j
