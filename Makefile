@@ -5,6 +5,11 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml requirements-model.txt requirements-test-models.txt 2>/dev/null | sha1sum | cut -c1-12)
 ARGS ?=
+# pip installs no .pyc (--no-compile below): each module is compiled on its first import and its .pyc written then.
+# An environment with PYTHONDONTWRITEBYTECODE set forbids that write, so every Python process compiles torch,
+# transformers and the rest from source again: about 2 s more per process, and `make test` starts about a hundred
+# (servers, CLIs, builds). The targets here run without it.
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: install browser nginx serve test test-ray test-models test-fast sanitize soak proto bench bench-report cluster-demo ray-demo fleet-check docs docs-serve clean
 
