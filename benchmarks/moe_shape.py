@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any, Callable
 
 from peers import cpu_name
 from random_blocks_gguf import _more_bits, tokenizer_metadata, write_tensors
@@ -79,74 +80,65 @@ def _gptoss_tensors(s: dict, layers: int) -> list[tuple[str, tuple[int, ...], st
     return out
 
 
-def write_gptoss(layers: int, out: Path, seed: int = 0) -> Path:
-    from gguf import GGUFWriter, RopeScalingType
-
-    from steadyserve.models.loader import default_model_path
-
-    s = GPTOSS
-    path = out / f"gpt-oss-20b-{layers}of{s['layers']}-random-blocks-MXFP4.gguf"
-    if path.exists():
-        return path
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    writer = GGUFWriter(str(tmp), "gpt-oss")
-    tokenizer_metadata(writer, s["vocab"], Path(default_model_path()))
-    writer.add_name("random blocks")
-    writer.add_block_count(layers)
-    writer.add_context_length(s["context"])
-    writer.add_embedding_length(s["hidden"])
-    writer.add_feed_forward_length(s["expert_ffn"])
-    writer.add_head_count(s["heads"])
-    writer.add_head_count_kv(s["kv_heads"])
-    writer.add_rope_freq_base(s["rope_theta"])
-    writer.add_rope_scaling_type(RopeScalingType.YARN)
-    writer.add_rope_scaling_factor(32.0)
-    writer.add_rope_scaling_orig_ctx_len(4096)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_key_length(s["head_dim"])
-    writer.add_value_length(s["head_dim"])
-    writer.add_expert_count(s["experts"])
-    writer.add_expert_used_count(s["used"])
-    writer.add_expert_feed_forward_length(s["expert_ffn"])
-    writer.add_sliding_window(s["window"])
-    writer.add_file_type(38)  # MOSTLY_MXFP4_MOE
-    write_tensors(writer, _gptoss_tensors(s, layers), seed)
-    tmp.rename(path)
-    return path
-
-
-def write(layers: int, out: Path, seed: int = 0) -> Path:
+def _write(path: Path, arch: str, s: dict, layers: int, table: list, keys: Callable[[Any], None], seed: int) -> Path:
+    """The file at `path` (kept if it exists): the keys both shapes write, `keys(writer)`'s own, then the tensor
+    table's random blocks."""
     from gguf import GGUFWriter
 
     from steadyserve.models.loader import default_model_path
 
-    s = SHAPE
-    path = out / f"qwen3-30b-a3b-{layers}of{s['layers']}-random-blocks-Q4_K_M.gguf"
     if path.exists():
         return path
-    out.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    writer = GGUFWriter(str(tmp), "qwen3moe")
+    writer = GGUFWriter(str(tmp), arch)
     tokenizer_metadata(writer, s["vocab"], Path(default_model_path()))
     writer.add_name("random blocks")
     writer.add_block_count(layers)
     writer.add_context_length(s["context"])
     writer.add_embedding_length(s["hidden"])
-    writer.add_feed_forward_length(6144)  # Qwen3-30B-A3B's intermediate_size: written, unused by a sparse layer
     writer.add_head_count(s["heads"])
     writer.add_head_count_kv(s["kv_heads"])
     writer.add_rope_freq_base(s["rope_theta"])
-    writer.add_layer_norm_rms_eps(1e-6)
     writer.add_key_length(s["head_dim"])
     writer.add_value_length(s["head_dim"])
     writer.add_expert_count(s["experts"])
     writer.add_expert_used_count(s["used"])
     writer.add_expert_feed_forward_length(s["expert_ffn"])
-    writer.add_file_type(15)  # MOSTLY_Q4_K_M
-    write_tensors(writer, _tensors(s, layers), seed)
+    keys(writer)
+    write_tensors(writer, table, seed)
     tmp.rename(path)
     return path
+
+
+def write_gptoss(layers: int, out: Path, seed: int = 0) -> Path:
+    from gguf import RopeScalingType
+
+    s = GPTOSS
+
+    def keys(writer: Any) -> None:
+        writer.add_feed_forward_length(s["expert_ffn"])
+        writer.add_rope_scaling_type(RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(32.0)
+        writer.add_rope_scaling_orig_ctx_len(4096)
+        writer.add_layer_norm_rms_eps(1e-5)
+        writer.add_sliding_window(s["window"])
+        writer.add_file_type(38)  # MOSTLY_MXFP4_MOE
+
+    return _write(out / f"gpt-oss-20b-{layers}of{s['layers']}-random-blocks-MXFP4.gguf", "gpt-oss", s, layers,
+                  _gptoss_tensors(s, layers), keys, seed)
+
+
+def write(layers: int, out: Path, seed: int = 0) -> Path:
+    s = SHAPE
+
+    def keys(writer: Any) -> None:
+        writer.add_feed_forward_length(6144)  # Qwen3-30B-A3B's intermediate_size: written, unused by a sparse layer
+        writer.add_layer_norm_rms_eps(1e-6)
+        writer.add_file_type(15)  # MOSTLY_Q4_K_M
+
+    return _write(out / f"qwen3-30b-a3b-{layers}of{s['layers']}-random-blocks-Q4_K_M.gguf", "qwen3moe", s, layers,
+                  _tensors(s, layers), keys, seed)
 
 
 def decode_rate(path: Path, steps: int, threads: int, cache: Path) -> dict:

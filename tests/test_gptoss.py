@@ -30,7 +30,6 @@ from steadyserve.models import moe, registry
 from steadyserve.models.gptoss import swiglu_oai
 from steadyserve.models.loader import load_model
 from steadyserve.testing import build_tiny_model
-from steadyserve.testing.drift import install_batch_drift
 from steadyserve.testing.llama_converter import convert as llama_cpp_convert
 from steadyserve.testing.server import ServerProcess
 from test_engine_invariance import engine_for
@@ -153,20 +152,10 @@ def int8(tiny_gguf, tmp_path_factory):
     return engine
 
 
-@pytest.fixture(params=["invariant", "broken"])
-def mode(request, int8):
-    if request.param == "broken":
-        request.addfinalizer(install_batch_drift(int8))
-    return request.param, int8
-
-
-@pytest.fixture(scope="module")
-def bi_engine(int8):
-    return int8
-
-
-# The other architectures' engine checks on this module's fixtures: alone vs batched, prefill vs decode, chunked vs
-# whole prefill, a grammar, the prefix cache (each with its TEST-ONLY break), and 1 vs 2 threads.
+# test_moe's `mode` (the engine, and the engine with its TEST-ONLY drift) and `bi_engine`, over this module's `int8`;
+# then the other architectures' engine checks on them: alone vs batched, prefill vs decode, chunked vs whole prefill,
+# the prefix cache (each with its TEST-ONLY break), and 1 vs 2 threads.
+from test_moe import bi_engine, mode  # noqa: E402,F401
 from test_arch_variants import test_alone_vs_batched, test_chunked_prefill_equals_whole  # noqa: E402,F401
 from test_arch_variants import test_prefill_equals_decode, test_prefix_cache_gives_the_uncached_bits  # noqa: E402,F401
 from test_int8_engine import test_thread_count_changes_no_bit  # noqa: E402,F401
@@ -234,3 +223,4 @@ def test_a_server_answers_chat_with_the_gptoss_gguf(tiny_gguf):
     choice = body["choices"][0]
     assert choice["finish_reason"] in ("length", "stop") and choice["logprobs"]["content"]
     assert body["system_fingerprint"].endswith("-bi") and "-i" in body["system_fingerprint"]
+
