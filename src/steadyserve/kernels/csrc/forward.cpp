@@ -2,8 +2,8 @@
 //
 // What a layer computes is models/layer_spec.py's LayerSpec, read here as the constructor's and
 // add_layer's arguments: norms before and/or after attention and MLP, a q/k RMSNorm per head or over
-// all heads, SiLU or GELU-tanh, the score scale and soft-cap, a residual multiplier, and per layer its
-// sliding window and RoPE table (or none). Each is a kernel the per-op path (Transformer._qkv,
+// all heads, SiLU, GELU-tanh or gpt-oss's clamped SwiGLU, the score scale and soft-cap, a residual multiplier,
+// and per layer its sliding window, RoPE table (or none) and attention sinks (or none). Each is a kernel the per-op path (Transformer._qkv,
 // _out_mlp) calls through its torch op, or one exact elementwise operation. A sparse layer (add_experts)
 // runs moe.h's block, models/moe.py's router and experts op for op, in place of the gated MLP.
 //
