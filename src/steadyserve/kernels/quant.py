@@ -11,6 +11,7 @@ family: one reduction order, whatever the rows, threads or ISA (csrc/qmm.h).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -58,7 +59,7 @@ class QWeight:
         """Panels for the int8 family (csrc/q8.h), not the GGUF's rows."""
         return self.fmt >= PACKED
 
-    @property
+    @cached_property  # the packed-weight cache's plan asks, then pack(): an MXFP4 matrix's scan runs once
     def packs(self) -> bool:
         """Whether pack() makes panels of this matrix: a packable format, whole panels of 16 rows, and for MXFP4
         every block's scale exact as the binary16 the panels hold (csrc/formats.h; MXFP4_EXPONENTS), or the block

@@ -29,9 +29,9 @@ from ..kernels.build import NATIVE_KERNEL_ID
 from ..kernels.quant import QMatrix, QWeight
 from .args import ModelArgs, rope_tables
 from .attention import AttentionFn, write_kv
+from .gptoss import split_gptoss_experts, swiglu_oai
 from .layer_spec import LayerSpec, layer_spec
 from .layers import RowProbe, RowTiler, apply_rope, rms_norm
-from .gptoss import split_gptoss_experts, swiglu_oai
 from .moe import MoeWeights, load_moe, moe_block, moe_slots, pack_moe, split_fused_experts
 from .native_forward import build_native_layers
 
