@@ -159,7 +159,9 @@ def test_model_limits_are_the_engines(state) -> None:
     limits: ModelLimits = state.limits
     assert limits is engine.limits
     assert limits.vocab_size == state.loaded.args.vocab_size and limits.context == engine.max_model_len
-    assert limits.kv_tokens == engine.block_manager.num_blocks * engine.block_manager.block_size
+    bm = engine.block_manager  # one group of layers: the whole cache, up to the context
+    assert limits.kv_tokens == bm.token_capacity(engine.max_model_len) == min(engine.max_model_len,
+                                                                             bm.num_blocks * bm.block_size)
     assert limits.grammars is engine.grammars and limits.eos_token_ids == frozenset(engine.eos_token_ids)
     with pytest.raises(dataclasses.FrozenInstanceError):
         limits.context = 1  # type: ignore[misc]

@@ -138,7 +138,7 @@ def test_an_evicted_prefix_is_recomputed_to_the_same_bits(loaded, reference):
     partly = req("partly", shared + [4, 5])
 
     def num_hits() -> int:
-        return len(engine.block_manager.match_prefix(Sequence(-1, partly)))
+        return len(engine.block_manager.match_prefix(Sequence(-1, partly))[0])
 
     run_requests(engine, [req("first", shared + [1, 2, 3])])
     assert num_hits() == 3

@@ -256,7 +256,7 @@ def test_sliding_window_blocks_released_under_drafts(models_dir):
     kw = dict(block_size=16, kv_cache_memory=16 * 1024**2)
     off = make(phi3, "off", **kw)
     on = make(phi3, "ngram", **kw)
-    assert on.block_manager.window == 24
+    assert on.block_manager.windows == (24,)
     assert differences(one_by_one(off, reqs), one_by_one(on, reqs)) == []
     assert_speculated(on, rejections=False)
     assert on.block_manager.num_free_blocks == on.kv.num_blocks

@@ -1,9 +1,10 @@
-"""KV blocks that fall out of every layer's sliding window are released, with the same bits.
+"""KV blocks that fall out of a sliding window are released, with the same bits.
 
 On the tiny Phi-3 (a window of 24 on every layer) a long generation holds a bounded number of blocks
 while an engine that keeps them all computes bitwise the same tokens and logprobs, prefix-cache hits
-on released (cached) blocks included; releasing one block too early is caught. A model with a
-global layer (the tiny Gemma 3) releases nothing.
+on released (cached) blocks included; releasing one block too early is caught. A hybrid model (the
+tiny Gemma 3 and gpt-oss: windowed and global layers) keeps its windowed layers in groups of their
+own (kv_layout.py) and releases their blocks the same way, while its global layers keep every block.
 """
 
 from __future__ import annotations
@@ -52,8 +53,8 @@ def engine(loaded, keep_all: bool = False, budget: int = 512, speculation: str =
     e = LLMEngine(loaded, EngineConfig(kv_cache_memory=16 * 1024**2, threads=THREADS, block_size=BS,
                                        max_num_batched_tokens=budget, max_num_seqs=16, speculation=speculation,
                                        kv_cache_dtype=kv))
-    if keep_all:
-        e.block_manager.window = 0  # the reference: every block held to the end
+    if keep_all:  # the reference: every block held to the end
+        e.block_manager.windows = (0,) * e.block_manager.num_groups
     return e
 
 
@@ -83,6 +84,17 @@ def same(a: Completed, b: Completed) -> bool:
             and a.prompt_logprob_values == b.prompt_logprob_values)
 
 
+def too_early(self, seq):  # TEST-ONLY fault: one block more than a windowed group's window allows
+    for g, table in enumerate(seq.block_tables):
+        if self.windows[g]:
+            dead = max(0, seq.num_computed_tokens - self.windows[g] + 1) // self.block_size + 1
+            for i in range(min(dead, len(table) - 1)):  # the last block stays: the next token's K/V go there
+                if table[i] != RELEASED:
+                    self._release(table[i])
+                    table[i] = RELEASED
+    return 0
+
+
 # Every KV storage format (--kv-cache-dtype) releases blocks the same way: the blocks are the format's.
 @pytest.mark.parametrize("speculation, kv", [("off", "auto"), ("ngram", "auto"), ("off", "f16"), ("off", "bf16"),
                                              ("off", "q8_0"), ("ngram", "q8_0")])
@@ -91,7 +103,7 @@ def test_out_of_window_blocks_are_released_with_the_same_bits(request, speculati
     and truncate rejected ones as blocks leave the window. The reference keeps every block, without
     speculation (its peak needs both sequences alive at their longest, so one order of steps)."""
     phi3 = model_for(request, kv)
-    assert engine(phi3).block_manager.window == 24
+    assert engine(phi3).block_manager.windows == (24,)
     ref, ref_peak = run_tracking(engine(phi3, keep_all=True, kv=kv), requests(phi3.args.vocab_size))
     e = engine(phi3, speculation=speculation, kv=kv)
     assert e.kv.fmt == resolve_kv_dtype(kv, phi3.dtype, phi3.numerics.mode)  # auto: the path's own cache
@@ -116,30 +128,73 @@ def test_out_of_window_blocks_are_released_with_the_same_bits(request, speculati
 def test_releasing_a_block_still_in_the_window_is_caught(request, monkeypatch, kv):
     phi3 = model_for(request, kv)
 
-    def too_early(self, seq):  # TEST-ONLY fault: one block more than the window allows
-        dead = max(0, seq.num_computed_tokens - self.window + 1) // self.block_size + 1
-        for i in range(min(dead, len(seq.block_table) - 1)):
-            if seq.block_table[i] != RELEASED:
-                self._release(seq.block_table[i])
-                seq.block_table[i] = RELEASED
-        return 0
-
     ref, _ = run_tracking(engine(phi3, keep_all=True, kv=kv), requests(phi3.args.vocab_size))
     monkeypatch.setattr(BlockManager, "release_out_of_window", too_early)
     got, _ = run_tracking(engine(phi3, kv=kv), requests(phi3.args.vocab_size))
     assert not all(same(got[rid], ref[rid]) for rid in ref)
 
 
-def test_a_model_with_a_global_layer_releases_nothing(models_dir: Path):
-    d = models_dir / "tiny-gemma3"
+def tiny(models_dir: Path, arch: str):
+    d = models_dir / f"tiny-{arch}"
     if not d.exists():
-        build_tiny_model(d, arch="gemma3")
-    loaded = load_model(str(d), max_model_len=512)
-    assert 0 in loaded.args.layer_windows and engine(loaded).block_manager.window == 0
+        build_tiny_model(d, arch=arch)
+    return load_model(str(d), max_model_len=512)
+
+
+def test_a_hybrid_models_windowed_layers_get_groups_of_their_own(models_dir: Path):
+    """The tiny Gemma 3 (a global layer among windowed ones) and gpt-oss (alternating): their cache tensors hold
+    one group's layers, and the engine has one block table per group, full attention first."""
+    for arch in ("gemma3", "gptoss"):
+        loaded = tiny(models_dir, arch)
+        e = engine(loaded)
+        windows = loaded.args.layer_windows
+        layout = e.kv.layout
+        assert 0 in windows and any(windows)
+        assert layout.num_groups > 1 and layout.windows[0] == 0 and e.block_manager.windows == layout.windows
+        assert e.kv.k.shape[0] == layout.group_size < loaded.args.num_layers
+        assert [layout.windows[layout.group[i]] for i in range(len(windows))] == list(windows)
+
+
+def long_requests(vocab: int) -> list[Request]:
+    """Two prompts longer than the tiny models' windows (16 and 32 keys), generating past several blocks."""
+    rng = random.Random(7)
+    shared = [rng.randrange(vocab) for _ in range(100)]
+    p = SamplingParams(max_tokens=90, temperature=0, logprobs=1, prompt_logprobs=0, ignore_eos=True)
+    return [Request("a", shared, p), Request("b", [rng.randrange(vocab) for _ in range(40)], p)]
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "gptoss"])
+@pytest.mark.parametrize("speculation", ["off", "ngram"])
+def test_a_hybrid_model_releases_its_windowed_blocks_with_the_same_bits(models_dir: Path, arch, speculation):
+    loaded = tiny(models_dir, arch)
+    reqs = long_requests(loaded.args.vocab_size)
+    ref, ref_peak = run_tracking(engine(loaded, keep_all=True), reqs)
+    e = engine(loaded, speculation=speculation, budget=64)
+    got, peak = run_tracking(e, reqs)
+    for rid in ref:
+        assert same(got[rid], ref[rid]), rid
+    print(f"\nblocks held at most: {peak} released vs {ref_peak} kept")
+    assert peak < ref_peak, (peak, ref_peak)
+    assert e.block_manager.num_free_blocks == e.block_manager.num_blocks  # nothing leaked, nothing freed twice
+    again = Request("c", reqs[0].prompt_token_ids, SamplingParams(max_tokens=8, temperature=0, logprobs=1,
+                                                                  ignore_eos=True))
+    hit = run_requests(e, [again])["c"]  # the windowed groups' blocks found by hash, released or not
+    alone = run_requests(engine(loaded, keep_all=True), [again])["c"]
+    assert hit.num_cached_tokens == 96 and same(hit, alone)
+
+
+def test_a_hybrid_model_releasing_a_block_too_early_is_caught(models_dir: Path, monkeypatch):
+    loaded = tiny(models_dir, "gptoss")
+    reqs = long_requests(loaded.args.vocab_size)
+    ref, _ = run_tracking(engine(loaded, keep_all=True), reqs)
+
+    monkeypatch.setattr(BlockManager, "release_out_of_window", too_early)
+    got, _ = run_tracking(engine(loaded), reqs)
+    assert not all(same(got[rid], ref[rid]) for rid in ref)
 
 
 def test_block_manager_releases_only_whole_blocks_before_the_window():
-    bm = BlockManager(8, BS, prefix_caching=False, window=24)
+    bm = BlockManager(8, BS, prefix_caching=False, windows=(24,))
     seq = Sequence(0, Request("r", list(range(100)), SamplingParams(max_tokens=1)))
     bm.grow(seq, 100)
     seq.num_computed_tokens = 100

@@ -88,7 +88,8 @@ def _load_and_check(config: Config, hooks: EngineHooks, limit: MemoryLimit,
         hook(engine)
     log.info("kv cache allocated", extra={"fields": {
         "budget_bytes": plan.kv, "blocks": engine.kv.num_blocks, "block_size": ec.block_size, "kv_dtype": engine.kv.fmt,
-        "token_capacity": engine.kv.num_blocks * ec.block_size, "max_num_seqs": ec.max_num_seqs,
+        "token_capacity": engine.limits.kv_tokens, "kv_groups": list(engine.kv.layout.windows),
+        "max_num_seqs": ec.max_num_seqs,
         "max_queue": ec.max_queue, "threads": torch.get_num_threads()}})
     selftest = run_selftest(engine)
     if ec.batch_invariant:

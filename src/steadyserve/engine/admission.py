@@ -28,13 +28,9 @@ class ModelLimits:
     context: int  # max_model_len: prompt + max_tokens of one request, in tokens
     kv_blocks: int  # KV cache blocks allocated at start-up (one request must fit in all of them)
     block_size: int  # tokens per KV block (--block-size)
+    kv_tokens: int  # the longest sequence the cache holds alone (BlockManager.token_capacity; at most context)
     grammars: Grammars  # the grammar compiler (structured output): whether a grammar compiles for this model
     eos_token_ids: frozenset[int]  # the model's end-of-sequence tokens (what ends a turn, for the encoders)
-
-    @property
-    def kv_tokens(self) -> int:
-        """Tokens the KV cache holds in all: no request may need more."""
-        return self.kv_blocks * self.block_size
 
     # ---- the checks, one per limit; `check` runs them all, in the order clients have always seen --------------
     def check_prompt_ids(self, ids: list[int], param: str = "prompt") -> None:

@@ -15,8 +15,8 @@ from typing import Any
 REPLACEMENT = "\ufffd"
 
 
-def text_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
-    """`ids -> tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)`, the decode every
+def text_decoder(tokenizer: Any, skip_special_tokens: bool = True) -> Callable[[list[int]], str]:
+    """`ids -> tokenizer.decode(ids, skip_special_tokens=..., clean_up_tokenization_spaces=False)`, the decode every
     generated token goes through (twice, IncrementalDetokenizer.add).
 
     For transformers' fast tokenizers (TokenizersBackend) with its own decode and _decode, that is exactly the
@@ -33,8 +33,9 @@ def text_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
     if (TokenizersBackend is not None and isinstance(tokenizer, TokenizersBackend)
             and cls._decode is TokenizersBackend._decode and cls.decode is PreTrainedTokenizerBase.decode):
         backend = tokenizer.backend_tokenizer
-        return lambda ids: backend.decode(ids, skip_special_tokens=True)
-    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
+                                        clean_up_tokenization_spaces=False)
 
 
 _TOKEN_TEXT: dict[int, dict[int, str]] = {}  # id(tokenizer) -> token id -> text; at most the vocabulary
@@ -54,9 +55,9 @@ def token_text(tokenizer: Any, token_id: int) -> str:
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, stop: list[str]) -> None:
+    def __init__(self, tokenizer: Any, stop: list[str], skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
-        self._decode = text_decoder(tokenizer)  # ids -> text, special tokens skipped, no clean-up
+        self._decode = text_decoder(tokenizer, skip_special_tokens)  # ids -> text, no clean-up
         self.stop = stop
         self.max_stop_len = max((len(s) for s in stop), default=0)
         self.ids: list[int] = []

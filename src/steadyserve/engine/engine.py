@@ -73,10 +73,9 @@ class LLMEngine:
         self.kv = allocate_kv_cache(loaded.args, cfg.kv_cache_memory, cfg.block_size, kv_fmt, loaded.device)
         # The prefix cache's hashes start from what determines a block's contents besides its tokens.
         root = f"{loaded.weights_hash}-{loaded.dtype}-{loaded.model.kernel_id}-{cfg.batch_invariant}-{kv_fmt}"
-        # Blocks leave every layer's window only when every layer has one (block_manager.py).
-        windows = [loaded.args.window(i) for i in range(loaded.args.num_layers)]
-        window = max(windows) if all(windows) else 0
-        self.block_manager = BlockManager(self.kv.num_blocks, cfg.block_size, cfg.prefix_caching, root, window)
+        # One block table per group of layers; a windowed group's blocks leave as its window passes (kv_layout.py).
+        self.block_manager = BlockManager(self.kv.num_blocks, cfg.block_size, cfg.prefix_caching, root,
+                                          self.kv.layout.windows, cfg.max_num_batched_tokens)
         cheap_rows = _cheap_rows(loaded.model)
         self.speculator = Speculator(_speculation_mode(cfg, cheap_rows), cheap_rows, keys=TokenKeys(self._token_text))
         # The step's four parts (step() below): who runs, the model, the token choices, what requests are told.
@@ -88,8 +87,9 @@ class LLMEngine:
         self.eos_token_ids = _eos_ids(loaded)
         # What a request must fit, built once here and handed to the request builders (engine/admission.py).
         self.limits = ModelLimits(vocab_size=loaded.args.vocab_size, context=self.max_model_len,
-                                  kv_blocks=self.kv.num_blocks, block_size=cfg.block_size, grammars=self.grammars,
-                                  eos_token_ids=frozenset(self.eos_token_ids))
+                                  kv_blocks=self.kv.num_blocks, block_size=cfg.block_size,
+                                  kv_tokens=self.block_manager.token_capacity(self.max_model_len),
+                                  grammars=self.grammars, eos_token_ids=frozenset(self.eos_token_ids))
         self._seq_ids = itertools.count()
 
     # ---- identity --------------------------------------------------------
@@ -124,7 +124,7 @@ class LLMEngine:
         seq.state = SeqState(end_ids=end_token_ids(self.eos_token_ids, p.ignore_eos, set(p.stop_token_ids)),
                              generator=make_generator(p.seed, torch.device("cpu")),
                              matcher=self.grammars.matcher(p.grammar) if p.grammar is not None else None,
-                             detok=IncrementalDetokenizer(self.tokenizer, p.stop),
+                             detok=IncrementalDetokenizer(self.tokenizer, p.stop, p.skip_special_tokens),
                              pool=PoolState(pooling, seq.num_prompt_tokens) if request.embed else None)
         seq.drafter = None if request.embed else self.speculator.new_drafter()
         self.scheduler.add(seq)

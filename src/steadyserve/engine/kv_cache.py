@@ -20,6 +20,7 @@ import torch
 
 from ..config import ConfigError
 from ..models.args import ModelArgs
+from .kv_layout import KVLayout, plan_kv_layout
 
 # --kv-cache-dtype (other than auto) -> the cache tensors' dtype
 STORAGE: dict[str, torch.dtype] = {"fp32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
@@ -30,10 +31,12 @@ Q8_BLOCK = 32  # q8_0 values per scale
 
 @dataclass
 class KVCache:
-    k: torch.Tensor  # (L, NB, Hkv, D, Bs): keys stored transposed, a block is a GEMM operand as is (q8_0: D + D/16)
-    v: torch.Tensor  # (L, NB, Hkv, Bs, D) (q8_0: D + D/16)
+    # Lg: layout.group_size, the layers one block holds (L for a model with one group of layers)
+    k: torch.Tensor  # (Lg, NB, Hkv, D, Bs): keys stored transposed, a block is a GEMM operand as is (q8_0: D + D/16)
+    v: torch.Tensor  # (Lg, NB, Hkv, Bs, D) (q8_0: D + D/16)
     block_size: int
-    fmt: str = "fp32"  # the storage format: fp32 | f16 | bf16 | q8_0
+    fmt: str  # the storage format: fp32 | f16 | bf16 | q8_0
+    layout: KVLayout  # which slot of k and v, and which of a sequence's block tables, each layer uses
 
     @property
     def num_blocks(self) -> int:
@@ -76,10 +79,16 @@ def _stored_dim(args: ModelArgs, fmt: str) -> int:
     return args.head_dim + args.head_dim // 16 if fmt == "q8_0" else args.head_dim
 
 
+def kv_layout(args: ModelArgs) -> KVLayout:
+    """The model's KV layout: its layers' windows decide which share a block table (kv_layout.py)."""
+    return plan_kv_layout([args.window(i) for i in range(args.num_layers)])
+
+
 def bytes_per_block(args: ModelArgs, block_size: int, fmt: str) -> int:
-    """Bytes of one block of `block_size` tokens, K and V of every layer, in storage format `fmt`."""
+    """Bytes of one block of `block_size` tokens, K and V of every layer of a group (kv_layout.py; every layer
+    for a model with one group), in storage format `fmt`."""
     elem = torch.empty((), dtype=STORAGE[fmt]).element_size()
-    return 2 * args.num_layers * args.num_kv_heads * _stored_dim(args, fmt) * block_size * elem
+    return 2 * kv_layout(args).group_size * args.num_kv_heads * _stored_dim(args, fmt) * block_size * elem
 
 
 def allocate_kv_cache(args: ModelArgs, budget_bytes: int, block_size: int, fmt: str,
@@ -90,10 +99,11 @@ def allocate_kv_cache(args: ModelArgs, budget_bytes: int, block_size: int, fmt: 
     if num_blocks < 1:
         raise ValueError(f"--kv-cache-memory {budget_bytes} B holds no block of {block_size} tokens "
                          f"({per_block} B each in {fmt})")
-    shape = (args.num_layers, num_blocks, args.num_kv_heads)
+    layout = kv_layout(args)
+    shape = (layout.group_size, num_blocks, args.num_kv_heads)
     dim, dtype = _stored_dim(args, fmt), STORAGE[fmt]
     # zeros, not empty: a masked-out padding read must see finite numbers (0 * NaN is NaN); a zero q8_0 scale
     # is a finite zero too.
     k = torch.zeros(*shape, dim, block_size, dtype=dtype, device=device)
     v = torch.zeros(*shape, block_size, dim, dtype=dtype, device=device)
-    return KVCache(k=k, v=v, block_size=block_size, fmt=fmt)
+    return KVCache(k=k, v=v, block_size=block_size, fmt=fmt, layout=layout)

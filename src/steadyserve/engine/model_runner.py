@@ -73,7 +73,8 @@ class ModelRunner:
         seq_of: list[int] = []
         tables: list[list[int]] = []
         spans = []  # per seq: (its first row in the batch, its n new tokens, the position of the first of them)
-        max_blocks = max(len(s.seq.block_table) for s in out.scheduled)
+        layout = self.kv.layout
+        max_blocks = max(len(s.seq.block_table) for s in out.scheduled)  # every group's table has this length
         for i, sched in enumerate(out.scheduled):
             seq, n = sched.seq, sched.num_new_tokens
             start = seq.num_computed_tokens
@@ -85,16 +86,18 @@ class ModelRunner:
             positions.extend(range(start, start + n))
             seq_of.extend([i] * n)
             # a block released out of the window (RELEASED, -1) is read as block 0: no kernel attends to it
-            tables.append([max(b, 0) for b in seq.block_table] + [0] * (max_blocks - len(seq.block_table)))
+            pad = [0] * (max_blocks - len(seq.block_table))
+            tables.append([[max(b, 0) for b in t] + pad for t in seq.block_tables])
             spans.append((row0, n, start))
         dev = self.device
         pos = torch.tensor(positions, dtype=torch.int64)
-        tab = torch.tensor(tables, dtype=torch.int64)  # (S, NBmax)
+        tab = torch.tensor(tables, dtype=torch.int64).transpose(0, 1).contiguous()  # (G, S, NBmax)
         of = torch.tensor(seq_of, dtype=torch.int64)  # (T,)
-        blocks = tab[of, pos // bs]
+        blocks = tab[:, of, pos // bs].contiguous()  # (G, T)
         batch = ForwardBatch(input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
                              positions=pos.to(dev), slot_blocks=blocks.to(dev),
-                             slot_offsets=(pos % bs).to(dev), block_tables=tab.to(dev), seq_of=of.to(dev))
+                             slot_offsets=(pos % bs).to(dev), block_tables=tab.to(dev), seq_of=of.to(dev),
+                             kv_group=layout.group, kv_slot=layout.slot)
         return batch, spans
 
     @torch.inference_mode()

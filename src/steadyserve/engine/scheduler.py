@@ -273,9 +273,9 @@ class Scheduler:
                     # token waits for the batch's decode rows only, not for the flood's prompts, which go next step.
                     budget += self._unplan_prompts(out, prompts.light)
             hits = self.block_manager.match_prefix(seq)
-            if self._twin_in_prefill(seq, len(hits)):
+            if self._twin_in_prefill(seq, len(hits[0])):
                 break  # wait for the twin's blocks rather than compute them twice
-            n = min(seq.num_tokens - len(hits) * self.block_manager.block_size, budget)
+            n = min(seq.num_tokens - len(hits[0]) * self.block_manager.block_size, budget)
             if caps is not None:  # at least a token: admitted, it holds its seat and competes in the next split
                 n = min(n, max(1, caps[seq.request.tenant]))
                 caps[seq.request.tenant] = max(0, caps[seq.request.tenant] - n)

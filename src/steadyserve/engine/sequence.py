@@ -51,6 +51,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # multiplies the (negative) log-probability of prompt and generated tokens
     min_tokens: int = 0  # end-of-sequence and stop token ids are masked until this many tokens are generated
     grammar: str | None = None  # llguidance grammar (structured output, engine/structured.py) sampling must follow
+    # The output's text without the tokenizer's special tokens (as OpenAI's); off where they carry structure:
+    # a harmony reply's channels (api/harmony.py), or a client's vLLM-style `skip_special_tokens: false`.
+    skip_special_tokens: bool = True
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
@@ -247,7 +250,8 @@ class Sequence:
         self.num_prompt_tokens = len(request.prompt_token_ids)
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_cached_tokens = 0  # of those, taken from the prefix cache at the latest admission
-        self.block_table: list[int] = []
+        # One block table per group of layers (engine/kv_layout.py); empty while the sequence holds no blocks.
+        self.block_tables: list[list[int]] = []
         # Tokens guessed to follow token_ids (engine/speculation.py), computed after them this step and kept
         # only where sampling agrees; set before each step's scheduling, empty outside it.
         self.draft_token_ids: list[int] = []
@@ -284,3 +288,8 @@ class Sequence:
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
                 f"blocks={len(self.block_table)}, {self.status.value})")
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first group's block table (a model with one group: the only one); [] when holding none."""
+        return self.block_tables[0] if self.block_tables else []

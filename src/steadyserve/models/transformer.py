@@ -55,10 +55,12 @@ class ForwardBatch:
 
     input_ids: torch.Tensor  # (T,) int64
     positions: torch.Tensor  # (T,) int64, absolute position of each token in its sequence
-    slot_blocks: torch.Tensor  # (T,) int64, KV block the token's K/V is written to
+    slot_blocks: torch.Tensor  # (G, T) int64, KV block the token's K/V is written to, in each group's table
     slot_offsets: torch.Tensor  # (T,) int64, offset inside that block
-    block_tables: torch.Tensor  # (S, NBmax) int64, each sequence's block table, padded with block 0
+    block_tables: torch.Tensor  # (G, S, NBmax) int64, each group's block table of each sequence, padded with 0
     seq_of: torch.Tensor  # (T,) int64, the token's row in block_tables
+    kv_group: tuple[int, ...]  # (L,) the group (first index of block_tables) layer i reads (KVLayout.group)
+    kv_slot: tuple[int, ...]  # (L,) layer i's slot in the cache tensors' first dimension (KVLayout.slot)
 
 
 Matrix = torch.Tensor | QMatrix  # a float tensor (host path) or the stored weights (native path)
@@ -326,7 +328,7 @@ class Transformer:
     def forward(self, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """Run the layers over a step's tokens, filling the KV cache.
 
-        k_cache: (L, NB, Hkv, D, Bs); v_cache: (L, NB, Hkv, Bs, D).
+        k_cache: (Lg, NB, Hkv, D, Bs); v_cache: (Lg, NB, Hkv, Bs, D): layer i's are slot batch.kv_slot[i].
         Returns the final-normed hidden states, (T, hidden).
         """
         x = self._embed(batch.input_ids)  # (T, hidden)
@@ -334,7 +336,8 @@ class Transformer:
         if self.native_layers is not None:  # tables in spec.rope_kinds' order, as build_native_layers indexes them
             x = self.native_layers.forward(x, [c for c, _ in trig.values()], [s for _, s in trig.values()], k_cache,
                                            v_cache, batch.slot_blocks, batch.slot_offsets, batch.block_tables,
-                                           batch.seq_of, batch.positions)
+                                           batch.seq_of, batch.positions, list(batch.kv_slot),
+                                           list(batch.kv_group))
             return self._final_norm(x)
         spec = self.spec
         softcap = (spec.attn_softcap,) if spec.attn_softcap else ()
@@ -343,9 +346,10 @@ class Transformer:
             kind = spec.rope[i]
             cos, sin = trig[kind] if kind is not None else unrotated
             q, k, v = self.tiler(partial(self._qkv, lw, rope=kind is not None), x, cos, sin)  # (T,H,D), (T,Hkv,D) x2
-            write_kv(k_cache[i], v_cache[i], k, v, batch.slot_blocks, batch.slot_offsets)
+            s, g = batch.kv_slot[i], batch.kv_group[i]
+            write_kv(k_cache[s], v_cache[s], k, v, batch.slot_blocks[g], batch.slot_offsets)
             sinks = {"sinks": lw.sinks} if lw.sinks is not None else {}
-            attn = self.attention(q, k_cache[i], v_cache[i], batch.block_tables, batch.seq_of, batch.positions,
+            attn = self.attention(q, k_cache[s], v_cache[s], batch.block_tables[g], batch.seq_of, batch.positions,
                                   self.scale, spec.windows[i], *softcap, **sinks)  # (T, H, D)
             x = self.tiler(partial(self._out_mlp, lw), x, attn)  # (T, hidden)
         return self.tiler(self._final_norm, x)

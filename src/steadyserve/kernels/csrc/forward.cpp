@@ -18,8 +18,9 @@
 // bitwise, prefill and decode, on every architecture.
 //
 // Shapes: x (T, hidden); cos, sin: lists of (T, D) tables by absolute position, one per RoPE kind;
-// k_cache (L, NB, Hkv, D, Bs) and v_cache (L, NB, Hkv, Bs, D) (in float32; other storage formats as
-// kv_format.h lays them out); slot_blocks, slot_offsets, seq_of, positions (T,); block_tables (S, NBmax).
+// k_cache (Lg, NB, Hkv, D, Bs) and v_cache (Lg, NB, Hkv, Bs, D), Lg slots that layers share by group (in float32;
+// other storage formats as kv_format.h lays them out); slot_offsets, seq_of, positions (T,); slot_blocks (G, T)
+// and block_tables (G, S, NBmax), one per group of layers.
 // Elementwise adds are exact whatever their order, so in place or not is only memory.
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
@@ -185,21 +186,30 @@ class NativeLayers : public torch::CustomClassHolder {
 
   // Runs every layer over the step's rows; fills the KV cache; returns the hidden states (T, hidden)
   // before the final norm, as Transformer.forward's loop leaves them. cos[i], sin[i]: table i's rows.
+  // kv_slot[i], kv_group[i]: layer i's slot in the caches' first dimension and its group's index in block_tables
+  // and slot_blocks (engine/kv_layout.py: a hybrid model's windowed layers keep their own block tables).
   at::Tensor forward(at::Tensor x, std::vector<at::Tensor> cos, std::vector<at::Tensor> sin, at::Tensor k_cache,
                      at::Tensor v_cache, at::Tensor slot_blocks, at::Tensor slot_offsets, at::Tensor block_tables,
-                     at::Tensor seq_of, at::Tensor positions) {
+                     at::Tensor seq_of, at::Tensor positions, std::vector<int64_t> kv_slot,
+                     std::vector<int64_t> kv_group) {
     const steady_fp::Scope fp;  // a method of a class, not an op: bindings.cpp's wrapper does not reach it
     TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "NativeLayers.forward: x must be (T, hidden) float32");
     TORCH_CHECK(cos.size() == sin.size(), "NativeLayers.forward: one sin table per cos table");
-    TORCH_CHECK(k_cache.dim() == 5 && v_cache.dim() == 5 && k_cache.size(0) == num_layers() &&
-                    k_cache.is_contiguous() && v_cache.is_contiguous(),
-                "NativeLayers.forward: caches must be contiguous (L, NB, Hkv, D, Bs) and (L, NB, Hkv, Bs, D)");
+    TORCH_CHECK(k_cache.dim() == 5 && v_cache.dim() == 5 && k_cache.is_contiguous() && v_cache.is_contiguous(),
+                "NativeLayers.forward: caches must be contiguous (Lg, NB, Hkv, D, Bs) and (Lg, NB, Hkv, Bs, D)");
+    TORCH_CHECK(block_tables.dim() == 3 && slot_blocks.dim() == 2 && slot_blocks.size(0) == block_tables.size(0),
+                "NativeLayers.forward: block_tables must be (G, S, NBmax) and slot_blocks (G, T)");
+    TORCH_CHECK(int64_t(kv_slot.size()) == num_layers() && int64_t(kv_group.size()) == num_layers(),
+                "NativeLayers.forward: one kv slot and one kv group per layer");
+    for (int64_t i = 0; i < num_layers(); ++i)
+      TORCH_CHECK(kv_slot[size_t(i)] >= 0 && kv_slot[size_t(i)] < k_cache.size(0) && kv_group[size_t(i)] >= 0 &&
+                      kv_group[size_t(i)] < block_tables.size(0),
+                  "NativeLayers.forward: layer ", i, "'s kv slot or group is out of range");
     TORCH_CHECK(slot_blocks.scalar_type() == at::kLong && slot_offsets.scalar_type() == at::kLong &&
                     slot_blocks.is_contiguous() && slot_offsets.is_contiguous() &&
-                    slot_blocks.numel() == x.size(0) && slot_offsets.numel() == x.size(0),
-                "NativeLayers.forward: slot_blocks and slot_offsets must be contiguous (T,) int64");
+                    slot_blocks.size(1) == x.size(0) && slot_offsets.numel() == x.size(0),
+                "NativeLayers.forward: slot_blocks (G, T) and slot_offsets (T,) must be contiguous int64");
     const int64_t T = x.size(0), qd = h_ * d_, kvd = hkv_ * d_, R = std::min(kMlpRows, T);
-    const int64_t* blocks = slot_blocks.data_ptr<int64_t>();
     const int64_t* offsets = slot_offsets.data_ptr<int64_t>();
     // What the layers write, allocated once per call and reused by every layer, where each layer allocated about
     // ten tensors. With q8linear.cpp's workspace, a 1.7B-shaped model's one-row decode step spent 0.6 ms instead
@@ -214,7 +224,10 @@ class NativeLayers : public torch::CustomClassHolder {
     for (int64_t i = 0; i < num_layers(); ++i) {
       const Layer& L = layers_[size_t(i)];
       TORCH_CHECK(L.rope < int64_t(cos.size()), "NativeLayers.forward: layer ", i, " reads RoPE table ", L.rope);
-      at::Tensor kc = k_cache.select(0, i), vc = v_cache.select(0, i);
+      const int64_t g = kv_group[size_t(i)];
+      at::Tensor kc = k_cache.select(0, kv_slot[size_t(i)]), vc = v_cache.select(0, kv_slot[size_t(i)]);
+      at::Tensor tables = block_tables.select(0, g);  // (S, NBmax): this layer's group's
+      const int64_t* blocks = slot_blocks.data_ptr<int64_t>() + g * T;
       // (T, (H + 2 Hkv) D): q|k|v of the normed input (OLMo 2: of the residual itself)
       linear_into(L.wqkv, pre_norm_ ? norm_into(x, L.input_norm, normed) : x, qkv);
       if (qk_norm_heads_ != 0) {  // each q and k head (or all of them at once) one row of the norm kernel
@@ -226,7 +239,7 @@ class NativeLayers : public torch::CustomClassHolder {
       const float* row = qkv.data_ptr<float>();  // k at column qd, v at qd + kvd of each row
       steady_ops::kv_write_rows(kc, vc, row + qd, row + qd + kvd, qkv.stride(0), T, hkv_, d_, blocks, offsets);
       at::Tensor q = qkv.narrow(1, 0, qd).contiguous().view({T, h_, d_});  // (T, H, D): a view at one row
-      steady_ops::paged_attention(q, kc, vc, block_tables, seq_of, positions, attn, scale_, L.window, softcap_,
+      steady_ops::paged_attention(q, kc, vc, tables, seq_of, positions, attn, scale_, L.window, softcap_,
                                   L.sinks.defined() ? std::optional<at::Tensor>(L.sinks) : std::nullopt);
       linear_into(L.wo, attn.view({T, qd}), out);
       add_residual(x, out, L.attn_out_norm);
