@@ -169,6 +169,13 @@ def check_min_tokens(http, path):
     assert post(http, path, logit_bias=bias, min_tokens=4)["usage"]["completion_tokens"] >= 4
 
 
+def check_skip_special_tokens(http, path):
+    special = {"logit_bias": {"1": 100}, "max_tokens": 3, "ignore_eos": True}  # <|im_start|>: special, not the EOS
+    assert text(post(http, path, **special)) == ""
+    assert text(post(http, path, skip_special_tokens=False, **special)) == "<|im_start|>" * 3
+    refused(http, path, "skip_special_tokens", "yes")
+
+
 def check_response_format(http, path):
     import json
 
@@ -482,7 +489,8 @@ CHECKS: dict[tuple[str, str], Callable] = {
         ("ignore_eos", check_ignore_eos), ("frequency_penalty", check_frequency_penalty),
         ("presence_penalty", check_presence_penalty), ("logit_bias", check_logit_bias),
         ("repetition_penalty", check_repetition_penalty), ("min_tokens", check_min_tokens),
-        ("response_format", check_response_format), ("receipt", check_receipt))},
+        ("skip_special_tokens", check_skip_special_tokens), ("response_format", check_response_format),
+        ("receipt", check_receipt))},
     (C, "prompt"): check_prompt, (C, "echo"): check_echo, (C, "logprobs"): check_completion_logprobs,
     (C, "best_of"): check_best_of, (C, "suffix"): check_suffix,
     (CH, "messages"): check_messages, (CH, "logprobs"): check_chat_logprobs, (CH, "top_logprobs"): check_top_logprobs,

@@ -23,6 +23,7 @@ from typing import Any
 from ..engine.channel import RequestChannel
 from ..engine.sequence import SamplingParams
 from ..limits import DEFAULT_MAX_TOKENS, InvalidRequest, Refused, check_request_id
+from .harmony import speaks_harmony
 from .protocol import encode_prompt, render_chat
 from .state import ServerState
 from .tools import ToolFormat, ToolRequest, format_for
@@ -60,6 +61,7 @@ class RequestSpec:
     tools: ToolRequest | None = None  # chat: tools, tool_choice, parallel_tool_calls; None when none were sent
     continue_final: bool = False  # chat: the last (assistant) message is continued, not answered (a prefill)
     receipt: bool = False  # a receipt per choice (api/receipts.py): the body's field, gRPC's, or the header
+    reads_harmony: bool = False  # the encoder reads a harmony reply's channels (OpenAI chat: api/harmony.py)
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,7 @@ class ValidatedRequest:
     tools: ToolRequest | None = None  # the tools the model may call (None: none, or tool_choice none)
     tool_format: ToolFormat | None = None  # with tools: how this model writes calls, to parse its output
     receipt: bool = False  # each choice's final event carries its receipt (api/receipts.py)
+    harmony: bool = False  # a chat reply in gpt-oss's harmony: read into reasoning and content (api/harmony.py)
 
     @property
     def engine_ids(self) -> list[str]:
@@ -173,6 +176,9 @@ def build(state: ServerState, spec: RequestSpec) -> ValidatedRequest:
     if tools is not None:
         tool_format, grammar = tool_grammar(state, tools, params)
         params = dataclasses.replace(params, grammar=grammar)
+    harmony = spec.reads_harmony and tools is None and speaks_harmony(state.loaded.tokenizer)
+    if harmony:  # its channels are special tokens: the reader needs them in the text
+        params = dataclasses.replace(params, skip_special_tokens=False)
     k = spec.num_samples
     if len(prompts) * k > capacity:
         name = "best_of" if k > spec.n else "n"
@@ -200,7 +206,7 @@ def build(state: ServerState, spec: RequestSpec) -> ValidatedRequest:
             choice_texts.append(text)
     return ValidatedRequest(state.new_request_id(spec.request_id or None), spec.kind, spec.transport, choices,
                             choice_params, choice_texts, k, spec.n, spec.stream, spec.output, tools, tool_format,
-                            spec.receipt)
+                            spec.receipt, harmony)
 
 
 def tool_grammar(state: ServerState, tools: ToolRequest, params: SamplingParams) -> tuple[ToolFormat, str]:

@@ -52,11 +52,13 @@ def _tokenizer(vocab_size: int, chat_template: str | None = None):
 
 
 def build_tiny_model(out_dir: str | Path, arch: str = "llama", size: str = "tiny", seed: int = 0,
-                     max_position_embeddings: int = 512, chat_template: str | None = None) -> Path:
+                     max_position_embeddings: int = 512, chat_template: str | None = None,
+                     special_tokens: tuple[str, ...] = (), added_tokens: tuple[str, ...] = ()) -> Path:
     """Write a random model to out_dir and return it. arch: llama | qwen2 | mistral | llama3 | qwen3 | qwen3-hd48
     | gemma3 | phi3 | phi3-longrope | olmo2 | smollm3 | granite | gemma2 | gemma3-linear | qwen3moe | qwen3moe-mixed
     | gptoss.
-    `chat_template`: another template than the ChatML default (tests of templates that know tools)."""
+    `chat_template`: another template than the ChatML default (tests of templates that know tools);
+    `special_tokens`, `added_tokens`: more tokens in the vocabulary (gpt-oss's harmony markers and channel names)."""
     import torch
     from transformers import (GptOssConfig, GptOssForCausalLM, Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GraniteConfig, GraniteForCausalLM, LlamaConfig,
                               LlamaForCausalLM, MistralConfig, MistralForCausalLM, Olmo2Config, Olmo2ForCausalLM,
@@ -67,6 +69,10 @@ def build_tiny_model(out_dir: str | Path, arch: str = "llama", size: str = "tiny
     out = Path(out_dir)
     hidden, inter, layers, heads, kv_heads, vocab = SIZES[size]
     tokenizer = _tokenizer(vocab, chat_template)
+    if special_tokens:
+        tokenizer.add_special_tokens({"additional_special_tokens": list(special_tokens)})
+    if added_tokens:
+        tokenizer.add_tokens(list(added_tokens))
     if arch.startswith("gemma"):  # transformers' GemmaTokenizer adds a <mask> token where a vocabulary lacks one
         tokenizer.add_special_tokens({"mask_token": "<mask>"})
     vocab = max(vocab, len(tokenizer))

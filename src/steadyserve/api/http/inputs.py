@@ -98,7 +98,7 @@ def request_spec(body: Any, kind: str, transport: str, request_id: str, receipt_
         requested_max_tokens=req.requested_max_tokens,
         max_tokens_param="max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None
         else "max_tokens", num_samples=req.num_samples, n=req.n, stream=req.stream, output=output_options(req),
-        tools=req.tool_request() if chat else None, receipt=req.receipt or receipt_header)
+        tools=req.tool_request() if chat else None, receipt=req.receipt or receipt_header, reads_harmony=chat)
 
 
 def output_options(req: CompletionRequest | ChatCompletionRequest) -> OutputOptions:

@@ -11,6 +11,7 @@ from ...engine.sequence import RequestOutput, TokenLogprob
 from ..events import Accumulated, sum_usage
 from ..protocol import token_text
 from ..requests import ValidatedRequest
+from ..harmony import HarmonyReader, read_reply
 from ..tools import ToolCallStream, ToolFormat, tool_finish, tool_turn
 
 
@@ -93,7 +94,7 @@ class Formatter:
     def __init__(self, kind: str, request_id: str, model: str, fingerprint: str, tokenizer: Any,
                  echo_prompt_ids: list[int] | None = None, echo_text: str = "", index: int = 0,
                  tool_format: ToolFormat | None = None,
-                 receipt: Callable[[Accumulated], dict[str, Any]] | None = None) -> None:
+                 receipt: Callable[[Accumulated], dict[str, Any]] | None = None, harmony: bool = False) -> None:
         self.kind = kind  # "completion" | "chat"
         self.index = index  # the choice's index: its prompt's position in a batched request
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + request_id
@@ -110,6 +111,8 @@ class Formatter:
         self.tool_format = tool_format  # chat with tools: the output is parsed into content and tool_calls
         self.tool_stream = ToolCallStream(tool_format, request_id, index) if tool_format is not None else None
         self.receipt = receipt  # the choice's receipt from its outputs (api/receipts.py); None: not asked for
+        # a chat reply in harmony (api/harmony.py): its analysis channel sent as reasoning_content
+        self.harmony = HarmonyReader() if harmony and kind == "chat" else None
 
     def _envelope(self, chunk: bool) -> dict[str, Any]:
         obj = {"completion": "text_completion", "chat": "chat.completion.chunk" if chunk else "chat.completion"}
@@ -167,6 +170,12 @@ class Formatter:
             if turn.tool_calls:
                 message["tool_calls"] = turn.tool_calls
             choice = {"index": self.index, "message": message, "logprobs": lp, "finish_reason": turn.finish_reason}
+        elif self.kind == "chat" and self.harmony is not None:
+            reasoning, content = read_reply(acc.text)
+            message = {"role": "assistant", "content": content}
+            if reasoning:
+                message["reasoning_content"] = reasoning
+            choice = {"index": self.index, "message": message, "logprobs": lp, "finish_reason": acc.finish_reason}
         elif self.kind == "chat":
             choice = {"index": self.index, "message": {"role": "assistant", "content": acc.text}, "logprobs": lp,
                       "finish_reason": acc.finish_reason}
@@ -194,6 +203,10 @@ class Formatter:
         lp = self._logprobs(lps, ids, want_logprobs, prompt_lps)
         if self.kind == "chat":
             delta: dict[str, Any] = {"content": text} if text or not self._sent_role else {}
+            if self.harmony is not None:
+                reasoning, content = self.harmony.feed(text, finish is not None)
+                delta = {**({"reasoning_content": reasoning} if reasoning else {}),
+                         **({"content": content} if content or not self._sent_role else {})}
             if not self._sent_role:
                 delta["role"] = "assistant"
                 self._sent_role = True
@@ -272,7 +285,7 @@ def formatters(req: ValidatedRequest, model: str, fingerprint: str, tokenizer: A
     return [Formatter(req.kind, req.request_id, model, fingerprint, tokenizer,
                       echo_prompt_ids=ids if echo else None,
                       echo_text=(text if text is not None else tokenizer.decode(ids)) if echo else "", index=i,
-                      tool_format=req.tool_format, receipt=_bind(receipts, i))
+                      tool_format=req.tool_format, receipt=_bind(receipts, i), harmony=req.harmony)
             for i, (ids, text) in enumerate(zip(req.prompts, req.echo_texts))]
 
 

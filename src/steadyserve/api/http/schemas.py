@@ -149,6 +149,10 @@ class _Common(RequestBody):
     min_tokens: StrictInt = Field(default=0, description="end-of-sequence and stop tokens cannot be "
                                   "generated before this many tokens (at most max_tokens)",
                                   json_schema_extra=shared_range(0, **{"x-extension": True}))
+    skip_special_tokens: StrictBool = Field(default=True, description="leave the tokenizer's special tokens out "
+                                            "of the output text (vLLM's parameter); a chat reply of a harmony "
+                                            "model (gpt-oss) is read with them, into reasoning_content and content",
+                                            json_schema_extra={"x-extension": True})
     receipt: StrictBool = Field(default=False, description="return a receipt with each choice (a stream: in its "
                                 "last chunk) that `steadyserve verify` replays bit for bit; the header "
                                 "x-steadyserve-receipt: 1 asks too (docs/reference/receipts.md)",
@@ -163,7 +167,8 @@ class _Common(RequestBody):
             bias[int(key)] = float(value)
         return {"logit_bias": bias, "presence_penalty": self.presence_penalty or 0.0,
                 "frequency_penalty": self.frequency_penalty or 0.0, "repetition_penalty": self.repetition_penalty,
-                "min_tokens": self.min_tokens, "stop_token_ids": list(self.stop_token_ids or [])}
+                "min_tokens": self.min_tokens, "stop_token_ids": list(self.stop_token_ids or []),
+                "skip_special_tokens": self.skip_special_tokens}
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

@@ -21,6 +21,7 @@ from starlette.websockets import WebSocketDisconnect
 from ...limits import RETRY_REASONS, InvalidRequest, Refused
 from .. import json_input
 from ..events import StreamStalled, end_status
+from ..harmony import read_reply
 from ..receipts import HEADER as RECEIPT_HEADER, header_asks, receipt_for
 from ..requests import ValidatedRequest, admit
 from ..state import ServerState
@@ -144,6 +145,10 @@ async def websocket_stream(ws: WebSocket, state: ServerState) -> None:
                         final["content"] = turn.content
                         final["tool_calls"] = turn.tool_calls
                         final["finish_reason"] = turn.finish_reason
+                    if req.harmony:  # the raw text streamed, channels and all; the final reads them
+                        reasoning, final["content"] = read_reply(acc.text)
+                        if reasoning:
+                            final["reasoning_content"] = reasoning
                     if acc.prompt_logprobs is not None:
                         final["prompt_logprobs"] = [None if lp is None else _lp_json([lp])[0]
                                                     for lp in acc.prompt_logprobs]
