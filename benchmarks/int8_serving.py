@@ -194,7 +194,7 @@ def main() -> int:
     lo, hi = (min(levels), max(levels)) if levels else (0, 0)
     ratios = {}
     m = main_row
-    for peer in [r for r in rows if r not in ours]:
+    for peer in [r for r in rows if r not in ours and m in rows]:  # a peer alone has no ratio
         for c in (lo, hi) if levels else ():
             ratios[f"c{c} {m} / {peer}"] = tps(c, m) / tps(c, peer)
         if a.long_prompt > 0:
@@ -209,7 +209,7 @@ def main() -> int:
     if around:
         bound_then = sum(around) / 2 * 1e9 / res["bytes_per_token"]
         ratios[f"c1 {m} / read-bandwidth bound around it (target >= 0.6)"] = tps(lo, m) / bound_then
-    if levels:
+    if levels and m in rows:
         ratios[f"c1 {m} / read-bandwidth bound at the end of the run"] = tps(lo, m) / res["bandwidth_bound_c1_tok_s"]
     res["ratios"] = ratios
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -251,7 +251,7 @@ class HybridBlockAccounting(BlockAccounting):
 
 
 TestHybridBlockAccounting = HybridBlockAccounting.TestCase
-TestHybridBlockAccounting.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
+TestHybridBlockAccounting.settings = settings(max_examples=100, stateful_step_count=60, deadline=None)
 
 
 def test_the_state_machine_sees_a_hash_without_the_position(monkeypatch):

@@ -221,12 +221,14 @@ class NativeLayers : public torch::CustomClassHolder {
     at::Tensor out = at::empty_like(x);  // (T, hidden): wo's output, then each MLP slice's down projection
     at::Tensor gate_up = at::empty({R * max_gate_up_}, x.options());   // (R, 2 I) of each slice
     at::Tensor act = at::empty({R * max_gate_up_ / 2}, x.options());  // (R, I)
+    std::vector<at::Tensor> group_tables;  // (S, NBmax) of each group: one view each per call, not per layer
+    for (int64_t g = 0; g < block_tables.size(0); ++g) group_tables.push_back(block_tables.select(0, g));
     for (int64_t i = 0; i < num_layers(); ++i) {
       const Layer& L = layers_[size_t(i)];
       TORCH_CHECK(L.rope < int64_t(cos.size()), "NativeLayers.forward: layer ", i, " reads RoPE table ", L.rope);
       const int64_t g = kv_group[size_t(i)];
       at::Tensor kc = k_cache.select(0, kv_slot[size_t(i)]), vc = v_cache.select(0, kv_slot[size_t(i)]);
-      at::Tensor tables = block_tables.select(0, g);  // (S, NBmax): this layer's group's
+      const at::Tensor& tables = group_tables[size_t(g)];  // (S, NBmax): this layer's group's
       const int64_t* blocks = slot_blocks.data_ptr<int64_t>() + g * T;
       // (T, (H + 2 Hkv) D): q|k|v of the normed input (OLMo 2: of the residual itself)
       linear_into(L.wqkv, pre_norm_ ? norm_into(x, L.input_norm, normed) : x, qkv);
