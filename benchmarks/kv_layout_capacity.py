@@ -18,7 +18,7 @@ from pathlib import Path
 
 from steadyserve.config import EngineConfig, parse_size
 from steadyserve.engine.block_manager import BlockManager
-from steadyserve.engine.kv_cache import STORAGE, _stored_dim
+from steadyserve.engine.kv_cache import bytes_per_block, kv_layout
 from steadyserve.engine.kv_layout import plan_kv_layout
 from steadyserve.models.loader import _read_config, convert_gguf
 from steadyserve.models.registry import model_args
@@ -27,14 +27,15 @@ from steadyserve.models.registry import model_args
 def one_model(path: Path, budget: int, fmt: str, lengths: list[int]) -> dict:
     model_dir, _ = convert_gguf(path, with_weights=False, native=True)
     args = model_args(_read_config(model_dir, True))
-    windows = [args.window(i) for i in range(args.num_layers)]
     cfg = EngineConfig()
-    elem = STORAGE[fmt].itemsize
-    per_layer_block = 2 * args.num_kv_heads * _stored_dim(args, fmt) * cfg.block_size * elem  # K and V, one layer
-    out: dict = {"gguf": path.name, "layers": args.num_layers, "windows": sorted(set(windows)), "kv_dtype": fmt,
+    groups = kv_layout(args)  # the engine's own layout
+    per_layer_block = bytes_per_block(args, cfg.block_size, fmt) // groups.group_size  # K and V, one layer
+    windows = sorted(set(groups.windows))
+    out: dict = {"gguf": path.name, "layers": args.num_layers, "windows": windows, "kv_dtype": fmt,
                  "block_size": cfg.block_size, "max_num_batched_tokens": cfg.max_num_batched_tokens}
-    one = plan_kv_layout([max(windows) if all(windows) else 0] * args.num_layers)  # one group, as before
-    for name, layout in (("one_table", one), ("groups", plan_kv_layout(windows))):
+    # one group, as before the layout: behind the largest window when every layer has one, else full attention
+    one = plan_kv_layout([max(windows) if 0 not in windows else 0] * args.num_layers)
+    for name, layout in (("one_table", one), ("groups", groups)):
         block_bytes = per_layer_block * layout.group_size
         bm = BlockManager(max(1, budget // block_bytes), cfg.block_size, windows=layout.windows,
                           max_step_tokens=cfg.max_num_batched_tokens)

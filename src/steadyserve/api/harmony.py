@@ -107,8 +107,10 @@ class HarmonyReader:
             else:
                 self.header += marker
         r, c = "".join(out["reasoning"]), "".join(out["content"])
-        self.reasoning.append(r)
-        self.content.append(c)
+        if r:
+            self.reasoning.append(r)
+        if c:
+            self.content.append(c)
         return r, c
 
     @property

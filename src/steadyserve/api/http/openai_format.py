@@ -202,11 +202,10 @@ class Formatter:
         body = self._envelope(chunk=True)
         lp = self._logprobs(lps, ids, want_logprobs, prompt_lps)
         if self.kind == "chat":
-            delta: dict[str, Any] = {"content": text} if text or not self._sent_role else {}
-            if self.harmony is not None:
-                reasoning, content = self.harmony.feed(text, finish is not None)
-                delta = {**({"reasoning_content": reasoning} if reasoning else {}),
-                         **({"content": content} if content or not self._sent_role else {})}
+            reasoning, content = self.harmony.feed(text, finish is not None) if self.harmony else ("", text)
+            delta: dict[str, Any] = {"reasoning_content": reasoning} if reasoning else {}
+            if content or not self._sent_role:
+                delta["content"] = content
             if not self._sent_role:
                 delta["role"] = "assistant"
                 self._sent_role = True
