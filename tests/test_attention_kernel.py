@@ -234,9 +234,10 @@ def caches_in(fmt: str, nb: int, hkv: int, d: int, g: torch.Generator) -> tuple[
 
 
 # (query heads, kv heads, head dim, window, softcap): SmolLM2's heads; Gemma 3's (4 per kv head, 256 dims) on a
-# sliding-window layer; Gemma 2's soft-capping on a head dim that takes the narrow (16-wide) passes.
+# sliding-window layer; Gemma 2's soft-capping on a head dim that takes the narrow (16-wide) passes; one query head per
+# kv head (SmolLM2-1.7B's), where up to 4 tokens of a tile share each pass over a block, on a window too.
 LONG_SHAPES = {"smollm2": (9, 3, 64, 0, 0.0), "gemma3_local": (4, 1, 256, 200, 0.0),
-               "softcap_narrow": (2, 1, 48, 0, 30.0)}
+               "softcap_narrow": (2, 1, 48, 0, 30.0), "mha": (4, 4, 64, 0, 0.0), "mha_window": (2, 2, 64, 100, 0.0)}
 
 
 @pytest.mark.parametrize(("fmt", "shape"), [(fmt, shape) for shape, (_, _, d, _, _) in LONG_SHAPES.items()
@@ -349,13 +350,17 @@ def digest(attend):
     sinks = torch.randn(9, generator=g) * 3  # gpt-oss's attention sinks, one per query head
     h = hashlib.sha256()
     for k, v in caches():
-        for window, sink in ((0, None), (40, None), (40, sinks)):
+        # 3 query heads per kv head, and 1 (each kv head's first query head: the passes tokens share)
+        for qh, window, sink in ((q, 0, None), (q, 40, None), (q, 40, sinks), (q[:, ::3].contiguous(), 0, None),
+                                 (q[:, ::3].contiguous(), 40, None)):
             # 300 rows at once, in tiles, and every third row alone (untiled): one build's bits must agree.
-            whole = attend(q, k, v, tables, seq_of, pos, window, sink)
+            s = None if sink is None else sink[:qh.shape[1]]
+            whole = attend(qh, k, v, tables, seq_of, pos, window, s)
             for t in range(0, 300, 3):
-                alone = attend(q[t:t + 1], k, v, tables, seq_of[:1], pos[t:t + 1], window, sink)
+                alone = attend(qh[t:t + 1], k, v, tables, seq_of[:1], pos[t:t + 1], window, s)
                 if not torch.equal(alone[0], whole[t]):
-                    raise SystemExit(f"tiled row {t} != the row alone ({k.dtype}, window {window}, sinks {sink})")
+                    raise SystemExit(f"tiled row {t} != the row alone ({k.dtype}, {qh.shape[1]} heads, "
+                                     f"window {window}, sinks {sink})")
             h.update(whole.numpy().tobytes())
     return h.hexdigest()
 """

@@ -25,6 +25,7 @@ namespace {
 }  // namespace
 
 constexpr bool kWidePasses = true;
+constexpr int kAccFloats = 64;  // accumulators in 8 of the 16 ymm registers (attention_body.h: kTokensPerPass)
 
 #include "attention_body.h"
 

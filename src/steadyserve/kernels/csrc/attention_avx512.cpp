@@ -25,6 +25,7 @@ namespace {
 }  // namespace
 
 constexpr bool kWidePasses = true;
+constexpr int kAccFloats = 256;  // accumulators in 16 of the 32 zmm registers (attention_body.h: kTokensPerPass)
 
 #include "attention_body.h"
 

@@ -37,11 +37,14 @@ void attend_one(const Problem& P, int64_t t, int64_t g, float* scores, int64_t s
       prefetch_region(P.k + (table[blk + 1] * P.hkv + g) * P.head_bytes, P.head_bytes);
       fetched = blk;
     }
+    const float* const qs[1] = {qg};
+    const int64_t firsts[1] = {first}, ps[1] = {p};
+    float* const outs[1] = {scores + (c - c0)};
     if (W && off + 2 * kLanes <= Bs && c + kLanes <= p) {
-      score_keys<F, G, 2 * kLanes>(qg, kh, off, D, Bs, c, first, p, P.scale, P.softcap, scores + (c - c0), stride);
+      score_keys<F, G, 2 * kLanes>(qs, kh, off, D, Bs, c, firsts, ps, P.scale, P.softcap, outs, stride);
       c += 2 * kLanes, off += 2 * kLanes;
     } else {
-      score_keys<F, G, kLanes>(qg, kh, off, D, Bs, c, first, p, P.scale, P.softcap, scores + (c - c0), stride);
+      score_keys<F, G, kLanes>(qs, kh, off, D, Bs, c, firsts, ps, P.scale, P.softcap, outs, stride);
       c += kLanes, off += kLanes;
     }
   }
@@ -74,6 +77,62 @@ void attend_one(const Problem& P, int64_t t, int64_t g, float* scores, int64_t s
 }
 
 
+// How many tokens of a tile share one pass over a block's K or V rows (score_keys' and value_keys' TQ), for G query
+// heads of N accumulator lanes each: as many as the build's accumulator registers hold (kAccFloats floats), at most
+// 4. A kv head with few query heads has too few independent chains to hide the fma latency and too few fmas per row
+// loaded; tokens of one tile add both. A speed knob only: each element's chain is the same for any TQ.
+template <int G, int N>
+constexpr int kTokensPerPass = kAccFloats / (G * N) >= 4 ? 4 : kAccFloats / (G * N) >= 1 ? kAccFloats / (G * N) : 1;
+
+// The scores of tokens t .. t + TQ - 1 (rows starting at key c0, each token's G rows of `stride` floats, token k's
+// at out + k * G * stride) against the keys of block b from c0 (or the block's start) up to the last token's
+// position, in passes of 32 or 16 keys. A pass writes every key it covers: the score for keys in [first, p] of that
+// token, -inf for the others (keys after p lie within the row's stride and are never read).
+template <int G, bool W, int TQ>
+STEADY_INLINE void score_passes(const Problem& P, int64_t t, int64_t g, const uint8_t* kh, int64_t b, int64_t c0,
+                                const int64_t* first, const int64_t* pos, float* out, int64_t stride) {
+  const int64_t D = P.d, Bs = P.bs;
+  const float* qs[TQ];
+  int64_t fs[TQ], ps[TQ];
+  for (int k = 0; k < TQ; ++k) qs[k] = P.q + ((t + k) * P.h + g * G) * D, fs[k] = first[k], ps[k] = pos[k];
+  const int64_t last = *std::max_element(ps, ps + TQ);
+  int64_t c = std::max(c0, b * Bs);
+  for (int64_t off = c - b * Bs; c <= last && off < Bs;) {
+    float* os[TQ];
+    for (int k = 0; k < TQ; ++k) os[k] = out + k * G * stride + (c - c0);
+    if (W && off + 2 * kLanes <= Bs && c + kLanes <= last) {
+      score_keys<steady_kv::kF32, G, 2 * kLanes, TQ>(qs, kh, off, D, Bs, c, fs, ps, P.scale, P.softcap, os, stride);
+      c += 2 * kLanes, off += 2 * kLanes;
+    } else {
+      score_keys<steady_kv::kF32, G, kLanes, TQ>(qs, kh, off, D, Bs, c, fs, ps, P.scale, P.softcap, os, stride);
+      c += kLanes, off += kLanes;
+    }
+  }
+}
+
+// Step 5 for keys [k0, k1] of one V block (floats (Bs, D), its first key `base`) and TQ tokens: for each token's G
+// rows and each output element, acc = fma(e, v, acc) over the keys ascending. acc[t]: token t's (G, D) accumulators,
+// parked in memory between blocks (stored and reloaded exactly); s[t][r * stride + key]: its row r's exponentials.
+template <int G, int NV, int TQ>
+STEADY_INLINE void value_keys(const float* vb, int64_t base, int64_t D, float* const (&acc_at)[TQ],
+                              const float* const (&s)[TQ], int64_t stride, int64_t k0, int64_t k1) {
+  for (int64_t d0 = 0; d0 < D; d0 += NV) {
+    float a[TQ][G][NV];
+    for (int t = 0; t < TQ; ++t)
+      for (int r = 0; r < G; ++r) std::memcpy(a[t][r], acc_at[t] + r * D + d0, sizeof a[t][r]);
+    for (int64_t key = k0; key <= k1; ++key) {
+      const float* vr = vb + (key - base) * D + d0;
+      for (int t = 0; t < TQ; ++t)
+        for (int r = 0; r < G; ++r) {
+          const float e = s[t][r * stride + key];
+          for (int l = 0; l < NV; ++l) a[t][r][l] = std::fmaf(e, vr[l], a[t][r][l]);
+        }
+    }
+    for (int t = 0; t < TQ; ++t)
+      for (int r = 0; r < G; ++r) std::memcpy(acc_at[t] + r * D + d0, a[t][r], sizeof a[t][r]);
+  }
+}
+
 // Tokens [t0, t1) of one sequence (a tile, t1 - t0 <= kTile) and kv head g: steps 1-5 for each token, as
 // attend_one computes them, but with the blocks outermost, so each K and V block is read (and, for a
 // stored format, turned into floats) once per tile instead of once per token. `scores`: (t1 - t0) * G rows
@@ -105,23 +164,13 @@ void attend_tile(const Problem& P, int64_t t0, int64_t t1, int64_t g, float* sco
       k_block_floats<F>(kh, D, Bs, kf, next);
       kh = reinterpret_cast<const uint8_t*>(kf);
     }
-    for (int64_t i = 0; i < M; ++i) {
-      const int64_t p = pos[i];
-      int64_t c = std::max(c0[i], b * Bs);
-      const float* qg = P.q + ((t0 + i) * P.h + g * G) * D;  // (G, D)
-      float* sr = scores + i * G * stride;
-      for (int64_t off = c - b * Bs; c <= p && off < Bs;) {
-        if (W && off + 2 * kLanes <= Bs && c + kLanes <= p) {
-          score_keys<steady_kv::kF32, G, 2 * kLanes>(qg, kh, off, D, Bs, c, first[i], p, P.scale, P.softcap,
-                                                     sr + (c - c0[i]), stride);
-          c += 2 * kLanes, off += 2 * kLanes;
-        } else {
-          score_keys<steady_kv::kF32, G, kLanes>(qg, kh, off, D, Bs, c, first[i], p, P.scale, P.softcap,
-                                                 sr + (c - c0[i]), stride);
-          c += kLanes, off += kLanes;
-        }
-      }
+    int64_t i = 0;
+    if constexpr (kTokensPerPass<G, W ? 2 * kLanes : kLanes> > 1) {  // tokens whose rows start at one key share passes
+      constexpr int TQ = kTokensPerPass<G, W ? 2 * kLanes : kLanes>;
+      for (; i + TQ <= M && std::all_of(c0 + i, c0 + i + TQ, [&](int64_t x) { return x == c0[i]; }); i += TQ)
+        score_passes<G, W, TQ>(P, t0 + i, g, kh, b, c0[i], first + i, pos + i, scores + i * G * stride, stride);
     }
+    for (; i < M; ++i) score_passes<G, W, 1>(P, t0 + i, g, kh, b, c0[i], first + i, pos + i, scores + i * G * stride, stride);
   }
   // 2-4. Each token's softmax, as attend_one.
   float total[kTile][G];
@@ -139,22 +188,26 @@ void attend_tile(const Problem& P, int64_t t0, int64_t t1, int64_t g, float* sco
       v_block_floats<F>(vh, D, Bs, vf, next);
       vh = reinterpret_cast<const uint8_t*>(vf);
     }
-    for (int64_t i = 0; i < M; ++i) {
-      const int64_t k0 = std::max(b * Bs, first[i]), k1 = std::min(b * Bs + Bs - 1, pos[i]);
-      if (k0 > k1) continue;
-      const float* si = scores + i * G * stride - c0[i];  // si[r * stride + key]: token i's row r, key `key`
-      for (int64_t d0 = 0; d0 < D; d0 += NV) {
-        float a[G][NV];
-        for (int r = 0; r < G; ++r) std::memcpy(a[r], acc + (i * G + r) * D + d0, sizeof a[r]);
-        for (int64_t key = k0; key <= k1; ++key) {
-          const float* vr = v_row<steady_kv::kF32, NV>(vh, key - b * Bs, d0, D, nullptr);
-          for (int r = 0; r < G; ++r) {
-            const float e = si[r * stride + key];
-            for (int l = 0; l < NV; ++l) a[r][l] = std::fmaf(e, vr[l], a[r][l]);
-          }
+    const float* vb = reinterpret_cast<const float*>(vh);
+    int64_t i = 0;
+    if constexpr (kTokensPerPass<G, NV> > 1) {  // TQ tokens from the same first key share each V row
+      constexpr int TQ = kTokensPerPass<G, NV>;
+      for (; i + TQ <= M && std::all_of(first + i, first + i + TQ, [&](int64_t x) { return x == first[i]; }); i += TQ) {
+        const int64_t k0 = std::max(b * Bs, first[i]);
+        const int64_t k1 = std::min(b * Bs + Bs - 1, *std::min_element(pos + i, pos + i + TQ));
+        float* as[TQ];
+        const float* ss[TQ];
+        for (int k = 0; k < TQ; ++k) as[k] = acc + (i + k) * G * D, ss[k] = scores + (i + k) * G * stride - c0[i + k];
+        if (k0 <= k1) value_keys<G, NV, TQ>(vb, b * Bs, D, as, ss, stride, k0, k1);  // the keys all of them attend
+        for (int k = 0; k < TQ; ++k) {  // then each token's own last keys, still ascending
+          const int64_t own1 = std::min(b * Bs + Bs - 1, pos[i + k]);
+          if (std::max(k0, k1 + 1) <= own1) value_keys<G, NV, 1>(vb, b * Bs, D, {as[k]}, {ss[k]}, stride, std::max(k0, k1 + 1), own1);
         }
-        for (int r = 0; r < G; ++r) std::memcpy(acc + (i * G + r) * D + d0, a[r], sizeof a[r]);
       }
+    }
+    for (; i < M; ++i) {
+      const int64_t k0 = std::max(b * Bs, first[i]), k1 = std::min(b * Bs + Bs - 1, pos[i]);
+      if (k0 <= k1) value_keys<G, NV, 1>(vb, b * Bs, D, {acc + i * G * D}, {scores + i * G * stride - c0[i]}, stride, k0, k1);
     }
   }
   for (int64_t i = 0; i < M; ++i)

@@ -93,14 +93,16 @@ STEADY_INLINE const float* k_row(const uint8_t* kh, int64_t dd, int64_t off, int
   return buf;
 }
 
-// Scores of N consecutive keys of one block (N a multiple of 16) for G query heads:
-// out[r * stride + i] = (sum over d ascending of q_r[d] * k_i[d]) * scale, or -inf for
-// keys outside [first, p]. More keys per pass only means more independent chains.
-// kh: the block's K region of this kv head, in format F; off: the first key's offset in the block.
-template <int F, int G, int N>
-STEADY_INLINE void score_keys(const float* qg, const uint8_t* kh, int64_t off, int64_t D, int64_t Bs, int64_t key0,
-                              int64_t first, int64_t p, float scale, float softcap, float* out, int64_t stride) {
-  float s[G][N] = {};
+// Scores of N consecutive keys of one block (N a multiple of 16) for G query heads of each of TQ tokens:
+// out[t][r * stride + i] = (sum over d ascending of q_{t,r}[d] * k_i[d]) * scale, or -inf for keys outside
+// [first[t], p[t]]. More keys or tokens per pass only mean more independent chains sharing each K row (TQ tokens of
+// one head: an MHA model's G = 1 has too few chains to hide the fma latency alone); every element's chain is the
+// same. kh: the block's K region of this kv head, in format F; off: the first key's offset in the block.
+template <int F, int G, int N, int TQ = 1>
+STEADY_INLINE void score_keys(const float* const (&qg)[TQ], const uint8_t* kh, int64_t off, int64_t D, int64_t Bs,
+                              int64_t key0, const int64_t (&first)[TQ], const int64_t (&p)[TQ], float scale,
+                              float softcap, float* const (&out)[TQ], int64_t stride) {
+  float s[TQ][G][N] = {};
   float buf[N], scales[N];
   for (int64_t dd = 0; dd < D; ++dd) {
     if (F == steady_kv::kQ8 && dd % steady_kv::kQBlock == 0) {  // the keys' scales of dims [dd, dd + 32)
@@ -108,28 +110,31 @@ STEADY_INLINE void score_keys(const float* qg, const uint8_t* kh, int64_t off, i
       for (int c = 0; c < N; c += kLanes) halves16(sc + c, scales + c);
     }
     const float* kr = k_row<F, N>(kh, dd, off, Bs, scales, buf);
-    for (int r = 0; r < G; ++r) {
-      const float qv = qg[r * D + dd];
-      for (int l = 0; l < N; ++l) s[r][l] = std::fmaf(qv, kr[l], s[r][l]);
-    }
+    for (int t = 0; t < TQ; ++t)
+      for (int r = 0; r < G; ++r) {
+        const float qv = qg[t][r * D + dd];
+        for (int l = 0; l < N; ++l) s[t][r][l] = std::fmaf(qv, kr[l], s[t][r][l]);
+      }
   }
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  if (softcap > 0.0f) {
-    for (int r = 0; r < G; ++r) {
-      for (int l = 0; l < N; ++l) s[r][l] = s[r][l] * scale;
-      for (int c = 0; c < N; c += kLanes) softcap16(&s[r][c], softcap);
+  for (int t = 0; t < TQ; ++t) {
+    if (softcap > 0.0f) {
+      for (int r = 0; r < G; ++r) {
+        for (int l = 0; l < N; ++l) s[t][r][l] = s[t][r][l] * scale;
+        for (int c = 0; c < N; c += kLanes) softcap16(&s[t][r][c], softcap);
+        for (int l = 0; l < N; ++l) {
+          const int64_t j = key0 + l;
+          out[t][r * stride + l] = (j >= first[t] && j <= p[t]) ? s[t][r][l] : neg_inf;
+        }
+      }
+      continue;
+    }
+    for (int r = 0; r < G; ++r)
       for (int l = 0; l < N; ++l) {
         const int64_t j = key0 + l;
-        out[r * stride + l] = (j >= first && j <= p) ? s[r][l] : neg_inf;
+        out[t][r * stride + l] = (j >= first[t] && j <= p[t]) ? s[t][r][l] * scale : neg_inf;
       }
-    }
-    return;
   }
-  for (int r = 0; r < G; ++r)
-    for (int l = 0; l < N; ++l) {
-      const int64_t j = key0 + l;
-      out[r * stride + l] = (j >= first && j <= p) ? s[r][l] * scale : neg_inf;
-    }
 }
 
 // Values [d0, d0 + NV) of row `row` of a V block region `vh` (Bs, D), as floats (as k_row).

@@ -24,6 +24,7 @@ namespace {
 
 // No wide passes (attention_body.h): the reference's speed matters less than its build time, which they doubled.
 constexpr bool kWidePasses = false;
+constexpr int kAccFloats = 64;  // 16-lane passes: 4 tokens share one at G = 1, so this build runs the shared passes too
 
 #include "attention_body.h"
 
