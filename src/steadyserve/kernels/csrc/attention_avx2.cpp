@@ -25,7 +25,10 @@ namespace {
 }  // namespace
 
 constexpr bool kWidePasses = true;
-constexpr int kAccFloats = 64;  // accumulators in 8 of the 16 ymm registers (attention_body.h: kTokensPerPass)
+// Accumulator floats a pass over a block's K rows (scores) or V rows (values) may hold (attention_body.h's
+// kTokensPerPass): 8 of the 16 ymm registers.
+constexpr int kScoreAccFloats = 64;
+constexpr int kValueAccFloats = 64;
 
 #include "attention_body.h"
 

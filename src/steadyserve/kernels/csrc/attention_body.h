@@ -78,11 +78,12 @@ void attend_one(const Problem& P, int64_t t, int64_t g, float* scores, int64_t s
 
 
 // How many tokens of a tile share one pass over a block's K or V rows (score_keys' and value_keys' TQ), for G query
-// heads of N accumulator lanes each: as many as the build's accumulator registers hold (kAccFloats floats), at most
-// 4. A kv head with few query heads has too few independent chains to hide the fma latency and too few fmas per row
-// loaded; tokens of one tile add both. A speed knob only: each element's chain is the same for any TQ.
-template <int G, int N>
-constexpr int kTokensPerPass = kAccFloats / (G * N) >= 4 ? 4 : kAccFloats / (G * N) >= 1 ? kAccFloats / (G * N) : 1;
+// heads of N accumulator lanes each: as many as `budget` accumulator floats hold (the build's kScoreAccFloats or
+// kValueAccFloats), at most 4. A kv head with few query heads has too few independent chains to hide the fma latency
+// and too few fmas per row loaded; tokens of one tile add both. A speed knob only: each element's chain is the same
+// for any TQ.
+template <int G, int N, int budget>
+constexpr int kTokensPerPass = budget / (G * N) >= 4 ? 4 : budget / (G * N) >= 1 ? budget / (G * N) : 1;
 
 // The scores of tokens t .. t + TQ - 1 (rows starting at key c0, each token's G rows of `stride` floats, token k's
 // at out + k * G * stride) against the keys of block b from c0 (or the block's start) up to the last token's
@@ -165,12 +166,13 @@ void attend_tile(const Problem& P, int64_t t0, int64_t t1, int64_t g, float* sco
       kh = reinterpret_cast<const uint8_t*>(kf);
     }
     int64_t i = 0;
-    if constexpr (kTokensPerPass<G, W ? 2 * kLanes : kLanes> > 1) {  // tokens whose rows start at one key share passes
-      constexpr int TQ = kTokensPerPass<G, W ? 2 * kLanes : kLanes>;
+    constexpr int TQ = kTokensPerPass<G, W ? 2 * kLanes : kLanes, kScoreAccFloats>;
+    if constexpr (TQ > 1) {  // TQ tokens whose rows start at the same key share each pass
       for (; i + TQ <= M && std::all_of(c0 + i, c0 + i + TQ, [&](int64_t x) { return x == c0[i]; }); i += TQ)
         score_passes<G, W, TQ>(P, t0 + i, g, kh, b, c0[i], first + i, pos + i, scores + i * G * stride, stride);
     }
-    for (; i < M; ++i) score_passes<G, W, 1>(P, t0 + i, g, kh, b, c0[i], first + i, pos + i, scores + i * G * stride, stride);
+    for (; i < M; ++i)
+      score_passes<G, W, 1>(P, t0 + i, g, kh, b, c0[i], first + i, pos + i, scores + i * G * stride, stride);
   }
   // 2-4. Each token's softmax, as attend_one.
   float total[kTile][G];
@@ -190,8 +192,8 @@ void attend_tile(const Problem& P, int64_t t0, int64_t t1, int64_t g, float* sco
     }
     const float* vb = reinterpret_cast<const float*>(vh);
     int64_t i = 0;
-    if constexpr (kTokensPerPass<G, NV> > 1) {  // TQ tokens from the same first key share each V row
-      constexpr int TQ = kTokensPerPass<G, NV>;
+    constexpr int TQ = kTokensPerPass<G, NV, kValueAccFloats>;
+    if constexpr (TQ > 1) {  // TQ tokens from the same first key share each V row
       for (; i + TQ <= M && std::all_of(first + i, first + i + TQ, [&](int64_t x) { return x == first[i]; }); i += TQ) {
         const int64_t k0 = std::max(b * Bs, first[i]);
         const int64_t k1 = std::min(b * Bs + Bs - 1, *std::min_element(pos + i, pos + i + TQ));
@@ -201,13 +203,15 @@ void attend_tile(const Problem& P, int64_t t0, int64_t t1, int64_t g, float* sco
         if (k0 <= k1) value_keys<G, NV, TQ>(vb, b * Bs, D, as, ss, stride, k0, k1);  // the keys all of them attend
         for (int k = 0; k < TQ; ++k) {  // then each token's own last keys, still ascending
           const int64_t own1 = std::min(b * Bs + Bs - 1, pos[i + k]);
-          if (std::max(k0, k1 + 1) <= own1) value_keys<G, NV, 1>(vb, b * Bs, D, {as[k]}, {ss[k]}, stride, std::max(k0, k1 + 1), own1);
+          const int64_t own0 = std::max(k0, k1 + 1);
+          if (own0 <= own1) value_keys<G, NV, 1>(vb, b * Bs, D, {as[k]}, {ss[k]}, stride, own0, own1);
         }
       }
     }
     for (; i < M; ++i) {
       const int64_t k0 = std::max(b * Bs, first[i]), k1 = std::min(b * Bs + Bs - 1, pos[i]);
-      if (k0 <= k1) value_keys<G, NV, 1>(vb, b * Bs, D, {acc + i * G * D}, {scores + i * G * stride - c0[i]}, stride, k0, k1);
+      if (k0 > k1) continue;
+      value_keys<G, NV, 1>(vb, b * Bs, D, {acc + i * G * D}, {scores + i * G * stride - c0[i]}, stride, k0, k1);
     }
   }
   for (int64_t i = 0; i < M; ++i)

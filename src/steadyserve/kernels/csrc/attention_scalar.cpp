@@ -24,7 +24,10 @@ namespace {
 
 // No wide passes (attention_body.h): the reference's speed matters less than its build time, which they doubled.
 constexpr bool kWidePasses = false;
-constexpr int kAccFloats = 64;  // 16-lane passes: 4 tokens share one at G = 1, so this build runs the shared passes too
+// Accumulator floats of a pass over a block's K or V rows (attention_body.h's kTokensPerPass): 4 tokens share a
+// 16-lane pass at one query head per kv head, so this build runs the shared passes too.
+constexpr int kScoreAccFloats = 64;
+constexpr int kValueAccFloats = 64;
 
 #include "attention_body.h"
 
