@@ -130,7 +130,8 @@ def main() -> int:
                                "dynamic_split_fuse": sched.dynamic_split_fuse},
                  "properties": props, "levels": {}, "transport": "engine API (no HTTP)"}
     rid = 0
-    res["warm_up"] = closed_loop(pipe, job, 1, job["levels"][0]["prompts"][:1], rid)
+    warm = job["levels"][0]["prompts"][:1] if job["levels"] else ["The engine warms up on one short prompt."]
+    res["warm_up"] = closed_loop(pipe, job, 1, warm, rid)
     rid += 1
     for lv in job["levels"]:
         res["levels"][str(lv["c"])] = closed_loop(pipe, job, lv["c"], lv["prompts"], rid)

@@ -203,11 +203,31 @@ def warm_up(url: str, extra_body: dict | None = None) -> None:
             r.read()
 
 
+def amd_generation(family: int, model: int) -> str:
+    """An AMD EPYC's Zen generation from CPUID's family and model ("" where unknown): the model name says only
+    "AMD EPYC" on these machines, and Zen 1 (AVX2 only), Zen 4 and Zen 5 differ in what the kernels can use."""
+    if family == 23:
+        return "Zen 1" if model < 0x30 else "Zen 2"
+    if family == 25:
+        return "Zen 3" if model < 0x10 or 0x20 <= model < 0x60 else "Zen 4"
+    if family == 26:
+        return "Zen 5"
+    return ""
+
+
 def cpu_name() -> str:
+    """/proc/cpuinfo's model name; an AMD EPYC's with its Zen generation added (benchmarks/report_runs.py groups
+    results by it)."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        fields = dict(line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines()
+                      if ":" in line)
+        fields = {k.strip(): v.strip() for k, v in fields.items()}
+        name = fields.get("model name", "")
+        if "EPYC" in name and "Zen" not in name and fields.get("cpu family", "").isdigit():
+            gen = amd_generation(int(fields["cpu family"]), int(fields.get("model", "0")))
+            name = f"{name} {gen}" if gen else name
+        if name:
+            return name
     except OSError:
         pass
     import platform

@@ -68,6 +68,10 @@ def serving(r: Run, figs: dict[str, str]) -> list[str]:
             row.append(num(d["ttft_long_prompt_s"].get(s), 2))
         row.append(num(d.get("peak_rss_mib", {}).get(s), 0))
         out.append("| " + " | ".join(row) + " |")
+    direct = [s for s in servers if d["servers"].get(s, {}).get("transport")]
+    if direct:  # measured through an engine's own API, not over HTTP (openvino_peer.py)
+        out += ["", "Measured through its engine's API in-process, not over HTTP, which favours it: "
+                + ", ".join(f"`{s}` ({d['servers'][s]['transport']})" for s in direct) + "."]
     if d.get("ratios"):
         out += ["", "Ratios, as the run computed them:", ""]
         out += [f"- {k}: {num(v, 2)}" for k, v in sorted(d["ratios"].items())]
@@ -98,7 +102,7 @@ def from_serving(r: Run) -> Run | None:
         return None
     m = re.search(r"--long-prompt[ =](\d+)", str(r.data.get("command", "")))
     data = {"ttft": {("steadyserve" if s == "default" else s): {"ttft_s": v} for s, v in ttft.items()
-                     if s in ("default", "llama-server", "vllm")},
+                     if s in ("default", "llama-server", "vllm") or s.startswith("openvino")},
             "servers": r.data.get("servers", {}).get("default", {})}
     return Run(r.file, "long_prompt", r.cpu, r.model, r.date, r.sampling, data, variant=m.group(1) if m else "1000")
 
@@ -180,7 +184,7 @@ def render(loaded: Loaded) -> tuple[str, dict[str, str]]:
     for cpu, model in groups:
         out += [f"## {cpu} · {model}", ""]
         for kind in SERVING:
-            for key in sorted(k for k in pick if k[:3] == (kind, cpu, model)):
+            for key in sorted(k for k in pick if k[:3] == (kind, cpu, model) and pick[k].data.get("levels")):
                 out += serving(pick[key], figs)
         lp = [pick[k] for k in sorted(pick) if k[:3] == ("long_prompt", cpu, model)]
         lp += [x for x in (from_serving(pick[k]) for k in sorted(pick) if k[:3] == ("int8_serving", cpu, model)) if x]

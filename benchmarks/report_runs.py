@@ -101,7 +101,7 @@ def model_of(d: dict[str, Any], notes: list[str]) -> str | None:
 
 def speculation_of(server: str, settings: dict[str, Any] | str, date: str) -> str:
     """What drafted tokens for one server row: 'off', 'auto (n-gram)' or an explicit flag's value."""
-    if not server.startswith("steadyserve") and server not in ("default", "int8", "portable"):
+    if not server.startswith("steadyserve") and server not in ("default", "speculation-off", "int8", "portable"):
         return "none (peer)"
     cmd = settings if isinstance(settings, str) else str(settings.get("command", ""))
     m = re.search(r"--speculation[ =](\S+)", cmd)
@@ -137,6 +137,9 @@ def _one(name: str, kind: str, d: dict[str, Any], cpu_field: Any, skipped: list[
     if "sampling" not in d:
         notes.append(f"sampling not in the JSON: {sampling}, what {kind} benchmarks send")
     variant = str(d.get("prompt_tokens", "")) if kind == "long_prompt" else ""
+    if kind in SERVING and not d.get("levels"):  # a long prompt's TTFT alone (--levels ''): its own pick, no table
+        m = re.search(r"--long-prompt[ =](\d+)", str(d.get("command", "")))
+        variant = f"long prompt {m.group(1) if m else '?'}"
     return Run(name, kind, cpu, model, str(d.get("date", "")), sampling, d, notes=notes, variant=variant)
 
 

@@ -84,3 +84,19 @@ def test_synthetic_results_name_cpu_model_sampling_speculation_and_report_a_file
     # Deterministic: a second run writes the same bytes.
     again = generated(results, tmp_path / "again")
     assert again == {str(p.relative_to(docs)): p.read_text() for p in sorted(docs.rglob("*")) if p.is_file()}
+
+
+def test_a_speculation_off_row_is_steadyserve_with_speculation_off_not_a_peer(tmp_path) -> None:
+    """int8_serving's `speculation-off` row is steadyserve on default flags with --speculation off: c=1 figures are
+    shown with speculation off beside the default, so the row must say so (not 'none (peer)')."""
+    d = serving_run("Intel(R) Xeon(R) Processor", "2026-12-05T10:00+00:00")
+    d["servers"]["speculation-off"] = {"command": "steadyserve serve --speculation off"}
+    for lv in d["levels"].values():
+        lv["speculation-off"] = dict(lv["default"])
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "int8_serving_tiny_xeon.json").write_text(json.dumps(d))
+    report.write(results, tmp_path / "docs")
+    page = (tmp_path / "docs" / report.PAGE).read_text()
+    assert "| speculation-off | off |" in page and "| llama-server | none (peer) |" in page
+    assert "speculation: steadyserve auto (default), off; peers none" in page
