@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import torch
+from peers import cpu_name
 
 from steadyserve.kernels.build import float_build, load
 
@@ -70,8 +71,7 @@ def main() -> int:
         rows.append(measure(h, hkv, d, a.ctx, a.tokens, a.repeat))
         print(json.dumps(rows[-1]), flush=True)
     res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
-           "cpu": next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                        if ln.startswith("model name")), "unknown"),
+           "cpu": cpu_name(),
            "build": float_build(), "isa_cap": os.environ.get("STEADYSERVE_ISA", ""), "threads": a.threads,
            "ctx": a.ctx, "tokens": a.tokens, "kv_dtype": "f16", "rows": rows}
     if a.out:
