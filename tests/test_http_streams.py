@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from http_util import five_xx, parse_stream, post_request, status_counts, stream_completion, wait_for
+from steadyserve.testing.faults import SLOW_REQUEST_MARKER
 from steadyserve.testing.server import ServerProcess
 
 STALL_TIMEOUT = 2.0
@@ -356,10 +357,12 @@ def test_sigterm_drains_20_streams_refuses_new_and_exits_0(long_model: str):
 @pytest.mark.slow
 def test_drain_timeout_ends_streams_with_an_error_event_and_second_signal_exits_at_once(long_model: str):
     # Drain timeout: the stream that cannot finish gets an explicit error event, then [DONE]; exit 0.
-    # 4000 tokens cannot finish in 0.5 s on any CPU (that is 125 us per engine step); the error event proves it.
-    with ServerProcess(long_model, "--grpc-port", "-1", "--drain-timeout", "0.5", threads=1) as srv:
+    # 4000 tokens cannot finish in 0.5 s on any CPU: SLOW_REQUEST_MARKER adds 5 ms to each step that computes the
+    # request, and a step yields at most 8 of its tokens (n-gram drafts), so at least 2.5 s; the error event proves it.
+    with ServerProcess(long_model, "--grpc-port", "-1", "--drain-timeout", "0.5", threads=1, test_faults=True) as srv:
         out: dict[int, tuple] = {}
-        t = _sse_thread(srv.http_url, {"prompt": "forever", "max_tokens": 4000, "ignore_eos": True}, out, 0)
+        t = _sse_thread(srv.http_url, {"prompt": f"forever {SLOW_REQUEST_MARKER}", "max_tokens": 4000,
+                                       "ignore_eos": True}, out, 0)
         wait_for(lambda: srv.metric("steadyserve_requests_running") == 1, 30, what="running")
         srv.signal(signal.SIGTERM)
         assert srv.wait(30) == 0

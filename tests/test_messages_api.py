@@ -17,7 +17,7 @@ import jsonschema
 import pytest
 
 from http_util import sse_events, wait_for
-from steadyserve.testing.faults import FAIL_REQUEST_MARKER
+from steadyserve.testing.faults import FAIL_REQUEST_MARKER, SLOW_REQUEST_MARKER
 from steadyserve.testing.server import ServerProcess
 
 WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
@@ -410,13 +410,15 @@ def test_a_429_is_honoured_by_the_sdk_retry(seat) -> None:
 def test_a_drain_answers_529_and_ends_a_stream_with_an_error_event(long_model: str) -> None:
     """Draining: a new request gets 529 overloaded_error with retry-after (the SDK would retry elsewhere); a
     stream the drain timeout cuts ends with Anthropic's `error` event, not a message_stop."""
-    # 4000 tokens cannot finish in 0.5 s on any CPU (125 us per engine step): the drain timeout cuts the stream.
-    with ServerProcess(long_model, "--grpc-port", "-1", "--drain-timeout", "0.5", threads=1) as s:
+    # 4000 tokens cannot finish in 0.5 s on any CPU: the prompt's SLOW_REQUEST_MARKER adds 5 ms to each step that
+    # computes it, and a step yields at most 8 of its tokens (a token and 7 drafts), so at least 2.5 s. Without the
+    # marker, greedy n-gram drafts on the tiny model finished all 4000 inside the drain once (a clean-clone CI run).
+    with ServerProcess(long_model, "--grpc-port", "-1", "--drain-timeout", "0.5", threads=1, test_faults=True) as s:
         out: dict = {}
 
         def stream() -> None:
-            body = {"max_tokens": 4000, "temperature": 0, "messages": [{"role": "user", "content": "forever"}],
-                    "stream": True}
+            body = {"max_tokens": 4000, "temperature": 0, "stream": True,
+                    "messages": [{"role": "user", "content": f"forever {SLOW_REQUEST_MARKER}"}]}
             with httpx.stream("POST", s.http_url + "/v1/messages", json=body, timeout=120) as r:
                 out["raw"] = r.read()
 

@@ -15,6 +15,7 @@ from websockets.sync.client import connect
 
 from http_util import FP_HEADER, wait_for
 from steadyserve.testing import build_tiny_model
+from steadyserve.testing.faults import SLOW_REQUEST_MARKER
 from steadyserve.testing.server import ServerProcess
 
 
@@ -177,11 +178,12 @@ def _overload_with(srv, holders, long: str) -> None:
 @pytest.fixture
 def drain_srv(models_dir):
     """Its own server (the module's must survive for tests that run after this one, in any order), with a
-    4096-token context: 4000 tokens cannot finish within --drain-timeout 0.3 s on any CPU, as that would
-    take under 75 us per engine step (one Python loop iteration, a forward pass and a send); the test also
-    checks the stream was cut by the drain timeout (error event), not finished."""
+    4096-token context: 4000 tokens cannot finish within --drain-timeout 0.3 s on any CPU, as the prompt's
+    SLOW_REQUEST_MARKER adds 5 ms to each step that computes it and a step yields at most 8 of its tokens (n-gram
+    drafts): at least 2.5 s; the test also checks the stream was cut by the drain timeout (error event), not
+    finished."""
     path = build_tiny_model(models_dir / "tiny-4k-ws", max_position_embeddings=4096)
-    with ServerProcess(str(path), "--grpc-port", "-1", "--drain-timeout", "0.3", threads=1) as s:
+    with ServerProcess(str(path), "--grpc-port", "-1", "--drain-timeout", "0.3", threads=1, test_faults=True) as s:
         yield s
 
 
@@ -189,7 +191,7 @@ def test_ws_drain_timeout_gets_error_then_1011(drain_srv):
     """SIGTERM with a stream that cannot finish in --drain-timeout 0.3 s."""
     srv = drain_srv
     with connect(ws_url(srv), open_timeout=30) as ws:
-        ws.send(json.dumps({"prompt": "forever", "max_tokens": 4000, "ignore_eos": True}))
+        ws.send(json.dumps({"prompt": f"forever {SLOW_REQUEST_MARKER}", "max_tokens": 4000, "ignore_eos": True}))
         assert json.loads(ws.recv(timeout=30))["type"] == "delta"
         srv.signal(signal.SIGTERM)
         msgs = []
