@@ -25,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from steadyserve.api.grpc import ERROR_CODE_KEY, RETRY_AFTER_KEY
 from steadyserve.client import AsyncClient, Client, generate_request, pb
 from steadyserve.api.protos.steadyserve.v1 import inference_pb2_grpc as pb_grpc
+from steadyserve.testing.faults import SLOW_REQUEST_MARKER
 from steadyserve.testing.server import ServerProcess
 
 CAPACITY = 4
@@ -183,12 +184,14 @@ def test_client_retry_policy_rides_out_overload(small, stub):
 def test_drain_timeout_ends_unfinished_streams_with_unavailable(long_model):
     """SIGTERM with streams that cannot finish within --drain-timeout (1 s): 4000 tokens each. Its own server.
 
-    Two 4000-token tiny-model streams take about 3.4 s on one thread of this project's 2-core AMD EPYC, so a
-    1 s drain leaves a 3x margin for a faster machine (3 s did not: CI once finished them inside it)."""
+    The prompts carry SLOW_REQUEST_MARKER: 5 ms more per step that computes them, and a step yields at most 8 of a
+    stream's tokens (n-gram drafts), so 4000 take at least 2.5 s on any CPU (3 s of drain did not hold without it:
+    CI once finished them inside it)."""
     with ServerProcess(long_model, "--max-num-seqs", "2", "--max-queue", "2", "--drain-timeout", "1",
-                       threads=1) as srv, grpc.insecure_channel(srv.grpc_addr) as ch:
+                       threads=1, test_faults=True) as srv, grpc.insecure_channel(srv.grpc_addr) as ch:
         stub = pb_grpc.InferenceStub(ch)
-        calls = [stub.Generate(LONG) for _ in range(2)]
+        slow = generate_request(f"a long story {SLOW_REQUEST_MARKER}", max_tokens=4000, temperature=0, ignore_eos=True)
+        calls = [stub.Generate(slow) for _ in range(2)]
         for c in calls:
             assert next(c).WhichOneof("event") == "batch"
         t0 = time.monotonic()
