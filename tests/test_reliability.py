@@ -34,6 +34,7 @@ from websockets.exceptions import ConnectionClosed
 
 from http_util import five_xx, post_request, status_counts, wait_for
 from steadyserve.client import AsyncClient, logprobs_f32, pb
+from steadyserve.limits import POOLED_IDLE_S
 from steadyserve.testing import build_tiny_model
 from steadyserve.testing.server import ServerProcess
 from steadyserve.tools.sse_client import StreamResult, sse_post
@@ -315,7 +316,12 @@ def _overload(srv: ServerProcess, model: str) -> None:
                 time.perf_counter() - t0
 
     async def main():
-        limits = httpx.Limits(max_connections=400, max_keepalive_connections=400)
+        # The client keeps at most 128 idle connections, for at most POOLED_IDLE_S: the server closes its longest
+        # idle one past --max-idle-connections (256) and any after HTTP_KEEP_ALIVE_S, and a request sent on a
+        # connection in the instant the server closes it fails in the client (httpx.ReadError) before the server
+        # read it. With 400 kept alive, CI once saw 2 such ReadErrors in the flood, once a flood's 429s left over
+        # 256 connections idle.
+        limits = httpx.Limits(max_connections=400, max_keepalive_connections=128, keepalive_expiry=POOLED_IDLE_S)
         async with httpx.AsyncClient(base_url=srv.http_url, timeout=30, limits=limits) as c, \
                 AsyncClient(srv.grpc_addr, timeout=30, retries=False) as g:
             probes: list[bytes] = []  # the probe's Scores taken under load only
