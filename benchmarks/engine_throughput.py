@@ -30,7 +30,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import random
 import resource
 import statistics
@@ -39,15 +38,10 @@ import sys
 import time
 from pathlib import Path
 
+from peers import cpu_name
+
 HERE = Path(__file__).parent
 KV_BUDGET = 1024 ** 3
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
 
 
 def worker(a: argparse.Namespace) -> dict:
@@ -208,7 +202,7 @@ def main() -> int:
     common = ["--levels", a.levels, "--prompt-len", str(a.prompt_len), "--output-len", str(a.output_len),
               "--prefill-len", str(a.prefill_len), "--threads", str(a.threads)]
     env = dict(os.environ)
-    results: dict = {"date": datetime.date.today().isoformat(), "cpu": cpu_model(), "threads": a.threads,
+    results: dict = {"date": datetime.date.today().isoformat(), "cpu": cpu_name(), "threads": a.threads,
                      "prompt_len": a.prompt_len, "output_len": a.output_len, "prefill_len": a.prefill_len,
                      "command": " ".join(["benchmarks/engine_throughput.py", *sys.argv[1:]]), "runs": {}}
     # transformers as its users run it: no steadyserve import, no MKL_CBWR.

@@ -22,22 +22,15 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import subprocess
 import time
 from pathlib import Path
 
 import torch
+from peers import cpu_name
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
 
 
 def corpus() -> str:
@@ -150,7 +143,7 @@ def main() -> None:
                     row[f"{label}_minus_llama.cpp"] = paired(mine, torch.tensor(lp), ref_full)
             print(json.dumps(row), flush=True)
             results.append(row)
-    out = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cpu": cpu_model(),
+    out = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cpu": cpu_name(),
            "threads": a.threads, "reference": "transformers float32 on the GGUF's dequantized weights",
            "rows": results}
     a.out.parent.mkdir(parents=True, exist_ok=True)

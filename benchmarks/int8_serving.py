@@ -73,13 +73,9 @@ def long_prompt_ids(tokens: int, vocab: int, runs: int) -> list[list[int]]:
 
 def bench_prompts(n: int, output_tokens: int) -> list[str]:
     """The n prompts bench() sends at one level, drawn by steadyserve's bench with the same seed and calls."""
-    b = Bench(SimpleNamespace(seed=1, prompt_words="20-40", slow_readers=0.0, disconnect=0.0, url="", api_key=""))
-    prompts = []
-    for _ in range(n):
-        b.role()
-        prompts.append(b.prompt())
-        b.rng.randint(output_tokens, output_tokens)
-    return prompts
+    b = Bench(SimpleNamespace(seed=1, prompt_words="20-40", output_tokens=str(output_tokens), slow_readers=0.0,
+                              disconnect=0.0, url="", api_key=""))
+    return [b.draw()[1] for _ in range(n)]
 
 
 def run_openvino(name: str, a: argparse.Namespace, levels: list[int], vocab: int, res: dict) -> None:

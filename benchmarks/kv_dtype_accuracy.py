@@ -23,24 +23,17 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import subprocess
 import time
 from pathlib import Path
 
 import torch
+from peers import cpu_name
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent
 FORMATS = ("fp32", "f16", "bf16", "q8_0")
 LLAMA_CACHES = ("f32", "f16", "q8_0")
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
 
 
 def corpus() -> str:
@@ -152,7 +145,7 @@ def main() -> None:
                 row["llama.cpp"] = llama_rows(a.llama_cpp / "llama-server", path, ids, a.generate, a.threads)
             print(json.dumps(row), flush=True)
             results.append(row)
-    out = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cpu": cpu_model(),
+    out = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cpu": cpu_name(),
            "threads": a.threads, "reference": "steadyserve's fp32 KV cache, same numerics path and weights",
            "rows": results}
     a.out.parent.mkdir(parents=True, exist_ok=True)

@@ -39,9 +39,9 @@ Handle = Any  # openvino_genai's GenerationHandle (its class is not exported at 
 
 
 def percentiles(vals: list[float]) -> dict[str, float | None]:
-    """p50/p90/p99 by nearest rank, as steadyserve's bench reports them."""
+    """p50/p90/p99 as steadyserve's bench reports them (tools/bench.py's pct, which this venv cannot import)."""
     s = sorted(vals)
-    return {f"p{q}": (s[min(len(s) - 1, int(q / 100 * len(s)))] if s else None) for q in (50, 90, 99)}
+    return {f"p{q}": (s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))] if s else None) for q in (50, 90, 99)}
 
 
 def generation_config(job: dict, tokens: int) -> ov_genai.GenerationConfig:

@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from engine_throughput import cpu_model
+from peers import cpu_name
 
 HERE = Path(__file__).parent
 
@@ -142,7 +142,7 @@ def main() -> int:
         summary[name] = {**med, "ttft_ratio_off_over_on": med["off"]["ttft_p50_s"] / med["on"]["ttft_p50_s"],
                          "throughput_ratio_on_over_off": med["on"]["output_tokens_per_s"]
                          / med["off"]["output_tokens_per_s"]}
-    out = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "cpu": cpu_model(),
+    out = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "cpu": cpu_name(),
            "threads": a.threads, "args": vars(a), "command": "python benchmarks/prefix_cache.py " + " ".join(sys.argv[1:]),
            "summary": summary, "raw": raw}
     dest = HERE / "results" / ("prefix_cache.json" if a.workloads == p.get_default("workloads")

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from int8_accuracy import cpu_model
+from peers import cpu_name
 from matmul_rows import _peak_ext
 
 # GGUF block bytes and the offsets of the float16 scale fields set to a small finite value (0.01 = 0x211F)
@@ -56,7 +56,7 @@ def main() -> None:
     assert st.available, st.detail
     ops = torch.ops.steadyserve
     ext = _peak_ext()  # benchmarks/matmul_rows.py's loops, compiled here for this benchmark alone
-    out: dict = {"cpu": cpu_model(), "label": a.label, "date": datetime.datetime.now().isoformat(timespec="seconds"),
+    out: dict = {"cpu": cpu_name(), "label": a.label, "date": datetime.datetime.now().isoformat(timespec="seconds"),
                  "kernels": st.detail, "build": INT8_BUILDS[ops.q8_isa()], "K": 2048, "N": 2048, "peak": {},
                  "matmul": []}
     for threads in (1, 2):

@@ -76,11 +76,16 @@ class Bench:
             return "disconnect"
         return "normal"
 
-    async def one(self) -> None:
+    def draw(self) -> tuple[str, str, int]:
+        """The next request's role, prompt and max_tokens, from the seeded generator (benchmarks that drive an engine
+        without HTTP draw the same requests through this)."""
         kind = self.role()
         prompt = self.prompt()
         lo, hi = parse_range(self.a.output_tokens)
-        max_tokens = self.rng.randint(lo, hi)
+        return kind, prompt, self.rng.randint(lo, hi)
+
+    async def one(self) -> None:
+        kind, prompt, max_tokens = self.draw()
         t = time.monotonic()
         if self.a.mode == "score":
             out = await self.score(prompt)
