@@ -13,7 +13,7 @@ where the greedy continuations still agree.
 Writes benchmarks/results/kv_dtype_accuracy.json (one row per model and length) and prints each row.
 
     .venv/bin/python benchmarks/kv_dtype_accuracy.py [--lengths 64,1024,max] [--max-len 8192]
-        [--models smollm2,gemma3-270m] [--llama-cpp /tmp/llama/bin]
+        [--models smollm2,gemma3-270m] [--formats f16,bf16,q8_0] [--llama-cpp /tmp/llama/bin]
     # a quick check: --lengths 64 --models smollm2
 """
 
@@ -114,6 +114,7 @@ def main() -> None:
     p.add_argument("--max-len", type=int, default=8192, help="the cap on `max` (a 32k prompt takes long on a CPU)")
     p.add_argument("--models", default="smollm2,gemma3-270m")
     p.add_argument("--numerics", default="portable")
+    p.add_argument("--formats", default=",".join(FORMATS[1:]), help="the formats measured against fp32")
     p.add_argument("--llama-cpp", type=Path, default=Path(os.environ.get("LLAMA_CPP_BIN", "/tmp/llama/bin")))
     p.add_argument("--generate", type=int, default=32, help="tokens llama-server generates for its comparison")
     p.add_argument("--threads", type=int, default=2)
@@ -137,10 +138,11 @@ def main() -> None:
         for n in lengths:
             ids = all_ids[:n]
             t0 = time.perf_counter()
-            lps = {fmt: prompt_logprobs(loaded, fmt, a.numerics, ids, a.threads) for fmt in FORMATS}
+            formats = ["fp32", *a.formats.split(",")]
+            lps = {fmt: prompt_logprobs(loaded, fmt, a.numerics, ids, a.threads) for fmt in formats}
             row = {"model": name, "prompt_tokens": len(ids), "numerics": a.numerics,
                    "seconds": round(time.perf_counter() - t0, 1)}
-            row.update({fmt: stats(lps[fmt], lps["fp32"]) for fmt in FORMATS[1:]})
+            row.update({fmt: stats(lps[fmt], lps["fp32"]) for fmt in formats[1:]})
             if (a.llama_cpp / "llama-server").exists():
                 row["llama.cpp"] = llama_rows(a.llama_cpp / "llama-server", path, ids, a.generate, a.threads)
             print(json.dumps(row), flush=True)

@@ -121,7 +121,11 @@ def test_every_build_is_one_lanes_header_and_one_pragma():
     common = {n for n in scalar}
     assert common - {"STEADY_LANES"} <= avx2 and common - {"STEADY_LANES"} <= avx512, (common - avx2, common - avx512)
     private = {"sign_bits", "load8", "load16", "bytes", "add16_in_order", "add16"}  # lanes_avx2.h's own helpers
-    assert avx2 - private - int8_products == avx512 - int8_products == scalar, (avx2 ^ avx512, avx512 ^ scalar)
+    # The scalar lanes' only int8 product: the signed one the q8_0 cache's attention scores use (attention_rows.h)
+    signed_product = {"W", "S", "wload", "szero", "sdot_signed", "widen", "kSumRun", "kSignedBias"}
+    assert signed_product <= scalar, signed_product - scalar
+    assert avx2 - private - int8_products == avx512 - int8_products == scalar - signed_product, \
+        (avx2 ^ avx512, avx512 ^ scalar)
 
 
 def test_the_python_format_table_is_the_kernels_own():
@@ -201,10 +205,11 @@ def test_a_q8_0_kv_block_of_tiny_values_stores_zeros():
     x[0, 0, :4] = torch.tensor([TINY, -TINY, 1e-40, 3e-39])
     zero = torch.zeros(1, dtype=torch.int64)
     OPS.kv_write(k_cache, v_cache, x, x, zero, zero)
-    k_scales = k_cache[0, 0, d:].contiguous().view(torch.int16).view(d // 32, bs)  # (D/32, Bs) f16 after (D, Bs) q
-    assert not k_cache[0, 0, :d, 0].any() and not k_scales[:, 0].any()
+    k_values = k_cache[0, 0, :d].contiguous().view(d // 4, bs, 4)  # quads of dims, key-major (kv_format.h)
+    k_scales = k_cache[0, 0, d:].contiguous().view(torch.int16).view(d // 32, bs)  # (D/32, Bs) f16 after the values
+    assert not k_values[:, 0].any() and not k_scales[:, 0].any()
     assert not v_cache[0, 0, 0].any()  # this token's D values, then its D/32 scales
-    assert (k_cache[0, 0, :d, 1] == 99).all()  # the write touched this token's slots only
+    assert (k_values[:, 1] == 99).all()  # the write touched this token's slots only
 
 
 # ---- the floating-point environment ---------------------------------------------------------------------------------

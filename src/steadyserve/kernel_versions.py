@@ -25,7 +25,10 @@ KV_FORMATS: dict[str, str] = {
     "fp32": "kvf1",  # the float itself
     "f16": "kvh1",  # IEEE binary16, round to nearest even
     "bf16": "kvb1",  # bfloat16, round to nearest even
-    "q8_0": "kvq1",  # llama.cpp's q8_0: d = amax / 127 as f16, q = roundf(x * (1 / d)), per 32 values
+    # llama.cpp's q8_0: d = amax / 127 as f16, q = roundf(x * (1 / d)), per 32 values. kvq2: keys in quads of dims,
+    # and scores as exact integer dot products with the queries in q8_0 (paged_attention.cpp's step 1'), where kvq1
+    # read each key back as a float
+    "q8_0": "kvq2",
 }
 
 # numerics path -> the families whose bits it stands for, in the order its id names them

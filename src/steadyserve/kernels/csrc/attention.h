@@ -60,6 +60,15 @@ STEADY_ATTN_DECLARE(scalar)
 STEADY_ATTN_DECLARE(avx2)
 STEADY_ATTN_DECLARE(avx512)
 
+// The avx512 build's q8_0-cache kernels, compiled apart with AVX512_VNNI (attention_q8_avx512.cpp; attention_body.h).
+namespace avx512_q8 {
+Kernels attend_q8(int64_t group, bool wide);
+}
+
+// Bytes of one query row of D floats in q8_0 blocks (attention_rows.h's QRow): D int8, D/32 float32 scales and D/32
+// int32 block sums. The op's scratch holds a tile's rows after its scores.
+constexpr int64_t q8_row_bytes(int64_t d) { return d + d / 4; }
+
 // One build's entry points: the family's one table, by isa.h's float32 index (0 scalar, 1 avx2, 2 avx512), defined in
 // paged_attention.cpp; rope.cpp and kv_write.cpp dispatch through it too.
 struct Build {

@@ -31,6 +31,8 @@ constexpr bool kWidePasses = true;
 constexpr int kScoreAccFloats = 128;
 constexpr int kValueAccFloats = 256;
 
+// A q8_0 cache's kernels are attention_q8_avx512.cpp's, built with AVX512_VNNI (attention_body.h).
+#define STEADY_ATTN_Q8_KERNELS avx512_q8::attend_q8
 #include "attention_body.h"
 
 }  // namespace avx512

@@ -15,6 +15,27 @@ inline void prefetch_region(const uint8_t* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 2);
 }
 
+// Whether a pass over a block's keys takes 32 of them (else 16): W (the build and shape allow it), and for a q8_0
+// cache only while the pass's TQ tokens' G rows keep their integer and float sums in registers (4 rows). A speed
+// knob only: every score's chain is the same either way.
+template <int F, int G, int TQ, bool W>
+constexpr bool wide_scores() {
+  return W && (F != steady_kv::kQ8 || G * TQ <= 4);
+}
+
+// Step 1 for N keys of one block from offset `off` (key c the first) and TQ tokens: score_keys over float queries
+// (qf[t]: token t's G rows) and keys, or, for a q8_0 cache, score_keys_q8 over q8_0 queries (qq[t]).
+template <int F, int G, int N, int TQ>
+STEADY_INLINE void score_pass(const Problem& P, const float* const (&qf)[TQ], const uint8_t* const (&qq)[TQ],
+                              const uint8_t* kh, int64_t off, int64_t c, const int64_t (&first)[TQ],
+                              const int64_t (&pos)[TQ], float* const (&out)[TQ], int64_t stride) {
+  if constexpr (F == steady_kv::kQ8) {
+    score_keys_q8<G, N, TQ>(qq, kh, off, P.d, P.bs, c, first, pos, P.scale, P.softcap, out, stride);
+  } else {
+    score_keys<F, G, N, TQ>(qf, kh, off, P.d, P.bs, c, first, pos, P.scale, P.softcap, out, stride);
+  }
+}
+
 // One (token, kv head): all G query heads of that kv head share each K and V load.
 // `scores` holds G rows of `stride` floats; row r, index i is key c0 + i, where c0
 // is `first` rounded down to a multiple of 16, so lanes sit at fixed absolute positions.
@@ -28,6 +49,9 @@ void attend_one(const Problem& P, int64_t t, int64_t g, float* scores, int64_t s
   const int64_t c0 = first - first % kLanes;
   const int64_t* table = P.tables + P.seq_of[t] * P.nb_max;
   const float* qg = P.q + (t * P.h + g * G) * D;  // (G, D)
+  // A q8_0 cache: the G rows in q8_0 blocks, after the scores in the caller's scratch (q8_row_bytes(D) each).
+  uint8_t* const qq = reinterpret_cast<uint8_t*>(scores + G * stride);
+  if constexpr (F == steady_kv::kQ8) quantize_query(qg, G, D, qq);
 
   // 1. Scores (a pass never straddles a block: Bs % 16 == 0).
   for (int64_t c = c0, blk = c0 / Bs, off = c0 % Bs, fetched = -1; c <= p;) {
@@ -37,14 +61,13 @@ void attend_one(const Problem& P, int64_t t, int64_t g, float* scores, int64_t s
       prefetch_region(P.k + (table[blk + 1] * P.hkv + g) * P.head_bytes, P.head_bytes);
       fetched = blk;
     }
-    const float* const qs[1] = {qg};
     const int64_t firsts[1] = {first}, ps[1] = {p};
     float* const outs[1] = {scores + (c - c0)};
-    if (W && off + 2 * kLanes <= Bs && c + kLanes <= p) {
-      score_keys<F, G, 2 * kLanes>(qs, kh, off, D, Bs, c, firsts, ps, P.scale, P.softcap, outs, stride);
+    if (wide_scores<F, G, 1, W>() && off + 2 * kLanes <= Bs && c + kLanes <= p) {
+      score_pass<F, G, 2 * kLanes, 1>(P, {qg}, {qq}, kh, off, c, firsts, ps, outs, stride);
       c += 2 * kLanes, off += 2 * kLanes;
     } else {
-      score_keys<F, G, kLanes>(qs, kh, off, D, Bs, c, firsts, ps, P.scale, P.softcap, outs, stride);
+      score_pass<F, G, kLanes, 1>(P, {qg}, {qq}, kh, off, c, firsts, ps, outs, stride);
       c += kLanes, off += kLanes;
     }
   }
@@ -88,24 +111,31 @@ constexpr int kTokensPerPass = budget / (G * N) >= 4 ? 4 : budget / (G * N) >= 1
 // The scores of tokens t .. t + TQ - 1 (rows starting at key c0, each token's G rows of `stride` floats, token k's
 // at out + k * G * stride) against the keys of block b from c0 (or the block's start) up to the last token's
 // position, in passes of 32 or 16 keys. A pass writes every key it covers: the score for keys in [first, p] of that
-// token, -inf for the others (keys after p lie within the row's stride and are never read).
-template <int G, bool W, int TQ>
+// token, -inf for the others (keys after p lie within the row's stride and are never read). kh: the block as floats,
+// or its q8_0 region (F); qq: for q8_0, token t's G quantized rows (q8_row_bytes(D) each).
+template <int F, int G, bool W, int TQ>
 STEADY_INLINE void score_passes(const Problem& P, int64_t t, int64_t g, const uint8_t* kh, int64_t b, int64_t c0,
-                                const int64_t* first, const int64_t* pos, float* out, int64_t stride) {
+                                const int64_t* first, const int64_t* pos, float* out, int64_t stride,
+                                const uint8_t* qq) {
   const int64_t D = P.d, Bs = P.bs;
   const float* qs[TQ];
+  const uint8_t* qr[TQ];
   int64_t fs[TQ], ps[TQ];
-  for (int k = 0; k < TQ; ++k) qs[k] = P.q + ((t + k) * P.h + g * G) * D, fs[k] = first[k], ps[k] = pos[k];
+  for (int k = 0; k < TQ; ++k) {
+    qs[k] = P.q + ((t + k) * P.h + g * G) * D, fs[k] = first[k], ps[k] = pos[k];
+    qr[k] = qq + k * G * q8_row_bytes(D);
+  }
+  constexpr int FK = F == steady_kv::kQ8 ? F : steady_kv::kF32;  // the tile converted any other format's keys
   const int64_t last = *std::max_element(ps, ps + TQ);
   int64_t c = std::max(c0, b * Bs);
   for (int64_t off = c - b * Bs; c <= last && off < Bs;) {
     float* os[TQ];
     for (int k = 0; k < TQ; ++k) os[k] = out + k * G * stride + (c - c0);
-    if (W && off + 2 * kLanes <= Bs && c + kLanes <= last) {
-      score_keys<steady_kv::kF32, G, 2 * kLanes, TQ>(qs, kh, off, D, Bs, c, fs, ps, P.scale, P.softcap, os, stride);
+    if (wide_scores<F, G, TQ, W>() && off + 2 * kLanes <= Bs && c + kLanes <= last) {
+      score_pass<FK, G, 2 * kLanes, TQ>(P, qs, qr, kh, off, c, fs, ps, os, stride);
       c += 2 * kLanes, off += 2 * kLanes;
     } else {
-      score_keys<steady_kv::kF32, G, kLanes, TQ>(qs, kh, off, D, Bs, c, fs, ps, P.scale, P.softcap, os, stride);
+      score_pass<FK, G, kLanes, TQ>(P, qs, qr, kh, off, c, fs, ps, os, stride);
       c += kLanes, off += kLanes;
     }
   }
@@ -138,7 +168,8 @@ STEADY_INLINE void value_keys(const float* vb, int64_t base, int64_t D, float* c
 // attend_one computes them, but with the blocks outermost, so each K and V block is read (and, for a
 // stored format, turned into floats) once per tile instead of once per token. `scores`: (t1 - t0) * G rows
 // of `stride` floats (token i's row r at (i * G + r) * stride, index c - c0 of token i for key c, as
-// attend_one); `acc`: (t1 - t0) * G * D floats; kf, vf: D * Bs floats each (one converted block).
+// attend_one), then, for a q8_0 cache, the tile's (t1 - t0) * G quantized query rows; `acc`: (t1 - t0) * G * D
+// floats; kf, vf: D * Bs floats each (one converted block).
 template <int F, int G, bool W>
 void attend_tile(const Problem& P, int64_t t0, int64_t t1, int64_t g, float* scores, int64_t stride, float* acc,
                  float* kf, float* vf, const uint8_t* after) {
@@ -154,6 +185,9 @@ void attend_tile(const Problem& P, int64_t t0, int64_t t1, int64_t g, float* sco
     lo = std::min(lo, c0[i]);
     hi = std::max(hi, p);
   }
+  uint8_t* const qq = reinterpret_cast<uint8_t*>(scores + M * G * stride);  // q8_0: token i's rows at i * G rows
+  if constexpr (F == steady_kv::kQ8)
+    for (int64_t i = 0; i < M; ++i) quantize_query(P.q + ((t0 + i) * P.h + g * G) * D, G, D, qq + i * G * q8_row_bytes(D));
   // 1. Scores, block by block (a pass never straddles a block: Bs % 16 == 0, c0 % 16 == 0).
   for (int64_t b = lo / Bs; b <= hi / Bs; ++b) {
     const uint8_t* kh = P.k + (table[b] * P.hkv + g) * P.head_bytes;  // (D, Bs) of this block and kv head
@@ -161,7 +195,7 @@ void attend_tile(const Problem& P, int64_t t0, int64_t t1, int64_t g, float* sco
     const uint8_t* next = b < hi / Bs ? P.k + (table[b + 1] * P.hkv + g) * P.head_bytes
                                       : P.v + (table[lo / Bs] * P.hkv + g) * P.head_bytes;
     if (F != steady_kv::kF16) prefetch_region(next, P.head_bytes);  // f16: streamed by the conversion
-    if constexpr (F != steady_kv::kF32) {
+    if constexpr (F != steady_kv::kF32 && F != steady_kv::kQ8) {  // q8_0 keys stay integers (score_keys_q8)
       k_block_floats<F>(kh, D, Bs, kf, next);
       kh = reinterpret_cast<const uint8_t*>(kf);
     }
@@ -169,10 +203,12 @@ void attend_tile(const Problem& P, int64_t t0, int64_t t1, int64_t g, float* sco
     constexpr int TQ = kTokensPerPass<G, W ? 2 * kLanes : kLanes, kScoreAccFloats>;
     if constexpr (TQ > 1) {  // TQ tokens whose rows start at the same key share each pass
       for (; i + TQ <= M && std::all_of(c0 + i, c0 + i + TQ, [&](int64_t x) { return x == c0[i]; }); i += TQ)
-        score_passes<G, W, TQ>(P, t0 + i, g, kh, b, c0[i], first + i, pos + i, scores + i * G * stride, stride);
+        score_passes<F, G, W, TQ>(P, t0 + i, g, kh, b, c0[i], first + i, pos + i, scores + i * G * stride, stride,
+                                  qq + i * G * q8_row_bytes(D));
     }
     for (; i < M; ++i)
-      score_passes<G, W, 1>(P, t0 + i, g, kh, b, c0[i], first + i, pos + i, scores + i * G * stride, stride);
+      score_passes<F, G, W, 1>(P, t0 + i, g, kh, b, c0[i], first + i, pos + i, scores + i * G * stride, stride,
+                               qq + i * G * q8_row_bytes(D));
   }
   // 2-4. Each token's softmax, as attend_one.
   float total[kTile][G];
@@ -258,6 +294,16 @@ Kernels attend_for_fmt(int64_t group, bool wide) {
   return attend_for<F, false>(group);
 }
 
+// The q8_0 cache's kernels (integer scores: attention_rows.h's score_keys_q8), compiled in this unit unless it names
+// another's: the avx512 build's integer products need AVX512_VNNI, so attention_q8_avx512.cpp compiles them with it
+// (STEADY_ATTN_Q8_ONLY, namespace avx512_q8) and attention_avx512.cpp calls that unit's (STEADY_ATTN_Q8_KERNELS);
+// isa.h's best_attention() picks the avx512 build for a q8_0 cache only where the CPU has VNNI.
+#ifndef STEADY_ATTN_Q8_KERNELS
+Kernels attend_q8(int64_t group, bool wide) { return attend_for_fmt<steady_kv::kQ8>(group, wide); }
+#define STEADY_ATTN_Q8_KERNELS attend_q8
+#endif
+
+#ifndef STEADY_ATTN_Q8_ONLY
 // Wide passes need 32-key blocks and 64-dimension heads; other shapes take 16 at a time. A build without them
 // (kWidePasses false: the scalar one) takes 16 at a time always, and compiles half the kernels; every element's
 // arithmetic is the same either way, so its bits are the same.
@@ -267,7 +313,7 @@ Kernels attend_for_shape(int fmt, int64_t group, int64_t bs, int64_t d) {
     case steady_kv::kF32: return attend_for_fmt<steady_kv::kF32>(group, wide);
     case steady_kv::kF16: return attend_for_fmt<steady_kv::kF16>(group, wide);
     case steady_kv::kBF16: return attend_for_fmt<steady_kv::kBF16>(group, wide);
-    case steady_kv::kQ8: return attend_for_fmt<steady_kv::kQ8>(group, wide);
+    case steady_kv::kQ8: return STEADY_ATTN_Q8_KERNELS(group, wide);
     default: return Kernels{nullptr, nullptr};
   }
 }
@@ -310,3 +356,4 @@ void rope_rows(float* x, int64_t row_stride, const float* cos, const float* sin,
 // The f16 cache's conversions on this build's lanes (attention_rows.h): every build gives the same bits.
 void halves_to_floats(const uint16_t* h, float* out, int64_t n) { halves_block(h, out, n, nullptr); }
 void floats_to_halves(const float* x, uint16_t* out, int64_t n) { floats_to_halves_n(x, out, n); }
+#endif  // STEADY_ATTN_Q8_ONLY

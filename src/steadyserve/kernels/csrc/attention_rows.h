@@ -3,10 +3,12 @@
 //
 // The reduction order they implement is the one at the top of paged_attention.cpp; here, per piece:
 //   - score_keys: step 1, score = s_D * scale with s_{d+1} = fma(q[d], k[d], s_d), d ascending, per key;
+//   - quantize_query / score_keys_q8: step 1 over a q8_0 cache: the query in q8_0 blocks, exact integer block sums,
+//     one float chain over the blocks (paged_attention.cpp, step 1');
 //   - softmax_rows: steps 2-4, the max (exact in any order), exp_det16 (IEEE mul/add only), and the sum over 16
 //     lanes (lane i: keys j % 16 == i in ascending j) closed by one fixed pairwise tree;
-//   - k_row / v_row / halves16 / k_block_floats / v_block_floats: a stored f16, bf16 or q8_0 value becomes the
-//     float it stands for exactly (kv_format.h), so no order is involved.
+//   - k_row / v_row / halves16 / k_block_floats / v_block_floats: a stored f16 or bf16 key, or an f16, bf16 or
+//     q8_0 value, becomes the float it stands for exactly (kv_format.h), so no order is involved.
 // Every lane runs the same IEEE operations on one element, so the vector width never changes a bit. Written over the
 // lanes (lanes_scalar.h names them) and included by each build's translation unit inside its namespace, after its lanes
 // header (attention_scalar.cpp, _avx2.cpp, _avx512.cpp), in an anonymous namespace: each unit compiles its own copy
@@ -73,16 +75,13 @@ STEADY_INLINE void softcap16(float* x, float cap) {
 }
 
 // Row dd of a K block region `kh` (D, Bs), keys [off, off + N), as floats: the stored floats themselves for
-// float32, else converted exactly into `buf` (kv_format.h). `scales`: the N keys' q8_0 scales of dd's block.
+// float32, else converted exactly into `buf` (kv_format.h). A q8_0 cache's keys are never floats (score_keys_q8).
 template <int F, int N>
-STEADY_INLINE const float* k_row(const uint8_t* kh, int64_t dd, int64_t off, int64_t Bs, const float* scales,
-                                 float* buf) {
+STEADY_INLINE const float* k_row(const uint8_t* kh, int64_t dd, int64_t off, int64_t Bs, float* buf) {
   using namespace steady_kv;
+  static_assert(F != kQ8, "q8_0 keys are read by score_keys_q8");
   if constexpr (F == kF32) {
     return reinterpret_cast<const float*>(kh) + dd * Bs + off;
-  } else if constexpr (F == kQ8) {
-    const int8_t* qv = reinterpret_cast<const int8_t*>(kh) + dd * Bs + off;
-    for (int l = 0; l < N; ++l) buf[l] = float(qv[l]) * scales[l];
   } else if constexpr (F == kF16) {
     const uint16_t* hv = reinterpret_cast<const uint16_t*>(kh) + dd * Bs + off;
     for (int c = 0; c < N; c += kLanes) halves16(hv + c, buf + c);
@@ -93,29 +92,11 @@ STEADY_INLINE const float* k_row(const uint8_t* kh, int64_t dd, int64_t off, int
   return buf;
 }
 
-// Scores of N consecutive keys of one block (N a multiple of 16) for G query heads of each of TQ tokens:
-// out[t][r * stride + i] = (sum over d ascending of q_{t,r}[d] * k_i[d]) * scale, or -inf for keys outside
-// [first[t], p[t]]. More keys or tokens per pass only mean more independent chains sharing each K row (TQ tokens of
-// one head: an MHA model's G = 1 has too few chains to hide the fma latency alone); every element's chain is the
-// same. kh: the block's K region of this kv head, in format F; off: the first key's offset in the block.
-template <int F, int G, int N, int TQ = 1>
-STEADY_INLINE void score_keys(const float* const (&qg)[TQ], const uint8_t* kh, int64_t off, int64_t D, int64_t Bs,
-                              int64_t key0, const int64_t (&first)[TQ], const int64_t (&p)[TQ], float scale,
-                              float softcap, float* const (&out)[TQ], int64_t stride) {
-  float s[TQ][G][N] = {};
-  float buf[N], scales[N];
-  for (int64_t dd = 0; dd < D; ++dd) {
-    if (F == steady_kv::kQ8 && dd % steady_kv::kQBlock == 0) {  // the keys' scales of dims [dd, dd + 32)
-      const uint16_t* sc = reinterpret_cast<const uint16_t*>(kh + D * Bs) + (dd / steady_kv::kQBlock) * Bs + off;
-      for (int c = 0; c < N; c += kLanes) halves16(sc + c, scales + c);
-    }
-    const float* kr = k_row<F, N>(kh, dd, off, Bs, scales, buf);
-    for (int t = 0; t < TQ; ++t)
-      for (int r = 0; r < G; ++r) {
-        const float qv = qg[t][r * D + dd];
-        for (int l = 0; l < N; ++l) s[t][r][l] = std::fmaf(qv, kr[l], s[t][r][l]);
-      }
-  }
+// Step 1's end for TQ tokens' G rows of N keys (key0 the first): out[t][r * stride + i] = s[t][r][i] * scale (then
+// soft-capped, Gemma 2), or -inf for keys outside [first[t], p[t]].
+template <int G, int N, int TQ>
+STEADY_INLINE void store_scores(float (&s)[TQ][G][N], int64_t key0, const int64_t (&first)[TQ], const int64_t (&p)[TQ],
+                                float scale, float softcap, float* const (&out)[TQ], int64_t stride) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
   for (int t = 0; t < TQ; ++t) {
     if (softcap > 0.0f) {
@@ -129,12 +110,122 @@ STEADY_INLINE void score_keys(const float* const (&qg)[TQ], const uint8_t* kh, i
       }
       continue;
     }
-    for (int r = 0; r < G; ++r)
+    const bool inside = key0 >= first[t] && key0 + N - 1 <= p[t];  // every key counts: no mask (most passes)
+    for (int r = 0; r < G; ++r) {
+      if (inside) {
+        for (int c = 0; c < N; c += kLanes) fstore(&out[t][r * stride + c], fmul(fload(&s[t][r][c]), fset1(scale)));
+        continue;
+      }
       for (int l = 0; l < N; ++l) {
         const int64_t j = key0 + l;
         out[t][r * stride + l] = (j >= first[t] && j <= p[t]) ? s[t][r][l] * scale : neg_inf;
       }
+    }
   }
+}
+
+// Scores of N consecutive keys of one block (N a multiple of 16) for G query heads of each of TQ tokens:
+// out[t][r * stride + i] = (sum over d ascending of q_{t,r}[d] * k_i[d]) * scale, or -inf for keys outside
+// [first[t], p[t]]. More keys or tokens per pass only mean more independent chains sharing each K row (TQ tokens of
+// one head: an MHA model's G = 1 has too few chains to hide the fma latency alone); every element's chain is the
+// same. kh: the block's K region of this kv head, as floats (F float32) or in format F; off: the first key's offset.
+template <int F, int G, int N, int TQ = 1>
+STEADY_INLINE void score_keys(const float* const (&qg)[TQ], const uint8_t* kh, int64_t off, int64_t D, int64_t Bs,
+                              int64_t key0, const int64_t (&first)[TQ], const int64_t (&p)[TQ], float scale,
+                              float softcap, float* const (&out)[TQ], int64_t stride) {
+  float s[TQ][G][N] = {};
+  float buf[N];
+  for (int64_t dd = 0; dd < D; ++dd) {
+    const float* kr = k_row<F, N>(kh, dd, off, Bs, buf);
+    for (int t = 0; t < TQ; ++t)
+      for (int r = 0; r < G; ++r) {
+        const float qv = qg[t][r * D + dd];
+        for (int l = 0; l < N; ++l) s[t][r][l] = std::fmaf(qv, kr[l], s[t][r][l]);
+      }
+  }
+  store_scores<G, N, TQ>(s, key0, first, p, scale, softcap, out, stride);
+}
+
+// A query row in q8_0 blocks, as score_keys_q8 reads it: D int8 values, then D/32 float32 scales, then D/32 int32
+// sums of each block's values (what kSignedBias's offset takes back off). q8_row_bytes(D) in attention.h.
+struct QRow {
+  const int8_t* q;
+  const float* d;
+  const int32_t* sum;
+};
+STEADY_INLINE QRow q8_row(const uint8_t* base, int64_t D) {
+  return {reinterpret_cast<const int8_t*>(base), reinterpret_cast<const float*>(base + D),
+          reinterpret_cast<const int32_t*>(base + D + D / 8)};
+}
+
+// n query rows of D floats (row i at x + i * D) into q8_0 rows at out + i * q8_row_bytes(D): each block of 32
+// values by kv_format.h's rule with its scale kept as a float (quantize_q8_block). A row depends on itself alone.
+inline void quantize_query(const float* x, int64_t n, int64_t D, uint8_t* out) {
+  for (int64_t i = 0; i < n; ++i) {
+    uint8_t* base = out + i * q8_row_bytes(D);
+    int8_t* q = reinterpret_cast<int8_t*>(base);
+    for (int64_t c = 0; c < D / steady_kv::kQBlock; ++c) {
+      const float d = steady_kv::quantize_q8_block(x + i * D + c * steady_kv::kQBlock, q + c * steady_kv::kQBlock);
+      int32_t sum = 0;
+      for (int64_t l = 0; l < steady_kv::kQBlock; ++l) sum += q[c * steady_kv::kQBlock + l];
+      std::memcpy(base + D + 4 * c, &d, 4);
+      std::memcpy(base + D + D / 8 + 4 * c, &sum, 4);
+    }
+  }
+}
+
+// Step 1' (a q8_0 cache) for N consecutive keys of one block and G query rows of each of TQ tokens: per block c of
+// 32 dims, I_c = the exact integer dot product of the query's and the key's int8 values (the build's sdot_signed over
+// the 8 quads of dims, in int32: |I_c| <= 32 * 127 * 127 < 2^24, so float(I_c) is exact), then
+// s_{c+1} = fma(float(I_c), dq_c * dk_c, s_c), c ascending (dq_c * dk_c one rounded product); score = s * scale, as
+// store_scores. qrows[t]: token t's G rows (q8_row_bytes(D) apart); kh: the block's q8_0 K region (kv_format.h).
+template <int G, int N, int TQ>
+STEADY_INLINE void score_keys_q8(const uint8_t* const (&qrows)[TQ], const uint8_t* kh, int64_t off, int64_t D,
+                                 int64_t Bs, int64_t key0, const int64_t (&first)[TQ], const int64_t (&p)[TQ],
+                                 float scale, float softcap, float* const (&out)[TQ], int64_t stride) {
+  constexpr int NL = N / kLanes;
+  const int64_t rb = q8_row_bytes(D);
+  F s[TQ][G][NL];
+  for (int t = 0; t < TQ; ++t)
+    for (int r = 0; r < G; ++r)
+      for (int n = 0; n < NL; ++n) s[t][r][n] = fzero();
+  const uint16_t* scales = reinterpret_cast<const uint16_t*>(kh + D * Bs);
+  for (int64_t c = 0; c < D / steady_kv::kQBlock; ++c) {
+    I acc[TQ][G][NL];
+    S part[TQ][G][NL];
+    for (int t = 0; t < TQ; ++t)
+      for (int r = 0; r < G; ++r)
+        for (int n = 0; n < NL; ++n) acc[t][r][n] = izero(), part[t][r][n] = szero();
+    for (int a = 0; a < 8; ++a) {  // quads of dims 32 c + 4 a .. + 3, ascending (any order: integer sums)
+      const int64_t dd = c * steady_kv::kQBlock + 4 * a;
+      W w[NL];
+      for (int n = 0; n < NL; ++n) w[n] = wload(kh + steady_kv::k_q8_at(dd, off + n * kLanes, Bs));
+      for (int t = 0; t < TQ; ++t)
+        for (int r = 0; r < G; ++r) {
+          int32_t x4;
+          std::memcpy(&x4, qrows[t] + r * rb + dd, 4);
+          for (int n = 0; n < NL; ++n) part[t][r][n] = sdot_signed(part[t][r][n], w[n], x4);
+        }
+      if ((a + 1) % kSumRun<8> == 0)
+        for (int t = 0; t < TQ; ++t)
+          for (int r = 0; r < G; ++r)
+            for (int n = 0; n < NL; ++n) acc[t][r][n] = widen(acc[t][r][n], part[t][r][n]), part[t][r][n] = szero();
+    }
+    F dk[NL];
+    for (int n = 0; n < NL; ++n) dk[n] = h2f(reinterpret_cast<const uint8_t*>(scales + c * Bs + off + n * kLanes));
+    for (int t = 0; t < TQ; ++t)
+      for (int r = 0; r < G; ++r) {
+        const QRow q = q8_row(qrows[t] + r * rb, D);
+        const F dq = fset1(q.d[c]);
+        const I bias = iset1(kSignedBias * q.sum[c]);
+        for (int n = 0; n < NL; ++n) s[t][r][n] = ffma(i2f(isub(acc[t][r][n], bias)), fmul(dq, dk[n]), s[t][r][n]);
+      }
+  }
+  float sf[TQ][G][N];
+  for (int t = 0; t < TQ; ++t)
+    for (int r = 0; r < G; ++r)
+      for (int n = 0; n < NL; ++n) fstore(&sf[t][r][n * kLanes], s[t][r][n]);
+  store_scores<G, N, TQ>(sf, key0, first, p, scale, softcap, out, stride);
 }
 
 // Values [d0, d0 + NV) of row `row` of a V block region `vh` (Bs, D), as floats (as k_row).
@@ -148,7 +239,7 @@ STEADY_INLINE const float* v_row(const uint8_t* vh, int64_t row, int64_t d0, int
     const uint16_t* sc = reinterpret_cast<const uint16_t*>(qv + D);
     for (int c = 0; c < NV; c += kLanes) {  // 16 dims share one scale: d0 and NV are multiples of 16
       const float d = half_to_float(sc[(d0 + c) / kQBlock]);
-      for (int l = 0; l < kLanes; ++l) buf[c + l] = float(qv[d0 + c + l]) * d;
+      fstore(buf + c, fmul(i2f(iload_i8(reinterpret_cast<const uint8_t*>(qv + d0 + c))), fset1(d)));  // float(q) * d
     }
   } else if constexpr (F == kF16) {
     const uint16_t* hv = reinterpret_cast<const uint16_t*>(vh) + row * D + d0;
@@ -202,22 +293,15 @@ STEADY_INLINE void softmax_rows(float* scores, int64_t stride, int64_t n_chunks,
 }
 
 // A whole K block region `kh` (D, Bs) of format F as floats (D, Bs) in `out`, each value exactly as k_row
-// reads it. Not called for float32, whose blocks are read in place.
+// reads it. Not called for float32, whose blocks are read in place, nor q8_0, whose keys stay integers.
 template <int F>
 STEADY_INLINE void k_block_floats(const uint8_t* kh, int64_t D, int64_t Bs, float* out, const uint8_t* next) {
   if constexpr (F == steady_kv::kF16) {  // (D, Bs) halves in a row: one conversion of the region
     halves_block(reinterpret_cast<const uint16_t*>(kh), out, D * Bs, next);
     return;
   }
-  float scales[kLanes];
   for (int64_t off = 0; off < Bs; off += kLanes)
-    for (int64_t dd = 0; dd < D; ++dd) {
-      if (F == steady_kv::kQ8 && dd % steady_kv::kQBlock == 0) {
-        const uint16_t* sc = reinterpret_cast<const uint16_t*>(kh + D * Bs) + (dd / steady_kv::kQBlock) * Bs + off;
-        halves16(sc, scales);
-      }
-      k_row<F, kLanes>(kh, dd, off, Bs, scales, out + dd * Bs + off);
-    }
+    for (int64_t dd = 0; dd < D; ++dd) k_row<F, kLanes>(kh, dd, off, Bs, out + dd * Bs + off);
 }
 
 // A whole V block region `vh` (Bs, D) of format F as floats (Bs, D) in `out`, each value exactly as v_row

@@ -86,6 +86,14 @@ inline int best_float() {
   return have < cap() ? have : cap();
 }
 
+// The attention family's widest build for a cache (paged_attention.cpp): best_float(), except that a q8_0 cache's
+// integer scores need AVX512_VNNI in the avx512 build (attention_q8_avx512.cpp), so an AVX-512 CPU without it runs
+// the avx2 build for that format. Every build gives the same bits.
+inline int best_attention(bool q8_cache) {
+  const int b = best_float();
+  return q8_cache && b == kAvx512 && !cpu().vnni ? int(kAvx2) : b;
+}
+
 // The int8 family's widest build (q8linear.cpp).
 inline int best_int8() {
   const int have = cpu().vnni ? (amx_granted() ? kAmx : kAvx512) : cpu().avx2 ? kAvx2 : kScalar;

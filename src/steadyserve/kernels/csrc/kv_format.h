@@ -16,7 +16,9 @@
 //
 // Layouts, per (block, kv head), Bs tokens of head dim D:
 //   fp32/f16/bf16: K (D, Bs), keys transposed; V (Bs, D).
-//   q8_0 (int8 tensors): K (D + D/16, Bs): rows 0..D-1 the int8 values, then D/32 rows of Bs f16 scales
+//   q8_0 (int8 tensors): K (D + D/16, Bs) bytes: its first D * Bs bytes are the int8 values in quads of dims,
+//         (D/4, Bs, 4): dims [4 a, 4 a + 4) of key j at bytes 4 (a * Bs + j) .. + 3 (k_q8_at), so one 64-byte load
+//         holds 4 dims of 16 keys, the operand of an int8 dot-product instruction; then D/32 rows of Bs f16 scales
 //         (little-endian uint16, scale of dims [32 c, 32 c + 32) of key j at index c * Bs + j); V (Bs, D + D/16):
 //         each token's D int8 values, then its D/32 f16 scales. 34 bytes per 32 values, against 128 in float32.
 #pragma once
@@ -25,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 #include "half.h"
 
@@ -57,8 +60,13 @@ inline uint16_t f32_to_bf16(float f) {
   return uint16_t((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
 }
 
-// One q8_0 block: 32 floats -> 32 int8 (q[i * q_stride]) and the f16 scale (returned).
-inline uint16_t quantize_q8_0(const float* x, int8_t* q, int64_t q_stride) {
+// Where dim dd of key j sits among a q8_0 K region's int8 values (Bs keys per block): quads of dims, key-major.
+inline int64_t k_q8_at(int64_t dd, int64_t j, int64_t Bs) { return 4 * ((dd / 4) * Bs + j) + dd % 4; }
+
+// One q8_0 block of 32 floats -> 32 int8 (q[0 .. 31]) and its scale d = amax / 127, as a float32 (returned): the
+// rule above. A block with a non-finite value gives d = NaN and q = 0. The cache stores d as an f16
+// (quantize_q8_0); the integer attention quantizes its queries by the same rule and keeps d as a float.
+inline float quantize_q8_block(const float* x, int8_t* q) {
   float amax = 0.0f;
   bool finite = true;
   for (int64_t i = 0; i < kQBlock; ++i) {
@@ -66,16 +74,23 @@ inline uint16_t quantize_q8_0(const float* x, int8_t* q, int64_t q_stride) {
     amax = std::fabs(x[i]) > amax ? std::fabs(x[i]) : amax;
   }
   if (!finite) {
-    for (int64_t i = 0; i < kQBlock; ++i) q[i * q_stride] = 0;
-    return 0x7e00u;  // NaN
+    for (int64_t i = 0; i < kQBlock; ++i) q[i] = 0;
+    return std::numeric_limits<float>::quiet_NaN();
   }
   const float d = amax / 127.0f;
   // 1 / d overflows for d below 2^-128 (amax under about 3.7e-37), and x * inf converts to int8 as undefined
   // behaviour; such a d is 0 as an f16 anyway, so the block reads back as zeros whatever q holds: store 0s.
   const float inv = d != 0.0f ? 1.0f / d : 0.0f;
   const float id = inv <= FLT_MAX ? inv : 0.0f;
-  for (int64_t i = 0; i < kQBlock; ++i) q[i * q_stride] = int8_t(std::roundf(x[i] * id));
-  return float_to_half(d);
+  for (int64_t i = 0; i < kQBlock; ++i) q[i] = int8_t(std::roundf(x[i] * id));
+  return d;
+}
+
+// One q8_0 block as the cache stores it: 32 int8 in q and the f16 scale (returned; 0x7e00, a NaN, for a block with
+// a non-finite value).
+inline uint16_t quantize_q8_0(const float* x, int8_t* q) {
+  const float d = quantize_q8_block(x, q);
+  return std::isnan(d) ? uint16_t(0x7e00u) : float_to_half(d);
 }
 
 }  // namespace steady_kv

@@ -91,12 +91,14 @@ void kv_write_rows(at::Tensor& k_cache, at::Tensor& v_cache, const float* k, con
         store_row(fmt, halves, vx, vh + o * d * es, d, 1);  // V (Bs, D): row o
         continue;
       }
-      int8_t* kq = reinterpret_cast<int8_t*>(kh);                     // (D, Bs) int8, then (D/32, Bs) f16 scales
+      int8_t* kq = reinterpret_cast<int8_t*>(kh);                     // (D/4, Bs, 4) int8, then (D/32, Bs) f16 scales
       int8_t* vq = reinterpret_cast<int8_t*>(vh + o * (d + d / 16));  // this token's D int8, then D/32 scales
       for (int64_t c = 0; c < d / kQBlock; ++c) {
-        const uint16_t ks = quantize_q8_0(kx + c * kQBlock, kq + (c * kQBlock) * bs + o, bs);
+        int8_t kb[kQBlock];
+        const uint16_t ks = quantize_q8_0(kx + c * kQBlock, kb);
+        for (int64_t a = 0; a < kQBlock; a += 4) std::memcpy(kq + k_q8_at(c * kQBlock + a, o, bs), kb + a, 4);
         std::memcpy(kh + d * bs + 2 * (c * bs + o), &ks, 2);
-        const uint16_t vs = quantize_q8_0(vx + c * kQBlock, vq + c * kQBlock, 1);
+        const uint16_t vs = quantize_q8_0(vx + c * kQBlock, vq + c * kQBlock);
         std::memcpy(vq + d + 2 * c, &vs, 2);
       }
     }

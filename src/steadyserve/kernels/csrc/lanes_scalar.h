@@ -17,8 +17,9 @@
 //   binary16: half_at (one at p, exactly), h2f (16 at p, exactly), fstore_h (16 halves, round to nearest even; a NaN
 //     lane's bits are not promised: callers send NaNs through half.h's float_to_half)
 //   prefetch: a hint, never a fault nor a value.
-// The vector builds also define the int8 products (W, S, sdot, ...: lanes_avx2.h documents them); the scalar int8
-// build is the reference written as plain loops instead (q8_scalar.cpp).
+// The vector builds also define the int8 products (W, S, sdot, ...: lanes_avx2.h documents them). Here only the signed
+// one, for the q8_0 cache's integer attention scores (attention_rows.h); the scalar int8 matmul build is the
+// reference written as plain loops instead (q8_scalar.cpp).
 //
 // Included inside a kernel family's build namespace (qmm_scalar.cpp, q8_scalar.cpp, attention_scalar.cpp), after
 // half.h and the standard headers.
@@ -100,3 +101,23 @@ inline void fstore_h(uint16_t* p, F x) { STEADY_LANES p[i] = steady_num::float_t
 inline void prefetch(const uint8_t*) {}
 
 #undef STEADY_LANES
+
+// ---- the signed int8 product (attention_rows.h's integer scores) ----
+struct W {
+  int8_t b[64];  // lane i's 4 bytes at 4 i .. 4 i + 3
+};
+inline W wload(const uint8_t* p) { W r; std::memcpy(r.b, p, sizeof r.b); return r; }
+using S = I;  // partial sums straight in int32 lanes
+template <int BITS>
+constexpr int kSumRun = 8;
+constexpr int32_t kSignedBias = 0;  // the products are formed signed
+inline S szero() { return izero(); }
+// Lane i += the dot product of w's 4 signed bytes of lane i with x4's 4 signed bytes (byte 0 the lowest).
+inline S sdot_signed(S s, W w, int32_t x4) {
+  int8_t x[4];
+  std::memcpy(x, &x4, 4);
+  for (int i = 0; i < 16; ++i)
+    for (int b = 0; b < 4; ++b) s.v[i] += int32_t(w.b[4 * i + b]) * int32_t(x[b]);
+  return s;
+}
+inline I widen(I acc, S s) { return iadd(acc, s); }

@@ -16,11 +16,17 @@
 //      With attention sinks (gpt-oss: one logit s per query head, a key without a value),
 //      m in step 2 is max(m, s), and l = l + exp_det16(s - m), added after the tree.
 //   5. out[d] = a / l, where a accumulates fma(e[j], v_j[d], a) over j ascending.
+// Over a q8_0 cache, step 1 is integer (as llama.cpp's q8_0 K, whose queries it converts to q8_0 too):
+//   1'. each query row is quantized per 32 dims c by kv_format.h's q8_0 rule, its scale dq_c kept as a float32 (a
+//      function of that row alone); with the key's int8 values and f16 scale dk_{j,c}, I_{j,c} is their exact int32
+//      dot product over the 32 dims, and score[j] = s * scale with s_0 = 0 and
+//      s_{c+1} = fma(float(I_{j,c}), dq_c * dk_{j,c}, s_c), c ascending. Soft-capping and steps 2-5 as above.
 // The pieces of each step (the exponential, the score chains, the softmax sums, the exact conversions of stored
 // values) are in attention_rows.h; this file walks the blocks and tiles and registers the op.
-// The KV cache may be stored as float32, f16, bf16 or q8_0 (kv_format.h). Each stored K or V value is first
-// turned back into the float it stands for, exactly (no rounding: see kv_format.h), and steps 1-5 then run on
-// those floats: the order above is the same for every format, and a format changes only the values read.
+// The KV cache may be stored as float32, f16, bf16 or q8_0 (kv_format.h). Each stored K or V value (but a q8_0
+// key, step 1') is first turned back into the float it stands for, exactly (no rounding: see kv_format.h), and the
+// steps then run on those floats: the order above is the same for every format of a kind, and a float format changes
+// only the values read. An integer sum is exact in any order, so a build's instructions for it change no bit.
 // Every lane of every vector computes one element with the same sequence of IEEE
 // operations, so the vector width (the build: attention_body.h compiled for baseline x86-64,
 // AVX2 or AVX-512, picked at run time by isa.h) changes speed, never bits. The fused multiply-adds are
@@ -62,8 +68,8 @@ namespace {
 
 using namespace steady_attn;  // attention.h
 
-// The build isa.h picks for this process.
-const Build& best() { return build(steady_isa::best_float()); }
+// The build isa.h picks for this process and a cache format (kv_format.h).
+const Build& best(int fmt) { return build(steady_isa::best_attention(fmt == steady_kv::kQ8)); }
 
 // p rounded up to a 64-byte boundary (a buffer kLanes floats longer than it needs holds it).
 inline float* align_up(float* p) {
@@ -152,7 +158,7 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   TORCH_CHECK(k_cache.size(2) == stored_d && v_cache.size(2) == P.bs && v_cache.size(3) == stored_d &&
                   v_cache.size(0) == k_cache.size(0) && v_cache.size(1) == P.hkv,
               "paged_attention: cache shapes do not match q");
-  TORCH_CHECK(P.h % P.hkv == 0 && best().attend_for_shape(fmt, P.h / P.hkv, 16, 16).tile != nullptr,
+  TORCH_CHECK(P.h % P.hkv == 0 && best(fmt).attend_for_shape(fmt, P.h / P.hkv, 16, 16).tile != nullptr,
               "paged_attention: 1 to 8 query heads per kv head");
   TORCH_CHECK(P.bs % kLanes == 0 && P.d % kLanes == 0, "paged_attention: block size and head dim must be multiples of 16");
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.sizes() == q.sizes(),
@@ -181,7 +187,7 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   P.scale = static_cast<float>(scale);
   P.softcap = static_cast<float>(softcap);
   const int64_t group = P.h / P.hkv;
-  const Kernels kern = best().attend_for_shape(fmt, group, P.bs, P.d);
+  const Kernels kern = best(fmt).attend_for_shape(fmt, group, P.bs, P.d);
   // Tiles: runs of consecutive tokens of one sequence, at most `tile` long. Tiles are at most kTile tokens, and
   // shorter where a call has few tokens, so there are units for every thread (a speed choice: bits do not
   // depend on it).
@@ -206,7 +212,9 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
         int64_t max_pos = 0;
         for (int64_t t = t0; t < t1; ++t) max_pos = std::max(max_pos, P.pos[t]);
         const int64_t stride = max_pos + 2 * kLanes;  // room for each token's chunk-aligned span [c0, p]
-        scratch.resize(static_cast<size_t>((t1 - t0) * group * stride));
+        // The scores, then (q8_0) the quantized query rows, in floats.
+        const int64_t q8_floats = fmt == steady_kv::kQ8 ? ((t1 - t0) * group * q8_row_bytes(P.d) + 3) / 4 : 0;
+        scratch.resize(static_cast<size_t>((t1 - t0) * group * stride + q8_floats));
         if (t1 - t0 == 1 && kern.one != nullptr) {  // a lone token: the untiled loop (see one_for)
           kern.one(P, t0, g, scratch.data(), stride);
           continue;
@@ -245,7 +253,7 @@ void softcap_(at::Tensor& x, double cap) {
   const int64_t T = x.size(0), V = x.size(1);
   float* xp = x.data_ptr<float>();
   steady_fp::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) best().softcap_rows(xp + t * V, V, static_cast<float>(cap));
+    for (int64_t t = t0; t < t1; ++t) best(steady_kv::kF32).softcap_rows(xp + t * V, V, static_cast<float>(cap));
   });
 }
 
