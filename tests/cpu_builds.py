@@ -48,6 +48,12 @@ def float_best() -> int:
     return min(have, _cap())
 
 
+def attention_q8_build(float_build: int) -> int:
+    """The attention build a q8_0 cache runs where the float32 family runs `float_build`: the same, but its AVX-512
+    build needs AVX512_VNNI (the integer scores), so AVX2 on an AVX-512 CPU without it."""
+    return 1 if float_build == 2 and "avx512_vnni" not in cpu_flags() else float_build
+
+
 def int8_best() -> int:
     """The int8 family's widest build the CPU has, capped by STEADYSERVE_ISA."""
     f = cpu_flags()

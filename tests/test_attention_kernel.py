@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from cpu_builds import FLOAT_BUILDS, NAMES
+from cpu_builds import FLOAT_BUILDS, NAMES, attention_q8_build
 
 from steadyserve import kernels
 from steadyserve.models.attention import attention_invariant, attention_native, attention_plain
@@ -372,7 +372,7 @@ def attend(q, k, v, tables, seq_of, pos, window, sinks):
     out = torch.empty_like(q)
     torch.ops.steadyserve.paged_attention(q, k, v, tables, seq_of, pos, out, 0.125, window, 0.0, sinks)
     return out
-print(torch.ops.steadyserve.qmm_isa(), digest(attend), extras())
+print(torch.ops.steadyserve.qmm_isa(), torch.ops.steadyserve.attention_isa(True), digest(attend), extras())
 """
 
 
@@ -389,8 +389,10 @@ def test_each_vector_width_gives_the_same_bits(isa: int) -> None:
     r = subprocess.run([sys.executable, "-c", VECTOR_WIDTH_SCRIPT], capture_output=True, text=True, timeout=600,
                        env={**os.environ, "STEADYSERVE_ISA": NAMES[isa]})
     assert r.returncode == 0, r.stderr[-3000:]
-    ran, digest, extras = r.stdout.split()
+    ran, ran_q8, digest, extras = r.stdout.split()
     assert int(ran) == isa, f"STEADYSERVE_ISA={NAMES[isa]} ran build {ran}"
+    q8_want = attention_q8_build(isa)  # the q8_0 cache's integer scores
+    assert int(ran_q8) == q8_want, f"STEADYSERVE_ISA={NAMES[isa]}: a q8_0 cache ran build {ran_q8}, not {q8_want}"
     mine = NAMES[torch.ops.steadyserve.qmm_isa()]
     assert digest == here, f"attention: the {NAMES[isa]} build differs from this process's ({mine})"
     assert extras == case["extras"](), f"RoPE or soft-cap: the {NAMES[isa]} build differs from this process's ({mine})"

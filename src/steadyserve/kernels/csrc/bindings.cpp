@@ -17,6 +17,7 @@ TORCH_LIBRARY(steadyserve, m) {
   // Which builds run (isa.h); no tensors, so no dispatch key.
   m.def("qmm_isa() -> int", TORCH_FN(qmm_isa));
   m.def("q8_isa() -> int", TORCH_FN(q8_isa));
+  m.def("attention_isa(bool q8_cache) -> int", TORCH_FN(attention_isa));
   m.def("qmm_register_rows() -> int", TORCH_FN(qmm_register_rows));
   m.def("formats() -> int[]", TORCH_FN(formats));  // formats.h: kernels/quant.py's table is checked against it
 

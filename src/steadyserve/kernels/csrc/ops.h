@@ -44,6 +44,7 @@ std::vector<int64_t> formats();  // formats.h's records, flat: (ggml id, weights
 int64_t qmm_register_rows();  // rows up to which a matmul costs little more than one (speculation sizes by it)
 
 // ---- rope.cpp, paged_attention.cpp, kv_write.cpp ----------------------------------------------------------------
+int64_t attention_isa(bool q8_cache);  // the attention build this process runs for a q8_0 cache or another (isa.h)
 // RoPE in place on heads [0, num_heads) of each row.
 void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads);
 // Causal attention over the paged cache; softcap 0 for none; sinks: (H,) attention-sink logits, or none.

@@ -235,6 +235,8 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   });
 }
 
+int64_t attention_isa(bool q8_cache) { return steady_isa::best_attention(q8_cache); }
+
 // The f16 cache's block conversion on its own (tests: every build gives every half's float): h float16, any shape;
 // isa: a float32 build index (isa.h; -1: best_float()), refused where the CPU cannot run it.
 at::Tensor kv_halves_to_floats(const at::Tensor& h, int64_t isa) {
