@@ -45,11 +45,12 @@ def prompt_logprobs(loaded, kv_dtype: str, numerics: str, ids: list[int], thread
     """(n-1,) log p(ids[i] | ids[:i]) with the KV cache stored as `kv_dtype`."""
     from steadyserve.config import EngineConfig
     from steadyserve.engine.engine import LLMEngine
-    from steadyserve.engine.kv_cache import bytes_per_block
+    from steadyserve.engine.kv_cache import bytes_per_block, kv_layout
     from steadyserve.engine.offline import run_requests
     from steadyserve.engine.sequence import Request, SamplingParams
 
-    blocks = (len(ids) + 31) // 32 + 2
+    # A block holds one group of layers (kv_layout.py): every group needs the prompt's blocks (Gemma 3: 6 groups).
+    blocks = ((len(ids) + 31) // 32 + 2) * kv_layout(loaded.args).num_groups
     engine = LLMEngine(loaded, EngineConfig(kv_cache_memory=blocks * bytes_per_block(loaded.args, 32, kv_dtype),
                                             threads=threads, numerics=numerics, kv_cache_dtype=kv_dtype,
                                             max_model_len=loaded.max_model_len, speculation="off"))
