@@ -65,6 +65,16 @@ namespace avx512_q8 {
 Kernels attend_q8(int64_t group, bool wide);
 }
 
+// The avx512 build's speed knobs (attention_body.h), one owner for its two units (attention_avx512.cpp and
+// attention_q8_avx512.cpp). Accumulator floats a pass over a block's K rows (scores) or V rows (values) may hold
+// (kTokensPerPass): 8 and 16 of the 32 zmm registers. With 16 for scores, 4 query heads per kv head (Llama 3.1 8B)
+// ran 12% slower than with 8 (AMD EPYC Zen 4).
+namespace avx512_knobs {
+constexpr bool kWidePasses = true;
+constexpr int kScoreAccFloats = 128;
+constexpr int kValueAccFloats = 256;
+}  // namespace avx512_knobs
+
 // Bytes of one query row of D floats in q8_0 blocks (attention_rows.h's QRow): D int8, D/32 float32 scales and D/32
 // int32 block sums. The op's scratch holds a tile's rows after its scores.
 constexpr int64_t q8_row_bytes(int64_t d) { return d + d / 4; }

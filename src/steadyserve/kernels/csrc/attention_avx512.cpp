@@ -24,12 +24,7 @@ namespace {
 #include "attention_rows.h"
 }  // namespace
 
-constexpr bool kWidePasses = true;
-// Accumulator floats a pass over a block's K rows (scores) or V rows (values) may hold (attention_body.h's
-// kTokensPerPass): 8 and 16 of the 32 zmm registers. With 16 for scores, 4 query heads per kv head (Llama 3.1 8B) ran
-// 12% slower than with 8 (AMD EPYC Zen 4).
-constexpr int kScoreAccFloats = 128;
-constexpr int kValueAccFloats = 256;
+using avx512_knobs::kWidePasses, avx512_knobs::kScoreAccFloats, avx512_knobs::kValueAccFloats;  // attention.h
 
 // A q8_0 cache's kernels are attention_q8_avx512.cpp's, built with AVX512_VNNI (attention_body.h).
 #define STEADY_ATTN_Q8_KERNELS avx512_q8::attend_q8

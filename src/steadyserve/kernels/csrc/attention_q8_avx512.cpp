@@ -26,10 +26,7 @@ namespace {
 #include "attention_rows.h"
 }  // namespace
 
-// As attention_avx512.cpp's (the same speed knobs).
-constexpr bool kWidePasses = true;
-constexpr int kScoreAccFloats = 128;
-constexpr int kValueAccFloats = 256;
+using avx512_knobs::kWidePasses, avx512_knobs::kScoreAccFloats, avx512_knobs::kValueAccFloats;  // attention.h
 
 #define STEADY_ATTN_Q8_ONLY
 #include "attention_body.h"
