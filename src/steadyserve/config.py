@@ -174,10 +174,11 @@ class EngineConfig:
         help="speculative decoding: ngram drafts tokens by prompt lookup and verifies them in one pass, bitwise "
              "the output of off, where it pays; auto: ngram with --batch-invariant and the native kernels, else "
              "off (default: %(default)s)")
-    kv_cache_dtype: str = flag("auto", name="--kv-cache-dtype", choices=KV_CACHE_DTYPES,  # how the KV cache stores keys and values: auto (f16 on --numerics int8; elsewhere the activations' dtype: float32 on the CPU) | fp32 | f16 | bf16 (IEEE round to nearest even; half the bytes) | q8_0 (llama.cpp's int8 per 32 values with an f16 scale; 34 bytes per 128 of fp32, native attention kernel only); every format keeps the bitwise promises
+    kv_cache_dtype: str = flag("auto", name="--kv-cache-dtype", choices=KV_CACHE_DTYPES,  # how the KV cache stores keys and values: auto (f16 on --numerics int8; elsewhere the activations' dtype: float32 on the CPU) | fp32 | f16 | bf16 (IEEE round to nearest even; half the bytes) | q8_0 (llama.cpp's int8 per 32 values with an f16 scale; 34 bytes per 128 of fp32, native attention kernel only; its scores are exact integer dot products with the queries in q8_0, as llama.cpp's); every format keeps the bitwise promises
         help="KV cache storage: fp32, f16 or bf16 (half the bytes), q8_0 (int8 per 32 values with an f16 scale, "
-             "3.76x the tokens of fp32 per byte); auto: the activations' dtype, fp32 on the CPU; named in the "
-             "fingerprint (default: %(default)s)")
+             "3.76x the tokens of fp32 per byte; integer attention scores, the queries rounded to q8_0); auto: f16 "
+             "on --numerics int8 (the default), else the activations' dtype; named in the fingerprint "
+             "(default: %(default)s)")
 
     def validate(self) -> None:
         check_choices(self)
