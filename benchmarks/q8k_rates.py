@@ -28,8 +28,9 @@ from peers import cpu_name
 from matmul_rows import _peak_ext
 
 # GGUF block bytes and the offsets of the float16 scale fields set to a small finite value (0.01 = 0x211F)
-BLOCKS = {"Q4_K": (256, 144, (0, 2)), "Q6_K": (256, 210, (208,)), "Q4_1": (32, 20, (0, 2)), "Q8_0": (32, 34, (0,))}
-FMT_IDS = {"Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
+BLOCKS = {"Q4_K": (256, 144, (0, 2)), "Q6_K": (256, 210, (208,)), "Q4_0": (32, 18, (0,)), "Q4_1": (32, 20, (0, 2)),
+          "Q8_0": (32, 34, (0,))}
+FMT_IDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
 
 
 def random_matrix(name: str, n: int, k: int, seed: int = 0) -> torch.Tensor:

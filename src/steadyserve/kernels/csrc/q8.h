@@ -86,7 +86,8 @@ struct Q8Args {
   const float* dx;        // (M, K / 32) block scales
   const float* sxd;       // (M, K / 32) dx * float(sum of the block's q)
   const int32_t* sx;      // (M, K / 32) sum of the block's q
-  const int32_t* sx16;    // (M, K / 16) sum of each half block's q (Q6_K)
+  const int32_t* zx16;    // (M, K / 16) -32 x the sum of each half block's q: Q6_K's zero-point terms, which
+                          // start its two integer chains (q8_body.h), precomputed so a tile reads them as they are
   int64_t M, K;
   const uint8_t* w;       // packed panels: panel p's record t at w + (p * records + t) * record
   float* y;               // (M, >= 16 p_end), row stride y_stride floats
@@ -106,7 +107,7 @@ void pack(int32_t ggml_type, const uint8_t* w, int64_t row_bytes, int64_t N, int
   namespace ns {                                                                                              \
   void matmul(const Q8Args& a);                                                                               \
   void quantize_rows(const float* x, int64_t x_stride, int64_t K, int64_t m0, int64_t m1, int8_t* xq, float* dx, \
-                     float* sxd, int32_t* sx, int32_t* sx16);                                                 \
+                     float* sxd, int32_t* sx, int32_t* zx16);                                                 \
   }
 
 STEADY_Q8_DECLARE(scalar)

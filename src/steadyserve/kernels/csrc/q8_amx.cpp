@@ -83,9 +83,10 @@ inline void epilogue(const Q8Args& a, const BlockScales& s, const int32_t* c0, c
     const int64_t at = (m0 + m) * blocks + c;
     I v = iload(c0 + 16 * m);
     F fdot;  // float(I_c)
-    if constexpr (SUB) {  // Q6_K: fma(sc_lo, lo - 32 sx16_lo, sc_hi (hi - 32 sx16_hi)), exact as in q8_body.h
-      fdot = ffma(fsc_lo, i2f(isub(v, iset1(ZERO * a.sx16[2 * at]))),
-                  fmul(fsc_hi, i2f(isub(iload(c1 + 16 * m), iset1(ZERO * a.sx16[2 * at + 1])))));
+    if constexpr (SUB) {  // Q6_K: fma(sc_lo, lo + zx16_lo, sc_hi (hi + zx16_hi)), exact as in q8_body.h
+      static_assert(ZERO == 32, "q8.h's zx16 holds -32 x the sums");
+      fdot = ffma(fsc_lo, i2f(iadd(v, iset1(a.zx16[2 * at]))),
+                  fmul(fsc_hi, i2f(iadd(iload(c1 + 16 * m), iset1(a.zx16[2 * at + 1])))));
     } else if constexpr (ZERO != 0) {
       fdot = i2f(isub(v, iset1(ZERO * a.sx[at])));
     } else {
@@ -220,7 +221,7 @@ Q8Args rows_from(const Q8Args& a, int64_t r) {
   rest.dx += r * blocks;
   rest.sxd += r * blocks;
   rest.sx += r * blocks;
-  rest.sx16 += r * 2 * blocks;
+  rest.zx16 += r * 2 * blocks;
   rest.y += r * a.y_stride;
   rest.M = a.M - r;
   return rest;

@@ -14,13 +14,15 @@
 #include "q8_unpack.h"
 
 // float(I_c) of q8.h for Q6_K, MM activation rows (row m's block at x + m K) against one panel's block, the rows
-// interleaved operand by operand as tile_dots does, two integer chains per row: lo = sum over the first 16 values of
-// u q, hi over the last 16. With lo' = lo - 32 sx16_lo and hi' likewise, I_c = sc_lo lo' + sc_hi hi'. |lo'|, |hi'|
+// interleaved operand by operand as tile_dots does, two integer chains per row: lo' = zx16_lo (-32 times the sum of
+// the first 16 q) + the sum over the first 16 values of u q, hi' likewise over the last 16: each chain starts at its
+// zero-point term, read as a broadcast (no subtract, no multiply, no move from a general register: a chain of those
+// per half and row was the hottest code of the Q6_K tile). I_c = sc_lo lo' + sc_hi hi'. |lo'|, |hi'|
 // <= 16 * 32 * 127 and |sc| <= 128, so each product is below 2^24 and exact in float; one fma then rounds the exact
 // I_c once: fma(sc_lo, lo', sc_hi * hi') == float(I_c), the same float the other formats convert (and no 32-bit
 // integer multiplies, which take two uops each on one port). fsc_lo, fsc_hi: the sub-scales as floats (exact).
 template <int MM>
-inline void sub_block_floats(const W (&w)[8], const int8_t* x, int64_t K, const int32_t* sx16, int64_t blocks,
+inline void sub_block_floats(const W (&w)[8], const int8_t* x, int64_t K, const int32_t* zx16, int64_t blocks,
                              const F& fsc_lo, const F& fsc_hi, F (&out)[MM]) {
   constexpr int R = MM < 4 ? MM : 4;  // rows per pass: 2 R chains, the 8 operands and the tile's accumulators fit
 #pragma GCC unroll 2
@@ -29,7 +31,10 @@ inline void sub_block_floats(const W (&w)[8], const int8_t* x, int64_t K, const 
     static_assert(4 % run == 0, "a run may not cross a half's 4 quads");
     I lo[R], hi[R];
 #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) lo[r] = izero(), hi[r] = izero();
+    for (int r = 0; r < R; ++r) {
+      const int32_t* z = zx16 + 2 * (m0 + r) * blocks;
+      lo[r] = m0 + r < MM ? iset1(z[0]) : izero(), hi[r] = m0 + r < MM ? iset1(z[1]) : izero();
+    }
 #pragma GCC unroll 4
     for (int j0 = 0; j0 < 4; j0 += run) {
       S slo[R], shi[R];
@@ -51,12 +56,17 @@ inline void sub_block_floats(const W (&w)[8], const int8_t* x, int64_t K, const 
     }
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-      if (m0 + r < MM) {
-        const int32_t* s = sx16 + 2 * (m0 + r) * blocks;
-        out[m0 + r] = ffma(fsc_lo, i2f(isub(lo[r], iset1(32 * s[0]))), fmul(fsc_hi, i2f(isub(hi[r], iset1(32 * s[1])))));
-      }
+      if (m0 + r < MM) out[m0 + r] = ffma(fsc_lo, i2f(lo[r]), fmul(fsc_hi, i2f(hi[r])));
     }
   }
+}
+
+// N * (*v) in every lane, N a power of two: a broadcast read and a shift, both on the vector side (the product formed
+// in a general register and moved across was a chain of three per row and block in the tiles' hot loop).
+template <int32_t N>
+inline I pow2_times(const int32_t* v) {
+  static_assert(N > 0 && (N & (N - 1)) == 0, "a power of two");
+  return isll(iset1(*v), __builtin_ctz(unsigned(N)));
 }
 
 // I_c of q8.h for MM activation rows (row m's block at x + m K) against one panel's block: one integer chain per
@@ -88,9 +98,9 @@ inline void tile_dots(const W (&w)[8], const int8_t* x, int64_t K, const int32_t
 #pragma GCC unroll 16
   for (int m = 0; m < MM; ++m) {
     if constexpr (BITS == 8) {
-      if (kSignedBias) out[m] = isub(out[m], iset1(kSignedBias * sx[m * blocks]));
+      if constexpr (kSignedBias != 0) out[m] = isub(out[m], pow2_times<kSignedBias>(sx + m * blocks));
     } else if constexpr (ZERO != 0) {
-      out[m] = isub(out[m], iset1(ZERO * sx[m * blocks]));
+      out[m] = isub(out[m], pow2_times<ZERO>(sx + m * blocks));
     }
   }
 }
@@ -122,7 +132,7 @@ inline void panel_tile(const Q8Args& a, int64_t p, int64_t m0) {
       F fdot[MM];  // float(I_c) per row
       if constexpr (SUB) {
         static_assert(ZERO == 32, "Q6_K's zero point");
-        sub_block_floats<MM>(w, a.xq + m0 * a.K + c * kBlock, a.K, a.sx16 + 2 * (m0 * blocks + c), blocks,
+        sub_block_floats<MM>(w, a.xq + m0 * a.K + c * kBlock, a.K, a.zx16 + 2 * (m0 * blocks + c), blocks,
                              i2f(iload_i8(sc + steady_fmt::kScaleSub + 32 * i)),
                              i2f(iload_i8(sc + steady_fmt::kScaleSub + 16 + 32 * i)), fdot);
       } else {

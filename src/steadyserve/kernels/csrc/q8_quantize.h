@@ -26,7 +26,7 @@ inline int32_t round_store(F v, float s, int8_t* q) {
 }  // namespace
 
 void quantize_rows(const float* x, int64_t x_stride, int64_t K, int64_t m0, int64_t m1, int8_t* xq, float* dx,
-                   float* sxd, int32_t* sx, int32_t* sx16) {
+                   float* sxd, int32_t* sx, int32_t* zx16) {
   const int64_t blocks = K / kBlock;
   for (int64_t m = m0; m < m1; ++m) {
     for (int64_t c = 0; c < blocks; ++c) {
@@ -53,8 +53,8 @@ void quantize_rows(const float* x, int64_t x_stride, int64_t K, int64_t m0, int6
       }
       dx[m * blocks + c] = d;
       sx[m * blocks + c] = sum_lo + sum_hi;
-      sx16[m * 2 * blocks + 2 * c] = sum_lo;
-      sx16[m * 2 * blocks + 2 * c + 1] = sum_hi;
+      zx16[m * 2 * blocks + 2 * c] = -32 * sum_lo;  // Q6_K's zero point times the half's sum (q8.h's zx16)
+      zx16[m * 2 * blocks + 2 * c + 1] = -32 * sum_hi;
       sxd[m * blocks + c] = d * float(sum_lo + sum_hi);
     }
   }

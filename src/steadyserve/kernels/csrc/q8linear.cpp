@@ -55,11 +55,11 @@ const Build kBuilds[4] = {{scalar::matmul, scalar::quantize_rows}, {avx2::matmul
 
 int pick(int64_t isa) { return steady_isa::int8_build(isa, "steadyserve int8 op"); }
 
-// Quantized activations of one call (q8.h): (M, K) int8 and per-block (M, K / 32) dx, sxd, sx, (M, K / 16) sx16.
+// Quantized activations of one call (q8.h): (M, K) int8 and per-block (M, K / 32) dx, sxd, sx, (M, K / 16) zx16.
 struct Quantized {
   int8_t* xq;
   float *dx, *sxd;
-  int32_t *sx, *sx16;
+  int32_t *sx, *zx16;
 };
 
 // Bytes of each array of Quantized for M rows of K, in its order, each rounded up to whole cache lines.
@@ -76,7 +76,7 @@ Quantized carve(uint8_t* p, const int64_t (&bytes)[5]) {
   q.dx = reinterpret_cast<float*>(p += bytes[0]);
   q.sxd = reinterpret_cast<float*>(p += bytes[1]);
   q.sx = reinterpret_cast<int32_t*>(p += bytes[2]);
-  q.sx16 = reinterpret_cast<int32_t*>(p += bytes[3]);
+  q.zx16 = reinterpret_cast<int32_t*>(p += bytes[3]);
   return q;
 }
 
@@ -101,7 +101,7 @@ void quantize(const at::Tensor& x, int use, const Quantized& q) {
   const float* xp = x.data_ptr<float>();
   const int64_t stride = x.stride(0);
   steady_fp::parallel_for(0, M, 4, [&](int64_t m0, int64_t m1) {
-    kBuilds[use].quantize_rows(xp, stride, K, m0, m1, q.xq, q.dx, q.sxd, q.sx, q.sx16);
+    kBuilds[use].quantize_rows(xp, stride, K, m0, m1, q.xq, q.dx, q.sxd, q.sx, q.zx16);
   });
 }
 
@@ -140,9 +140,9 @@ std::tuple<at::Tensor, at::Tensor> q8quantize(const at::Tensor& x, int64_t isa) 
   const int64_t M = x.size(0), K = x.size(1), blocks = K / kBlock;
   at::Tensor xq = at::empty({M, K}, x.options().dtype(at::kChar)), dx = at::empty({M, blocks}, x.options());
   at::Tensor sxd = at::empty({M, blocks}, x.options()), sx = at::empty({M, blocks}, x.options().dtype(at::kInt));
-  at::Tensor sx16 = at::empty({M, 2 * blocks}, x.options().dtype(at::kInt));
+  at::Tensor zx16 = at::empty({M, 2 * blocks}, x.options().dtype(at::kInt));
   quantize(x, pick(isa), Quantized{xq.data_ptr<int8_t>(), dx.data_ptr<float>(), sxd.data_ptr<float>(),
-                                   sx.data_ptr<int32_t>(), sx16.data_ptr<int32_t>()});
+                                   sx.data_ptr<int32_t>(), zx16.data_ptr<int32_t>()});
   return {xq, dx};
 }
 
@@ -165,7 +165,7 @@ void matmul_packed(const at::Tensor& x, const at::Tensor& w, int64_t packed_fmt,
   if (M == 0 || N == 0) return;
   const Quantized q = workspace(M, K);
   quantize(x, use, q);
-  Q8Args base{fmt, lay, q.xq, q.dx, q.sxd, q.sx, q.sx16, M, K, w.data_ptr<uint8_t>(),
+  Q8Args base{fmt, lay, q.xq, q.dx, q.sxd, q.sx, q.zx16, M, K, w.data_ptr<uint8_t>(),
               y.data_ptr<float>() + col0, y.stride(0), 0, 0, prefetch_plan()};
   steady_fp::parallel_for(0, N / kPanel, 1, [&](int64_t p0, int64_t p1) {
     Q8Args a = base;
@@ -218,7 +218,7 @@ void matmul_packed_groups(const at::Tensor& x, const std::vector<at::Tensor>& ws
       const int64_t r0 = starts[size_t(g)], m = starts[size_t(g) + 1] - r0;
       if (m == 0) continue;
       Q8Args a{fmt, lay, q.xq + r0 * K, q.dx + r0 * blocks, q.sxd + r0 * blocks, q.sx + r0 * blocks,
-               q.sx16 + r0 * 2 * blocks, m, K, ws[size_t(g)].data_ptr<uint8_t>(), yp + r0 * N, N,
+               q.zx16 + r0 * 2 * blocks, m, K, ws[size_t(g)].data_ptr<uint8_t>(), yp + r0 * N, N,
                std::max(i0, g * panels) - g * panels, std::min(i1, (g + 1) * panels) - g * panels, ahead};
       kBuilds[use].matmul(a);
     }
