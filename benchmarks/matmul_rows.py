@@ -169,6 +169,50 @@ double int_rate(int64_t kind, int64_t threads) {
   return double(threads) * n * 12 / s;
 }
 double vnni_peak_gmacs(int64_t threads) { return int_rate(0, threads) * 64 / 1e9; }
+// Which instructions share vpdpbusd's pipes: 8 independent vpdpbusd chains with 4 instructions of one kind beside
+// them per 8 (on registers of their own), one thread, in ns per vpdpbusd. Kinds: 0 none, 1 vmulps, 2 vfmadd231ps,
+// 3 vcvtdq2ps, 4 vaddps, 5 vpaddd, 6 vpbroadcastd from memory: the operations of the int8 tiles' float tail and
+// loads. Written in asm so that the compiler keeps each instruction as it is.
+#define DP(A) asm volatile("vpdpbusd %2, %1, %0" : "+v"(A) : "v"(w), "v"(x))
+#define X4(OP, R, S) \
+  asm volatile(OP : "+v"(R[0]) : "v"(S)); asm volatile(OP : "+v"(R[1]) : "v"(S)); \
+  asm volatile(OP : "+v"(R[2]) : "v"(S)); asm volatile(OP : "+v"(R[3]) : "v"(S));
+template <int KIND>
+VNNI static double mix(long n) {
+  __m512i a0 = _mm512_set1_epi32(1), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+  __m512i w = _mm512_set1_epi8(3), x = _mm512_set1_epi8(5), iv[4] = {a0, a0, a0, a0};
+  __m512 m = _mm512_set1_ps(1.0000001f), f[4] = {m, m, m, m};
+  static int32_t mem[4] = {1, 2, 3, 4};
+  auto t0 = std::chrono::steady_clock::now();
+  for (long r = 0; r < n; ++r) {
+    DP(a0); DP(a1); DP(a2); DP(a3); DP(a4); DP(a5); DP(a6); DP(a7);
+    if constexpr (KIND == 1) { X4("vmulps %1, %0, %0", f, m) }
+    if constexpr (KIND == 2) { X4("vfmadd231ps %1, %1, %0", f, m) }
+    if constexpr (KIND == 3) { X4("vcvtdq2ps %0, %0", f, m) }
+    if constexpr (KIND == 4) { X4("vaddps %1, %0, %0", f, m) }
+    if constexpr (KIND == 5) { X4("vpaddd %1, %0, %0", iv, w) }
+    if constexpr (KIND == 6) {
+      for (int j = 0; j < 4; ++j) asm volatile("vpbroadcastd %1, %0" : "=v"(iv[j]) : "m"(mem[j]));
+    }
+  }
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  int_results = _mm512_reduce_add_epi32(_mm512_add_epi32(_mm512_add_epi32(a0, a7), iv[0]));
+  return s * 1e9 / (double(n) * 8);
+}
+#undef DP
+#undef X4
+double mix_ns(int64_t kind) {
+  const long n = 50000000;
+  switch (kind) {
+    case 1: return mix<1>(n);
+    case 2: return mix<2>(n);
+    case 3: return mix<3>(n);
+    case 4: return mix<4>(n);
+    case 5: return mix<5>(n);
+    case 6: return mix<6>(n);
+    default: return mix<0>(n);
+  }
+}
 """
 
 
@@ -225,8 +269,8 @@ def int8_against_vnni_peak(mats: list[QMatrix], threads: int) -> None:
 def _peak_ext():  # the C++ above: built on first use, then loaded from torch's extension cache
     from torch.utils.cpp_extension import load_inline
 
-    return load_inline("fma_peak", cpp_sources=_PEAK_SRC, functions=["fma_peak_gflops", "vnni_peak_gmacs", "int_rate"],
-                       extra_cflags=["-O2"])
+    return load_inline("fma_peak", cpp_sources=_PEAK_SRC,
+                       functions=["fma_peak_gflops", "vnni_peak_gmacs", "int_rate", "mix_ns"], extra_cflags=["-O2"])
 
 
 def fma_peak_gflops(threads: int, isa: int) -> float:
