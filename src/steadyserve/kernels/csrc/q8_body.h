@@ -32,8 +32,12 @@ inline void sub_block_floats(const W (&w)[8], const int8_t* x, int64_t K, const 
     I lo[R], hi[R];
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-      const int32_t* z = zx16 + 2 * (m0 + r) * blocks;
-      lo[r] = m0 + r < MM ? iset1(z[0]) : izero(), hi[r] = m0 + r < MM ? iset1(z[1]) : izero();
+      if (m0 + r < MM) {
+        const int32_t* z = zx16 + 2 * (m0 + r) * blocks;
+        lo[r] = iset1(z[0]), hi[r] = iset1(z[1]);
+      } else {
+        lo[r] = izero(), hi[r] = izero();
+      }
     }
 #pragma GCC unroll 4
     for (int j0 = 0; j0 < 4; j0 += run) {
