@@ -76,7 +76,7 @@ constexpr int kValueAccFloats = 256;
 }  // namespace avx512_knobs
 
 // Bytes of one query row of D floats in q8_0 blocks (attention_rows.h's QRow): D int8, D/32 float32 scales and D/32
-// int32 block sums. The op's scratch holds a tile's rows after its scores.
+// int32 offset terms. The op's scratch holds a tile's rows after its scores.
 constexpr int64_t q8_row_bytes(int64_t d) { return d + d / 4; }
 
 // One build's entry points: the family's one table, by isa.h's float32 index (0 scalar, 1 avx2, 2 avx512), defined in

@@ -147,11 +147,13 @@ STEADY_INLINE void score_keys(const float* const (&qg)[TQ], const uint8_t* kh, i
 }
 
 // A query row in q8_0 blocks, as score_keys_q8 reads it: D int8 values, then D/32 float32 scales, then D/32 int32
-// sums of each block's values (what kSignedBias's offset takes back off). q8_row_bytes(D) in attention.h.
+// terms -kSignedBias x the sum of each block's values: the build's offset (0 where its products are signed), which
+// starts the block's integer chains, computed once per row rather than multiplied and moved across per pass.
+// q8_row_bytes(D) in attention.h.
 struct QRow {
   const int8_t* q;
   const float* d;
-  const int32_t* sum;
+  const int32_t* zero;
 };
 STEADY_INLINE QRow q8_row(const uint8_t* base, int64_t D) {
   return {reinterpret_cast<const int8_t*>(base), reinterpret_cast<const float*>(base + D),
@@ -168,8 +170,9 @@ inline void quantize_query(const float* x, int64_t n, int64_t D, uint8_t* out) {
       const float d = steady_kv::quantize_q8_block(x + i * D + c * steady_kv::kQBlock, q + c * steady_kv::kQBlock);
       int32_t sum = 0;
       for (int64_t l = 0; l < steady_kv::kQBlock; ++l) sum += q[c * steady_kv::kQBlock + l];
+      const int32_t zero = -kSignedBias * sum;  // QRow's zero
       std::memcpy(base + D + 4 * c, &d, 4);
-      std::memcpy(base + D + D / 8 + 4 * c, &sum, 4);
+      std::memcpy(base + D + D / 8 + 4 * c, &zero, 4);
     }
   }
 }
@@ -191,11 +194,13 @@ STEADY_INLINE void score_keys_q8(const uint8_t* const (&qrows)[TQ], const uint8_
       for (int n = 0; n < NL; ++n) s[t][r][n] = fzero();
   const uint16_t* scales = reinterpret_cast<const uint16_t*>(kh + D * Bs);
   for (int64_t c = 0; c < D / steady_kv::kQBlock; ++c) {
-    I acc[TQ][G][NL];
+    I acc[TQ][G][NL];  // each starts at its row's offset term (QRow's zero)
     S part[TQ][G][NL];
     for (int t = 0; t < TQ; ++t)
-      for (int r = 0; r < G; ++r)
-        for (int n = 0; n < NL; ++n) acc[t][r][n] = izero(), part[t][r][n] = szero();
+      for (int r = 0; r < G; ++r) {
+        const I zero = iset1(q8_row(qrows[t] + r * rb, D).zero[c]);
+        for (int n = 0; n < NL; ++n) acc[t][r][n] = zero, part[t][r][n] = szero();
+      }
     for (int a = 0; a < 8; ++a) {  // quads of dims 32 c + 4 a .. + 3, ascending (any order: integer sums)
       const int64_t dd = c * steady_kv::kQBlock + 4 * a;
       W w[NL];
@@ -215,10 +220,8 @@ STEADY_INLINE void score_keys_q8(const uint8_t* const (&qrows)[TQ], const uint8_
     for (int n = 0; n < NL; ++n) dk[n] = h2f(reinterpret_cast<const uint8_t*>(scales + c * Bs + off + n * kLanes));
     for (int t = 0; t < TQ; ++t)
       for (int r = 0; r < G; ++r) {
-        const QRow q = q8_row(qrows[t] + r * rb, D);
-        const F dq = fset1(q.d[c]);
-        const I bias = iset1(kSignedBias * q.sum[c]);
-        for (int n = 0; n < NL; ++n) s[t][r][n] = ffma(i2f(isub(acc[t][r][n], bias)), fmul(dq, dk[n]), s[t][r][n]);
+        const F dq = fset1(q8_row(qrows[t] + r * rb, D).d[c]);
+        for (int n = 0; n < NL; ++n) s[t][r][n] = ffma(i2f(acc[t][r][n]), fmul(dq, dk[n]), s[t][r][n]);
       }
   }
   float sf[TQ][G][N];
