@@ -108,11 +108,16 @@ def paired(mine: torch.Tensor, theirs: torch.Tensor, ref: torch.Tensor) -> dict[
     return {"mean": float(d.mean()), "se": float(d.std() / d.numel() ** 0.5), "n": int(d.numel())}
 
 
+def int8_label(kv: str) -> str:
+    """The row name of the int8 path on --kv-cache-dtype kv: "int8" for the default (auto), else int8_kv_<dtype>."""
+    return "int8" if kv == "auto" else f"int8_kv_{kv}"
+
+
 def measure(a: argparse.Namespace, name: str, path: str, hf_dir: Path, ids: list[int]) -> dict:
     """One window: every source's error on the prompt, and llama.cpp's beside int8's on its generated positions."""
     ref = reference_logprobs(hf_dir, ids)
     row: dict = {"model": name, "prompt_tokens": len(ids)}
-    kvs = {kv: "int8" if kv == "auto" else f"int8_kv_{kv}" for kv in a.int8_kv.split(",")}
+    kvs = {kv: int8_label(kv) for kv in a.int8_kv.split(",")}
     row["portable"] = stats(steady_logprobs(path, "portable", ids), ref)
     for kv, label in kvs.items():
         row[label] = stats(steady_logprobs(path, "int8", ids, kv), ref)
@@ -132,8 +137,7 @@ def across_windows(name: str, n: int, rows: list[dict], int8_kv: str) -> dict:
     """Per int8 row: the paired means' mean and standard error over the windows, and the windows where int8's mean
     and max |Δ| on llama.cpp's positions are at most llama.cpp's."""
     out: dict = {"model": name, "prompt_tokens": n, "windows": len(rows)}
-    for kv in int8_kv.split(","):
-        label = "int8" if kv == "auto" else f"int8_kv_{kv}"
+    for label in map(int8_label, int8_kv.split(",")):
         diffs = torch.tensor([r[f"{label}_minus_llama.cpp"]["mean"] for r in rows], dtype=torch.float64)
         mine = [r[f"{label}_on_llama_tokens"] for r in rows]
         theirs = [r["llama.cpp"] for r in rows]
