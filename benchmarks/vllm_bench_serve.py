@@ -47,6 +47,7 @@ def run_client(a: argparse.Namespace, url: str, model: str, out_dir: Path, name:
             "--ignore-eos", "--seed", str(a.seed), "--temperature", str(a.temperature),
             "--percentile-metrics", "ttft,tpot,e2el", "--metric-percentiles", "50,99",
             "--save-result", "--result-dir", str(out_dir), "--result-filename", f"{name}.json"]
+    # Not this process's environment: its PYTHONPATH (src:benchmarks) would reach into the vLLM venv's interpreter.
     env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=a.timeout_s)
     if done.returncode != 0:
