@@ -118,7 +118,7 @@ class QWeight:
 class QMatrix:
     """y = x · Wᵀ for W the concatenation along N of `parts`; every part read as stored."""
 
-    def __init__(self, parts: list[QWeight], residual_rows: bool = False) -> None:
+    def __init__(self, parts: list[QWeight]) -> None:
         if not parts or len({p.k for p in parts}) != 1:
             raise ValueError("a QMatrix needs parts with one K")
         for p in parts:
@@ -126,9 +126,6 @@ class QMatrix:
         self.parts = parts
         self.k = parts[0].k
         self.n = sum(p.n for p in parts)
-        # Packed parts multiply each row's rounding residual as a second int8 row (q8.h, "Residual rows"): the LM
-        # head's order, which the int8 numerics path sets (Transformer.use_int8_activations)
-        self.residual_rows = residual_rows
 
     @property
     def nbytes(self) -> int:
@@ -139,14 +136,9 @@ class QMatrix:
         y = torch.empty(x.shape[0], self.n, dtype=torch.float32) if out is None else out
         col = 0
         for p in self.parts:
-            op = torch.ops.steadyserve.q8matmul_residual_ if self.residual_rows and p.packed else torch.ops.steadyserve.qmatmul_
-            op(x, p.data, p.fmt, y, col, isa)
+            torch.ops.steadyserve.qmatmul_(x, p.data, p.fmt, y, col, isa)
             col += p.n
         return y
-
-    def with_residual_rows(self) -> QMatrix:
-        """The same parts, multiplied in the LM head's order (residual_rows)."""
-        return QMatrix(self.parts, residual_rows=True)
 
     def packed(self) -> QMatrix:
         """The same matrix with every part the int8 family reads packed for it (QWeight.pack); a new object,

@@ -232,9 +232,7 @@ class Transformer:
                     setattr(lw, name, make(f"layers.{i}.{name}", getattr(lw, name)))
             if lw.moe is not None:
                 pack_moe(lw.moe, i, make)
-        # The head's activations as two int8 rows, the value and its rounding residual (q8.h, "Residual rows"): its
-        # logits are the logprobs, so their rounding is most of this path's error on a small model
-        self.lm_head = make("lm_head", self.lm_head).with_residual_rows()  # type: ignore[arg-type]
+        self.lm_head = make("lm_head", self.lm_head)  # type: ignore[arg-type]
         self.native_layers = build_native_layers(self)
 
     def _qkv(self, lw: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

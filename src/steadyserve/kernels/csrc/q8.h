@@ -26,12 +26,6 @@
 //   AVX2 maddubs/madd with the sign trick for Q8_0, plain loops), and integer sums are exact. (The vector builds
 //   form Q6_K's float(I_c) as fma(sc_lo, lo, sc_hi * hi) of its two sub-scaled halves: each product is below 2^24,
 //   so exact, and the fma rounds the exact I_c once: the same float.)
-//   Residual rows (the LM head, q8linear.cpp's q8matmul_residual_). Each row x_m is quantized as above into q, dx;
-//   then r_k = x_k - float(q_k) * dx_c (one multiply, one subtract: two roundings) is row m's rounding residual,
-//   quantized the same way as a row of its own. Both rows run the chain above against W, and
-//   y[m, n] = y_x[m, n] + y_r[m, n] (one rounding). The head then sees each activation to about 15 bits where one
-//   int8 row holds about 8: its logits carry most of the int8 path's error on a small model, and a logit's error
-//   is a logprob's. Everything in it is row-wise, so it keeps every property above.
 //
 // F16, BF16 and F32 weights are not packed: they stay on the float32 path (qmm.h).
 #pragma once

@@ -7,9 +7,6 @@
 //                                         when its format id is kPacked + a GGML type
 //   steady_q8_ops::matmul_packed_groups   each group of rows of x times its own matrix (a sparse layer's experts,
 //                                         moe.cpp), in one parallel region: every row as matmul_packed computes it
-//   q8matmul_residual_(x, w, fmt, y, col0, isa)
-//                                         the LM head's order (q8.h, "Residual rows"): y = x_q · Wᵀ + r_q · Wᵀ, r
-//                                         each row's rounding residual quantized as a second int8 row
 //
 // `isa` picks the build: -1 the best this CPU has (by CPUID), 0 scalar, 1 AVX2, 2 AVX-512 VNNI, 3 AMX; the tests
 // run every one the machine has and compare bits. Threads split panels of 16 output columns, never a sum.
@@ -151,107 +148,30 @@ std::tuple<at::Tensor, at::Tensor> q8quantize(const at::Tensor& x, int64_t isa) 
 
 int64_t q8_isa() { return best_q8_isa(); }
 
-namespace {
-
-// One call's operands after the checks every packed matmul makes: the format, its layout and the shapes.
-struct Call {
-  int32_t fmt;
-  PackedLayout lay;
-  int64_t M, K, N;
-  int use;  // the build (pick)
-};
-
-Call checked(const char* op, const at::Tensor& x, const at::Tensor& w, int64_t packed_fmt, const at::Tensor& y,
-             int64_t col0, int64_t isa) {
-  Call c{int32_t(packed_fmt - kPacked), {}, 0, 0, 0, 0};
-  TORCH_CHECK(packed_layout(c.fmt, &c.lay), op, ": no int8 kernel for packed type ", packed_fmt);
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1, op, ": x must be (M, K) float32");
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(), op, ": w must be contiguous packed panels");
-  TORCH_CHECK(y.scalar_type() == at::kFloat && y.dim() == 2 && y.stride(1) == 1, op, ": y must be (M, >= N) float32");
-  c.M = x.size(0), c.K = x.size(1), c.N = w.size(0);
-  TORCH_CHECK(c.K > 0 && c.K % (c.lay.k_quant ? 256 : kBlock) == 0 && c.N % kPanel == 0 &&
-                  w.size(1) * kPanel == c.K / kBlock / (c.lay.k_quant ? 8 : 1) * c.lay.record,
-              op, ": K = ", c.K, " does not match the packed panels (", w.size(1), " bytes per row)");
-  TORCH_CHECK(y.size(0) == c.M && col0 >= 0 && col0 + c.N <= y.size(1), op, ": y is too small");
-  c.use = pick(isa);
-  return c;
-}
-
-// Residual rows: a pass computes up to kPairRows rows of x (2 kPairRows quantized rows) against kPairPanels panels
-// into the thread's pair buffer, then adds each row's two outputs. 64 x 256 floats: 64 KiB, which stays in L2.
-constexpr int64_t kPairRows = 32;
-constexpr int64_t kPairPanels = 16;
-
-// Quantized rows 2m (x_m as matmul_packed quantizes it) and 2m + 1 (r_m = x_m - xq_m * dx_m, quantized the same
-// way), for rows [m0, m1) of x. r is one IEEE multiply and one subtract per value, the same code for every build
-// (this file is compiled once, with -ffp-contract=off); a non-finite block's dx is NaN, so its residual is too.
-void quantize_pairs(const float* x, int64_t stride, int64_t K, int use, const Quantized& q, int64_t m0, int64_t m1) {
-  const int64_t blocks = K / kBlock;
-  std::vector<float> r(size_t(K), 0.0f);
-  const auto row = [&](const float* src, int64_t i) {
-    kBuilds[use].quantize_rows(src, K, K, 0, 1, q.xq + i * K, q.dx + i * blocks, q.sxd + i * blocks, q.sx + i * blocks,
-                               q.zx16 + 2 * i * blocks);
-  };
-  for (int64_t m = m0; m < m1; ++m) {
-    const float* xm = x + m * stride;
-    row(xm, 2 * m);
-    const int8_t* xq = q.xq + 2 * m * K;
-    const float* dx = q.dx + 2 * m * blocks;
-    for (int64_t k = 0; k < K; ++k) r[size_t(k)] = xm[k] - float(xq[k]) * dx[k / kBlock];
-    row(r.data(), 2 * m + 1);
-  }
-}
-
-}  // namespace
-
 void matmul_packed(const at::Tensor& x, const at::Tensor& w, int64_t packed_fmt, at::Tensor& y, int64_t col0,
                    int64_t isa) {
-  const Call c = checked("qmatmul_", x, w, packed_fmt, y, col0, isa);
-  if (c.M == 0 || c.N == 0) return;
-  const Quantized q = workspace(c.M, c.K);
-  quantize(x, c.use, q);
-  Q8Args base{c.fmt, c.lay, q.xq, q.dx, q.sxd, q.sx, q.zx16, c.M, c.K, w.data_ptr<uint8_t>(),
+  const int32_t fmt = int32_t(packed_fmt - kPacked);
+  PackedLayout lay;
+  TORCH_CHECK(packed_layout(fmt, &lay), "qmatmul_: no int8 kernel for packed type ", packed_fmt);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1, "qmatmul_: x must be (M, K) float32");
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(), "qmatmul_: w must be contiguous packed panels");
+  TORCH_CHECK(y.scalar_type() == at::kFloat && y.dim() == 2 && y.stride(1) == 1, "qmatmul_: y must be (M, >= N) float32");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(K > 0 && K % (lay.k_quant ? 256 : kBlock) == 0 && N % kPanel == 0 &&
+                  w.size(1) * kPanel == K / kBlock / (lay.k_quant ? 8 : 1) * lay.record,
+              "qmatmul_: K = ", K, " does not match the packed panels (", w.size(1), " bytes per row)");
+  TORCH_CHECK(y.size(0) == M && col0 >= 0 && col0 + N <= y.size(1), "qmatmul_: y is too small");
+  const int use = pick(isa);
+  if (M == 0 || N == 0) return;
+  const Quantized q = workspace(M, K);
+  quantize(x, use, q);
+  Q8Args base{fmt, lay, q.xq, q.dx, q.sxd, q.sx, q.zx16, M, K, w.data_ptr<uint8_t>(),
               y.data_ptr<float>() + col0, y.stride(0), 0, 0, prefetch_plan()};
-  steady_fp::parallel_for(0, c.N / kPanel, 1, [&](int64_t p0, int64_t p1) {
+  steady_fp::parallel_for(0, N / kPanel, 1, [&](int64_t p0, int64_t p1) {
     Q8Args a = base;
     a.p_begin = p0;
     a.p_end = p1;
-    kBuilds[c.use].matmul(a);
-  });
-}
-
-void q8matmul_residual_(const at::Tensor& x, const at::Tensor& w, int64_t packed_fmt, at::Tensor& y, int64_t col0,
-                            int64_t isa) {
-  const Call c = checked("q8matmul_residual_", x, w, packed_fmt, y, col0, isa);
-  if (c.M == 0 || c.N == 0) return;
-  const Quantized q = workspace(2 * c.M, c.K);
-  const float* xp = x.data_ptr<float>();
-  steady_fp::parallel_for(0, c.M, 4, [&](int64_t m0, int64_t m1) {
-    quantize_pairs(xp, x.stride(0), c.K, c.use, q, m0, m1);
-  });
-  const int64_t blocks = c.K / kBlock, panel_bytes = w.size(1) * kPanel;
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>() + col0;
-  const int64_t ys = y.stride(0);
-  const Prefetch ahead = prefetch_plan();
-  steady_fp::parallel_for(0, c.N / kPanel, 1, [&](int64_t p0, int64_t p1) {
-    thread_local std::vector<float> pair;  // (2 rows, columns) of one pass: rows 2m and 2m + 1 of its outputs
-    pair.resize(size_t(2 * kPairRows * kPairPanels * kPanel));
-    for (int64_t ps = p0; ps < p1; ps += kPairPanels) {
-      const int64_t pe = std::min(p1, ps + kPairPanels), cols = (pe - ps) * kPanel;
-      for (int64_t m0 = 0; m0 < c.M; m0 += kPairRows) {
-        const int64_t rows = std::min(c.M - m0, kPairRows), i = 2 * m0;
-        // The pass as a call of its own: its quantized rows, its panels from 0, its outputs into `pair`.
-        Q8Args a{c.fmt, c.lay, q.xq + i * c.K, q.dx + i * blocks, q.sxd + i * blocks, q.sx + i * blocks,
-                 q.zx16 + 2 * i * blocks, 2 * rows, c.K, wp + ps * panel_bytes, pair.data(), cols, 0, pe - ps, ahead};
-        kBuilds[c.use].matmul(a);
-        for (int64_t m = 0; m < rows; ++m) {
-          const float* xo = pair.data() + 2 * m * cols;  // x_q's outputs, then r_q's
-          float* out = yp + (m0 + m) * ys + ps * kPanel;
-          for (int64_t j = 0; j < cols; ++j) out[j] = xo[j] + xo[cols + j];
-        }
-      }
-    }
+    kBuilds[use].matmul(a);
   });
 }
 
