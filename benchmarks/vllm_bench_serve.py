@@ -46,7 +46,8 @@ def run_client(a: argparse.Namespace, url: str, model: str, out_dir: Path, name:
             str(a.output_len), "--num-prompts", str(a.num_prompts), "--max-concurrency", str(a.concurrency),
             "--ignore-eos", "--seed", str(a.seed), "--temperature", str(a.temperature),
             "--percentile-metrics", "ttft,tpot,e2el", "--metric-percentiles", "50,99",
-            "--save-result", "--result-dir", str(out_dir), "--result-filename", f"{name}.json"]
+            "--save-result", "--save-detailed",  # detailed: the per-request error messages, which it drops otherwise
+            "--result-dir", str(out_dir), "--result-filename", f"{name}.json"]
     # Not this process's environment: its PYTHONPATH (src:benchmarks) would reach into the vLLM venv's interpreter.
     env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=a.timeout_s)
