@@ -2,7 +2,8 @@
 
 Loads the model, times the prefill of one `--prompt`-token request (chunked by --max-num-batched-tokens as the
 server does; prompt logprobs off, one token generated), then times the paged-attention kernel alone on the
-same shapes: every layer, every chunk, each chunk's tokens attending to all keys before them. The rest of the
+same shapes: every layer, every chunk, each chunk's tokens attending to the keys before them within the
+layer's window (all of them where it has none). The rest of the
 step is the matmuls, norms, RoPE and the KV write. Repeated per --kv-cache-dtype format, since the format
 changes the bytes attention reads. Prints one JSON object per format.
 
@@ -32,7 +33,7 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     from steadyserve.config import EngineConfig
     from steadyserve.engine.engine import LLMEngine
-    from steadyserve.engine.kv_cache import allocate_kv_cache, bytes_per_block
+    from steadyserve.engine.kv_cache import allocate_kv_cache, bytes_per_block, kv_layout
     from steadyserve.engine.offline import run_requests
     from steadyserve.engine.sequence import Request, SamplingParams
     from steadyserve.models.attention import attention_native, write_kv
@@ -42,9 +43,11 @@ def main() -> None:
     args = loaded.args
     rng = random.Random(0)
     ids = [rng.randrange(100, args.vocab_size) for _ in range(a.prompt)]
+    groups = kv_layout(args).num_groups
     for fmt in a.formats.split(","):
         blocks = a.prompt // 32 + 4
-        engine = LLMEngine(loaded, EngineConfig(kv_cache_memory=blocks * bytes_per_block(args, 32, fmt),
+        # every group of layers (kv_layout.py: Gemma 3's local and global layers) holds the prompt's blocks
+        engine = LLMEngine(loaded, EngineConfig(kv_cache_memory=groups * blocks * bytes_per_block(args, 32, fmt),
                                                 threads=a.threads, max_num_batched_tokens=a.chunk,
                                                 kv_cache_dtype=fmt, speculation="off", prefix_caching=False,
                                                 max_model_len=a.prompt + 64))
@@ -67,11 +70,11 @@ def main() -> None:
         attn = []
         for _ in range(a.repeat):
             t0 = time.perf_counter()
-            for _layer in range(args.num_layers):
+            for layer in range(args.num_layers):  # each with its own window (0: full attention)
                 for c0 in range(0, a.prompt, a.chunk):
                     rows = slice(c0, min(c0 + a.chunk, a.prompt))
                     attention_native(q[rows], k_cache, v_cache, table, torch.zeros(rows.stop - rows.start,
-                                     dtype=torch.int64), pos[rows], scale, 0)
+                                     dtype=torch.int64), pos[rows], scale, args.window(layer))
             attn.append(time.perf_counter() - t0)
         best_step, best_attn = min(step), min(attn)
         print(json.dumps({"model": a.model, "kv_dtype": fmt, "prompt_tokens": a.prompt, "threads": a.threads,
