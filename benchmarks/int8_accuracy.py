@@ -172,11 +172,12 @@ def main() -> None:
         tok = load_model(path, numerics="portable").tokenizer
         all_ids = tok(text)["input_ids"]
         for n in (int(x) for x in a.lengths.split(",")):
+            # checked before any window runs; one window takes what the corpus has, as it always did
+            if a.windows > 1 and len(all_ids) < a.windows * n:
+                raise SystemExit(f"the corpus has {len(all_ids)} tokens: too few for {a.windows} windows of {n}")
             window_rows = []
             for w in range(a.windows):
                 ids = all_ids[w * n:(w + 1) * n]
-                if len(ids) < n and w > 0:  # the first window takes what the corpus has, as one always did
-                    raise SystemExit(f"the corpus has {len(all_ids)} tokens: too few for {a.windows} windows of {n}")
                 row = measure(a, name, path, hf_dir, ids)
                 if a.windows > 1:
                     row["window"] = w
