@@ -8,15 +8,20 @@ The fingerprint names the path: its own numerics id, not the portable one's.
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import httpx
 import pytest
 import torch
 from test_engine_invariance import engine_for, expect, greedy, probe_vs_batches, same, score_vs_generate
 
 from steadyserve.engine.offline import run_requests
+from steadyserve.kernel_versions import KERNELS
 from steadyserve.engine.selftest import run_selftest
 from steadyserve.kernels import load
 from steadyserve.models.loader import load_model
+from steadyserve.models.transformer import HEAD_MARGIN_LOGPROB, HEAD_MAX_PANELS, head_margin
 from steadyserve.receipts.format import parse
 from steadyserve.receipts.replay import VERIFIED, verify
 from steadyserve.testing.drift import install_batch_drift
@@ -36,7 +41,7 @@ def int8(sw_q4_1):
     loaded = load_model(sw_q4_1, numerics="int8")
     engine = engine_for(loaded)
     result = run_selftest(engine)
-    assert result.passed and "int8 matmul q8a2" in result.detail, result.detail
+    assert result.passed and f"int8 matmul {KERNELS['int8']}" in result.detail, result.detail
     return engine
 
 
@@ -57,12 +62,20 @@ def test_the_matrices_run_packed_and_the_fingerprint_names_the_path(int8, sw_q4_
     for lw in model.layers:
         assert all(p.packed for m in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down) for p in m.parts)
     assert all(p.packed for p in model.lm_head.parts)
+    # the head, and no other matrix, adds each row's rounding residual as a second int8 row (q8.h) near its top
+    assert model.lm_head.residual_margin == head_margin(model.args) == HEAD_MARGIN_LOGPROB
+    assert model.lm_head.residual_panels == HEAD_MAX_PANELS
+    assert all(m.residual_margin is None for name, m in model.int8_matrices().items() if name != "lm_head")
+    # the margin is in log-probabilities: raw logits divided before the log-softmax (Granite) widen it; a soft cap
+    # (Gemma 2), whose tanh narrows gaps, corrects every panel
+    assert head_margin(dataclasses.replace(model.args, logits_divisor=8.0)) == 8.0 * HEAD_MARGIN_LOGPROB
+    assert head_margin(dataclasses.replace(model.args, final_softcap=30.0)) == math.inf
     assert not any(p.packed for p in model.embed.parts)  # lookups read the GGUF's rows
     assert int8.loaded.numerics.mode == "int8" and int8.loaded.numerics.numerics_id.startswith("i")
     portable = load_model(sw_q4_1, numerics="portable")
     assert portable.numerics.numerics_id.startswith("p")
     assert portable.numerics.numerics_id != int8.loaded.numerics.numerics_id
-    assert "q8a2" in int8.loaded.numerics.facts["kernels"]
+    assert KERNELS["int8"] in int8.loaded.numerics.facts["kernels"]
 
 
 # The servers of the two tests below, one per (numerics, KV cache) configuration, started once for both.

@@ -85,8 +85,8 @@ def test_the_fingerprint_names_the_numerics_path(tiny_model):
     # the default is int8 where the kernels are built: its own id, and its f16 cache named
     auto_fp = info["auto"]["fingerprint"].split("-")
     assert auto_fp[3].startswith("i") and auto_fp[5] == "kvh1" and auto_fp[:3] == port_fp.split("-")[:3], auto_fp
-    assert info["auto"]["numerics"].startswith("int8") and "q8a2" in info["auto"]["numerics"]
-    assert info["portable"]["numerics"].startswith("portable") and "qmm1" in info["portable"]["numerics"]
+    assert info["auto"]["numerics"].startswith("int8") and KERNELS["int8"] in info["auto"]["numerics"]
+    assert info["portable"]["numerics"].startswith("portable") and KERNELS["matmul"] in info["portable"]["numerics"]
     assert "qmm1" in info["portable"]["self-test"] and "scalar reference" in info["portable"]["self-test"]
     assert host_fp.split("-")[:3] == port_fp.split("-")[:3]  # same weights, dtype, device
 

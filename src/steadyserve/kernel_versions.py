@@ -14,8 +14,11 @@ KERNELS: dict[str, str] = {
     "matmul": "qmm1",  # csrc/qmm.h: float32 activations, 16 fma lanes over K, one fixed lane tree
     # csrc/q8.h: int8 activations per 32, exact integer block sums, one float chain per output. q8a2: a block whose
     # amax is below 2^-64 is scaled by 2^64 before 127 / amax (which overflowed below ~3.7e-37, and each build then
-    # stored its own garbage); every other block keeps q8a1's bits.
-    "int8": "q8a2",
+    # stored its own garbage); every other block keeps q8a1's bits. q8a5: the LM head multiplies each row's rounding
+    # residual as a second int8 row on the panels near the row's largest output (q8.h, "Residual rows"); every other
+    # matrix keeps q8a2's bits. (q8a3 named a per-256 order measured on a branch and never merged; q8a4 the residual
+    # rows on every panel, merged and reverted for their cost.)
+    "int8": "q8a5",
 }
 
 # KV cache storage format (--kv-cache-dtype) -> version of its rounding on write and of the attention kernel's

@@ -118,7 +118,7 @@ class QWeight:
 class QMatrix:
     """y = x · Wᵀ for W the concatenation along N of `parts`; every part read as stored."""
 
-    def __init__(self, parts: list[QWeight]) -> None:
+    def __init__(self, parts: list[QWeight], residual_margin: float | None = None, residual_panels: int = 0) -> None:
         if not parts or len({p.k for p in parts}) != 1:
             raise ValueError("a QMatrix needs parts with one K")
         for p in parts:
@@ -126,6 +126,11 @@ class QMatrix:
         self.parts = parts
         self.k = parts[0].k
         self.n = sum(p.n for p in parts)
+        # None: one int8 row per activation row. A margin: packed parts then add each row's rounding residual as a
+        # second int8 row on the panels within the margin of the row's largest output (q8.h, "Residual rows"): the
+        # LM head's order, which the int8 numerics path sets (Transformer.use_int8_activations)
+        self.residual_margin = residual_margin
+        self.residual_panels = residual_panels  # with a margin: at most this many panels per row, the largest first
 
     @property
     def nbytes(self) -> int:
@@ -136,9 +141,19 @@ class QMatrix:
         y = torch.empty(x.shape[0], self.n, dtype=torch.float32) if out is None else out
         col = 0
         for p in self.parts:
-            torch.ops.steadyserve.qmatmul_(x, p.data, p.fmt, y, col, isa)
+            if self.residual_margin is not None and p.packed:
+                torch.ops.steadyserve.q8matmul_residual_(x, p.data, p.fmt, y, col, self.residual_margin,
+                                                         self.residual_panels, isa)
+            else:
+                torch.ops.steadyserve.qmatmul_(x, p.data, p.fmt, y, col, isa)
             col += p.n
         return y
+
+    def with_residual_rows(self, margin: float, max_panels: int) -> QMatrix:
+        """The same parts, multiplied in the LM head's order (residual_margin, residual_panels)."""
+        if max_panels <= 0:
+            raise ValueError(f"max_panels must be positive, not {max_panels}")
+        return QMatrix(self.parts, residual_margin=margin, residual_panels=max_panels)
 
     def packed(self) -> QMatrix:
         """The same matrix with every part the int8 family reads packed for it (QWeight.pack); a new object,

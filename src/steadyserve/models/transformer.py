@@ -18,6 +18,7 @@ Two numerics paths (numerics.py) share the structure:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable
@@ -87,6 +88,28 @@ class LayerWeights:
     moe: MoeWeights | None = None  # a sparse layer's router and experts (spec.moe_layers), in place of the MLP
     sinks: torch.Tensor | None = None  # (H,) attention-sink logits (spec.attn_sinks), float32 on the native path
 
+
+
+# Tokens whose logit is within this of the row's largest (in log-probabilities) get the LM head's residual rows
+# (q8.h, "Residual rows"). Every other token holds below e^-5 of the top token's probability, so its one-row rounding
+# moves the log-softmax's normalizer little; its own logprob keeps one row's error. Chosen by measurement
+# (benchmarks/HISTORY.md, "The LM head's residual rows near each row's top"): on SmolLM2-135M 5 keeps about four
+# fifths of what correcting every panel takes off the error, for a few percent of the panels; 10 keeps nearly all
+# of it but corrects several times more, and the corrections' weight reads then cost as much as the head.
+HEAD_MARGIN_LOGPROB = 5.0
+# At most this many panels of 16 tokens per row get them, those with the largest logits: a row whose logits are flat
+# (random weights; a model unsure of its next token) has thousands of tokens within the margin, each improbable, and
+# correcting them all cost more than the head itself. On SmolLM2-135M the rows hold 22 on average (some hundreds),
+# and 8, 16, 32 or no cap take the same off the error within 1% (benchmarks/HISTORY.md, ibid.).
+HEAD_MAX_PANELS = 8
+
+
+def head_margin(args: ModelArgs) -> float:
+    """The residual rows' margin in the head's raw logits: HEAD_MARGIN_LOGPROB after the division a model applies
+    before its log-softmax (Granite); every panel (inf) under a soft cap (Gemma 2), whose tanh narrows gaps."""
+    if args.final_softcap:
+        return math.inf
+    return HEAD_MARGIN_LOGPROB * args.logits_divisor
 
 class Transformer:
     """Forward pass only; no autograd, no module state beyond weights.
@@ -232,7 +255,10 @@ class Transformer:
                     setattr(lw, name, make(f"layers.{i}.{name}", getattr(lw, name)))
             if lw.moe is not None:
                 pack_moe(lw.moe, i, make)
-        self.lm_head = make("lm_head", self.lm_head)  # type: ignore[arg-type]
+        # The head's activations as two int8 rows near each row's top logits, the value and its rounding residual
+        # (q8.h, "Residual rows"): its logits are the logprobs, so their rounding is most of this path's error on
+        # a small model
+        self.lm_head = make("lm_head", self.lm_head).with_residual_rows(head_margin(self.args), HEAD_MAX_PANELS)  # type: ignore[arg-type]
         self.native_layers = build_native_layers(self)
 
     def _qkv(self, lw: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

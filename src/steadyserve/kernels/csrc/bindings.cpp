@@ -24,6 +24,8 @@ TORCH_LIBRARY(steadyserve, m) {
   // Matmuls: the float32 family and, for packed format ids, the int8 family.
   m.def("qmatmul_(Tensor x, Tensor w, int fmt, Tensor(a!) y, int col0, int isa=-1) -> ()");
   STEADY_IMPL("qmatmul_", qmatmul_);
+  m.def("q8matmul_residual_(Tensor x, Tensor w, int fmt, Tensor(a!) y, int col0, float margin, int max_panels, int isa=-1) -> ()");
+  STEADY_IMPL("q8matmul_residual_", q8matmul_residual_);
   m.def("qdequant(Tensor w, int fmt, int K, Tensor rows, int isa=-1) -> Tensor");
   STEADY_IMPL("qdequant", qdequant);
   m.def("q8pack(Tensor w, int fmt, int K) -> Tensor");

@@ -40,6 +40,7 @@ inline float hmax(F v) {
   const __m128 m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
   return _mm_cvtss_f32(_mm_max_ss(m2, _mm_shuffle_ps(m2, m2, 1)));
 }
+inline void hmax4(F a, F b, F c, F d, float* out) { out[0] = hmax(a), out[1] = hmax(b), out[2] = hmax(c), out[3] = hmax(d); }
 inline uint32_t fmask_eq(F x, F y) {
   return uint32_t(_mm256_movemask_ps(_mm256_cmp_ps(x.a, y.a, _CMP_EQ_OQ))) |
          uint32_t(_mm256_movemask_ps(_mm256_cmp_ps(x.b, y.b, _CMP_EQ_OQ))) << 8;

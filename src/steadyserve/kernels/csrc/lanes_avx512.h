@@ -41,6 +41,16 @@ inline void hsum4(F a, F b, F c, F d, float* out) {  // four of hsum's trees, pa
   out[0] = lanes[0], out[1] = lanes[4], out[2] = lanes[8], out[3] = lanes[12];
 }
 inline float hmax(F v) { return _mm512_reduce_max_ps(v); }
+inline void hmax4(F a, F b, F c, F d, float* out) {  // hsum4's shuffles with max: four maxima, one register
+  const F ab = _mm512_max_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  const F cd = _mm512_max_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+  const F q = _mm512_max_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+  const F r = _mm512_max_ps(q, _mm512_permute_ps(q, 0x4E));
+  const F t = _mm512_max_ps(r, _mm512_permute_ps(r, 0xB1));
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, t);
+  out[0] = lanes[0], out[1] = lanes[4], out[2] = lanes[8], out[3] = lanes[12];
+}
 inline uint32_t fmask_eq(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
 inline uint32_t fmask_nan(F a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q); }
 inline bool fall_finite(F v) { return _mm512_cmp_ps_mask(_mm512_abs_ps(v), _mm512_set1_ps(FLT_MAX), _CMP_LE_OQ) == 0xFFFF; }

@@ -9,7 +9,7 @@
 //     fmax(a, b), fmin(a, b): x86's maxps/minps: a if a > b (a < b), else b (so b where either is NaN)
 //     fzero_lt(v, x, lim): 0 in the lanes where x < lim, v elsewhere (NaN x keeps v)
 //     hsum: lanes i + 8, then + 4, + 2, + 1 (the fixed tree of qmm.h); hsum4: four of them; hmax: the max (exact in
-//     any order for non-NaN lanes); fmask_eq, fmask_nan: lane i -> bit i; fall_finite: no lane inf or NaN
+//     any order for non-NaN lanes); hmax4: four of them; fmask_eq, fmask_nan: lane i -> bit i; fall_finite: no lane inf or NaN
 //   I (16 int32): izero iset1 ilanes (0..15) iload istore iload_u8 iload_i8 iload_u16 (16 bytes / shorts widened)
 //     istore_i8 (values in [-128, 127]) iand isrl isll isrlv ior isub iadd ihsum (an integer sum: any order)
 //     i2f (round to nearest even), f2i (truncate; integral inputs), fround (round half to even; inputs in range),
@@ -53,6 +53,7 @@ inline float hsum(F x) {
 }
 inline void hsum4(F a, F b, F c, F d, float* out) { out[0] = hsum(a), out[1] = hsum(b), out[2] = hsum(c), out[3] = hsum(d); }
 inline float hmax(F x) { float m = x.v[0]; for (int i = 1; i < 16; ++i) m = x.v[i] > m ? x.v[i] : m; return m; }
+inline void hmax4(F a, F b, F c, F d, float* out) { out[0] = hmax(a), out[1] = hmax(b), out[2] = hmax(c), out[3] = hmax(d); }
 inline uint32_t fmask_eq(F a, F b) { uint32_t r = 0; STEADY_LANES r |= uint32_t(a.v[i] == b.v[i]) << i; return r; }
 inline uint32_t fmask_nan(F a) { uint32_t r = 0; STEADY_LANES r |= uint32_t(a.v[i] != a.v[i]) << i; return r; }
 inline bool fall_finite(F a) { bool ok = true; STEADY_LANES ok = ok && std::isfinite(a.v[i]); return ok; }

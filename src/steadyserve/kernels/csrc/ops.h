@@ -79,6 +79,11 @@ namespace steady_q8_ops {  // the int8 family (q8linear.cpp)
 // y[:, col0 : col0 + N] = x · Wᵀ, x quantized to int8 per block, W packed panels of type packed_fmt (q8.h).
 void matmul_packed(const at::Tensor& x, const at::Tensor& w, int64_t packed_fmt, at::Tensor& y, int64_t col0,
                    int64_t isa);
+// The same product, then each row's rounding residual as a second int8 row added on the row's panels near its top
+// (an output >= its largest - margin; inf: every panel), at most max_panels of them, the largest first (q8.h,
+// "Residual rows"): the LM head's order.
+void q8matmul_residual_(const at::Tensor& x, const at::Tensor& w, int64_t packed_fmt, at::Tensor& y, int64_t col0,
+                        double margin, int64_t max_panels, int64_t isa);
 // y rows [starts[g], starts[g + 1]) = those rows of x · ws[g]ᵀ, for every group g in one parallel region; all ws of
 // one packed format and shape (N, K). Each row's values are those matmul_packed computes for it.
 void matmul_packed_groups(const at::Tensor& x, const std::vector<at::Tensor>& ws, int64_t packed_fmt,

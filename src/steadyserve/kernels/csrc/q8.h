@@ -26,6 +26,17 @@
 //   AVX2 maddubs/madd with the sign trick for Q8_0, plain loops), and integer sums are exact. (The vector builds
 //   form Q6_K's float(I_c) as fma(sc_lo, lo, sc_hi * hi) of its two sub-scaled halves: each product is below 2^24,
 //   so exact, and the fma rounds the exact I_c once: the same float.)
+//   Residual rows (the LM head, q8linear.cpp's q8matmul_residual_). Each row x_m is quantized as above into q, dx,
+//   and y_x = the chain above is every output. Then r_k = x_k - float(q_k) * dx_c (one multiply, one subtract: two
+//   roundings), row m's rounding residual, is quantized the same way as a row of its own, and on every panel of
+//   16 outputs that holds one with y_x[m, n] >= max_n' y_x[m, n'] - margin (the max exact; NaN outputs skipped),
+//   at most max_panels of them per row (those with the largest outputs, a tie to the lower panel),
+//   y[m, n] = y_x[m, n] + y_r[m, n] (one rounding), y_r being r's chain. The model sets the margin so that the
+//   tokens that carry the probability are corrected (models/transformer.py, head_margin): each of the rest holds
+//   below e^-10 of it, so their one-row logits barely move the normalizer. The corrected logits see their
+//   activations to about 15 bits where one int8 row holds about 8: a small model's logits carry most of the int8
+//   path's error, and a logit's error is a logprob's. Everything in it is row-wise, so it keeps every property
+//   above.
 //
 // F16, BF16 and F32 weights are not packed: they stay on the float32 path (qmm.h).
 #pragma once
@@ -108,6 +119,9 @@ void pack(int32_t ggml_type, const uint8_t* w, int64_t row_bytes, int64_t N, int
   void matmul(const Q8Args& a);                                                                               \
   void quantize_rows(const float* x, int64_t x_stride, int64_t K, int64_t m0, int64_t m1, int8_t* xq, float* dx, \
                      float* sxd, int32_t* sx, int32_t* zx16);                                                 \
+  /* each panel's largest non-NaN output of rows [0, M), panels [p0, p1): q8_tops.h */                        \
+  void panel_tops(const float* y, int64_t y_stride, int64_t M, int64_t p0, int64_t p1, float* tops,             \
+                  int64_t tops_stride);                                                                       \
   }
 
 STEADY_Q8_DECLARE(scalar)

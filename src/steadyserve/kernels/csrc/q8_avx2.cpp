@@ -25,6 +25,7 @@ constexpr int kMM = 4;
 
 #include "q8_body.h"
 #include "q8_quantize.h"  // (q8_body.h closed the anonymous namespace: these are the build's entry points)
+#include "q8_tops.h"
 
 }  // namespace avx2
 }  // namespace steady_q8

@@ -25,6 +25,7 @@ constexpr int kMM = 8;
 
 #include "q8_body.h"
 #include "q8_quantize.h"  // (q8_body.h closed the anonymous namespace: these are the build's entry points)
+#include "q8_tops.h"
 
 }  // namespace avx512
 }  // namespace steady_q8

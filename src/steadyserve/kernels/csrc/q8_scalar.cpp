@@ -83,6 +83,7 @@ void matmul(const Q8Args& a) {
 }
 
 #include "q8_quantize.h"
+#include "q8_tops.h"
 
 }  // namespace scalar
 }  // namespace steady_q8

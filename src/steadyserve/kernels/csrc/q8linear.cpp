@@ -7,6 +7,9 @@
 //                                         when its format id is kPacked + a GGML type
 //   steady_q8_ops::matmul_packed_groups   each group of rows of x times its own matrix (a sparse layer's experts,
 //                                         moe.cpp), in one parallel region: every row as matmul_packed computes it
+//   q8matmul_residual_(x, w, fmt, y, col0, margin, max_panels, isa)
+//                                         the LM head's order (q8.h, "Residual rows"): y = x_q · Wᵀ, then + r_q · Wᵀ
+//                                         on each row's panels near its top, r the row's rounding residual
 //
 // `isa` picks the build: -1 the best this CPU has (by CPUID), 0 scalar, 1 AVX2, 2 AVX-512 VNNI, 3 AMX; the tests
 // run every one the machine has and compare bits. Threads split panels of 16 output columns, never a sum.
@@ -16,6 +19,7 @@
 
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <string>
@@ -49,11 +53,18 @@ namespace {
 struct Build {
   decltype(&scalar::matmul) matmul;
   decltype(&scalar::quantize_rows) quantize_rows;
+  decltype(&scalar::panel_tops) panel_tops;
 };
-const Build kBuilds[4] = {{scalar::matmul, scalar::quantize_rows}, {avx2::matmul, avx2::quantize_rows},
-                          {avx512::matmul, avx512::quantize_rows}, {amx::matmul, avx512::quantize_rows}};
+const Build kBuilds[4] = {{scalar::matmul, scalar::quantize_rows, scalar::panel_tops},
+                          {avx2::matmul, avx2::quantize_rows, avx2::panel_tops},
+                          {avx512::matmul, avx512::quantize_rows, avx512::panel_tops},
+                          {amx::matmul, avx512::quantize_rows, avx512::panel_tops}};
 
 int pick(int64_t isa) { return steady_isa::int8_build(isa, "steadyserve int8 op"); }
+
+// Outputs a thread's run of panels holds in the residual op before their panels' largest are found (q8matmul_residual_):
+// 256 KiB, within any L2 this family runs on. A speed knob only: which panels a call covers never changes a bit.
+constexpr int64_t kTopsFloats = 64 * 1024;
 
 // Quantized activations of one call (q8.h): (M, K) int8 and per-block (M, K / 32) dx, sxd, sx, (M, K / 16) zx16.
 struct Quantized {
@@ -148,30 +159,147 @@ std::tuple<at::Tensor, at::Tensor> q8quantize(const at::Tensor& x, int64_t isa) 
 
 int64_t q8_isa() { return best_q8_isa(); }
 
-void matmul_packed(const at::Tensor& x, const at::Tensor& w, int64_t packed_fmt, at::Tensor& y, int64_t col0,
-                   int64_t isa) {
-  const int32_t fmt = int32_t(packed_fmt - kPacked);
+namespace {
+
+// One call's operands after the checks every packed matmul makes: the format, its layout and the shapes.
+struct Call {
+  int32_t fmt;
   PackedLayout lay;
-  TORCH_CHECK(packed_layout(fmt, &lay), "qmatmul_: no int8 kernel for packed type ", packed_fmt);
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1, "qmatmul_: x must be (M, K) float32");
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(), "qmatmul_: w must be contiguous packed panels");
-  TORCH_CHECK(y.scalar_type() == at::kFloat && y.dim() == 2 && y.stride(1) == 1, "qmatmul_: y must be (M, >= N) float32");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(K > 0 && K % (lay.k_quant ? 256 : kBlock) == 0 && N % kPanel == 0 &&
-                  w.size(1) * kPanel == K / kBlock / (lay.k_quant ? 8 : 1) * lay.record,
-              "qmatmul_: K = ", K, " does not match the packed panels (", w.size(1), " bytes per row)");
-  TORCH_CHECK(y.size(0) == M && col0 >= 0 && col0 + N <= y.size(1), "qmatmul_: y is too small");
-  const int use = pick(isa);
-  if (M == 0 || N == 0) return;
-  const Quantized q = workspace(M, K);
-  quantize(x, use, q);
-  Q8Args base{fmt, lay, q.xq, q.dx, q.sxd, q.sx, q.zx16, M, K, w.data_ptr<uint8_t>(),
-              y.data_ptr<float>() + col0, y.stride(0), 0, 0, prefetch_plan()};
-  steady_fp::parallel_for(0, N / kPanel, 1, [&](int64_t p0, int64_t p1) {
+  int64_t M, K, N;
+  int use;  // the build (pick)
+};
+
+Call checked(const char* op, const at::Tensor& x, const at::Tensor& w, int64_t packed_fmt, const at::Tensor& y,
+             int64_t col0, int64_t isa) {
+  Call c{int32_t(packed_fmt - kPacked), {}, 0, 0, 0, 0};
+  TORCH_CHECK(packed_layout(c.fmt, &c.lay), op, ": no int8 kernel for packed type ", packed_fmt);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1, op, ": x must be (M, K) float32");
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(), op, ": w must be contiguous packed panels");
+  TORCH_CHECK(y.scalar_type() == at::kFloat && y.dim() == 2 && y.stride(1) == 1, op, ": y must be (M, >= N) float32");
+  c.M = x.size(0), c.K = x.size(1), c.N = w.size(0);
+  TORCH_CHECK(c.K > 0 && c.K % (c.lay.k_quant ? 256 : kBlock) == 0 && c.N % kPanel == 0 &&
+                  w.size(1) * kPanel == c.K / kBlock / (c.lay.k_quant ? 8 : 1) * c.lay.record,
+              op, ": K = ", c.K, " does not match the packed panels (", w.size(1), " bytes per row)");
+  TORCH_CHECK(y.size(0) == c.M && col0 >= 0 && col0 + c.N <= y.size(1), op, ": y is too small");
+  c.use = pick(isa);
+  return c;
+}
+
+// Rows [M, 2M) of q: row m's rounding residual r_m = x_m - xq_m * dx_m, quantized as any row, for rows [m0, m1)
+// of x, whose own rows [0, M) are quantized already. r is one IEEE multiply and one subtract per value, the same
+// code for every build (this file is compiled once, with -ffp-contract=off); a non-finite block's dx is NaN, so
+// its residual is too.
+void quantize_residuals(const float* x, int64_t stride, int64_t M, int64_t K, int use, const Quantized& q, int64_t m0,
+                        int64_t m1) {
+  const int64_t blocks = K / kBlock;
+  std::vector<float> r(size_t(K), 0.0f);
+  for (int64_t m = m0; m < m1; ++m) {
+    const float* xm = x + m * stride;
+    const int8_t* xq = q.xq + m * K;
+    const float* dx = q.dx + m * blocks;
+    for (int64_t k = 0; k < K; ++k) r[size_t(k)] = xm[k] - float(xq[k]) * dx[k / kBlock];
+    const int64_t i = M + m;
+    kBuilds[use].quantize_rows(r.data(), K, K, 0, 1, q.xq + i * K, q.dx + i * blocks, q.sxd + i * blocks,
+                               q.sx + i * blocks, q.zx16 + 2 * i * blocks);
+  }
+}
+
+// y = x · Wᵀ for the quantized rows [0, c.M) of q: threads split the panels.
+void run_panels(const Call& c, const Quantized& q, const at::Tensor& w, float* y, int64_t y_stride) {
+  Q8Args base{c.fmt, c.lay, q.xq, q.dx, q.sxd, q.sx, q.zx16, c.M, c.K, w.data_ptr<uint8_t>(), y, y_stride, 0, 0,
+              prefetch_plan()};
+  steady_fp::parallel_for(0, c.N / kPanel, 1, [&](int64_t p0, int64_t p1) {
     Q8Args a = base;
     a.p_begin = p0;
     a.p_end = p1;
-    kBuilds[use].matmul(a);
+    kBuilds[c.use].matmul(a);
+  });
+}
+
+}  // namespace
+
+void matmul_packed(const at::Tensor& x, const at::Tensor& w, int64_t packed_fmt, at::Tensor& y, int64_t col0,
+                   int64_t isa) {
+  const Call c = checked("qmatmul_", x, w, packed_fmt, y, col0, isa);
+  if (c.M == 0 || c.N == 0) return;
+  const Quantized q = workspace(c.M, c.K);
+  quantize(x, c.use, q);
+  run_panels(c, q, w, y.data_ptr<float>() + col0, y.stride(0));
+}
+
+void q8matmul_residual_(const at::Tensor& x, const at::Tensor& w, int64_t packed_fmt, at::Tensor& y, int64_t col0,
+                        double margin, int64_t max_panels, int64_t isa) {
+  const Call c = checked("q8matmul_residual_", x, w, packed_fmt, y, col0, isa);
+  TORCH_CHECK(margin >= 0.0, "q8matmul_residual_: margin must be >= 0 (inf: every panel), got ", margin);
+  TORCH_CHECK(max_panels > 0, "q8matmul_residual_: max_panels must be > 0, got ", max_panels);
+  if (c.M == 0 || c.N == 0) return;
+  const Quantized q = workspace(2 * c.M, c.K);  // rows [0, M): x; [M, 2M): the residuals
+  quantize(x, c.use, q);
+  const float* xp = x.data_ptr<float>();
+  steady_fp::parallel_for(0, c.M, 4, [&](int64_t m0, int64_t m1) {
+    quantize_residuals(xp, x.stride(0), c.M, c.K, c.use, q, m0, m1);
+  });
+  float* yp = y.data_ptr<float>() + col0;
+  const int64_t ys = y.stride(0);
+  const int64_t panels = c.N / kPanel, blocks = c.K / kBlock, panel_bytes = w.size(1) * kPanel;
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const float mg = float(margin);
+  // y = x_q · Wᵀ, every output, threads splitting the panels; each thread takes its range in runs of kTopsFloats
+  // outputs and finds their panels' largest (q8_tops.h) right after, while they sit in its cache (the head's
+  // outputs are megabytes: read again from memory, the scan cost as much as the corrections).
+  thread_local std::vector<float> tops_buffer;  // kept between calls, as the activations' workspace
+  if (tops_buffer.size() < size_t(c.M * panels)) tops_buffer.resize(size_t(c.M * panels));
+  float* const tops = tops_buffer.data();  // every entry written below
+  const int64_t run = std::max<int64_t>(1, kTopsFloats / (c.M * kPanel));
+  const Q8Args base{c.fmt, c.lay, q.xq, q.dx, q.sxd, q.sx, q.zx16, c.M, c.K, wp, yp, ys, 0, 0, prefetch_plan()};
+  steady_fp::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t s0 = p0; s0 < p1; s0 += run) {
+      Q8Args a = base;
+      a.p_begin = s0;
+      a.p_end = std::min(p1, s0 + run);
+      kBuilds[c.use].matmul(a);
+      kBuilds[c.use].panel_tops(yp, ys, c.M, a.p_begin, a.p_end, tops, panels);
+    }
+  });
+  // The (row, panel) items the residual rows correct: each row's panels whose largest output is >= the row's
+  // largest - margin (the row's largest: the largest of its panels', exact in any order), at most max_panels of
+  // them: those with the largest outputs, a tie to the lower panel (a total order, so one set). The cap bounds a
+  // step's cost where a row's logits are flat (many tokens near its top, each of them improbable). A few percent
+  // of the panels per row, so each item is a call of its own, one row against one panel; taken panel by panel, so
+  // the rows that share a panel (common tokens) find its weights in cache.
+  std::vector<std::vector<int64_t>> near(size_t(c.M));  // row m's items, as p * M + m
+  steady_fp::parallel_for(0, c.M, 1, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* t = tops + m * panels;
+      float top = -INFINITY;
+      for (int64_t p = 0; p < panels; ++p) top = t[p] > top ? t[p] : top;
+      const float floor = top - mg;
+      std::vector<int64_t>& mine = near[size_t(m)];
+      for (int64_t p = 0; p < panels; ++p)
+        if (t[p] >= floor) mine.push_back(p * c.M + m);
+      if (int64_t(mine.size()) > max_panels) {
+        const auto before = [&](int64_t a, int64_t b) {  // larger output first, then lower panel
+          const int64_t pa = a / c.M, pb = b / c.M;
+          return t[pa] > t[pb] || (t[pa] == t[pb] && pa < pb);
+        };
+        std::nth_element(mine.begin(), mine.begin() + max_panels, mine.end(), before);
+        mine.resize(size_t(max_panels));
+      }
+    }
+  });
+  std::vector<int64_t> items;
+  for (const std::vector<int64_t>& row : near) items.insert(items.end(), row.begin(), row.end());
+  std::sort(items.begin(), items.end());
+  steady_fp::parallel_for(0, int64_t(items.size()), 1, [&](int64_t i0, int64_t i1) {
+    alignas(64) float r_out[kPanel];
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t p = items[size_t(i)] / c.M, m = items[size_t(i)] % c.M, row = c.M + m;  // its residual row
+      Q8Args r{c.fmt, c.lay, q.xq + row * c.K, q.dx + row * blocks, q.sxd + row * blocks, q.sx + row * blocks,
+               q.zx16 + 2 * row * blocks, 1, c.K, wp + p * panel_bytes, r_out, kPanel, 0, 1, base.ahead};
+      kBuilds[c.use].matmul(r);
+      float* out = yp + m * ys + p * kPanel;
+      for (int64_t l = 0; l < kPanel; ++l) out[l] = out[l] + r_out[l];  // y = y_x + y_r, one rounding
+    }
   });
 }
 
