@@ -124,6 +124,23 @@ def test_a_wide_head_split_into_runs_per_thread_gives_the_documented_rows(isa):
         torch.set_num_threads(threads)
 
 
+def test_a_call_past_the_kept_panel_maxima_gives_the_documented_rows():
+    """More (row, panel) maxima than the op keeps allocated between calls (q8linear.cpp, kKeptTops: 2^20): a scoring
+    chunk's rows against a wide head take a buffer of their own, with the same bits."""
+    fmt = FORMAT_IDS["Q8_0"]
+    qw = _qweight(fmt, 16384, 32, seed=30)  # 1,024 panels
+    packed = OPS.q8pack(qw.data, fmt, qw.k)
+    x = torch.randn(1030, qw.k, generator=torch.Generator().manual_seed(31)) * 3.0  # 1,054,720 maxima
+    y_x = _mm(packed, fmt, x, 0)
+    margin = float((y_x.max(1).values - y_x.min(1).values).median()) / 8
+    want = _documented(packed, fmt, x, margin, max_panels=20)
+    assert not torch.equal(want, y_x)
+    got = _residual_mm(packed, fmt, x, margin, max_panels=20)
+    assert torch.equal(_bits(got), _bits(want))
+    small = _residual_mm(packed, fmt, x[:64], margin, max_panels=20)  # the kept buffer again, after the fresh one
+    assert torch.equal(_bits(small), _bits(want[:64]))
+
+
 @pytest.mark.parametrize("name", PACKABLE_NAMES)
 def test_the_residual_row_leaves_a_small_fraction_of_one_rows_error(name):
     """Exact arithmetic on the float activations against the stored weights, in float64. One int8 row is off by

@@ -89,7 +89,6 @@ class LayerWeights:
     sinks: torch.Tensor | None = None  # (H,) attention-sink logits (spec.attn_sinks), float32 on the native path
 
 
-
 # Tokens whose logit is within this of the row's largest (in log-probabilities) get the LM head's residual rows
 # (q8.h, "Residual rows"). Every other token holds below e^-5 of the top token's probability, so its one-row rounding
 # moves the log-softmax's normalizer little; its own logprob keeps one row's error. Chosen by measurement
@@ -110,6 +109,7 @@ def head_margin(args: ModelArgs) -> float:
     if args.final_softcap:
         return math.inf
     return HEAD_MARGIN_LOGPROB * args.logits_divisor
+
 
 class Transformer:
     """Forward pass only; no autograd, no module state beyond weights.

@@ -65,6 +65,8 @@ int pick(int64_t isa) { return steady_isa::int8_build(isa, "steadyserve int8 op"
 // Outputs a thread's run of panels holds in the residual op before their panels' largest are found (q8matmul_residual_):
 // 256 KiB, within any L2 this family runs on. A speed knob only: which panels a call covers never changes a bit.
 constexpr int64_t kTopsFloats = 64 * 1024;
+// Panel maxima the residual op keeps allocated between calls, per thread: 4 MiB, 64 rows of a 262,144-token head.
+constexpr int64_t kKeptTops = 1 << 20;
 
 // Quantized activations of one call (q8.h): (M, K) int8 and per-block (M, K / 32) dx, sxd, sx, (M, K / 16) zx16.
 struct Quantized {
@@ -247,9 +249,13 @@ void q8matmul_residual_(const at::Tensor& x, const at::Tensor& w, int64_t packed
   // y = x_q · Wᵀ, every output, threads splitting the panels; each thread takes its range in runs of kTopsFloats
   // outputs and finds their panels' largest (q8_tops.h) right after, while they sit in its cache (the head's
   // outputs are megabytes: read again from memory, the scan cost as much as the corrections).
-  thread_local std::vector<float> tops_buffer;  // kept between calls, as the activations' workspace
+  // Each (row, panel)'s largest output, every entry written below: kept between calls up to kKeptTops floats (a
+  // decode step's), fresh beyond (a scoring chunk's rows, which would otherwise hold tens of MiB for good).
+  thread_local std::vector<float> kept;
+  std::vector<float> fresh;
+  std::vector<float>& tops_buffer = c.M * panels <= kKeptTops ? kept : fresh;
   if (tops_buffer.size() < size_t(c.M * panels)) tops_buffer.resize(size_t(c.M * panels));
-  float* const tops = tops_buffer.data();  // every entry written below
+  float* const tops = tops_buffer.data();
   const int64_t run = std::max<int64_t>(1, kTopsFloats / (c.M * kPanel));
   const Q8Args base{c.fmt, c.lay, q.xq, q.dx, q.sxd, q.sx, q.zx16, c.M, c.K, wp, yp, ys, 0, 0, prefetch_plan()};
   steady_fp::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
